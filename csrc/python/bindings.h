@@ -1,0 +1,10 @@
+// Shared declarations for the binding files in csrc/python/ (the only nanobind users).
+#pragma once
+#include <nanobind/nanobind.h>
+
+namespace nb = nanobind;
+
+namespace lily::python {
+void init_errors(nb::module_& m);
+
+}  // namespace lily::python
