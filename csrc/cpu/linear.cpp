@@ -120,6 +120,8 @@ namespace {
 // de-interleaved once per call into blocks of 32: [x0 x2 .. x30 | x1 x3 .. x31].
 
 constexpr int kFusedMaxT = 8;
+// Above this many tokens the panel GEMM wins over re-reading packed weights per 8 tokens.
+constexpr int kPanelMinT = 32;
 
 inline float hsum(__m512 v) {
   alignas(64) float lanes[16];
@@ -216,66 +218,22 @@ void row_dense(const Linear& W, int r, const float* x, int ldx, float* out, int 
   }
 }
 
-bool fused_supported(const Linear& W) {
-  if (W.quantized()) return (W.bits == 4 || W.bits == 8) && W.group % 32 == 0;
-  return true;
-}
-
-// y[T, out] for T <= kFusedMaxT.
+// Rows [r0, r1) for NT tokens of a prepared input.
 template <int NT>
-void fused_rows(const Linear& W, const float* xk, int ldx, const float* gsum, int G, float* y, int64_t r0,
-                int64_t r1) {
+void matvec_rows_nt(const Linear& W, const MatvecInput& in, int t0, float* y, int ldy, int64_t r0, int64_t r1) {
+  const int G = W.quantized() ? W.in / W.group : 0;
+  const float* xk = (in.deinterleaved ? in.xd.data() : in.x) + size_t(t0) * W.in;
+  const float* gs = in.gsum.data() + size_t(t0) * G;
   for (int64_t r = r0; r < r1; ++r) {
-    float* o = y + r;
-    if (!W.quantized()) row_dense<NT>(W, int(r), xk, ldx, o, W.out);
-    else if (W.bits == 4) row_q4<NT>(W, int(r), xk, ldx, gsum, G, o, W.out);
-    else row_q8<NT>(W, int(r), xk, ldx, gsum, G, o, W.out);
+    float* o = y + size_t(t0) * ldy + r;
+    if (!W.quantized()) row_dense<NT>(W, int(r), xk, W.in, o, ldy);
+    else if (W.bits == 4) row_q4<NT>(W, int(r), xk, W.in, gs, G, o, ldy);
+    else row_q8<NT>(W, int(r), xk, W.in, gs, G, o, ldy);
   }
 }
+#endif  // __AVX512F__
 
-void linear_fused(const Linear& W, const float* x, int T, float* y, ThreadPool& pool) {
-  const int in = W.in;
-  const int G = W.quantized() ? in / W.group : 0;
-  // Per-call preparation of x: de-interleaved copy (4-bit) and group sums (affine).
-  thread_local std::vector<float> xd, gsum;
-  const float* xk = x;
-  if (W.quantized()) {
-    gsum.resize(size_t(T) * G);
-    for (int t = 0; t < T; ++t)
-      for (int g = 0; g < G; ++g) {
-        float s = 0;
-        for (int j = 0; j < W.group; ++j) s += x[size_t(t) * in + g * W.group + j];
-        gsum[size_t(t) * G + g] = s;
-      }
-    if (W.bits == 4) {
-      xd.resize(size_t(T) * in);
-      for (int t = 0; t < T; ++t)
-        for (int b = 0; b < in; b += 32)
-          for (int i = 0; i < 16; ++i) {
-            xd[size_t(t) * in + b + i] = x[size_t(t) * in + b + 2 * i];
-            xd[size_t(t) * in + b + 16 + i] = x[size_t(t) * in + b + 2 * i + 1];
-          }
-      xk = xd.data();
-    }
-  }
-  const float* gs = gsum.data();
-  pool.parallel_for(
-      W.out,
-      [&](int64_t r0, int64_t r1, int) {
-        switch (T) {
-          case 1: fused_rows<1>(W, xk, in, gs, G, y, r0, r1); break;
-          case 2: fused_rows<2>(W, xk, in, gs, G, y, r0, r1); break;
-          case 3: fused_rows<3>(W, xk, in, gs, G, y, r0, r1); break;
-          case 4: fused_rows<4>(W, xk, in, gs, G, y, r0, r1); break;
-          case 5: fused_rows<5>(W, xk, in, gs, G, y, r0, r1); break;
-          case 6: fused_rows<6>(W, xk, in, gs, G, y, r0, r1); break;
-          case 7: fused_rows<7>(W, xk, in, gs, G, y, r0, r1); break;
-          default: fused_rows<8>(W, xk, in, gs, G, y, r0, r1); break;
-        }
-      },
-      16);
-}
-
+#if defined(__AVX512F__)
 // ---- Larger chunks: panel GEMM ----------------------------------------------------------
 // A panel of kPanel rows is expanded once into a k-major f32 buffer Wt[in][kPanel] (in L2),
 // then swept by a register-blocked micro-kernel: kMR tokens x kPanel rows of accumulators,
@@ -336,54 +294,89 @@ void linear_panel(const Linear& W, const float* x, int T, float* y, ThreadPool& 
 }
 #endif  // __AVX512F__
 
-// Portable path: expand kRowBlock rows at a time, then one dot per (token, row).
-void linear_rows(const Linear& W, const float* x, int T, float* y, ThreadPool& pool) {
-  const int out = W.out, in = W.in;
-  const bool direct = W.format == Linear::Format::Dense && W.dtype == DType::F32;
-  pool.parallel_for(
-      out,
-      [&](int64_t r0, int64_t r1, int) {
-        thread_local std::vector<float> scratch;
-        if (!direct && scratch.size() < size_t(kRowBlock) * in) scratch.resize(size_t(kRowBlock) * in);
-        for (int64_t rb = r0; rb < r1; rb += kRowBlock) {
-          const int nr = int(std::min<int64_t>(kRowBlock, r1 - rb));
-          const float* rows[kRowBlock];
-          for (int i = 0; i < nr; ++i) {
-            if (direct) {
-              rows[i] = reinterpret_cast<const float*>(W.w) + size_t(rb + i) * in;
-            } else {
-              dequantize_row(W, int(rb + i), scratch.data() + size_t(i) * in);
-              rows[i] = scratch.data() + size_t(i) * in;
-            }
-          }
-          for (int t = 0; t < T; ++t) {
-            const float* xt = x + size_t(t) * in;
-            float* yt = y + size_t(t) * out + rb;
-            for (int i = 0; i < nr; ++i) yt[i] = dot(rows[i], xt, in);
-          }
-        }
-      },
-      kRowBlock);
-}
-
 }  // namespace
 
-void linear(const Linear& W, const float* x, int T, float* y, ThreadPool& pool) {
+void MatvecInput::prepare(const Linear& W, const float* x_, int T_) {
+  x = x_;
+  T = T_;
+  in = W.in;
+  bits = W.quantized() ? W.bits : 0;
+  group = W.quantized() ? W.group : 0;
+  deinterleaved = false;
+  if (!W.quantized()) return;
+  const int G = in / group;
+  gsum.resize(size_t(T) * G);
+  for (int t = 0; t < T; ++t)
+    for (int g = 0; g < G; ++g) {
+      float sum = 0;
+      for (int j = 0; j < group; ++j) sum += x[size_t(t) * in + g * group + j];
+      gsum[size_t(t) * G + g] = sum;
+    }
 #if defined(__AVX512F__)
-  if (T <= 4 * kFusedMaxT && fused_supported(W)) {
-    // Small batches: fused kernels, up to kFusedMaxT tokens per pass over the weights.
-    for (int t = 0; t < T; t += kFusedMaxT) {
-      const int n = std::min(kFusedMaxT, T - t);
-      linear_fused(W, x + size_t(t) * W.in, n, y + size_t(t) * W.out, pool);
+  if (bits == 4 && group % 32 == 0) {
+    xd.resize(size_t(T) * in);
+    for (int t = 0; t < T; ++t)
+      for (int b = 0; b < in; b += 32)
+        for (int i = 0; i < 16; ++i) {
+          xd[size_t(t) * in + b + i] = x[size_t(t) * in + b + 2 * i];
+          xd[size_t(t) * in + b + 16 + i] = x[size_t(t) * in + b + 2 * i + 1];
+        }
+    deinterleaved = true;
+  }
+#endif
+}
+
+bool MatvecInput::matches(const Linear& W) const {
+  return W.in == in && (W.quantized() ? (W.bits == bits && W.group == group) : bits == 0);
+}
+
+void matvec_rows(const Linear& W, const MatvecInput& in, float* y, int ldy, int64_t r0, int64_t r1) {
+#if defined(__AVX512F__)
+  const bool fused = W.quantized() ? ((W.bits == 4 || W.bits == 8) && W.group % 32 == 0) : true;
+  if (fused) {
+    for (int t = 0; t < in.T; t += kFusedMaxT) {
+      switch (std::min(kFusedMaxT, in.T - t)) {
+        case 1: matvec_rows_nt<1>(W, in, t, y, ldy, r0, r1); break;
+        case 2: matvec_rows_nt<2>(W, in, t, y, ldy, r0, r1); break;
+        case 3: matvec_rows_nt<3>(W, in, t, y, ldy, r0, r1); break;
+        case 4: matvec_rows_nt<4>(W, in, t, y, ldy, r0, r1); break;
+        case 5: matvec_rows_nt<5>(W, in, t, y, ldy, r0, r1); break;
+        case 6: matvec_rows_nt<6>(W, in, t, y, ldy, r0, r1); break;
+        case 7: matvec_rows_nt<7>(W, in, t, y, ldy, r0, r1); break;
+        default: matvec_rows_nt<8>(W, in, t, y, ldy, r0, r1); break;
+      }
     }
     return;
   }
-  if (T > 4 * kFusedMaxT || !fused_supported(W)) {
+#endif
+  // Portable: expand each row once, one dot per token.
+  thread_local std::vector<float> row;
+  row.resize(W.in);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* w = reinterpret_cast<const float*>(W.w) + size_t(r) * W.in;
+    if (W.quantized() || W.dtype != DType::F32) {
+      dequantize_row(W, int(r), row.data());
+      w = row.data();
+    }
+    for (int t = 0; t < in.T; ++t) y[size_t(t) * ldy + r] = dot(w, in.x + size_t(t) * W.in, W.in);
+  }
+}
+
+void linear(const Linear& W, const float* x, int T, float* y, ThreadPool& pool) {
+#if defined(__AVX512F__)
+  // Large chunks: expand each panel of weights once and sweep it with a register-blocked
+  // micro-kernel. Small ones (decode, small expert groups): fused kernels off the packed bytes.
+  if (T > kPanelMinT) {
     linear_panel(W, x, T, y, pool);
     return;
   }
 #endif
-  linear_rows(W, x, T, y, pool);
+  // Reused across calls (no per-token allocation). Bound to a plain reference: a lambda that
+  // named the thread_local itself would see each worker thread's own (empty) instance.
+  thread_local MatvecInput prepared;
+  MatvecInput& in = prepared;
+  in.prepare(W, x, T);
+  pool.parallel_for(W.out, [&](int64_t r0, int64_t r1, int) { matvec_rows(W, in, y, W.out, r0, r1); }, 16);
 }
 
 void embedding(const Linear& W, const int32_t* tokens, int T, float* x, ThreadPool& pool) {
