@@ -378,9 +378,10 @@ def default_expert_layout(model_type: str) -> str | None:
 # MLX quantization (mlx_lm's converter, minus the tokenizer)
 # ---------------------------------------------------------------------------------------------
 
-def quantize_checkpoint(src: Path, dst: Path, bits: int = 4, group_size: int = 64,
+def quantize_checkpoint(src: Path, dst: Path, bits: int | None = 4, group_size: int = 64,
                         scale_dtype: str | None = None) -> Path:
-    """Convert an HF-layout checkpoint `src` to MLX affine `bits`-bit in `dst` with mlx_lm.
+    """Convert an HF-layout checkpoint `src` to MLX in `dst` with mlx_lm (affine `bits`-bit,
+    or unquantized MLX names/layout when `bits` is None).
 
     Mirrors mlx_lm.convert.convert(quantize=True): load_model (runs the model's sanitize: key
     renames, expert stacking, conv1d transpose, norm +1) -> cast to `scale_dtype` if given (the
@@ -402,7 +403,8 @@ def quantize_checkpoint(src: Path, dst: Path, bits: int = 4, group_size: int = 6
         model.update(tree_map_with_path(
             lambda k, v: v.astype(dt) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v,
             model.parameters()))
-    model, config = quantize_model(model, config, group_size, bits)
+    if bits is not None:
+        model, config = quantize_model(model, config, group_size, bits)
     save_model(dst, model, donate_model=True)
     save_config(config, config_path=dst / "config.json")
     for f in ("generation_config.json",):
@@ -419,17 +421,18 @@ def make_checkpoint(model_type: str, out, size: str = "tiny", *, layers: int | N
                     seed: int = 0, vocab_size: int | None = None,
                     expert_layout: str | None = None, quantize: int | None = None,
                     group_size: int = 64, scale_dtype: str | None = None,
-                    dtype: str | None = None) -> Path:
-    """Build, randomize and save one checkpoint; quantize it to MLX if `quantize` is given.
+                    dtype: str | None = None, mlx: bool = False) -> Path:
+    """Build, randomize and save one checkpoint; convert it to MLX (quantized to `quantize`
+    bits, or unquantized with `mlx=True`) if asked.
 
-    With `quantize`, `out` holds the MLX checkpoint and the HF source goes to `out`.hf.
+    With an MLX conversion, `out` holds the MLX checkpoint and the HF source goes to `out`.hf.
     """
     out = Path(out)
     dtype = dtype or ("bfloat16" if size == "medium" else "float32")
     model = build_model(model_type, size, layers, vocab_size, seed, dtype)
     _, interval = build_config(model_type, size, layers, vocab_size)
     layout = expert_layout or default_expert_layout(model_type)
-    if quantize is None:
+    if quantize is None and not mlx:
         return save_checkpoint(model, out, model_type, interval, layout)
     if model_type == "qwen3_5_moe_text":
         raise ValueError("mlx_lm has no qwen3_5_moe_text model; quantize qwen3_5_moe instead")
@@ -452,14 +455,18 @@ def main(argv=None) -> int:
     ap.add_argument("--expert-layout", choices=("fused", "per_expert"))
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                     help="weight dtype of the HF checkpoint (tiny: float32, medium: bfloat16)")
-    ap.add_argument("--quantize", type=int, choices=(2, 3, 4, 5, 6, 8))
+    ap.add_argument("--quantize", type=int, choices=(2, 3, 4, 5, 6, 8),
+                    help="convert to MLX affine-quantized (the HF source is kept in OUT.hf)")
+    ap.add_argument("--mlx", action="store_true",
+                    help="convert to MLX names/layout without quantizing")
     ap.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
     ap.add_argument("--scale-dtype", choices=("float32", "bfloat16", "float16"),
                     help="dtype to cast to before quantizing (sets the scales/biases dtype)")
     a = ap.parse_args(argv)
     p = make_checkpoint(a.model_type, a.out, a.size, layers=a.layers, seed=a.seed,
                         vocab_size=a.vocab, expert_layout=a.expert_layout, quantize=a.quantize,
-                        group_size=a.group_size, scale_dtype=a.scale_dtype, dtype=a.dtype)
+                        group_size=a.group_size, scale_dtype=a.scale_dtype, dtype=a.dtype,
+                        mlx=a.mlx)
     print(p)
     return 0
 
