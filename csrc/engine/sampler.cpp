@@ -190,11 +190,10 @@ void Sampler::apply_penalties(float* logits, int32_t vocab, const int32_t* token
   }
 }
 
-// Cuts cand_ (sorted best-first) to the smallest prefix whose mass reaches top_p: token j stays
-// while the mass strictly before it is < top_p. Masses are renormalized over cand_ itself.
-void Sampler::cut_top_p(float max_logit, float inv_t) {
-  double z = 0;
-  for (const auto& c : cand_) z += exp_nonpos((c.logit - max_logit) * inv_t);
+// Cuts cand_ (sorted best-first) to the smallest prefix whose mass reaches top_p of z, the mass
+// of the set top-p applies to (the top-k set, or the whole vocabulary): token j stays while the
+// mass strictly before it is < top_p * z.
+void Sampler::cut_top_p(float max_logit, float inv_t, double z) {
   const double target = params_.top_p * z;
   double cum = 0;
   size_t keep = 0;
@@ -205,29 +204,40 @@ void Sampler::cut_top_p(float max_logit, float inv_t) {
   cand_.resize(std::max<size_t>(keep, 1));
 }
 
-// Top-p over the whole vocabulary without sorting it: gather the tokens whose weight relative to
-// the best is at least e^-c; once they hold >= top_p of the total mass, the top-p prefix lies
-// inside them (every token outside is less likely than every token inside), so only they are
-// sorted. c doubles until that holds; the last round takes every token.
+// Top-p over the whole vocabulary in O(V), never sorting it. Tokens fall into buckets of width
+// 1/kScale nat by their scaled logit s = (l - max) / T <= 0 (bucket 0 holds the best; the last
+// bucket everything below -kBuckets/kScale). Buckets are ordered like the tokens, so summing
+// bucket masses from the top finds the bucket B where the cumulative mass crosses top_p * Z:
+// buckets before B are kept whole, and only B's tokens are sorted to place the exact cut.
 void Sampler::gather_top_p(const float* logits, int32_t vocab, float max_logit, float inv_t) {
+  constexpr int32_t kBuckets = 4096;
+  constexpr float kScale = 64.0f;  // buckets per nat: s in [-64, 0] is resolved
+  auto bucket = [&](float l) {
+    const float x = (max_logit - l) * inv_t * kScale;  // >= 0, monotone in l
+    return x < static_cast<float>(kBuckets - 1) ? static_cast<int32_t>(x) : kBuckets - 1;
+  };
   weights_.resize(vocab);
   const double z = exp_weights(logits, vocab, max_logit, inv_t, weights_.data());
+  bucket_mass_.assign(kBuckets, 0.0);
+  for (int32_t i = 0; i < vocab; ++i) bucket_mass_[bucket(logits[i])] += weights_[i];
   const double target = params_.top_p * z;
-  for (double c = 8.0;; c *= 2) {
-    const bool all = c > 64.0;  // e^-128 is below the smallest float weight: everything
-    const float floor = static_cast<float>(std::exp(-c));
-    cand_.clear();
-    double mass = 0;
-    for (int32_t i = 0; i < vocab; ++i) {
-      if (all || weights_[i] >= floor) {
-        cand_.push_back({logits[i], i});
-        mass += weights_[i];
-      }
-    }
-    if (all || mass >= target) break;
+  double cum = 0;
+  int32_t cut = 0;
+  while (cut < kBuckets - 1 && cum + bucket_mass_[cut] < target) cum += bucket_mass_[cut++];
+  // Keep every token above bucket `cut`; collect bucket `cut` itself at the end of cand_.
+  cand_.clear();
+  top_.clear();
+  for (int32_t i = 0; i < vocab; ++i) {
+    const int32_t b = bucket(logits[i]);
+    if (b < cut) cand_.push_back({logits[i], i});
+    else if (b == cut) top_.push_back({logits[i], i});
   }
-  std::sort(cand_.begin(), cand_.end(), Better{});
-  cut_top_p(max_logit, inv_t);
+  std::sort(top_.begin(), top_.end(), Better{});
+  size_t keep = 0;
+  while (keep < top_.size() && (cum < target || cand_.empty())) {
+    cum += exp_nonpos((top_[keep].logit - max_logit) * inv_t);
+    cand_.push_back(top_[keep++]);
+  }
 }
 
 // One draw in proportion to exp((l - max) / T): over cand_, or over the whole vocabulary when
@@ -300,7 +310,11 @@ int32_t Sampler::sample(float* logits, int32_t vocab, const int32_t* penalty_tok
     cand_.clear();
     if (use_k) {
       select_top(logits, vocab, k, cand_);
-      if (use_p) cut_top_p(max_logit, inv_t);
+      if (use_p) {
+        double z = 0;
+        for (const auto& c : cand_) z += exp_nonpos((c.logit - max_logit) * inv_t);
+        cut_top_p(max_logit, inv_t, z);
+      }
     } else if (use_p) {
       gather_top_p(logits, vocab, max_logit, inv_t);
     } else if (use_min_p) {

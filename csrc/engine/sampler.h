@@ -14,10 +14,10 @@
 //      probability is at least min_p times the largest; then one draw in proportion to
 //      exp(l / T) over what is left.
 //
-// Cost per call is O(V) passes over the vocabulary plus work on the candidate set only: top-k
-// uses a bounded heap (or nth_element for large k), top-p sorts only the tokens above a
-// probability threshold that already holds top_p of the mass (lowered until it does), so a
-// 248K vocabulary is never fully sorted in the common cases.
+// Cost per call is a few O(V) passes over the vocabulary plus work on the candidate set only:
+// top-k uses a bounded heap (or nth_element for large k); top-p without top-k buckets tokens by
+// log-probability and sorts only the one bucket where the cut falls. A 248K vocabulary is never
+// fully sorted.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -82,7 +82,7 @@ class Sampler {
 
   void apply_penalties(float* logits, int32_t vocab, const int32_t* tokens, size_t n);
   int32_t draw(const float* logits, int32_t vocab, float max_logit, float inv_t);
-  void cut_top_p(float max_logit, float inv_t);
+  void cut_top_p(float max_logit, float inv_t, double z);
   void gather_top_p(const float* logits, int32_t vocab, float max_logit, float inv_t);
   void fill_logprobs(const float* logits, int32_t vocab, float max_logit, int32_t token,
                      SampleResult* out);
@@ -94,6 +94,7 @@ class Sampler {
   std::vector<Candidate> top_;
   std::vector<int32_t> sorted_tokens_;
   std::vector<float> weights_;
+  std::vector<double> bucket_mass_;
 };
 
 }  // namespace lily
