@@ -32,7 +32,8 @@ def _truthy(value: str | None) -> bool:
 
 
 def _looks_like_path(s: str) -> bool:
-    return s.startswith(("/", "./", "../", "~", ".\\")) or os.sep in s.strip("/").replace("/", "", 1) or s.count("/") > 1
+    # Repo ids are "name" or "owner/name"; anything else with a separator is a path.
+    return s.startswith(("/", ".", "~")) or s.count("/") > 1 or "\\" in s
 
 
 def _check_snapshot(folder: Path, what: str) -> Path:
