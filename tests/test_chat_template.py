@@ -5,11 +5,11 @@ import json
 import time
 
 import pytest
-from qwen_fixture import TEMPLATE_PATH, qwen_dir  # noqa: F401
 from transformers import PreTrainedTokenizerFast
 
 from lily.chat_template import ChatTemplateError, render
 from lily.tokenizer import Tokenizer
+from qwen_fixture import TEMPLATE_PATH, qwen_dir  # noqa: F401
 
 TEMPLATE = TEMPLATE_PATH.read_text()
 

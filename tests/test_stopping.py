@@ -3,10 +3,10 @@
 import random
 
 import pytest
-from qwen_fixture import qwen_dir  # noqa: F401
 
 from lily.stopping import StopStringMatcher
 from lily.tokenizer import Tokenizer
+from qwen_fixture import qwen_dir  # noqa: F401
 
 
 def reference(text, stops):
@@ -29,7 +29,7 @@ def run(deltas, stops):
 def random_split(text, rng):
     cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(0, 8)))) if len(text) > 1 else []
     bounds = [0, *cuts, len(text)]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [text[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def test_stop_spanning_deltas_is_honoured_and_not_emitted():

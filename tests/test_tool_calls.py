@@ -6,10 +6,10 @@ import itertools
 import json
 
 import pytest
-from qwen_fixture import TEMPLATE_PATH, qwen_dir  # noqa: F401
 from transformers import PreTrainedTokenizerFast
 
 from lily.tool_calls import parse_output, parse_tool_call
+from qwen_fixture import TEMPLATE_PATH, qwen_dir  # noqa: F401
 
 TEMPLATE = TEMPLATE_PATH.read_text()
 
@@ -56,7 +56,7 @@ def test_round_trip_through_transformers_rendering(hf, content):
     assert out.content == content
     assert out.errors == []
     assert [c["function"]["name"] for c in out.tool_calls] == ["get_weather", "now"]
-    for got, want in zip(out.tool_calls, calls):
+    for got, want in zip(out.tool_calls, calls, strict=True):
         assert got["type"] == "function" and got["id"].startswith("call_")
         assert json.loads(got["function"]["arguments"]) == want["arguments"]
     msg = out.to_message()

@@ -301,7 +301,9 @@ int32_t Sampler::sample(float* logits, int32_t vocab, const int32_t* penalty_tok
   if (argmax < 0) throw Error("[sampling] every logit is -inf");
 
   int32_t token = argmax;
-  if (params_.temperature > 0) {
+  // Temperatures this small are greedy in all but name; below it 1/T stops being usable.
+  constexpr float kMinTemperature = 1e-5f;
+  if (params_.temperature >= kMinTemperature) {
     const float inv_t = 1.0f / params_.temperature;
     const int32_t k = params_.top_k;
     const bool use_k = k > 0 && k < vocab;
