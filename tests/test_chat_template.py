@@ -12,6 +12,8 @@ from lily.tokenizer import Tokenizer
 from qwen_fixture import TEMPLATE_PATH, qwen_dir  # noqa: F401
 
 TEMPLATE = TEMPLATE_PATH.read_text()
+# A second, independently written template from this repo (the demo model's), when present.
+DEMO_TEMPLATE_PATH = TEMPLATE_PATH.parents[3] / "scripts" / "demo_model" / "assets" / "chat_template.jinja"
 
 TOOLS = [
     {
@@ -79,6 +81,25 @@ def test_render_matches_transformers(hf, name, tools, thinking, gen):
                  eos_token="<|im_end|>", pad_token="<|endoftext|>")
     assert got == want
     assert got.count("<|im_start|>") >= 1
+
+
+@pytest.mark.skipif(not DEMO_TEMPLATE_PATH.is_file(), reason="demo model template not in this tree")
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("thinking", [None, True, False], ids=["think_default", "think_on", "think_off"])
+def test_demo_template_matches_transformers(hf, name, thinking):
+    template = DEMO_TEMPLATE_PATH.read_text()
+    messages = CONVERSATIONS[name]
+    extra = {} if thinking is None else {"enable_thinking": thinking}
+    kw = dict(tools=TOOLS, add_generation_prompt=True)
+    try:
+        want = hf.apply_chat_template(messages, chat_template=template, tokenize=False, **kw, **extra)
+    except Exception as e:  # the template rejects this input in transformers too: so must lily
+        with pytest.raises(ChatTemplateError, match=type(e).__name__):
+            render(template, messages, enable_thinking=thinking, **kw)
+        return
+    got = render(template, messages, enable_thinking=thinking, eos_token="<|im_end|>",
+                 pad_token="<|endoftext|>", **kw)
+    assert got == want
 
 
 def test_thinking_switch_changes_the_generation_prompt():
