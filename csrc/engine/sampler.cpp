@@ -319,19 +319,18 @@ int32_t Sampler::sample(float* logits, int32_t vocab, const int32_t* penalty_tok
       }
     } else if (use_p) {
       gather_top_p(logits, vocab, max_logit, inv_t);
-    } else if (use_min_p) {
-      // Only min-p: gather its survivors directly (the filter below then keeps them all).
-      for (int32_t i = 0; i < vocab; ++i)
-        if (exp_nonpos((logits[i] - max_logit) * inv_t) >= params_.min_p) cand_.push_back({logits[i], i});
     }
     if (use_min_p) {
-      // p_i >= min_p * p_max  <=>  exp((l_i - max) / T) >= min_p; the best token always stays.
-      const float min_p = params_.min_p;
-      cand_.erase(std::remove_if(cand_.begin(), cand_.end(),
-                                 [&](const Candidate& c) {
-                                   return exp_nonpos((c.logit - max_logit) * inv_t) < min_p;
-                                 }),
-                  cand_.end());
+      // p_i >= min_p * p_max  <=>  l_i >= max + T log(min_p): a threshold on the logits, so no
+      // exponentials; the best token always stays.
+      const double floor = max_logit + static_cast<double>(params_.temperature) * std::log(static_cast<double>(params_.min_p));
+      if (!use_k && !use_p) {
+        for (int32_t i = 0; i < vocab; ++i)
+          if (logits[i] >= floor) cand_.push_back({logits[i], i});
+      } else {
+        cand_.erase(std::remove_if(cand_.begin(), cand_.end(), [&](const Candidate& c) { return c.logit < floor; }),
+                    cand_.end());
+      }
     }
     token = draw(logits, vocab, max_logit, inv_t);
   }
