@@ -194,6 +194,9 @@ SourceInfo scan_source(const std::string& source, const std::string& file_name) 
         fail(where + ": parameter '" + kp.name + "': attribute [[" + kp.attribute +
              "]] is not supported by msl_cpu (textures, samplers, stage_in, ... need a Mac)");
       }
+      static const std::regex fc_attr_re(R"(function_constant\s*\(\s*([A-Za-z_]\w*)\s*\))");
+      std::smatch fm;
+      if (std::regex_search(p, fm, fc_attr_re)) kp.function_constant = fm[1];
       k.params.push_back(kp);
     }
     info.kernels.push_back(k);
@@ -259,6 +262,14 @@ std::string generate_unit(const std::string& original, const SourceInfo& info,
       << (given ? "true" : "false") << ";\n";
     values.push_back(given ? constant_value(d, *given, file_name) : d.type + "()");
   }
+  // A parameter whose function constant is false (or not given) does not exist.
+  auto absent = [&](const KernelParam& p) {
+    if (p.function_constant.empty()) return false;
+    for (size_t i = 0; i < info.constants.size(); ++i)
+      if (info.constants[i].name == p.function_constant) return values[i] != "true";
+    fail(file_name + ": parameter '" + p.name + "' names an undeclared function constant '" +
+         p.function_constant + "'");
+  };
   // One binder per kernel: binds parameter i from its attribute, for any instantiation F.
   for (const auto& k : info.kernels) {
     u << "struct lily_msl_binder_" << k.name << " {\n"
@@ -272,7 +283,9 @@ std::string generate_unit(const std::string& original, const SourceInfo& info,
     for (size_t i = 0; i < k.params.size(); ++i) {
       const auto& p = k.params[i];
       std::string expr;
-      if (p.attribute == "buffer")
+      if (absent(p))
+        expr = "bind_absent<P>()";
+      else if (p.attribute == "buffer")
         expr = "bind_buffer<P>(t, " + std::to_string(p.index) + ")";
       else if (p.attribute == "threadgroup")
         expr = "bind_threadgroup<P>(t, " + std::to_string(p.index) + ")";
@@ -289,7 +302,9 @@ std::string generate_unit(const std::string& original, const SourceInfo& info,
     for (size_t i = 0; i < k.params.size(); ++i) {
       const auto& p = k.params[i];
       const std::string P = "param_t<F, " + std::to_string(i) + ">";
-      if (p.attribute == "buffer")
+      if (absent(p))
+        u << "      {LILY_MSL_PARAM_ABSENT, " << p.index << ", 0, \"" << p.name << "\"},\n";
+      else if (p.attribute == "buffer")
         u << "      {buffer_kind<" << P << ">(), " << p.index << ", bound_size<" << P << ">(), \""
           << p.name << "\"},\n";
       else if (p.attribute == "threadgroup")

@@ -27,6 +27,7 @@ struct KernelParam {
   std::string name;
   std::string attribute;  // "buffer", "threadgroup", or a builtin such as "thread_position_in_grid"
   uint32_t index = 0;     // for buffer / threadgroup
+  std::string function_constant;  // [[buffer(i), function_constant(c)]]: present iff c is true
 };
 
 struct KernelDecl {

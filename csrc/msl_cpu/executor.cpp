@@ -7,11 +7,13 @@
 // running here is a correctness model, not a fast path.
 #include "msl_cpu/executor.h"
 
+#include <dlfcn.h>
 #include <sys/mman.h>
 #include <ucontext.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -332,6 +334,24 @@ void free_threadgroup_memory(Scheduler& s) {
   s.tg_arrays.clear();
 }
 
+// Under AddressSanitizer, say which kernel and thread were running when it stops the process.
+void asan_death_callback() {
+  Scheduler& s = sched();
+  if (!s.run || s.current < 0) return;
+  const lily_msl_thread& t = s.fibers[static_cast<size_t>(s.current)].thread;
+  std::fprintf(stderr,
+               "[msl_cpu] AddressSanitizer stopped kernel '%s' in threadgroup %s, thread %u\n",
+               s.run->kernel->name, tg_name(t).c_str(), t.thread_index_in_threadgroup);
+}
+void install_asan_hook() {
+  static bool done = false;
+  if (done) return;
+  done = true;
+  using set_fn = void (*)(void (*)());
+  if (auto set = reinterpret_cast<set_fn>(dlsym(RTLD_DEFAULT, "__asan_set_death_callback")))
+    set(asan_death_callback);
+}
+
 }  // namespace
 
 const lily_msl_host_api* host_api() { return &kHostApi; }
@@ -341,6 +361,7 @@ void execute(const DispatchRun& run) {
   const uint32_t n = run.threads.width * run.threads.height * run.threads.depth;
   const size_t ntg = size_t(run.threadgroups.width) * run.threadgroups.height * run.threadgroups.depth;
   if (n == 0 || ntg == 0) return;
+  install_asan_hook();
   if (s.fibers.size() < n || s.fibers_dirty || (!s.fibers.empty() && s.fibers[0].stack_bytes != run.stack_bytes)) {
     std::vector<Fiber> fresh(std::max<size_t>(n, s.fibers.size()));
     for (size_t i = 0; i < s.fibers.size(); ++i) {  // keep the stacks

@@ -69,6 +69,7 @@ enum {
   LILY_MSL_PARAM_BUFFER_REF = 2,  /* [[buffer(i)]] reference: size = sizeof(referenced type) */
   LILY_MSL_PARAM_THREADGROUP = 3, /* [[threadgroup(i)]] pointer */
   LILY_MSL_PARAM_BUILTIN = 4,     /* thread position attributes */
+  LILY_MSL_PARAM_ABSENT = 5,      /* [[function_constant(c)]] parameter with c false: unbound */
   LILY_MSL_PARAM_END = 0
 };
 
