@@ -461,7 +461,9 @@ std::shared_ptr<Module> Module::build(const std::string& unit, const std::string
       "-Wno-unused-function", "-Wl,-Bsymbolic", "-I", prelude_dir()};
   if (options.asan) {
     // The runtime's symbols resolve from the ASan library preloaded into the process.
-    flags.insert(flags.end(), {"-O1", "-fsanitize=address", "-fno-omit-frame-pointer"});
+    // ASan skips accesses through non-zero address spaces: build this variant without them.
+    flags.insert(flags.end(), {"-O1", "-fsanitize=address", "-fno-omit-frame-pointer",
+                               "-DLILY_MSL_CPU_FLAT_ADDRESS_SPACES"});
   } else {
     flags.push_back("-O2");
   }
@@ -488,15 +490,19 @@ std::shared_ptr<Module> Module::build(const std::string& unit, const std::string
   const std::string so = dir + "/" + key + ".so";
 
   if (access(so.c_str(), R_OK) != 0) {
+    // The unit is kept beside the object (debug info and ASan reports point into it);
+    // both are published by rename, so concurrent builders never see a partial file.
     const std::string tmp = dir + "/" + key + "." + std::to_string(getpid());
+    const std::string cpp = dir + "/" + key + ".cpp";
     {
       std::ofstream f(tmp + ".cpp", std::ios::binary);
       f << unit;
       if (!f) fail("cannot write " + tmp + ".cpp");
     }
+    std::rename((tmp + ".cpp").c_str(), cpp.c_str());
     std::vector<std::string> argv = {clang};
     argv.insert(argv.end(), flags.begin(), flags.end());
-    argv.insert(argv.end(), {tmp + ".cpp", "-o", tmp + ".so", "-lm"});
+    argv.insert(argv.end(), {cpp, "-o", tmp + ".so", "-lm"});
     std::string out;
     int rc = run(argv, &out);
     if (rc != 0) {
@@ -504,7 +510,6 @@ std::shared_ptr<Module> Module::build(const std::string& unit, const std::string
       fail("compiling " + file_name + " for the CPU failed (" + clang + "):\n" +
            compiler_errors(out));
     }
-    std::rename((tmp + ".cpp").c_str(), (dir + "/" + key + ".cpp").c_str());
     if (std::rename((tmp + ".so").c_str(), so.c_str()) != 0)  // atomic publish
       fail("cannot move the compiled kernels into " + so);
   }
