@@ -24,21 +24,47 @@ ROOT = Path(__file__).resolve().parent.parent
 
 TOKEN_RULES = [
     (re.compile(r"\bdouble\b"), "`double` is not supported by Metal; use float"),
-    (re.compile(r"\bstd\s*::"), "no C++ standard library in MSL (`std::`); use metal:: equivalents"),
+    (
+        re.compile(r"\bstd\s*::"),
+        "no C++ standard library in MSL (`std::`); use metal:: equivalents",
+    ),
     (re.compile(r"\b(throw|try|catch)\b"), "exceptions are not supported by Metal"),
-    (re.compile(r"\bnew\b|\bdelete\b"), "dynamic allocation (`new` / `delete`) is not supported by Metal"),
+    (
+        re.compile(r"\bnew\b|\bdelete\b"),
+        "dynamic allocation (`new` / `delete`) is not supported by Metal",
+    ),
     (re.compile(r"\bvirtual\b"), "virtual functions are not supported by Metal"),
     (re.compile(r"\b(dynamic_cast|typeid)\b"), "RTTI is not supported by Metal"),
-    (re.compile(r"\btemplate\s*\[\[\s*host_name"),
-     "explicit instantiation with [[host_name]] does not compile for the CPU; use LILY_KERNEL_INSTANTIATE"),
-    (re.compile(r"(?<![\w.])(\d+\.\d*|\.\d+)([eE][+-]?\d+)?(?![\w.])"),
-     "unsuffixed floating literal: C++ evaluates it in double, Metal in float; write it with f (or h)"),
-    (re.compile(r"(?:^|(?<=[;{}]))\s*\bthreadgroup\s+[A-Za-z_][\w:<>, ]*?\s+[A-Za-z_]\w*\s*\["),
-     "kernel-scope threadgroup array: declare it with LILY_THREADGROUP(type, name, [dims]) so it also runs on the CPU"),
+    (
+        re.compile(r"\btemplate\s*\[\[\s*host_name"),
+        "explicit instantiation with [[host_name]] does not compile for the CPU; use LILY_KERNEL_INSTANTIATE",
+    ),
+    (
+        re.compile(r"(?<![\w.])(\d+\.\d*|\.\d+)([eE][+-]?\d+)?(?![\w.])"),
+        "unsuffixed floating literal: C++ evaluates it in double, Metal in float; write it with f (or h)",
+    ),
+    (
+        re.compile(r"(?:^|(?<=[;{}]))\s*\bthreadgroup\s+[A-Za-z_][\w:<>, ]*?\s+[A-Za-z_]\w*\s*\["),
+        "kernel-scope threadgroup array: declare it with LILY_THREADGROUP(type, name, [dims]) so it also runs on the CPU",
+    ),
 ]
 INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]')
-KEYWORDS = {"if", "for", "while", "switch", "return", "sizeof", "alignof", "decltype", "static_assert",
-            "catch", "defined", "static_cast", "reinterpret_cast", "const_cast"}
+KEYWORDS = {
+    "if",
+    "for",
+    "while",
+    "switch",
+    "return",
+    "sizeof",
+    "alignof",
+    "decltype",
+    "static_assert",
+    "catch",
+    "defined",
+    "static_cast",
+    "reinterpret_cast",
+    "const_cast",
+}
 
 
 def mask(text):
@@ -114,8 +140,11 @@ def recursion(code):
     for name, bodies in funcs.items():
         called = set()
         for a, b in bodies:
-            called |= {c for c in re.findall(r"\b([A-Za-z_]\w*)\s*(?:<[^<>;]*>)?\s*\(", code[a:b])
-                       if c in funcs}
+            called |= {
+                c
+                for c in re.findall(r"\b([A-Za-z_]\w*)\s*(?:<[^<>;]*>)?\s*\(", code[a:b])
+                if c in funcs
+            }
         calls[name] = called
     findings = []
     for start in funcs:
@@ -142,7 +171,9 @@ def lint_file(path):
         if "host_name" in rx.pattern and path.suffix != ".metal":
             continue  # metal/lily_msl.h defines the macro with it
         for m in rx.finditer(code):
-            problems.append((line_at(code, m.start() + len(m.group(0)) - len(m.group(0).lstrip())), msg))
+            problems.append(
+                (line_at(code, m.start() + len(m.group(0)) - len(m.group(0).lstrip())), msg)
+            )
     for i, line in enumerate(text.splitlines(), 1):
         m = INCLUDE.match(line)
         if m and m.group(1) == "<" and not m.group(2).startswith("metal_"):

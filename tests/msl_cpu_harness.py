@@ -5,7 +5,6 @@ import struct
 from pathlib import Path
 
 import numpy as np
-
 from lily._core import msl_cpu
 
 ROOT = Path(__file__).resolve().parent.parent

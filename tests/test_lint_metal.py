@@ -10,8 +10,9 @@ LINT = ROOT / "scripts" / "lint_metal.py"
 
 
 def lint(*paths):
-    return subprocess.run([sys.executable, str(LINT), *map(str, paths)], capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, str(LINT), *map(str, paths)], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_project_kernels_pass():
@@ -47,7 +48,10 @@ def test_each_rule_fires(tmp_path):
     bad.write_text(BAD)
     r = lint(bad)
     assert r.returncode == 1
-    found = {(int(line.split(":")[1]), line.split(": ", 1)[1].split(" ")[0]) for line in r.stdout.splitlines()}
+    found = {
+        (int(line.split(":")[1]), line.split(": ", 1)[1].split(" ")[0])
+        for line in r.stdout.splitlines()
+    }
     expected = {
         (2, "#include"),
         (5, "unsuffixed"),
@@ -70,6 +74,7 @@ def test_clean_kernel_passes(tmp_path):
         '#include <metal_stdlib>\n#include "lily_msl.h"\nusing namespace metal;\n'
         "kernel void k(device float* out [[buffer(0)]], uint gid [[thread_position_in_grid]]) {\n"
         "  LILY_THREADGROUP(float, tile, [32]);\n  tile[gid % 32] = 0.5f * float(gid) + 1e-3f;\n"
-        "  out[gid] = tile[gid % 32] + 2.h;\n}\n")
+        "  out[gid] = tile[gid % 32] + 2.h;\n}\n"
+    )
     r = lint(good)
     assert r.returncode == 0, r.stdout

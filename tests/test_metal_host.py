@@ -13,8 +13,9 @@ DEVICE_MM = ROOT / "csrc" / "metal" / "device.mm"
 
 
 def check(*files):
-    return subprocess.run(["bash", str(SCRIPT), *map(str, files)], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        ["bash", str(SCRIPT), *map(str, files)], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_metal_host_type_checks():
@@ -23,17 +24,29 @@ def test_metal_host_type_checks():
     assert "device.mm OK" in r.stdout
 
 
-@pytest.mark.parametrize("before,after,error", [
-    # A selector Metal does not have (Apple's is setBuffer:offset:atIndex:).
-    ("setBuffer:b->buffer() offset:offset atIndex:index", "setBuffer:b->buffer() offset:offset index:index",
-     "instance method '-setBuffer:offset:index:' not found"),
-    # Our struct where Metal takes an MTLSize.
-    ("dispatchThreadgroups:MTLSizeMake(grid.width, grid.height, grid.depth)", "dispatchThreadgroups:grid",
-     "no viable conversion from 'gpu::Size3' to 'MTLSize'"),
-    # A C++ string where Metal takes an NSString.
-    ("newFunctionWithName:ns(function)", "newFunctionWithName:function",
-     "no viable conversion from 'const std::string'"),
-])
+@pytest.mark.parametrize(
+    "before,after,error",
+    [
+        # A selector Metal does not have (Apple's is setBuffer:offset:atIndex:).
+        (
+            "setBuffer:b->buffer() offset:offset atIndex:index",
+            "setBuffer:b->buffer() offset:offset index:index",
+            "instance method '-setBuffer:offset:index:' not found",
+        ),
+        # Our struct where Metal takes an MTLSize.
+        (
+            "dispatchThreadgroups:MTLSizeMake(grid.width, grid.height, grid.depth)",
+            "dispatchThreadgroups:grid",
+            "no viable conversion from 'gpu::Size3' to 'MTLSize'",
+        ),
+        # A C++ string where Metal takes an NSString.
+        (
+            "newFunctionWithName:ns(function)",
+            "newFunctionWithName:function",
+            "no viable conversion from 'const std::string'",
+        ),
+    ],
+)
 def test_check_catches_api_misuse(tmp_path, before, after, error):
     src = DEVICE_MM.read_text()
     assert before in src

@@ -5,6 +5,7 @@ width (31, 32, 33, 1000) and threadgroup sizes from 32 to 1024."""
 import numpy as np
 import pytest
 import torch
+
 from msl_cpu_harness import dispatch, library, msl_cpu, read, u32
 
 SIZES = [31, 32, 33, 1000]
@@ -42,8 +43,14 @@ def test_reduction(dev, libs, kernel, n, tg):
     groups = -(-n // per_group)
     out = dev.buffer_empty(4 * groups)
     tg_mem = {0: 4 * tg} if kernel == "reduce_tree" else None
-    dispatch(dev, libs("reduce.metal").pipeline(kernel), (groups,), (tg,),
-             {0: dev.buffer(x), 1: out, 2: u32(n, per_group)}, tg_mem)
+    dispatch(
+        dev,
+        libs("reduce.metal").pipeline(kernel),
+        (groups,),
+        (tg,),
+        {0: dev.buffer(x), 1: out, 2: u32(n, per_group)},
+        tg_mem,
+    )
     ref = np.add.reduceat(x.astype(np.float64), np.arange(0, n, per_group))
     np.testing.assert_allclose(read(out, np.float32), ref, rtol=1e-5, atol=1e-4)
 
@@ -52,8 +59,13 @@ def test_reduction_short_last_simdgroup(dev, libs):
     # 66 threads: simdgroups of 32, 32 and 2 lanes.
     x = np.arange(1000, dtype=np.float32)
     out = dev.buffer_empty(4 * 4)
-    dispatch(dev, libs("reduce.metal").pipeline("reduce_simd_float"), (4,), (66,),
-             {0: dev.buffer(x), 1: out, 2: u32(1000, 250)})
+    dispatch(
+        dev,
+        libs("reduce.metal").pipeline("reduce_simd_float"),
+        (4,),
+        (66,),
+        {0: dev.buffer(x), 1: out, 2: u32(1000, 250)},
+    )
     np.testing.assert_array_equal(read(out, np.float32), x.reshape(4, 250).sum(1))
 
 
@@ -69,7 +81,11 @@ def test_prefix_scan(dev, libs, n, tg):
     lib = libs("scan.metal")
     scan, add = lib.pipeline("scan_blocks"), lib.pipeline("add_offsets")
     inb, out = dev.buffer(x), dev.buffer_empty(4 * n)
-    totals, offsets, grand = dev.buffer_empty(4 * blocks), dev.buffer_empty(4 * blocks), dev.buffer_empty(4)
+    totals, offsets, grand = (
+        dev.buffer_empty(4 * blocks),
+        dev.buffer_empty(4 * blocks),
+        dev.buffer_empty(4),
+    )
 
     cb = dev.command_buffer()
     enc = cb.compute_encoder(concurrent=True)
@@ -109,8 +125,14 @@ def test_atomic_histogram(dev, libs, n, tg, bins):
     values = rng.integers(0, 10_000, n, dtype=np.uint32)
     hist = dev.buffer(np.zeros(bins, np.uint32))
     tg_bytes = -(-4 * bins // 16) * 16
-    dispatch(dev, libs("histogram.metal").pipeline("histogram"), (-(-n // tg),), (tg,),
-             {0: dev.buffer(values), 1: hist, 2: u32(n, bins)}, {0: tg_bytes})
+    dispatch(
+        dev,
+        libs("histogram.metal").pipeline("histogram"),
+        (-(-n // tg),),
+        (tg,),
+        {0: dev.buffer(values), 1: hist, 2: u32(n, bins)},
+        {0: tg_bytes},
+    )
     np.testing.assert_array_equal(read(hist, np.uint32), np.bincount(values % bins, minlength=bins))
 
 
@@ -126,7 +148,9 @@ def test_tiled_matmul(dev, libs, M, N, K, has_bias):
     A = rng.standard_normal((M, K)).astype(np.float32)
     B = rng.standard_normal((K, N)).astype(np.float32)
     bias = rng.standard_normal(N).astype(np.float32)
-    pso = libs("matmul.metal").pipeline("matmul_tiled", constants={0: ("bool", has_bias), 1: ("bool", False)})
+    pso = libs("matmul.metal").pipeline(
+        "matmul_tiled", constants={0: ("bool", has_bias), 1: ("bool", False)}
+    )
     C = dev.buffer_empty(4 * M * N)
     buffers = {0: dev.buffer(A), 1: dev.buffer(B), 2: C, 3: u32(M, N, K)}
     if has_bias:
@@ -149,11 +173,17 @@ def test_simdgroup_matmul(dev, libs, M, N, K, dtype, transpose_b):
     tdt = {"float": torch.float32, "half": torch.float16, "bfloat": torch.bfloat16}[dtype]
     A, B = A.to(tdt), B.to(tdt)
     raw = lambda t: t.view(torch.int16).numpy() if tdt != torch.float32 else t.numpy()  # noqa: E731
-    pso = libs("matmul.metal").pipeline(f"matmul_simdgroup_{dtype}",
-                                        constants={0: ("bool", False), 1: ("bool", transpose_b)})
+    pso = libs("matmul.metal").pipeline(
+        f"matmul_simdgroup_{dtype}", constants={0: ("bool", False), 1: ("bool", transpose_b)}
+    )
     C = dev.buffer_empty(4 * M * N)
-    dispatch(dev, pso, (-(-N // 8), -(-M // 8)), (32,),
-             {0: dev.buffer(raw(A)), 1: dev.buffer(raw(B)), 2: C, 3: u32(M, N, K)})
+    dispatch(
+        dev,
+        pso,
+        (-(-N // 8), -(-M // 8)),
+        (32,),
+        {0: dev.buffer(raw(A)), 1: dev.buffer(raw(B)), 2: C, 3: u32(M, N, K)},
+    )
     Bm = B.double().T if transpose_b else B.double()
     ref = (A.double() @ Bm).numpy()
     np.testing.assert_allclose(read(C, np.float32, (M, N)), ref, rtol=1e-4, atol=1e-3)
@@ -170,9 +200,19 @@ def test_half_bfloat_arithmetic(dev, libs, n, dtype):
     a, b, c = (torch.randn(n, generator=g).mul(3).to(tdt) for _ in range(3))
     as_np = lambda t: t.view(torch.int16).numpy() if tdt != torch.float32 else t.numpy()  # noqa: E731
     out = dev.buffer_empty(4 * n * a.element_size())
-    dispatch(dev, libs("arithmetic.metal").pipeline(f"arith_{dtype}"), (-(-n // 64),), (64,),
-             {0: dev.buffer(as_np(a)), 1: dev.buffer(as_np(b)), 2: dev.buffer(as_np(c)), 3: out,
-              4: u32(n)})
+    dispatch(
+        dev,
+        libs("arithmetic.metal").pipeline(f"arith_{dtype}"),
+        (-(-n // 64),),
+        (64,),
+        {
+            0: dev.buffer(as_np(a)),
+            1: dev.buffer(as_np(b)),
+            2: dev.buffer(as_np(c)),
+            3: out,
+            4: u32(n),
+        },
+    )
     raw = torch.from_numpy(read(out, np.int16 if tdt != torch.float32 else np.float32))
     got = (raw.view(tdt) if tdt != torch.float32 else raw).reshape(n, 4)
     # torch evaluates each operation in its dtype, rounding every result: the GPU's semantics.
@@ -195,8 +235,13 @@ def test_half_rounds_every_operation(dev, libs):
     a = np.full(32, one_ulp, np.float16)
     c = np.full(32, -np.float16(1 + 2**-9), np.float16)
     out = dev.buffer_empty(4 * 32 * 2)
-    dispatch(dev, libs("arithmetic.metal").pipeline("arith_half"), (1,), (32,),
-             {0: dev.buffer(a), 1: dev.buffer(a), 2: dev.buffer(c), 3: out, 4: u32(32)})
+    dispatch(
+        dev,
+        libs("arithmetic.metal").pipeline("arith_half"),
+        (1,),
+        (32,),
+        {0: dev.buffer(a), 1: dev.buffer(a), 2: dev.buffer(c), 3: out, 4: u32(32)},
+    )
     got = read(out, np.float16, (32, 4))
     assert np.all(got[:, 0] == (a * a) + c)  # NumPy float16 rounds every operation too
     assert np.all(got[:, 0] == 0)
@@ -211,12 +256,19 @@ def test_vector_semantics(dev, libs, n):
     v = (rng.standard_normal((n, 4)) * 100).astype(np.float32)
     conv, bits = dev.buffer_empty(16 * n), dev.buffer_empty(16 * n)
     halves, shuf = dev.buffer_empty(8 * n), dev.buffer_empty(16 * n)
-    dispatch(dev, libs("arithmetic.metal").pipeline("vector_semantics"), (-(-n // 32),), (32,),
-             {0: dev.buffer(v), 1: conv, 2: bits, 3: halves, 4: shuf, 5: u32(n)})
+    dispatch(
+        dev,
+        libs("arithmetic.metal").pipeline("vector_semantics"),
+        (-(-n // 32),),
+        (32,),
+        {0: dev.buffer(v), 1: conv, 2: bits, 3: halves, 4: shuf, 5: u32(n)},
+    )
     np.testing.assert_array_equal(read(conv, np.int32, (n, 4)), np.trunc(v).astype(np.int32))
     np.testing.assert_array_equal(read(bits, np.uint32, (n, 4)), v.view(np.uint32))
     np.testing.assert_array_equal(read(halves, np.float16, (n, 4)), v.astype(np.float16))
-    ref = np.stack([v[:, 2], v[:, 3], v[:, 0], np.ones(n, np.float32)], 1) + v[:, ::-1] * np.float32(2)
+    ref = np.stack([v[:, 2], v[:, 3], v[:, 0], np.ones(n, np.float32)], 1) + v[
+        :, ::-1
+    ] * np.float32(2)
     np.testing.assert_array_equal(read(shuf, np.float32, (n, 4)), ref)
 
 
@@ -225,19 +277,23 @@ def test_simd_functions(dev, libs, tg):
     rng = np.random.default_rng(tg)
     x = rng.random(tg).astype(np.float32)
     out = dev.buffer_empty(4 * 8 * tg)
-    dispatch(dev, libs("arithmetic.metal").pipeline("simd_ops"), (1,), (tg,), {0: dev.buffer(x), 1: out})
+    dispatch(
+        dev, libs("arithmetic.metal").pipeline("simd_ops"), (1,), (tg,), {0: dev.buffer(x), 1: out}
+    )
     got = read(out, np.float32, (tg, 8))
     for start in range(0, tg, 32):  # each simdgroup; the last may be short
-        lanes = x[start:start + 32].astype(np.float64)
+        lanes = x[start : start + 32].astype(np.float64)
         k = len(lanes)
-        g = got[start:start + k]
+        g = got[start : start + k]
         np.testing.assert_allclose(g[:, 0], lanes.sum(), rtol=1e-6)
         np.testing.assert_array_equal(g[:, 1], lanes.max().astype(np.float32))
         np.testing.assert_allclose(g[:, 2], np.cumsum(lanes), rtol=1e-6)
         np.testing.assert_allclose(g[:, 3], np.cumsum(lanes) - lanes, rtol=1e-6, atol=1e-7)
         # shuffle_down by 1: the last lane keeps its own value (no wrap-around).
         np.testing.assert_array_equal(g[:, 4], np.append(lanes[1:], lanes[-1]).astype(np.float32))
-        np.testing.assert_array_equal(g[:, 5], np.float32(lanes[3]) if k > 3 else lanes.astype(np.float32))
+        np.testing.assert_array_equal(
+            g[:, 5], np.float32(lanes[3]) if k > 3 else lanes.astype(np.float32)
+        )
         xor = [lanes[i ^ 1] if (i ^ 1) < k else lanes[i] for i in range(k)]
         np.testing.assert_array_equal(g[:, 6], np.array(xor, np.float32))
         np.testing.assert_array_equal(g[:, 7], np.float32((lanes > 0.5).sum()))
@@ -251,7 +307,9 @@ def test_unbound_buffer_is_named(dev, libs):
     enc = cb.compute_encoder()
     enc.set_pipeline(libs("scan.metal").pipeline("add_offsets"))
     enc.set_buffer(0, dev.buffer_empty(16), 0)
-    with pytest.raises(ValueError, match=r"kernel 'add_offsets': buffer\(1\) \(block_offsets\) is not bound"):
+    with pytest.raises(
+        ValueError, match=r"kernel 'add_offsets': buffer\(1\) \(block_offsets\) is not bound"
+    ):
         enc.dispatch_threadgroups((1,), (4,))
 
 
@@ -264,7 +322,9 @@ def test_small_constant_buffer_and_thread_limits(dev, libs):
     enc.set_buffer(1, dev.buffer_empty(16), 0)
     enc.set_bytes(2, u32(4))  # HistogramArgs is 8 bytes
     enc.set_threadgroup_memory_length(0, 16)
-    with pytest.raises(ValueError, match=r"buffer\(2\) \(args\) has 4 bytes but the kernel reads 8"):
+    with pytest.raises(
+        ValueError, match=r"buffer\(2\) \(args\) has 4 bytes but the kernel reads 8"
+    ):
         enc.dispatch_threadgroups((1,), (32,))
     enc.set_bytes(2, u32(4, 4))
     with pytest.raises(ValueError, match="1025 threads per threadgroup exceed"):
@@ -275,10 +335,15 @@ def test_small_constant_buffer_and_thread_limits(dev, libs):
 
 def test_compile_error_points_into_the_metal_file(dev):
     src = "#include <metal_stdlib>\nusing namespace metal;\n\nkernel void broken(device float* x [[buffer(0)]]) {\n  x[0] = undefined_name;\n}\n"
-    with pytest.raises(ValueError, match=r"broken\.metal:5:10: error: use of undeclared identifier 'undefined_name'"):
+    with pytest.raises(
+        ValueError,
+        match=r"broken\.metal:5:10: error: use of undeclared identifier 'undefined_name'",
+    ):
         dev.library(src, "tests/msl/kernels/broken.metal")
 
 
 def test_unknown_function_lists_the_library(dev, libs):
-    with pytest.raises(ValueError, match=r"'nope' is not in .*scan\.metal \(it has: scan_blocks, add_offsets\)"):
+    with pytest.raises(
+        ValueError, match=r"'nope' is not in .*scan\.metal \(it has: scan_blocks, add_offsets\)"
+    ):
         libs("scan.metal").pipeline("nope")

@@ -9,6 +9,7 @@ import textwrap
 
 import numpy as np
 import pytest
+
 from msl_cpu_harness import ROOT, dispatch, library, msl_cpu, read, u32
 
 BUGS = "tests/msl/kernels/bugs.metal"
@@ -57,7 +58,10 @@ def test_divergent_simdgroup_collective(dev, bugs):
         dispatch(dev, bugs.pipeline("divergent_simd_sum"), (1,), (32,), {0: out})
     msg = str(e.value)
     assert "kernel 'divergent_simd_sum'" in msg
-    assert f"simd_sum at {BUGS}:{line_of('x = simd_sum(x)')} is not reached by every lane of the simdgroup" in msg
+    assert (
+        f"simd_sum at {BUGS}:{line_of('x = simd_sum(x)')} is not reached by every lane of the simdgroup"
+        in msg
+    )
     assert "threads 16-31 returned" in msg
 
 
@@ -74,7 +78,9 @@ def test_missing_barrier_found_by_randomized_interleaving(bugs):
     lib = library(checked, "bugs.metal")
     out = checked.buffer_empty(4 * 256)
     with pytest.raises(ValueError) as e:
-        dispatch(checked, lib.pipeline("missing_barrier"), (2,), (128,), {0: checked.buffer(x), 1: out})
+        dispatch(
+            checked, lib.pipeline("missing_barrier"), (2,), (128,), {0: checked.buffer(x), 1: out}
+        )
     msg = str(e.value)
     assert "kernel 'missing_barrier': the result depends on the order its threads run in" in msg
     assert "buffer(1) 'out' differs" in msg and "threadgroup_barrier is missing" in msg
@@ -85,8 +91,14 @@ def test_interleaving_check_passes_correct_kernels():
     lib = library(checked, "reduce.metal")
     x = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
     out = checked.buffer_empty(4 * 4)
-    dispatch(checked, lib.pipeline("reduce_tree"), (4,), (128,),
-             {0: checked.buffer(x), 1: out, 2: u32(1000, 250)}, {0: 4 * 128})
+    dispatch(
+        checked,
+        lib.pipeline("reduce_tree"),
+        (4,),
+        (128,),
+        {0: checked.buffer(x), 1: out, 2: u32(1000, 250)},
+        {0: 4 * 128},
+    )
     ref = x.astype(np.float64).reshape(4, 250).sum(1)
     np.testing.assert_allclose(read(out, np.float32), ref, rtol=1e-5, atol=1e-4)
 
@@ -134,9 +146,15 @@ def test_asan_needs_its_runtime():
 
 
 def _asan_runtime():
-    out = subprocess.run([msl_cpu.clang_path(), "-print-file-name=libclang_rt.asan-x86_64.so"],
-                         capture_output=True, text=True, check=True).stdout.strip()
-    assert os.path.isfile(out), f"clang's ASan runtime not found ({out}): install clang's compiler-rt"
+    out = subprocess.run(
+        [msl_cpu.clang_path(), "-print-file-name=libclang_rt.asan-x86_64.so"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert os.path.isfile(out), (
+        f"clang's ASan runtime not found ({out}): install clang's compiler-rt"
+    )
     return out
 
 
@@ -148,10 +166,15 @@ def _run_under_asan(body):
         lib = library(dev, "bugs.metal")
         out = dev.buffer_empty(4 * 64)
     """) + textwrap.dedent(body)
-    env = dict(os.environ, LD_PRELOAD=_asan_runtime(), ASAN_OPTIONS="detect_leaks=0",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]))
-    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                          timeout=300)
+    env = dict(
+        os.environ,
+        LD_PRELOAD=_asan_runtime(),
+        ASAN_OPTIONS="detect_leaks=0",
+        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]),
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_out_of_bounds_write_caught_by_asan():
@@ -166,5 +189,7 @@ def test_out_of_bounds_write_caught_by_asan():
     assert "NOT CAUGHT" not in r.stdout
     assert r.returncode != 0
     assert "AddressSanitizer: heap-buffer-overflow" in r.stderr
-    assert f"{BUGS}:{line_of('out[gid] = 1.0f')}" in r.stderr, r.stderr[-3000:]  # the faulting line, symbolized
+    assert f"{BUGS}:{line_of('out[gid] = 1.0f')}" in r.stderr, r.stderr[
+        -3000:
+    ]  # the faulting line, symbolized
     assert "[msl_cpu] AddressSanitizer stopped kernel 'oob_write'" in r.stderr
