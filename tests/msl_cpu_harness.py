@@ -1,6 +1,7 @@
 """Helpers for the MSL-on-CPU tests: load a kernel file into a library and run one dispatch
 through the same encoder calls the Metal backend makes (lily._core.msl_cpu)."""
 
+import os
 import struct
 from pathlib import Path
 
@@ -9,6 +10,9 @@ from lily._core import msl_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "tests" / "msl" / "kernels"
+# Kernels include the prelude (csrc/msl_cpu/prelude) and metal/ from this checkout, also when
+# lily was installed from it by pip.
+os.environ.setdefault("LILY_SOURCE_DIR", str(ROOT))
 
 
 def library(device, name):

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -159,6 +160,9 @@ def _asan_runtime():
 
 
 def _run_under_asan(body):
+    import lily
+
+    lily_parent = str(Path(lily.__file__).resolve().parent.parent)  # the lily under test
     script = textwrap.dedent("""
         import numpy as np
         from msl_cpu_harness import dispatch, library, msl_cpu, read, u32
@@ -170,7 +174,7 @@ def _run_under_asan(body):
         os.environ,
         LD_PRELOAD=_asan_runtime(),
         ASAN_OPTIONS="detect_leaks=0",
-        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]),
+        PYTHONPATH=os.pathsep.join([lily_parent, str(ROOT / "tests")]),
     )
     return subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300

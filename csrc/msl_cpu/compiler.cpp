@@ -441,10 +441,12 @@ std::string clang_path() {
        "install clang-19) or set LILY_CLANG");
 }
 
-std::string prelude_dir() {
-  if (const char* e = std::getenv("LILY_MSL_CPU_PRELUDE"); e && *e) return e;
-  return std::string(LILY_SOURCE_DIR) + "/csrc/msl_cpu/prelude";
+std::string source_dir() {
+  if (const char* e = std::getenv("LILY_SOURCE_DIR"); e && *e) return e;
+  return LILY_SOURCE_DIR;  // the checkout this extension was built from
 }
+
+std::string prelude_dir() { return source_dir() + "/csrc/msl_cpu/prelude"; }
 
 std::shared_ptr<Module> Module::build(const std::string& unit, const std::string& file_name,
                                       const BuildOptions& options) {
@@ -469,7 +471,7 @@ std::shared_ptr<Module> Module::build(const std::string& unit, const std::string
   }
   // Kernel files include each other by path relative to their folder and metal/.
   std::vector<std::string> includes = options.include_dirs;
-  includes.push_back(std::string(LILY_SOURCE_DIR) + "/metal");
+  includes.push_back(source_dir() + "/metal");
   for (const auto& d : includes) flags.insert(flags.end(), {"-I", d});
 
   // Cache key: everything that can change the object.

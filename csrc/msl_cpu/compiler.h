@@ -83,8 +83,10 @@ class Module {
   std::string path_;
 };
 
-// The clang used for kernels, and the directory of the prelude (csrc/msl_cpu/prelude).
+// The clang used for kernels; the lily source tree ($LILY_SOURCE_DIR, else the checkout the
+// extension was built from), whose csrc/msl_cpu/prelude and metal/ the kernels include.
 std::string clang_path();
+std::string source_dir();
 std::string prelude_dir();
 
 }  // namespace lily::msl_cpu
