@@ -62,18 +62,16 @@ def test_error_classes(lily):
 # Files and headers
 # ---------------------------------------------------------------------------------------------
 
-
 def test_truncated_file(ckpt, lily):
     f = _file(ckpt)
     header, data = st.read(f)
-    start = os.path.getsize(f) - len(data)  # where the data section begins
+    start = os.path.getsize(f) - len(data)          # where the data section begins
     cut = start + len(data) // 2
     with open(f, "r+b") as fh:
         fh.truncate(cut)
     # Names the file, or a tensor whose bytes are now past the end.
-    past = [
-        k for k, v in header.items() if k != "__metadata__" and v["data_offsets"][1] > cut - start
-    ]
+    past = [k for k, v in header.items()
+            if k != "__metadata__" and v["data_offsets"][1] > cut - start]
     _raises(lily.CheckpointError, ckpt, f.name, *past)
 
 
@@ -100,7 +98,6 @@ def test_tensor_offset_past_end(ckpt, lily):
         b, e = h[name]["data_offsets"]
         _, data = st.read(f)
         h[name]["data_offsets"] = [b + len(data), e + len(data)]  # same size, past the end
-
     st.edit_header(f, lie)
     _raises(lily.CheckpointError, ckpt, name)
 
@@ -111,7 +108,6 @@ def test_size_inconsistent_with_dtype_and_shape(ckpt, lily):
     def lie(h):
         assert h[name]["dtype"] == "F32"
         h[name]["dtype"] = "F16"  # the offsets now span twice dtype x shape
-
     st.edit_header(_file(ckpt), lie)
     _raises(lily.CheckpointError, ckpt, name)
 
@@ -121,7 +117,6 @@ def test_overlapping_tensors(ckpt, lily):
 
     def lie(h):
         h[b]["data_offsets"] = list(h[a]["data_offsets"])  # b now aliases a's bytes
-
     st.edit_header(_file(ckpt), lie)
     _raises(lily.CheckpointError, ckpt, a, b)
 
@@ -143,7 +138,6 @@ def test_index_names_missing_shard(ckpt, lily):
 # Tensor set and shapes
 # ---------------------------------------------------------------------------------------------
 
-
 def test_missing_tensor(ckpt, lily):
     name = L0 + "linear_attn.A_log"
     _rewrite(ckpt, lambda t: t.pop(name))
@@ -162,16 +156,13 @@ def test_extra_unknown_tensor(ckpt, lily):
     _raises(lily.CheckpointError, ckpt, name)
 
 
-@pytest.mark.parametrize(
-    "name, shape",
-    [
-        (L0 + "linear_attn.in_proj_z.weight", (576, 191)),
-        (P + "layers.3.self_attn.q_proj.weight", (576, 192)),  # query without its gate half
-        (P + "layers.1.mlp.experts.gate_up_proj", (7, 192, 192)),  # gate only
-        (P + "layers.0.linear_attn.conv1d.weight", (864, 1, 3)),
-        (P + "norm.weight", (191,)),
-    ],
-)
+@pytest.mark.parametrize("name, shape", [
+    (L0 + "linear_attn.in_proj_z.weight", (576, 191)),
+    (P + "layers.3.self_attn.q_proj.weight", (576, 192)),     # query without its gate half
+    (P + "layers.1.mlp.experts.gate_up_proj", (7, 192, 192)),  # gate only
+    (P + "layers.0.linear_attn.conv1d.weight", (864, 1, 3)),
+    (P + "norm.weight", (191,)),
+])
 def test_wrong_shape(ckpt, lily, name, shape):
     _rewrite(ckpt, lambda t: t.__setitem__(name, np.zeros(shape, np.float32)))
     _raises(lily.CheckpointError, ckpt, name)
@@ -184,7 +175,6 @@ def test_quantized_scales_wrong_shape(store, lily, request):
     def fn(t):
         assert t[name].shape == (576, 3)
         t[name] = np.ones((576, 2), np.float32)
-
     _rewrite(d, fn)
     _raises(lily.CheckpointError, d, name)
 
@@ -192,7 +182,6 @@ def test_quantized_scales_wrong_shape(store, lily, request):
 # ---------------------------------------------------------------------------------------------
 # config.json
 # ---------------------------------------------------------------------------------------------
-
 
 def _edit_config(d: Path, fn) -> None:
     p = d / "config.json"
@@ -230,7 +219,6 @@ def test_config_unknown_layer_type(ckpt, lily):
 # Valid variants that must load and compute the same logits
 # ---------------------------------------------------------------------------------------------
 
-
 def test_mtp_and_vision_tensors_are_skipped(ckpt, store, lily):
     """Released checkpoints carry a vision tower (already in this fixture) and MTP layers."""
     from safetensors.numpy import load_file
@@ -260,7 +248,8 @@ def test_sharded_checkpoint(ckpt, store, lily):
     _file(ckpt).unlink()
     names = sorted(t)
     shards = [names[i::3] for i in range(3)]  # interleaved: every layer spans all shards
-    index = {"metadata": {"total_size": int(sum(v.nbytes for v in t.values()))}, "weight_map": {}}
+    index = {"metadata": {"total_size": int(sum(v.nbytes for v in t.values()))},
+             "weight_map": {}}
     for i, part in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-00003.safetensors"
         save_file({k: t[k] for k in part}, str(ckpt / fname), metadata={"format": "pt"})

@@ -29,10 +29,8 @@ def _check(got, want, what, tol=TOL):
     assert got.shape == want.shape, f"{what}: shape {got.shape}, expected {want.shape}"
     err = rel_err(got, want)
     assert err <= tol, f"{what}: rel err {err:.3e} > {tol:.0e}"
-    top_got, top_want = (
-        got.reshape(-1, got.shape[-1]).argmax(-1),
-        want.reshape(-1, want.shape[-1]).argmax(-1),
-    )
+    top_got, top_want = got.reshape(-1, got.shape[-1]).argmax(-1), want.reshape(
+        -1, want.shape[-1]).argmax(-1)
     bad = np.nonzero(top_got != top_want)[0]
     assert bad.size == 0, f"{what}: top-1 differs at rows {bad.tolist()}"
 
@@ -40,7 +38,6 @@ def _check(got, want, what, tol=TOL):
 # ---------------------------------------------------------------------------------------------
 # Quantized checkpoints vs mlx-lm
 # ---------------------------------------------------------------------------------------------
-
 
 @pytest.fixture(params=[pytest.param(c, id=cases.case_id(c)) for c in cases.MLX_QUANT_CASES])
 def qcase(request, store):
@@ -83,7 +80,6 @@ def test_quantized_generate_greedy(qcase, lily):
 # MLX-converted, unquantized (fp32) vs transformers on the same weights
 # ---------------------------------------------------------------------------------------------
 
-
 @pytest.mark.parametrize("model_type", cases.MLX_FP32_CASES)
 def test_mlx_layout_fp32_matches_transformers(model_type, store, lily):
     path = store.mlx(model_type, None)
@@ -107,11 +103,8 @@ GROUPS = [32, 64, 128]
 
 def _bits_equal(a, b):
     a, b = np.asarray(a), np.asarray(b)
-    return (
-        a.shape == b.shape
-        and a.dtype == b.dtype == np.float32
-        and np.array_equal(a.view(np.uint32), b.view(np.uint32))
-    )
+    return a.shape == b.shape and a.dtype == b.dtype == np.float32 and np.array_equal(
+        a.view(np.uint32), b.view(np.uint32))
 
 
 @pytest.mark.parametrize("group_size", GROUPS)
@@ -125,9 +118,8 @@ def test_dequantize_matches_mlx(bits, group_size, rows, lily):
     w = mx.array(rng.standard_normal((rows, cols)).astype(np.float32) * 0.7)
     packed, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
     want = np.array(mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits))
-    got = lily._core.dequantize(
-        np.array(packed), np.array(scales), np.array(biases), bits, group_size
-    )
+    got = lily._core.dequantize(np.array(packed), np.array(scales), np.array(biases),
+                                bits, group_size)
     assert np.asarray(got).shape == (rows, cols)
     assert _bits_equal(got, want), f"max diff {np.max(np.abs(np.asarray(got) - want)):.3e}"
 
@@ -143,28 +135,20 @@ def test_dequantize_random_bits_matches_mlx(bits, group_size, lily):
     packed = rng.integers(0, 2**32, size=(rows, cols * bits // 32), dtype=np.uint32)
     scales = (rng.standard_normal((rows, cols // group_size)) * 0.1).astype(np.float32)
     biases = rng.standard_normal((rows, cols // group_size)).astype(np.float32)
-    want = np.array(
-        mx.dequantize(
-            mx.array(packed), mx.array(scales), mx.array(biases), group_size=group_size, bits=bits
-        )
-    )
+    want = np.array(mx.dequantize(mx.array(packed), mx.array(scales), mx.array(biases),
+                                  group_size=group_size, bits=bits))
     got = lily._core.dequantize(packed, scales, biases, bits, group_size)
     assert _bits_equal(got, want)
 
 
 def test_dequantize_rejects_bad_arguments(lily):
-    packed = np.zeros((3, 8), dtype=np.uint32)  # 3 rows x 64 4-bit values
+    packed = np.zeros((3, 8), dtype=np.uint32)       # 3 rows x 64 4-bit values
     scales = np.ones((3, 1), dtype=np.float32)
     biases = np.zeros((3, 1), dtype=np.float32)
-    for bad in [
-        dict(bits=7),
-        dict(group_size=48),
-        dict(scales=np.ones((3, 2), np.float32)),
-        dict(biases=np.zeros((2, 1), np.float32)),
-    ]:
+    for bad in [dict(bits=7), dict(group_size=48), dict(scales=np.ones((3, 2), np.float32)),
+                dict(biases=np.zeros((2, 1), np.float32))]:
         args = dict(packed=packed, scales=scales, biases=biases, bits=4, group_size=64)
         args.update(bad)
         with pytest.raises(ValueError):
-            lily._core.dequantize(
-                args["packed"], args["scales"], args["biases"], args["bits"], args["group_size"]
-            )
+            lily._core.dequantize(args["packed"], args["scales"], args["biases"],
+                                  args["bits"], args["group_size"])

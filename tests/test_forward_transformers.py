@@ -86,20 +86,14 @@ def test_prefill_all_logits(case, lily):
 def test_long_prompt_chunked(case, lily):
     path, ref = case
     model = lily.Model.load(path, prefill_chunk=cases.PREFILL_CHUNK)
-    _assert_close(
-        model.logits(cases.LONG_PROMPT),
-        ref.long,
-        f"logits of {len(cases.LONG_PROMPT)} tokens in chunks of {cases.PREFILL_CHUNK}",
-    )
+    _assert_close(model.logits(cases.LONG_PROMPT), ref.long,
+                  f"logits of {len(cases.LONG_PROMPT)} tokens in chunks of {cases.PREFILL_CHUNK}")
     s = model.session()
     k = len(cases.LONG_PROMPT) - cases.LONG_DECODE
     _assert_close(s.prefill(cases.LONG_PROMPT[:k]), ref.long[k - 1], "chunked prefill")
     for i in range(k, len(cases.LONG_PROMPT)):
-        _assert_close(
-            s.decode(cases.LONG_PROMPT[i]),
-            ref.long[i],
-            f"decode after chunked prefill, position {i}",
-        )
+        _assert_close(s.decode(cases.LONG_PROMPT[i]), ref.long[i],
+                      f"decode after chunked prefill, position {i}")
 
 
 def test_generate_greedy(case, lily):
