@@ -347,3 +347,59 @@ def test_unknown_function_lists_the_library(dev, libs):
         ValueError, match=r"'nope' is not in .*scan\.metal \(it has: scan_blocks, add_offsets\)"
     ):
         libs("scan.metal").pipeline("nope")
+
+
+@pytest.mark.parametrize("tg", [31, 33, 64])
+def test_more_simd_functions(dev, libs, tg):
+    rng = np.random.default_rng(tg + 1)
+    x = rng.uniform(0.9, 1.1, tg).astype(np.float32)
+    bits = rng.integers(0, 2**32, tg, dtype=np.uint32)
+    out, out_bits = dev.buffer_empty(4 * 6 * tg), dev.buffer_empty(4 * 2 * tg)
+    dispatch(
+        dev,
+        libs("arithmetic.metal").pipeline("simd_ops_more"),
+        (1,),
+        (tg,),
+        {0: dev.buffer(x), 1: dev.buffer(bits), 2: out, 3: out_bits},
+    )
+    got, got_bits = read(out, np.float32, (tg, 6)), read(out_bits, np.uint32, (tg, 2))
+    for start in range(0, tg, 32):
+        lanes = x[start : start + 32]
+        k = len(lanes)
+        g, gb = got[start : start + k], got_bits[start : start + k]
+        # shuffle_up by 2: the first two lanes keep their own value.
+        np.testing.assert_array_equal(g[:, 0], np.concatenate([lanes[:2], lanes[:-2]])[:k])
+        np.testing.assert_array_equal(g[:, 1], lanes.min())
+        np.testing.assert_allclose(g[:, 2], np.prod(lanes.astype(np.float64)), rtol=1e-5)
+        quads = [lanes[i & ~3 : (i & ~3) + 4].astype(np.float64).sum() for i in range(k)]
+        np.testing.assert_allclose(g[:, 3], quads, rtol=1e-6)
+        np.testing.assert_array_equal(g[:, 4], lanes[0])
+        np.testing.assert_allclose(g[:, 5], np.cumprod(lanes.astype(np.float64)), rtol=1e-5)
+        group_bits = bits[start : start + k]
+        np.testing.assert_array_equal(gb[:, 0], np.bitwise_or.reduce(group_bits))
+        np.testing.assert_array_equal(gb[:, 1], np.bitwise_and.reduce(group_bits))
+
+
+@pytest.mark.parametrize(
+    "constants,expect",
+    [
+        ({}, lambda x: x),
+        ({0: ("float", 2.5)}, lambda x: x * np.float32(2.5)),
+        (
+            {0: ("float", 0.5), 1: ("uint", 7), 2: ("half", 0.25)},
+            lambda x: x * np.float32(0.5) + 7.25,
+        ),
+        ({3: ("int", -1), 1: ("uint", 3)}, lambda x: -(x + 3)),
+    ],
+)
+def test_function_constants_of_each_type(dev, libs, constants, expect):
+    x = np.linspace(-4, 4, 40, dtype=np.float32)
+    out = dev.buffer_empty(4 * 40)
+    pso = libs("constants.metal").pipeline("apply_constants", constants=constants)
+    dispatch(dev, pso, (2,), (20,), {0: dev.buffer(x), 1: out})
+    np.testing.assert_allclose(read(out, np.float32), expect(x).astype(np.float32), rtol=1e-6)
+
+
+def test_function_constant_of_the_wrong_type(dev, libs):
+    with pytest.raises(ValueError, match="function constant 1 'offset' is declared uint"):
+        libs("constants.metal").pipeline("apply_constants", constants={1: ("float", 1.0)})

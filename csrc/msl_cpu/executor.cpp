@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <numeric>
 #include <random>
 #include <string>
@@ -357,6 +358,9 @@ void install_asan_hook() {
 const lily_msl_host_api* host_api() { return &kHostApi; }
 
 void execute(const DispatchRun& run) {
+  // One scheduler per process: dispatches from several host threads take turns.
+  static std::mutex one_at_a_time;
+  std::lock_guard<std::mutex> lock(one_at_a_time);
   Scheduler& s = sched();
   const uint32_t n = run.threads.width * run.threads.height * run.threads.depth;
   const size_t ntg = size_t(run.threadgroups.width) * run.threadgroups.height * run.threadgroups.depth;

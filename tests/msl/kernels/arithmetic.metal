@@ -58,3 +58,19 @@ kernel void simd_ops(device const float* in [[buffer(0)]],
   out[8 * gid + 6] = simd_shuffle_xor(x, 1);
   out[8 * gid + 7] = float(popcount(static_cast<simd_vote::vote_t>(simd_ballot(x > 0.5f))));
 }
+
+kernel void simd_ops_more(device const float* in [[buffer(0)]],
+                          device const uint* bits [[buffer(1)]],
+                          device float* out [[buffer(2)]],  // [threads][6]
+                          device uint* out_bits [[buffer(3)]],  // [threads][2]
+                          uint gid [[thread_position_in_grid]]) {
+  const float x = in[gid];
+  out[6 * gid + 0] = simd_shuffle_up(x, 2);
+  out[6 * gid + 1] = simd_min(x);
+  out[6 * gid + 2] = simd_product(x);
+  out[6 * gid + 3] = quad_sum(x);
+  out[6 * gid + 4] = simd_broadcast_first(x);
+  out[6 * gid + 5] = simd_prefix_inclusive_product(x);
+  out_bits[2 * gid + 0] = simd_or(bits[gid]);
+  out_bits[2 * gid + 1] = simd_and(bits[gid]);
+}
