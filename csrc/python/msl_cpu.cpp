@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "gpu/device.h"
+#include "gpu/hazards.h"
 #include "model/error.h"
 #include "msl_cpu/compiler.h"
 #include "msl_cpu/device.h"
@@ -127,6 +128,28 @@ void init_msl_cpu(nb::module_& parent) {
       .def("buffer_empty", &gpu::Device::new_buffer, nb::arg("length"))
       .def("library", &gpu::Device::new_library, nb::arg("source"), nb::arg("file_name"))
       .def("command_buffer", &gpu::Device::new_command_buffer);
+
+  // gpu::HazardTracker, for tests of barrier placement (accesses: (buffer, begin, end) bytes).
+  using AccessList = std::vector<std::tuple<std::shared_ptr<gpu::Buffer>, size_t, size_t>>;
+  auto accesses = [](const AccessList& list) {
+    std::vector<gpu::Access> out;
+    for (const auto& [b, begin, end] : list) out.push_back({b.get(), begin, end});
+    return out;
+  };
+  nb::class_<gpu::HazardTracker>(m, "HazardTracker")
+      .def(nb::init<>())
+      .def("dispatch",
+           [accesses](gpu::HazardTracker& t, gpu::ComputeEncoder& e,
+                      const std::vector<uint32_t>& grid, const std::vector<uint32_t>& threads,
+                      const AccessList& reads, const AccessList& writes) {
+             return t.dispatch(e, size3(grid, "threadgroups_per_grid"),
+                               size3(threads, "threads_per_threadgroup"), accesses(reads),
+                               accesses(writes));
+           },
+           nb::arg("encoder"), nb::arg("threadgroups"), nb::arg("threads"),
+           nb::arg("reads"), nb::arg("writes"),
+           "Dispatch, placing a memory barrier first if it depends on a dispatch since the last "
+           "one; returns whether a barrier was placed.");
 
   m.def("device",
         [](bool asan, int interleavings, bool check_dependencies, uint64_t seed,
