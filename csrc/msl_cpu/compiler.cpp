@@ -140,6 +140,7 @@ SourceInfo scan_source(const std::string& source, const std::string& file_name) 
        ++it) {
     KernelDecl k;
     k.name = (*it)[3];
+
     size_t start = static_cast<size_t>(it->position(0));
     size_t open = start + static_cast<size_t>(it->length(0)) - 1;
     k.line = line_of(source, start);
@@ -199,7 +200,15 @@ SourceInfo scan_source(const std::string& source, const std::string& file_name) 
       if (std::regex_search(p, fm, fc_attr_re)) kp.function_constant = fm[1];
       k.params.push_back(kp);
     }
-    info.kernels.push_back(k);
+    // A prototype and its definition: bind and register once, blank both's attributes.
+    KernelDecl* first = nullptr;
+    for (auto& other : info.kernels)
+      if (other.name == k.name) first = &other;
+    if (first)
+      first->attribute_spans.insert(first->attribute_spans.end(), k.attribute_spans.begin(),
+                                    k.attribute_spans.end());
+    else
+      info.kernels.push_back(k);
   }
   return info;
 }

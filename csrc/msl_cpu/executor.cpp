@@ -157,7 +157,9 @@ void* api_threadgroup_alloc(const void* key, size_t size, size_t align) {
                       " bytes exceeds the 32768 that Apple GPUs have";
     api_fail(msg.c_str(), "<threadgroup array>", 0);
   }
-  void* p = std::aligned_alloc(std::max<size_t>(align, 16), (size + 15) / 16 * 16);
+  void* p = nullptr;  // exactly `size` bytes, so ASan's redzone starts right after the array
+  if (posix_memalign(&p, std::max<size_t>(align, 16), size ? size : 1) != 0)
+    api_fail("out of memory for a threadgroup array", "<threadgroup array>", 0);
   std::memset(p, 0xFF, size);  // uninitialized on the GPU: make reads before writes visible
   s.tg_blocks.push_back(p);
   s.tg_arrays[key] = p;
@@ -222,7 +224,8 @@ void run_threadgroup(Scheduler& s, const DispatchRun& run, const uint32_t tg_pos
   for (int i = 0; i < LILY_MSL_MAX_BINDINGS; ++i) {
     size_t len = run.bindings.threadgroup_memory_lengths[i];
     if (!len) continue;
-    void* p = std::aligned_alloc(16, (len + 15) / 16 * 16);
+    void* p = nullptr;
+    if (posix_memalign(&p, 16, len) != 0) raise(kernel, "out of memory for threadgroup memory");
     std::memset(p, 0xFF, len);
     s.tg_blocks.push_back(p);
     s.tg_bindings.threadgroup_memory[i] = p;
