@@ -3,6 +3,7 @@ wrong numbers: each kernel in tests/msl/kernels/bugs.metal has one, and each is 
 error that names the kernel."""
 
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -146,17 +147,17 @@ def test_asan_needs_its_runtime():
         library(dev, "bugs.metal")
 
 
-def _asan_runtime():
+def _clang_file(flag, name, package):
     out = subprocess.run(
-        [msl_cpu.clang_path(), "-print-file-name=libclang_rt.asan-x86_64.so"],
-        capture_output=True,
-        text=True,
-        check=True,
+        [msl_cpu.clang_path(), f"{flag}={name}"], capture_output=True, text=True, check=True
     ).stdout.strip()
-    assert os.path.isfile(out), (
-        f"clang's ASan runtime not found ({out}): install clang's compiler-rt"
-    )
+    assert os.path.isfile(out), f"{name} not found next to clang ({out}): apt-get install {package}"
     return out
+
+
+def _asan_runtime():
+    name = f"libclang_rt.asan-{platform.machine()}.so"
+    return _clang_file("-print-file-name", name, "libclang-rt-19-dev")
 
 
 def _run_under_asan(body):
@@ -174,6 +175,8 @@ def _run_under_asan(body):
         os.environ,
         LD_PRELOAD=_asan_runtime(),
         ASAN_OPTIONS="detect_leaks=0",
+        # file:line in the report needs the symbolizer (Debian: llvm-19).
+        ASAN_SYMBOLIZER_PATH=_clang_file("-print-prog-name", "llvm-symbolizer", "llvm-19"),
         PYTHONPATH=os.pathsep.join([lily_parent, str(ROOT / "tests")]),
     )
     return subprocess.run(

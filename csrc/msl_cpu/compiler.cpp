@@ -461,7 +461,7 @@ std::shared_ptr<Module> Module::build(const std::string& unit, const std::string
                                       const BuildOptions& options) {
   if (options.asan && !dlsym(RTLD_DEFAULT, "__asan_init"))
     fail("asan=True needs the AddressSanitizer runtime in this process; run Python with "
-         "LD_PRELOAD=$(" + clang_path() + " -print-file-name=libclang_rt.asan-x86_64.so) "
+         "LD_PRELOAD=$(" + clang_path() + " -print-file-name=libclang_rt.asan-$(uname -m).so) "
          "ASAN_OPTIONS=detect_leaks=0");
   const std::string clang = clang_path();
   std::vector<std::string> flags = {
