@@ -40,7 +40,7 @@ TOKEN_RULES = [
         "explicit instantiation with [[host_name]] does not compile for the CPU; use LILY_KERNEL_INSTANTIATE",
     ),
     (
-        re.compile(r"(?<![\w.])(\d+\.\d*|\.\d+)([eE][+-]?\d+)?(?![\w.])"),
+        re.compile(r"(?<![\w.])(\d+\.\d*|\.\d+|\d+(?=[eE][+-]?\d))([eE][+-]?\d+)?(?![\w.])"),
         "unsuffixed floating literal: C++ evaluates it in double, Metal in float; write it with f (or h)",
     ),
     (

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 LINT = ROOT / "scripts" / "lint_metal.py"
 
@@ -78,3 +80,29 @@ def test_clean_kernel_passes(tmp_path):
     )
     r = lint(good)
     assert r.returncode == 0, r.stdout
+
+
+@pytest.mark.parametrize(
+    "expr,flagged",
+    [
+        ("0.5", True),
+        ("1.", True),
+        (".25", True),
+        ("1e-3", True),
+        ("2.5e3", True),
+        ("0.5f", False),
+        ("1.f", False),
+        ("1e-3f", False),
+        ("0.5h", False),
+        ("2.h", False),
+        ("0x1e5", False),
+        ("7", False),
+        ("v1e5", False),
+        ("a.x", False),
+    ],
+)
+def test_unsuffixed_float_literals(tmp_path, expr, flagged):
+    f = tmp_path / "lit.metal"
+    f.write_text(f"constant float k = {expr};\n")
+    r = lint(f)
+    assert (r.returncode == 1 and "unsuffixed floating literal" in r.stdout) == flagged, r.stdout
