@@ -403,3 +403,42 @@ def test_function_constants_of_each_type(dev, libs, constants, expect):
 def test_function_constant_of_the_wrong_type(dev, libs):
     with pytest.raises(ValueError, match="function constant 1 'offset' is declared uint"):
         libs("constants.metal").pipeline("apply_constants", constants={1: ("float", 1.0)})
+
+
+def test_ucontext_fibers(tmp_path):
+    # The portable fiber switch (swapcontext: used under ASan and on CPUs other than x86-64)
+    # runs the same barrier-heavy kernel to the same result, and still reports divergence.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import lily
+
+    script = """
+import numpy as np
+from msl_cpu_harness import dispatch, library, msl_cpu, read, u32
+dev = msl_cpu.device()
+x = np.arange(1000, dtype=np.float32)
+out = dev.buffer_empty(16)
+lib = library(dev, "reduce.metal")
+dispatch(dev, lib.pipeline("reduce_tree"), (4,), (256,), {0: dev.buffer(x), 1: out,
+         2: u32(1000, 250)}, {0: 1024})
+assert (read(out, np.float32) == x.reshape(4, 250).sum(1)).all()
+bugs = library(dev, "bugs.metal")
+try:
+    dispatch(dev, bugs.pipeline("divergent_barrier"), (1,), (64,), {0: out, 1: u32(40)})
+except ValueError as e:
+    assert "threads 40-63 returned" in str(e)
+    print("ok")
+"""
+    tests = Path(__file__).resolve().parent
+    env = dict(
+        os.environ,
+        LILY_MSL_CPU_UCONTEXT="1",
+        PYTHONPATH=os.pathsep.join([str(Path(lily.__file__).parent.parent), str(tests)]),
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.stdout.strip() == "ok", r.stderr[-2000:]
