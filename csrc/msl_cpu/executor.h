@@ -1,7 +1,7 @@
 // Running one dispatch of a compiled kernel on the CPU with Metal's execution semantics.
 //
-// Threadgroups run one after another; inside a threadgroup every thread is a fiber (ucontext)
-// with its own stack. A fiber runs until it finishes, reaches a barrier, or reaches a
+// Threadgroups run one after another; inside a threadgroup every thread is a fiber with its
+// own stack. A fiber runs until it finishes, reaches a barrier, or reaches a
 // simdgroup collective; when every fiber is blocked the scheduler releases what is complete:
 //  - a simdgroup whose 32 lanes (fewer in a short last simdgroup) all wait at the same
 //    collective or simdgroup_barrier;
