@@ -6,6 +6,7 @@ NB_MODULE(_core, m) {
   m.doc() = "lily native core";
   lily::python::init_errors(m);
   lily::python::init_model(m);
+  lily::python::init_sampler(m);
   lily::python::init_msl_cpu(m);
 
 }
