@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 if command -v apt-get >/dev/null; then
   if ! command -v clang-19 >/dev/null || ! [ -d /usr/include/GNUstep ]; then
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang-19 libclang-rt-19-dev libgnustep-base-dev >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang-19 libclang-rt-19-dev llvm-19 libgnustep-base-dev >/dev/null
   fi
 fi
 
