@@ -255,11 +255,11 @@ def _fill(kind: str, bits: int, count: int, seed: int) -> bytes:
     if kind == "codes":
         return _random_u64((count + 1) // 2, rng).view(np.uint32)[:count].tobytes()
     if kind in ("scales", "biases"):
-        mant = rng.integers(0, 128, size=count, dtype=np.uint16)
+        mant = _random_u64((count + 3) // 4, rng).view(np.uint16)[:count] & np.uint16(0x7F)
         lo = 127 - (9 if bits == 4 else 12)  # exponent of s: [2^-9, 2^-8) or [2^-12, 2^-11)
         if kind == "scales":
-            return ((lo << 7) | mant).astype(np.uint16).tobytes()
-        return (0x8000 | ((lo + bits - 1) << 7) | mant).astype(np.uint16).tobytes()
+            return (mant | np.uint16(lo << 7)).tobytes()
+        return (mant | np.uint16(0x8000 | ((lo + bits - 1) << 7))).tobytes()
     if kind == "norm":
         return _bf16(1.0 + 0.1 * rng.standard_normal(count)).tobytes()
     if kind == "conv":
