@@ -225,13 +225,13 @@ def shard_names(n: int) -> list[str]:
 
 # -- bytes -----------------------------------------------------------------------------------
 
-_BLOCK: np.ndarray | None = None  # per-worker random block (uint64)
+_BLOCK: np.ndarray | None = None  # the random block (uint64), the same in every worker
 
 
 def _random_u64(n: int, rng: np.random.Generator) -> np.ndarray:
     global _BLOCK
     if _BLOCK is None:
-        _BLOCK = np.random.default_rng(os.getpid()).integers(0, 2**63, size=(32 << 20) // 8, dtype=np.uint64)
+        _BLOCK = np.random.default_rng(12345).integers(0, 2**63, size=(32 << 20) // 8, dtype=np.uint64)
         _BLOCK = np.concatenate([_BLOCK, _BLOCK])  # so any offset has a full block after it
     out = np.empty(n, np.uint64)
     half = _BLOCK.size // 2
