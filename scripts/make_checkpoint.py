@@ -453,7 +453,10 @@ def make_checkpoint(model_type: str, out, size: str = "tiny", *, layers: int | N
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-type", required=True, choices=MODEL_TYPES)
+    ap.add_argument("--model-type", choices=MODEL_TYPES)
+    ap.add_argument("--from-hf", metavar="DIR",
+                    help="convert this existing HF checkpoint with --quantize/--mlx instead of "
+                         "building one (e.g. a medium model made earlier)")
     ap.add_argument("--size", default="tiny", choices=SIZES)
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int)
@@ -472,6 +475,14 @@ def main(argv=None) -> int:
     ap.add_argument("--scale-dtype", choices=("float32", "bfloat16", "float16"),
                     help="dtype to cast to before quantizing (sets the scales/biases dtype)")
     a = ap.parse_args(argv)
+    if a.from_hf:
+        if a.quantize is None and not a.mlx:
+            ap.error("--from-hf needs --quantize BITS or --mlx")
+        print(quantize_checkpoint(Path(a.from_hf), Path(a.out), a.quantize, a.group_size,
+                                  a.scale_dtype))
+        return 0
+    if a.model_type is None:
+        ap.error("--model-type is required (unless --from-hf)")
     p = make_checkpoint(a.model_type, a.out, a.size, layers=a.layers, seed=a.seed,
                         vocab_size=a.vocab, expert_layout=a.expert_layout, quantize=a.quantize,
                         group_size=a.group_size, scale_dtype=a.scale_dtype, dtype=a.dtype,
