@@ -1,0 +1,37 @@
+// Gated full attention (Qwen3.5 / Qwen3-Next) over a growing KV cache.
+//
+//   [q | gate] = q_proj(h) per head;  k = k_proj(h);  v = v_proj(h)
+//   q, k <- per-head zero-centred RMSNorm, then RoPE on the first rotary_dim dims (rotate-half)
+//   o = softmax(q k^T / sqrt(head_dim), causal) v     (GQA: n_heads / n_kv_heads queries per KV head)
+//   y = o_proj(o * sigmoid(gate))
+//
+// Shapes: T tokens in the chunk, P = cached positions before it, Hq/Hkv heads, D = head_dim.
+//   h [T, hidden]  qg [T, Hq, 2D]  k, v [T, Hkv, D]  cache K, V [Hkv, capacity, D]  o [T, Hq, D]
+#pragma once
+#include <vector>
+
+#include "cpu/thread_pool.h"
+#include "model/weights.h"
+
+namespace lily::cpu {
+
+// Keys and values of one attention layer, f32, one contiguous [capacity, D] run per KV head
+// so a head's scan over the past is a linear walk. Grows geometrically up to the state's
+// max_context, so short conversations hold little memory.
+struct KvCache {
+  int kv_heads = 0, head_dim = 0, capacity = 0;
+  std::vector<float> k, v;  // [kv_heads, capacity, head_dim]
+
+  void reserve(int positions, int max_positions);
+  float* k_at(int head, int pos) { return k.data() + (size_t(head) * capacity + pos) * head_dim; }
+  float* v_at(int head, int pos) { return v.data() + (size_t(head) * capacity + pos) * head_dim; }
+};
+
+struct AttentionScratch {
+  std::vector<float> qg, k, v, o, rope_cos, rope_sin, scores;
+};
+
+void attention_mixer(const ModelConfig& c, const AttentionWeights& w, KvCache& cache, int pos0, int max_context,
+                     const float* h, int T, float* y, AttentionScratch& s, ThreadPool& pool);
+
+}  // namespace lily::cpu

@@ -1,0 +1,97 @@
+#include "cpu/backend.h"
+
+#include "cpu/linear.h"
+#include "cpu/norm.h"
+#include "model/error.h"
+
+namespace lily::cpu {
+
+size_t CpuState::nbytes() const {
+  size_t n = 0;
+  for (const auto& c : kv) n += (c.k.capacity() + c.v.capacity()) * sizeof(float);
+  for (const auto& g : gdn) n += (g.conv.capacity() + g.S.capacity()) * sizeof(float);
+  return n;
+}
+
+size_t CpuSnapshot::nbytes() const {
+  size_t n = 0;
+  for (const auto& g : gdn) n += (g.conv.size() + g.S.size()) * sizeof(float);
+  return n;
+}
+
+std::unique_ptr<Snapshot> CpuState::capture() const {
+  auto snap = std::make_unique<CpuSnapshot>();
+  snap->owner = this;
+  snap->gdn = gdn;
+  return snap;
+}
+
+void CpuState::apply(const Snapshot& snap) {
+  const auto* s = dynamic_cast<const CpuSnapshot*>(&snap);
+  if (!s || s->owner != this) throw RequestError("[state] snapshot was taken from another sequence");
+  gdn = s->gdn;
+}
+
+CpuBackend::CpuBackend(std::shared_ptr<const ModelWeights> weights, int n_threads)
+    : weights_(std::move(weights)), c_(weights_->config), pool_(n_threads) {}
+
+std::unique_ptr<State> CpuBackend::new_state(int max_context) {
+  auto st = std::make_unique<CpuState>();
+  st->kv.resize(c_.n_layers());
+  st->gdn.resize(c_.n_layers());
+  for (int l = 0; l < c_.n_layers(); ++l) {
+    if (c_.mixers[l] == Mixer::Attention) {
+      st->kv[l].kv_heads = c_.n_kv_heads;
+      st->kv[l].head_dim = c_.head_dim;
+    } else {
+      st->gdn[l].conv.assign(size_t(c_.conv_kernel - 1) * c_.gdn_qkv_dim(), 0.0f);
+      st->gdn[l].S.assign(size_t(c_.gdn_v_heads) * c_.gdn_k_dim * c_.gdn_v_dim, 0.0f);
+    }
+  }
+  return st;
+}
+
+void CpuBackend::embed(State&, const int32_t* tokens, int T) {
+  T_ = T;
+  const size_t n = size_t(T) * c_.hidden;
+  x_.resize(n);
+  h_.resize(n);
+  y_.resize(n);
+  embedding(weights_->embed, tokens, T, x_.data(), pool_);
+}
+
+void CpuBackend::norm_rows(const std::vector<float>& w, bool add) {
+  const int H = c_.hidden;
+  pool_.parallel_for(T_, [&](int64_t t0, int64_t t1, int) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* x = x_.data() + size_t(t) * H;
+      if (add) {
+        const float* y = y_.data() + size_t(t) * H;
+        for (int i = 0; i < H; ++i) x[i] += y[i];
+      }
+      cpu::rms_norm(x, w.data(), H, c_.rms_eps, h_.data() + size_t(t) * H);
+    }
+  });
+}
+
+void CpuBackend::rms_norm(const std::vector<float>& w) { norm_rows(w, false); }
+void CpuBackend::add_rms_norm(const std::vector<float>& w) { norm_rows(w, true); }
+
+void CpuBackend::attention(State& st, int layer, const AttentionWeights& w) {
+  auto& s = static_cast<CpuState&>(st);
+  attention_mixer(c_, w, s.kv[layer], s.position(), s.max_context(), h_.data(), T_, y_.data(), attn_, pool_);
+}
+
+void CpuBackend::gated_deltanet(State& st, int layer, const GdnWeights& w) {
+  auto& s = static_cast<CpuState&>(st);
+  gated_deltanet_mixer(c_, w, s.gdn[layer], h_.data(), T_, y_.data(), gdn_, pool_);
+}
+
+void CpuBackend::mlp(const MlpWeights& w) { mlp_block(w, h_.data(), T_, y_.data(), ffn_, pool_); }
+void CpuBackend::moe(const MoeWeights& w) { moe_block(c_, w, h_.data(), T_, y_.data(), ffn_, pool_); }
+
+void CpuBackend::lm_head(const Linear& head, int first, int n, float* logits) {
+  linear(head, h_.data() + size_t(first) * c_.hidden, n, logits, pool_);
+}
+
+}  // namespace lily::cpu

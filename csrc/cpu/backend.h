@@ -1,0 +1,65 @@
+// The CPU backend: the reference every other backend is tested against, and a fast runtime in
+// its own right. Ops run as loops over one thread pool; scratch buffers persist across calls,
+// so decoding allocates nothing per token once warmed up.
+#pragma once
+#include <memory>
+
+#include "cpu/attention.h"
+#include "cpu/gdn.h"
+#include "cpu/moe.h"
+#include "cpu/thread_pool.h"
+#include "model/backend.h"
+
+namespace lily::cpu {
+
+class CpuSnapshot : public Snapshot {
+ public:
+  const void* owner = nullptr;  // the CpuState it was taken from
+  std::vector<GdnState> gdn;
+  size_t nbytes() const override;
+};
+
+class CpuState : public State {
+ public:
+  std::vector<KvCache> kv;    // per layer (empty for DeltaNet layers)
+  std::vector<GdnState> gdn;  // per layer (empty for attention layers)
+
+  std::unique_ptr<State> clone() const override { return std::make_unique<CpuState>(*this); }
+  size_t nbytes() const override;
+
+ protected:
+  std::unique_ptr<Snapshot> capture() const override;
+  void apply(const Snapshot& snap) override;
+};
+
+class CpuBackend : public Backend {
+ public:
+  CpuBackend(std::shared_ptr<const ModelWeights> weights, int n_threads);
+
+  const char* name() const override { return "cpu"; }
+  int threads() const { return pool_.size(); }
+  std::unique_ptr<State> new_state(int max_context) override;
+
+  void embed(State& st, const int32_t* tokens, int T) override;
+  void rms_norm(const std::vector<float>& w) override;
+  void add_rms_norm(const std::vector<float>& w) override;
+  void attention(State& st, int layer, const AttentionWeights& w) override;
+  void gated_deltanet(State& st, int layer, const GdnWeights& w) override;
+  void mlp(const MlpWeights& w) override;
+  void moe(const MoeWeights& w) override;
+  void lm_head(const Linear& head, int first, int n, float* logits) override;
+
+ private:
+  void norm_rows(const std::vector<float>& w, bool add);
+
+  std::shared_ptr<const ModelWeights> weights_;
+  const ModelConfig& c_;
+  ThreadPool pool_;
+  int T_ = 0;                   // tokens in the current chunk
+  std::vector<float> x_, h_, y_;  // [T, hidden]
+  AttentionScratch attn_;
+  GdnScratch gdn_;
+  FfnScratch ffn_;
+};
+
+}  // namespace lily::cpu

@@ -1,0 +1,33 @@
+// Gated DeltaNet mixer (Qwen3.5 / Qwen3-Next linear-attention layers).
+//
+//   qkv = in_qkv(h); z = in_z(h); b = in_b(h); a = in_a(h)
+//   qkv <- silu(causal depthwise conv1d(qkv)) with the last K-1 inputs carried in the state
+//   q, k <- l2-normalised per head; q *= 1/sqrt(Dk)
+//   beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias);  value head h uses key head h / (Hv/Hk)
+//   per value head, S [Dk, Dv] in f32:
+//     S <- S * exp(g);  delta = (v - S^T k) * beta;  S <- S + k delta^T;  o = S^T q
+//   y = out_proj(gated_rms_norm(o, z))
+//
+// Shapes: T tokens; Hk, Hv heads; Dk, Dv head dims; C = 2*Hk*Dk + Hv*Dv conv channels.
+//   qkv [T, C]  z [T, Hv*Dv]  b, a [T, Hv]  conv state [K-1, C]  S [Hv, Dk, Dv]  o [T, Hv*Dv]
+#pragma once
+#include <vector>
+
+#include "cpu/thread_pool.h"
+#include "model/weights.h"
+
+namespace lily::cpu {
+
+struct GdnState {
+  std::vector<float> conv;  // [K-1, C]: the last K-1 pre-conv inputs, oldest first
+  std::vector<float> S;     // [Hv, Dk, Dv]
+};
+
+struct GdnScratch {
+  std::vector<float> qkv, qkvz, z, b, a, ba, conv_out, o;
+};
+
+void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, GdnState& st, const float* h, int T, float* y,
+                          GdnScratch& s, ThreadPool& pool);
+
+}  // namespace lily::cpu

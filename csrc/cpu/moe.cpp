@@ -1,0 +1,209 @@
+#include "cpu/moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "cpu/linear.h"
+#include "cpu/simd.h"
+
+namespace lily::cpu {
+
+namespace {
+
+// act[n, I] = silu(gate) * up, written over gate.
+void swiglu(float* gate, const float* up, size_t n) {
+  for (size_t i = 0; i < n; ++i) gate[i] = silu(gate[i]) * up[i];
+}
+
+// y[T, H] = down(silu(gate(x)) * up(x)) using the scratch's gate/up buffers.
+void swiglu_mlp(const MlpWeights& w, const float* x, int T, float* y, FfnScratch& s, ThreadPool& pool) {
+  const int I = w.gate.out;
+  s.gate.resize(size_t(T) * I);
+  s.up.resize(size_t(T) * I);
+  linear(w.gate, x, T, s.gate.data(), pool);
+  linear(w.up, x, T, s.up.data(), pool);
+  swiglu(s.gate.data(), s.up.data(), size_t(T) * I);
+  linear(w.down, s.gate.data(), T, y, pool);
+}
+
+}  // namespace
+
+void route_token(const float* logits, int E, int k, bool renormalize, int32_t* ids, float* weights) {
+  float mx = -INFINITY;
+  for (int e = 0; e < E; ++e) mx = std::max(mx, logits[e]);
+  float sum = 0;
+  for (int e = 0; e < E; ++e) sum += std::exp(logits[e] - mx);
+  // Selection by logit is selection by probability (softmax is monotonic); insertion into a
+  // k-sized sorted list keeps the lowest id first among equals.
+  int n = 0;
+  for (int e = 0; e < E; ++e) {
+    const float v = logits[e];
+    if (n == k && v <= logits[ids[k - 1]]) continue;
+    int pos = std::min(n, k - 1);
+    while (pos > 0 && logits[ids[pos - 1]] < v) {
+      ids[pos] = ids[pos - 1];
+      --pos;
+    }
+    ids[pos] = e;
+    n = std::min(n + 1, k);
+  }
+  float total = 0;
+  for (int i = 0; i < k; ++i) {
+    weights[i] = std::exp(logits[ids[i]] - mx) / sum;
+    total += weights[i];
+  }
+  if (renormalize)
+    for (int i = 0; i < k; ++i) weights[i] /= total;
+}
+
+void mlp_block(const MlpWeights& w, const float* x, int T, float* y, FfnScratch& s, ThreadPool& pool) {
+  swiglu_mlp(w, x, T, y, s, pool);
+}
+
+namespace {
+
+// One token (decode): the k routed experts and the shared expert are all fed the same x, so
+// x is prepared once and every expert's gate+up rows run in ONE parallel region, then every
+// down row in a second: two pool wake-ups per MoE block instead of three per expert.
+void moe_single_token(const ModelConfig& c, const MoeWeights& w, const float* x, float* y, FfnScratch& s,
+                      ThreadPool& pool) {
+  const int H = c.hidden, E = c.n_experts, k = c.top_k;
+  s.logits.resize(E);
+  s.route_id.resize(k);
+  s.route_w.resize(k);
+  linear(w.router, x, 1, s.logits.data(), pool);
+  route_token(s.logits.data(), E, k, c.norm_topk_prob, s.route_id.data(), s.route_w.data());
+
+  // Jobs: routed experts in id order (the reference sums them so), then the shared expert.
+  struct Job {
+    const MlpWeights* mlp;
+    float weight;
+    int inter;      // intermediate size
+    size_t act_at;  // offset of this job's [gate | up] rows in s.gate
+  };
+  std::vector<std::pair<int32_t, float>> routed(k);
+  for (int i = 0; i < k; ++i) routed[i] = {s.route_id[i], s.route_w[i]};
+  std::sort(routed.begin(), routed.end());
+  thread_local std::vector<Job> jobs_store;  // reused; bound by reference for the workers
+  std::vector<Job>& jobs = jobs_store;
+  jobs.clear();
+  size_t rows = 0;
+  for (auto [e, wt] : routed) {
+    jobs.push_back({&w.experts[e], wt, w.experts[e].gate.out, rows});
+    rows += 2 * size_t(w.experts[e].gate.out);
+  }
+  if (c.shared_intermediate > 0) {
+    float g;
+    linear(w.shared_gate, x, 1, &g, pool);
+    jobs.push_back({&w.shared, sigmoid(g), w.shared.gate.out, rows});
+    rows += 2 * size_t(w.shared.gate.out);
+  }
+  const int n_jobs = int(jobs.size());
+
+  // Phase 1: [gate | up] of every job. Rows of all jobs form one index space.
+  thread_local MatvecInput xin_store;
+  MatvecInput& xin = xin_store;
+  xin.prepare(jobs[0].mlp->gate, x, 1);
+  s.gate.resize(rows);
+  pool.parallel_for(
+      int64_t(rows),
+      [&](int64_t r0, int64_t r1, int) {
+        for (const Job& j : jobs) {
+          const int64_t b = int64_t(j.act_at), m = j.inter;
+          // gate rows [b, b+m), up rows [b+m, b+2m) of the shared index space
+          for (int part = 0; part < 2; ++part) {
+            const int64_t lo = std::max(r0, b + part * m), hi = std::min(r1, b + (part + 1) * m);
+            if (lo >= hi) continue;
+            const Linear& W = part == 0 ? j.mlp->gate : j.mlp->up;
+            float* out = s.gate.data() + (b + part * m);
+            if (xin.matches(W)) {
+              matvec_rows(W, xin, out, m, lo - b - part * m, hi - b - part * m);
+            } else {  // a job with another quantization (e.g. a bf16 shared expert)
+              MatvecInput own;
+              own.prepare(W, x, 1);
+              matvec_rows(W, own, out, m, lo - b - part * m, hi - b - part * m);
+            }
+          }
+        }
+      },
+      16);
+
+  // SwiGLU per job, then prepare each job's activation as the input of its down projection.
+  thread_local std::vector<MatvecInput> act_in_store;
+  std::vector<MatvecInput>& act_in = act_in_store;
+  act_in.resize(n_jobs);
+  for (int i = 0; i < n_jobs; ++i) {
+    float* g = s.gate.data() + jobs[i].act_at;
+    swiglu(g, g + jobs[i].inter, size_t(jobs[i].inter));
+    act_in[i].prepare(jobs[i].mlp->down, g, 1);
+  }
+
+  // Phase 2: every job's down rows, [n_jobs, H].
+  s.ye.resize(size_t(n_jobs) * H);
+  pool.parallel_for(
+      int64_t(n_jobs) * H,
+      [&](int64_t r0, int64_t r1, int) {
+        for (int i = 0; i < n_jobs; ++i) {
+          const int64_t lo = std::max<int64_t>(r0, int64_t(i) * H), hi = std::min<int64_t>(r1, int64_t(i + 1) * H);
+          if (lo < hi) matvec_rows(jobs[i].mlp->down, act_in[i], s.ye.data() + size_t(i) * H, H, lo - i * H, hi - i * H);
+        }
+      },
+      16);
+
+  std::fill(y, y + H, 0.0f);
+  for (int i = 0; i < n_jobs; ++i) axpy(jobs[i].weight, s.ye.data() + size_t(i) * H, y, H);
+}
+
+}  // namespace
+
+void moe_block(const ModelConfig& c, const MoeWeights& w, const float* x, int T, float* y, FfnScratch& s,
+               ThreadPool& pool) {
+  if (T == 1) {
+    moe_single_token(c, w, x, y, s, pool);
+    return;
+  }
+  const int H = c.hidden, E = c.n_experts, k = c.top_k;
+  s.logits.resize(size_t(T) * E);
+  s.route_id.resize(size_t(T) * k);
+  s.route_w.resize(size_t(T) * k);
+  linear(w.router, x, T, s.logits.data(), pool);
+  for (int t = 0; t < T; ++t)
+    route_token(s.logits.data() + size_t(t) * E, E, k, c.norm_topk_prob, s.route_id.data() + size_t(t) * k,
+                s.route_w.data() + size_t(t) * k);
+
+  // Counting sort of (token, slot) pairs by expert.
+  s.expert_start.assign(E + 1, 0);
+  for (int i = 0; i < T * k; ++i) s.expert_start[s.route_id[i] + 1]++;
+  for (int e = 0; e < E; ++e) s.expert_start[e + 1] += s.expert_start[e];
+  s.by_expert.resize(size_t(T) * k);
+  {
+    std::vector<int32_t> fill(s.expert_start.begin(), s.expert_start.end() - 1);
+    for (int i = 0; i < T * k; ++i) s.by_expert[fill[s.route_id[i]]++] = i;  // i = t * k + slot
+  }
+
+  std::fill(y, y + size_t(T) * H, 0.0f);
+  for (int e = 0; e < E; ++e) {
+    const int b = s.expert_start[e], n = s.expert_start[e + 1] - b;
+    if (n == 0) continue;
+    s.xe.resize(size_t(n) * H);
+    s.ye.resize(size_t(n) * H);
+    for (int j = 0; j < n; ++j)
+      std::memcpy(s.xe.data() + size_t(j) * H, x + size_t(s.by_expert[b + j] / k) * H, H * sizeof(float));
+    swiglu_mlp(w.experts[e], s.xe.data(), n, s.ye.data(), s, pool);
+    for (int j = 0; j < n; ++j) {
+      const int i = s.by_expert[b + j];
+      axpy(s.route_w[i], s.ye.data() + size_t(j) * H, y + size_t(i / k) * H, H);
+    }
+  }
+
+  if (c.shared_intermediate > 0) {
+    s.shared_gate.resize(T);
+    linear(w.shared_gate, x, T, s.shared_gate.data(), pool);
+    s.ye.resize(size_t(T) * H);
+    swiglu_mlp(w.shared, x, T, s.ye.data(), s, pool);
+    for (int t = 0; t < T; ++t) axpy(sigmoid(s.shared_gate[t]), s.ye.data() + size_t(t) * H, y + size_t(t) * H, H);
+  }
+}
+
+}  // namespace lily::cpu

@@ -1,0 +1,39 @@
+// The prefill / decode loop over one backend and one set of weights. A prompt is prefilled in
+// chunks of at most `prefill_chunk` tokens, so temporaries are bounded by the chunk, never by
+// the prompt (a 128K prompt needs the same scratch as a 512 one).
+#pragma once
+#include <cstdint>
+#include <memory>
+
+#include "model/backend.h"
+#include "model/schedule.h"
+
+namespace lily {
+
+class Engine {
+ public:
+  Engine(std::shared_ptr<const ModelWeights> weights, std::unique_ptr<Backend> backend, int prefill_chunk);
+
+  const ModelConfig& config() const { return weights_->config; }
+  const ModelWeights& weights() const { return *weights_; }
+  Backend& backend() { return *backend_; }
+  int prefill_chunk() const { return prefill_chunk_; }
+
+  std::unique_ptr<State> new_state(int max_context);
+
+  // Appends n tokens to the state. logits: [n, vocab] when all_logits, else [vocab] of the last
+  // token (or nullptr for none). Throws RequestError before any compute if the state's context
+  // would overflow.
+  void prefill(State& st, const int32_t* tokens, int n, float* logits, bool all_logits);
+  // One token; logits [vocab].
+  void decode(State& st, int32_t token, float* logits);
+
+ private:
+  void check_tokens(const State& st, const int32_t* tokens, int n) const;
+
+  std::shared_ptr<const ModelWeights> weights_;
+  std::unique_ptr<Backend> backend_;
+  int prefill_chunk_;
+};
+
+}  // namespace lily

@@ -1,0 +1,89 @@
+// The coarse ops every backend implements, and the per-sequence state they keep.
+//
+// The layer schedule (model/schedule.cpp) is written once against this interface. Ops are
+// coarse on purpose — a whole mixer, a whole MoE block — so a backend can fuse inside them:
+// the CPU backend runs loops over its thread pool; a GPU backend encodes dispatches and waits
+// for nothing until the pass ends.
+//
+// Activations live inside the backend for the current chunk of T tokens:
+//   x [T, hidden]  residual stream     h [T, hidden]  normed input of the next block
+//   y [T, hidden]  output of the last mixer / feed-forward block
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "model/weights.h"
+
+namespace lily {
+
+// The recurrent part of a State at one position (DeltaNet S and conv windows). DeltaNet state
+// cannot be rewound, only restored; the KV cache needs no copy, because entries past a
+// position are simply overwritten as the sequence goes on from there.
+class Snapshot {
+ public:
+  virtual ~Snapshot() = default;
+  int position() const { return position_; }
+  virtual size_t nbytes() const = 0;
+
+ protected:
+  friend class State;
+  int position_ = 0;
+  uint64_t epoch_ = 0;  // the State's restore count when taken
+};
+
+// Everything a sequence carries between chunks: the attention KV cache, the DeltaNet conv and
+// recurrent state, and the position. Made by a backend; opaque to the schedule.
+class State {
+ public:
+  virtual ~State() = default;
+  int position() const { return position_; }
+  int max_context() const { return max_context_; }
+  // A deep copy (used for turn snapshots: DeltaNet state cannot be rewound, only restored).
+  virtual std::unique_ptr<State> clone() const = 0;
+  // Bytes of memory held now.
+  virtual size_t nbytes() const = 0;
+
+  // Captures the recurrent state at the current position.
+  std::unique_ptr<Snapshot> snapshot() const;
+  // Returns the sequence to a snapshot's position. Throws RequestError if the snapshot is not
+  // of this state, or if the KV entries it relies on were overwritten since (a restore to an
+  // earlier position followed by new tokens).
+  void restore(const Snapshot& snap);
+
+ protected:
+  friend class Engine;
+  virtual std::unique_ptr<Snapshot> capture() const = 0;
+  virtual void apply(const Snapshot& snap) = 0;
+
+  int position_ = 0;
+  int max_context_ = 0;
+  uint64_t epoch_ = 0;
+  // (epoch after the restore, position restored to): a snapshot at position p taken in epoch e
+  // stays valid while every later restore went to a position >= p.
+  std::vector<std::pair<uint64_t, int>> restores_;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+  virtual std::unique_ptr<State> new_state(int max_context) = 0;
+
+  // Starts a chunk of T tokens at state.position(): x = embed(tokens).
+  virtual void embed(State& st, const int32_t* tokens, int T) = 0;
+  // h = rmsnorm(x) * w
+  virtual void rms_norm(const std::vector<float>& w) = 0;
+  // x += y; h = rmsnorm(x) * w
+  virtual void add_rms_norm(const std::vector<float>& w) = 0;
+  // y = mixer(h), reading and extending the layer's state.
+  virtual void attention(State& st, int layer, const AttentionWeights& w) = 0;
+  virtual void gated_deltanet(State& st, int layer, const GdnWeights& w) = 0;
+  // y = ffn(h)
+  virtual void mlp(const MlpWeights& w) = 0;
+  virtual void moe(const MoeWeights& w) = 0;
+  // logits[n, vocab] = head(h[first .. first + n))
+  virtual void lm_head(const Linear& head, int first, int n, float* logits) = 0;
+};
+
+}  // namespace lily

@@ -1,0 +1,54 @@
+// The model's shape, as the native core sees it. Parsed from config.json by lily/config.py
+// (which handles the three families' spellings: qwen3_5_moe, qwen3_5, qwen3_next) and checked
+// again here, because every buffer size and loop bound in the core derives from these numbers.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace lily {
+
+enum class Mixer : uint8_t { GatedDeltaNet, Attention };
+enum class Ffn : uint8_t { Dense, Moe };
+
+struct ModelConfig {
+  std::string model_type;
+  int hidden = 0;
+  int vocab = 0;
+  int max_position = 0;
+  float rms_eps = 1e-6f;
+  std::vector<Mixer> mixers;  // one per layer
+  std::vector<Ffn> ffns;      // one per layer
+
+  // Gated attention.
+  int n_heads = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  int rotary_dim = 0;  // leading dims of each head that get RoPE (rotate-half)
+  double rope_theta = 10000.0;
+
+  // Gated DeltaNet.
+  int gdn_k_heads = 0;
+  int gdn_v_heads = 0;
+  int gdn_k_dim = 0;
+  int gdn_v_dim = 0;
+  int conv_kernel = 0;
+  bool gdn_fused_qkvz = false;  // Qwen3-Next: in_proj_qkvz / in_proj_ba grouped per key head
+
+  // Feed-forward.
+  int intermediate = 0;  // dense MLP
+  int n_experts = 0;
+  int top_k = 0;
+  int moe_intermediate = 0;
+  int shared_intermediate = 0;  // 0: no shared expert
+  bool norm_topk_prob = true;
+
+  int n_layers() const { return int(mixers.size()); }
+  int gdn_qkv_dim() const { return 2 * gdn_k_heads * gdn_k_dim + gdn_v_heads * gdn_v_dim; }
+  int gdn_value_dim() const { return gdn_v_heads * gdn_v_dim; }
+
+  // Throws ConfigError naming the first inconsistent field.
+  void validate() const;
+};
+
+}  // namespace lily

@@ -1,0 +1,193 @@
+#include "model/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "model/error.h"
+#include "model/json.h"
+
+namespace lily {
+
+namespace {
+
+// Headers of real checkpoints are well under 1 MiB; the bound keeps a hostile length from
+// making us parse gigabytes of JSON.
+constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
+
+int64_t stat_mtime_ns(const struct stat& st) {
+#if defined(__APPLE__)
+  return int64_t(st.st_mtimespec.tv_sec) * 1000000000 + st.st_mtimespec.tv_nsec;
+#else
+  return int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+#endif
+}
+
+}  // namespace
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::F32: return "F32";
+    case DType::F16: return "F16";
+    case DType::BF16: return "BF16";
+    case DType::F64: return "F64";
+    case DType::I64: return "I64";
+    case DType::I32: return "I32";
+    case DType::I16: return "I16";
+    case DType::I8: return "I8";
+    case DType::U64: return "U64";
+    case DType::U32: return "U32";
+    case DType::U16: return "U16";
+    case DType::U8: return "U8";
+    case DType::Bool: return "BOOL";
+  }
+  return "?";
+}
+
+bool dtype_from_name(const std::string& s, DType* out) {
+  static const std::pair<const char*, DType> table[] = {
+      {"F32", DType::F32}, {"F16", DType::F16}, {"BF16", DType::BF16}, {"F64", DType::F64},
+      {"I64", DType::I64}, {"I32", DType::I32}, {"I16", DType::I16},   {"I8", DType::I8},
+      {"U64", DType::U64}, {"U32", DType::U32}, {"U16", DType::U16},   {"U8", DType::U8},
+      {"BOOL", DType::Bool}};
+  for (const auto& [name, t] : table)
+    if (s == name) { *out = t; return true; }
+  return false;
+}
+
+int64_t TensorInfo::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
+  auto fail = [&](const std::string& what) -> void {
+    throw CheckpointError("[safetensors] " + path_ + ": " + what);
+  };
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) fail(std::string("cannot open: ") + std::strerror(errno));
+  struct stat st;
+  if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd_);
+    fd_ = -1;
+    fail("not a regular file");
+  }
+  size_ = uint64_t(st.st_size);
+  ident_dev_ = uint64_t(st.st_dev);
+  ident_ino_ = uint64_t(st.st_ino);
+  ident_mtime_ns_ = stat_mtime_ns(st);
+  try {
+    if (size_ < 8) fail("file is " + std::to_string(size_) + " bytes, too short for a header");
+    map_ = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_, 0);
+    if (map_ == MAP_FAILED) {
+      map_ = nullptr;
+      fail(std::string("mmap failed: ") + std::strerror(errno));
+    }
+    const auto* bytes = static_cast<const uint8_t*>(map_);
+    uint64_t header_len = 0;
+    for (int i = 7; i >= 0; --i) header_len = header_len << 8 | bytes[i];
+    if (header_len > size_ - 8)
+      fail("header length " + std::to_string(header_len) + " runs past the end of the file (" +
+           std::to_string(size_) + " bytes): truncated or not a safetensors file");
+    if (header_len > kMaxHeaderBytes) fail("header length " + std::to_string(header_len) + " is implausibly large");
+    data_ = bytes + 8 + header_len;
+    data_size_ = size_ - 8 - header_len;
+    parse_header(bytes + 8, header_len);
+  } catch (...) {
+    if (map_) ::munmap(map_, size_);
+    ::close(fd_);
+    map_ = nullptr;
+    fd_ = -1;
+    throw;
+  }
+}
+
+SafetensorsFile::~SafetensorsFile() {
+  if (map_) ::munmap(map_, size_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void SafetensorsFile::parse_header(const uint8_t* bytes, uint64_t header_len) {
+  auto fail = [&](const std::string& what) -> void {
+    throw CheckpointError("[safetensors] " + path_ + ": " + what);
+  };
+  json::Value root;
+  try {
+    root = json::parse(std::string_view(reinterpret_cast<const char*>(bytes), header_len));
+  } catch (const Error& e) {
+    fail(std::string("malformed header: ") + e.what());
+  }
+  if (!root.is_object()) fail("header is not a JSON object");
+
+  for (const auto& [name, entry] : root.object) {
+    if (name == "__metadata__") continue;
+    const std::string where = "tensor '" + name + "'";
+    if (!entry.is_object()) fail(where + ": entry is not an object");
+    const json::Value* dt = entry.find("dtype");
+    const json::Value* shape = entry.find("shape");
+    const json::Value* offs = entry.find("data_offsets");
+    if (!dt || !dt->is_string()) fail(where + ": missing dtype");
+    if (!shape || !shape->is_array()) fail(where + ": missing shape");
+    if (!offs || !offs->is_array() || offs->array.size() != 2) fail(where + ": data_offsets must be [begin, end]");
+    TensorInfo t;
+    t.name = name;
+    if (!dtype_from_name(dt->string, &t.dtype)) fail(where + ": unknown dtype '" + dt->string + "'");
+    // numel * itemsize with overflow checks: a hostile shape must not wrap around.
+    uint64_t nbytes = dtype_size(t.dtype);
+    for (const json::Value& d : shape->array) {
+      if (d.kind != json::Value::Kind::Number || !d.is_integer || d.integer < 0)
+        fail(where + ": shape entries must be non-negative integers");
+      t.shape.push_back(d.integer);
+      if (d.integer != 0 && nbytes > UINT64_MAX / uint64_t(d.integer)) fail(where + ": shape overflows");
+      nbytes *= uint64_t(d.integer);
+    }
+    const json::Value& b = offs->array[0];
+    const json::Value& e = offs->array[1];
+    if (!b.is_integer || !e.is_integer || b.integer < 0 || e.integer < b.integer)
+      fail(where + ": data_offsets must be non-negative integers with begin <= end");
+    if (uint64_t(e.integer) > data_size_)
+      fail(where + ": data ends at byte " + std::to_string(e.integer) + " of a data section of " +
+           std::to_string(data_size_) + " bytes (truncated file or lying header)");
+    if (uint64_t(e.integer - b.integer) != nbytes)
+      fail(where + ": holds " + std::to_string(e.integer - b.integer) + " bytes but dtype x shape needs " +
+           std::to_string(nbytes));
+    t.begin = uint64_t(b.integer);
+    t.nbytes = nbytes;
+    index_[t.name] = tensors_.size();
+    tensors_.push_back(std::move(t));
+  }
+
+  // No two tensors may share bytes (a lying header could alias weights).
+  std::vector<const TensorInfo*> order;
+  for (const auto& t : tensors_) order.push_back(&t);
+  std::sort(order.begin(), order.end(), [](auto* a, auto* b) { return a->begin < b->begin; });
+  for (size_t i = 1; i < order.size(); ++i) {
+    const TensorInfo* prev = order[i - 1];
+    if (prev->nbytes && order[i]->nbytes && prev->begin + prev->nbytes > order[i]->begin)
+      fail("tensors '" + prev->name + "' and '" + order[i]->name + "' overlap");
+  }
+}
+
+const TensorInfo* SafetensorsFile::find(const std::string& name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &tensors_[it->second];
+}
+
+void SafetensorsFile::check_unchanged() const {
+  struct stat st;
+  if (::stat(path_.c_str(), &st) != 0)
+    throw CheckpointError("[safetensors] " + path_ + ": file disappeared after it was loaded");
+  if (uint64_t(st.st_size) != size_ || uint64_t(st.st_ino) != ident_ino_ ||
+      uint64_t(st.st_dev) != ident_dev_ || stat_mtime_ns(st) != ident_mtime_ns_)
+    throw CheckpointError("[safetensors] " + path_ +
+                          ": file was modified or replaced after it was loaded (size " +
+                          std::to_string(size_) + " -> " + std::to_string(st.st_size) + ")");
+}
+
+}  // namespace lily

@@ -1,0 +1,67 @@
+// safetensors files, memory-mapped and never copied.
+//
+// Format: u64 little-endian header length N, N bytes of JSON {name: {dtype, shape,
+// data_offsets: [begin, end]}, "__metadata__": {...}}, then the data section. Everything in the
+// header is untrusted: every offset is checked against the file size, every byte count against
+// dtype x shape (with overflow checks), and tensors may not overlap. A file that fails any check
+// is a CheckpointError naming the file and tensor; nothing is read before validation passes.
+//
+// The mapping is read-only and shared, so weights cost no private memory: pages are faulted in
+// from the page cache as kernels touch them. The file's identity (device, inode, size, mtime) is
+// recorded at open, so a file replaced or truncated later can be detected (check_unchanged).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "model/dtype.h"
+
+namespace lily {
+
+struct TensorInfo {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0;  // byte offset in the data section
+  uint64_t nbytes = 0;
+
+  int64_t numel() const;
+};
+
+class SafetensorsFile {
+ public:
+  // Opens, maps and validates; throws CheckpointError on any inconsistency.
+  explicit SafetensorsFile(const std::string& path);
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  uint64_t file_size() const { return size_; }
+  const std::vector<TensorInfo>& tensors() const { return tensors_; }
+  // nullptr when absent.
+  const TensorInfo* find(const std::string& name) const;
+  const uint8_t* data(const TensorInfo& t) const { return data_ + t.begin; }
+
+  // Throws CheckpointError if the file on disk is no longer the one that was mapped
+  // (size, inode or modification time changed): reading a truncated mapping would SIGBUS.
+  void check_unchanged() const;
+
+ private:
+  void parse_header(const uint8_t* bytes, uint64_t header_len);
+
+  std::string path_;
+  int fd_ = -1;
+  void* map_ = nullptr;
+  uint64_t size_ = 0;
+  const uint8_t* data_ = nullptr;  // start of the data section
+  uint64_t data_size_ = 0;
+  uint64_t ident_dev_ = 0, ident_ino_ = 0;
+  int64_t ident_mtime_ns_ = 0;
+  std::vector<TensorInfo> tensors_;
+  std::unordered_map<std::string, size_t> index_;
+};
+
+}  // namespace lily

@@ -1,0 +1,140 @@
+// The model's weights as the kernels see them: views into the mapped checkpoint files, never
+// copies of the large matrices. Small per-channel vectors (norm gains, conv taps, dt_bias, A)
+// are owned float arrays: they are read on every token and converting them once at load (also
+// folding the zero-centred norms' 1 + w) keeps that conversion out of the hot loops.
+//
+// Loading is split in two on purpose. lily/checkpoint.py knows the three families' tensor
+// names and layouts (HF fused or per-expert experts, MLX switch_mlp, Qwen3-Next grouped
+// projections) and fills named slots through WeightsBuilder; this file owns memory safety: every
+// slot's dimensions are re-checked against the config and the bytes available, so no Python
+// mistake can make a kernel read outside a tensor.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "model/dtype.h"
+#include "model/safetensors.h"
+
+namespace lily {
+
+// y[t, o] = sum_i x[t, i] * W[o, i]: a weight matrix W [out, in], row-major.
+struct Linear {
+  enum class Format : uint8_t { None, Dense, Affine };
+  Format format = Format::None;
+  int out = 0;
+  int in = 0;
+  // Dense: dtype of w (F32/F16/BF16). Affine: dtype of scales and biases.
+  DType dtype = DType::F32;
+  int bits = 0;   // Affine: 2, 3, 4, 5, 6 or 8
+  int group = 0;  // Affine: elements per scale/bias
+  const uint8_t* w = nullptr;       // Dense: [out, in] elements. Affine: [out, in*bits/32] uint32
+  const uint8_t* scales = nullptr;  // Affine: [out, in/group]
+  const uint8_t* biases = nullptr;  // Affine: [out, in/group]
+
+  bool present() const { return format != Format::None; }
+  bool quantized() const { return format == Format::Affine; }
+  size_t row_bytes() const;  // bytes of w per row
+  // Bytes the kernels read for one full pass over the matrix.
+  size_t nbytes() const;
+};
+
+struct AttentionWeights {
+  Linear q_proj;  // [n_heads * head_dim * 2, hidden]: per head [query | gate]
+  Linear k_proj, v_proj;
+  Linear o_proj;
+  std::vector<float> q_norm, k_norm;  // [head_dim], full gain (1 + w)
+};
+
+struct GdnWeights {
+  Linear in_qkv;  // [2*Hk*Dk + Hv*Dv, hidden]   (or in_qkvz when fused)
+  Linear in_z;    // [Hv*Dv, hidden]
+  Linear in_b, in_a;  // [Hv, hidden]           (or in_ba when fused)
+  Linear in_qkvz, in_ba;  // Qwen3-Next: grouped per key head, see cpu/gdn.cpp
+  Linear out_proj;        // [hidden, Hv*Dv]
+  std::vector<float> conv1d;  // [qkv_dim, kernel]
+  std::vector<float> dt_bias; // [Hv]
+  std::vector<float> a_neg;   // [Hv] = -exp(A_log)
+  std::vector<float> norm;    // [Dv] plain gain of the gated RMSNorm
+};
+
+struct MlpWeights {
+  Linear gate, up, down;
+};
+
+struct MoeWeights {
+  Linear router;                    // [E, hidden]
+  std::vector<MlpWeights> experts;  // E
+  MlpWeights shared;                // absent when shared_intermediate == 0
+  Linear shared_gate;               // [1, hidden]
+};
+
+struct LayerWeights {
+  std::vector<float> input_norm, post_norm;  // [hidden], full gain
+  AttentionWeights attn;
+  GdnWeights gdn;
+  MlpWeights mlp;
+  MoeWeights moe;
+};
+
+struct ModelWeights {
+  ModelConfig config;
+  Linear embed;    // [vocab, hidden], rows gathered
+  Linear lm_head;  // [vocab, hidden]
+  std::vector<float> final_norm;
+  std::vector<LayerWeights> layers;
+  std::vector<std::shared_ptr<SafetensorsFile>> files;  // keep the mappings alive
+
+  // Throws CheckpointError if any mapped file changed on disk since load.
+  void check_files_unchanged() const;
+};
+
+// Where a slot's bytes come from: tensor `name` in file `file`, optionally one entry of a
+// stacked leading dimension (`index`, e.g. an expert) and a row range (e.g. the gate half of
+// a fused gate_up_proj).
+struct TensorSlice {
+  int file = -1;
+  std::string name;
+  int index = -1;      // -1: the tensor is 2-D [rows, cols]; else pick [index] of a 3-D tensor
+  int row_begin = 0;
+  int row_end = -1;    // -1: all rows
+};
+
+class WeightsBuilder {
+ public:
+  explicit WeightsBuilder(ModelConfig config);
+
+  int add_file(const std::string& path);
+  const SafetensorsFile& file(int id) const;
+
+  // Slots: "embed", "lm_head", "final_norm", "layers.{i}.{input_norm,post_norm}",
+  // "layers.{i}.attn.{q_proj,k_proj,v_proj,o_proj,q_norm,k_norm}",
+  // "layers.{i}.gdn.{in_qkv,in_z,in_b,in_a,in_qkvz,in_ba,out_proj,conv1d,dt_bias,A_log,norm}",
+  // "layers.{i}.mlp.{gate,up,down}", "layers.{i}.moe.{router,shared_gate}",
+  // "layers.{i}.moe.shared.{gate,up,down}", "layers.{i}.moe.experts.{e}.{gate,up,down}".
+  void set_dense(const std::string& slot, const TensorSlice& w);
+  void set_affine(const std::string& slot, const TensorSlice& w, const TensorSlice& scales,
+                  const TensorSlice& biases, int bits, int group);
+  void set_vector(const std::string& slot, std::vector<float> values);
+
+  // Checks that every slot the config needs is filled; hands the weights over.
+  std::shared_ptr<ModelWeights> finish();
+
+ private:
+  struct Expect {
+    Linear* linear = nullptr;
+    std::vector<float>* vector = nullptr;
+    int out = 0, in = 0;  // matrix dims, or vector length in `out`
+  };
+  Expect resolve(const std::string& slot);
+  const uint8_t* slice_bytes(const TensorSlice& s, int64_t* rows, int64_t* cols, DType* dtype,
+                             const std::string& slot) const;
+
+  std::shared_ptr<ModelWeights> w_;
+  std::map<std::string, bool> filled_;
+};
+
+}  // namespace lily

@@ -1,0 +1,248 @@
+// Bindings for checkpoints, weights and the engine: what lily/model.py drives.
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+
+#include "cpu/backend.h"
+#include "cpu/linear.h"
+#include "engine/engine.h"
+#include "model/error.h"
+#include "python/bindings.h"
+
+namespace lily::python {
+
+namespace {
+
+using F32Array = nb::ndarray<nb::numpy, float>;
+
+// A fresh C-contiguous float32 NumPy array the caller fills.
+F32Array new_f32(std::initializer_list<size_t> shape, float** data) {
+  size_t n = 1;
+  for (size_t d : shape) n *= d;
+  float* p = new float[n];
+  nb::capsule owner(p, [](void* q) noexcept { delete[] static_cast<float*>(q); });
+  *data = p;
+  return F32Array(p, shape.size(), shape.begin(), owner);
+}
+
+std::vector<Mixer> parse_mixers(const std::vector<std::string>& names) {
+  std::vector<Mixer> out;
+  for (const auto& n : names) {
+    if (n == "full_attention") out.push_back(Mixer::Attention);
+    else if (n == "linear_attention") out.push_back(Mixer::GatedDeltaNet);
+    else throw ConfigError("[config] unknown layer type '" + n + "'");
+  }
+  return out;
+}
+
+std::vector<Ffn> parse_ffns(const std::vector<std::string>& names) {
+  std::vector<Ffn> out;
+  for (const auto& n : names) {
+    if (n == "dense") out.push_back(Ffn::Dense);
+    else if (n == "moe") out.push_back(Ffn::Moe);
+    else throw ConfigError("[config] unknown feed-forward type '" + n + "'");
+  }
+  return out;
+}
+
+TensorSlice slice(int file, const std::string& name, int index, int row_begin, int row_end) {
+  return TensorSlice{file, name, index, row_begin, row_end};
+}
+
+}  // namespace
+
+void init_model(nb::module_& m) {
+  nb::class_<ModelConfig>(m, "ModelConfig")
+      .def(nb::init<>())
+      .def_rw("model_type", &ModelConfig::model_type)
+      .def_rw("hidden", &ModelConfig::hidden)
+      .def_rw("vocab", &ModelConfig::vocab)
+      .def_rw("max_position", &ModelConfig::max_position)
+      .def_rw("rms_eps", &ModelConfig::rms_eps)
+      .def_prop_rw(
+          "layer_types",
+          [](const ModelConfig& c) {
+            std::vector<std::string> v;
+            for (Mixer x : c.mixers) v.push_back(x == Mixer::Attention ? "full_attention" : "linear_attention");
+            return v;
+          },
+          [](ModelConfig& c, const std::vector<std::string>& v) { c.mixers = parse_mixers(v); })
+      .def_prop_rw(
+          "ffn_types",
+          [](const ModelConfig& c) {
+            std::vector<std::string> v;
+            for (Ffn x : c.ffns) v.push_back(x == Ffn::Moe ? "moe" : "dense");
+            return v;
+          },
+          [](ModelConfig& c, const std::vector<std::string>& v) { c.ffns = parse_ffns(v); })
+      .def_rw("n_heads", &ModelConfig::n_heads)
+      .def_rw("n_kv_heads", &ModelConfig::n_kv_heads)
+      .def_rw("head_dim", &ModelConfig::head_dim)
+      .def_rw("rotary_dim", &ModelConfig::rotary_dim)
+      .def_rw("rope_theta", &ModelConfig::rope_theta)
+      .def_rw("gdn_k_heads", &ModelConfig::gdn_k_heads)
+      .def_rw("gdn_v_heads", &ModelConfig::gdn_v_heads)
+      .def_rw("gdn_k_dim", &ModelConfig::gdn_k_dim)
+      .def_rw("gdn_v_dim", &ModelConfig::gdn_v_dim)
+      .def_rw("conv_kernel", &ModelConfig::conv_kernel)
+      .def_rw("gdn_fused_qkvz", &ModelConfig::gdn_fused_qkvz)
+      .def_rw("intermediate", &ModelConfig::intermediate)
+      .def_rw("n_experts", &ModelConfig::n_experts)
+      .def_rw("top_k", &ModelConfig::top_k)
+      .def_rw("moe_intermediate", &ModelConfig::moe_intermediate)
+      .def_rw("shared_intermediate", &ModelConfig::shared_intermediate)
+      .def_rw("norm_topk_prob", &ModelConfig::norm_topk_prob)
+      .def("validate", &ModelConfig::validate);
+
+  nb::class_<ModelWeights>(m, "Weights")
+      .def_prop_ro("files", [](const ModelWeights& w) {
+        std::vector<std::string> v;
+        for (const auto& f : w.files) v.push_back(f->path());
+        return v;
+      })
+      .def("check_files_unchanged", &ModelWeights::check_files_unchanged)
+      .def_prop_ro("nbytes", [](const ModelWeights& w) {
+        size_t n = 0;
+        for (const auto& f : w.files) n += f->file_size();
+        return n;
+      });
+
+  nb::class_<WeightsBuilder>(m, "WeightsBuilder")
+      .def(nb::init<ModelConfig>())
+      .def("add_file", &WeightsBuilder::add_file, nb::arg("path"), nb::call_guard<nb::gil_scoped_release>())
+      .def("tensors",
+           [](const WeightsBuilder& b, int file) {
+             std::vector<std::tuple<std::string, std::string, std::vector<int64_t>>> out;
+             for (const TensorInfo& t : b.file(file).tensors()) out.emplace_back(t.name, dtype_name(t.dtype), t.shape);
+             return out;
+           })
+      .def("read_f32",
+           [](const WeightsBuilder& b, int file, const std::string& name) {
+             const SafetensorsFile& f = b.file(file);
+             const TensorInfo* t = f.find(name);
+             if (!t) throw CheckpointError("[weights] no tensor '" + name + "' in " + f.path());
+             if (!is_float_dtype(t->dtype))
+               throw CheckpointError("[weights] tensor '" + name + "' in " + f.path() + " has dtype " +
+                                     dtype_name(t->dtype) + ", expected a float type");
+             const size_t n = size_t(t->numel());
+             float* p;
+             F32Array a = new_f32({n}, &p);
+             for (size_t i = 0; i < n; ++i) p[i] = load_as_f32(f.data(*t), t->dtype, i);
+             return a;
+           })
+      .def(
+          "set_dense",
+          [](WeightsBuilder& b, const std::string& slot, int file, const std::string& name, int index, int row_begin,
+             int row_end) { b.set_dense(slot, slice(file, name, index, row_begin, row_end)); },
+          nb::arg("slot"), nb::arg("file"), nb::arg("name"), nb::arg("index") = -1, nb::arg("row_begin") = 0,
+          nb::arg("row_end") = -1)
+      .def(
+          "set_affine",
+          [](WeightsBuilder& b, const std::string& slot, int file, const std::string& name, int sfile,
+             const std::string& sname, int bfile, const std::string& bname, int bits, int group, int index,
+             int row_begin, int row_end) {
+            b.set_affine(slot, slice(file, name, index, row_begin, row_end),
+                         slice(sfile, sname, index, row_begin, row_end), slice(bfile, bname, index, row_begin, row_end),
+                         bits, group);
+          },
+          nb::arg("slot"), nb::arg("file"), nb::arg("name"), nb::arg("scales_file"), nb::arg("scales_name"),
+          nb::arg("biases_file"), nb::arg("biases_name"), nb::arg("bits"), nb::arg("group_size"),
+          nb::arg("index") = -1, nb::arg("row_begin") = 0, nb::arg("row_end") = -1)
+      .def("set_vector",
+           [](WeightsBuilder& b, const std::string& slot, nb::ndarray<const float, nb::ndim<1>, nb::c_contig> v) {
+             b.set_vector(slot, std::vector<float>(v.data(), v.data() + v.shape(0)));
+           })
+      .def("finish", &WeightsBuilder::finish);
+
+  nb::class_<Snapshot>(m, "Snapshot")
+      .def_prop_ro("position", &Snapshot::position)
+      .def_prop_ro("nbytes", &Snapshot::nbytes);
+
+  nb::class_<State>(m, "State")
+      .def("snapshot", &State::snapshot)
+      .def("restore", &State::restore, nb::arg("snapshot"))
+      .def_prop_ro("position", &State::position)
+      .def_prop_ro("max_context", &State::max_context)
+      .def_prop_ro("nbytes", &State::nbytes)
+      .def("clone", &State::clone);
+
+  nb::class_<Engine>(m, "Engine")
+      .def(
+          "__init__",
+          [](Engine* self, std::shared_ptr<ModelWeights> weights, const std::string& backend, int threads,
+             int prefill_chunk) {
+            if (backend != "cpu") throw ConfigError("[engine] unknown backend '" + backend + "'");
+            new (self) Engine(weights, std::make_unique<cpu::CpuBackend>(weights, threads), prefill_chunk);
+          },
+          nb::arg("weights"), nb::arg("backend") = "cpu", nb::arg("threads") = 0, nb::arg("prefill_chunk") = 512)
+      .def_prop_ro("backend", [](Engine& e) { return std::string(e.backend().name()); })
+      .def_prop_ro("threads", [](Engine& e) {
+        auto* cpu = dynamic_cast<cpu::CpuBackend*>(&e.backend());
+        return cpu ? cpu->threads() : 0;
+      })
+      .def_prop_ro("prefill_chunk", &Engine::prefill_chunk)
+      .def("new_state", &Engine::new_state, nb::arg("max_context"))
+      .def(
+          "prefill",
+          [](Engine& e, State& st, nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig> tokens, bool all_logits) {
+            const int n = int(tokens.shape(0));
+            if (n == 0) throw RequestError("[engine] prefill needs at least one token");
+            float* p;
+            F32Array out = all_logits ? new_f32({size_t(n), size_t(e.config().vocab)}, &p)
+                                      : new_f32({size_t(e.config().vocab)}, &p);
+            {
+              nb::gil_scoped_release release;
+              e.prefill(st, tokens.data(), n, p, all_logits);
+            }
+            return out;
+          },
+          nb::arg("state"), nb::arg("tokens"), nb::arg("all_logits") = false)
+      .def(
+          "decode",
+          [](Engine& e, State& st, int32_t token) {
+            float* p;
+            F32Array out = new_f32({size_t(e.config().vocab)}, &p);
+            {
+              nb::gil_scoped_release release;
+              e.decode(st, token, p);
+            }
+            return out;
+          },
+          nb::arg("state"), nb::arg("token"));
+
+  m.def(
+      "dequantize",
+      [](nb::ndarray<const uint32_t, nb::ndim<2>, nb::c_contig> packed,
+         nb::ndarray<const float, nb::ndim<2>, nb::c_contig> scales,
+         nb::ndarray<const float, nb::ndim<2>, nb::c_contig> biases, int bits, int group_size) {
+        const size_t rows = packed.shape(0), words = packed.shape(1);
+        if (bits < 2 || bits > 8 || bits == 7) throw Error("[dequantize] unsupported bits " + std::to_string(bits));
+        if (group_size <= 0) throw Error("[dequantize] group_size must be positive");
+        const size_t cols = words * 32 / bits;
+        if (words * 32 % bits || cols % group_size || scales.shape(0) != rows || biases.shape(0) != rows ||
+            scales.shape(1) != cols / group_size || biases.shape(1) != cols / group_size)
+          throw Error("[dequantize] packed, scales and biases shapes disagree");
+        Linear W;
+        W.format = Linear::Format::Affine;
+        W.out = int(rows);
+        W.in = int(cols);
+        W.dtype = DType::F32;
+        W.bits = bits;
+        W.group = group_size;
+        W.w = reinterpret_cast<const uint8_t*>(packed.data());
+        W.scales = reinterpret_cast<const uint8_t*>(scales.data());
+        W.biases = reinterpret_cast<const uint8_t*>(biases.data());
+        float* p;
+        F32Array out = new_f32({rows, cols}, &p);
+        for (size_t r = 0; r < rows; ++r) cpu::dequantize_row(W, int(r), p + r * cols);
+        return out;
+      },
+      nb::arg("packed"), nb::arg("scales"), nb::arg("biases"), nb::arg("bits"), nb::arg("group_size"));
+}
+
+}  // namespace lily::python

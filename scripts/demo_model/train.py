@@ -1,0 +1,260 @@
+"""Train lily's embedded demo model: a small Qwen3.5/3.6 MoE hybrid on the Python docs + fortunes corpus.
+
+The model is transformers' own `Qwen3_5MoeForCausalLM` (Gated DeltaNet layers, gated full attention
+at (i+1) % 4 == 0, top-k routed SwiGLU experts + a sigmoid-gated shared expert), so what is trained
+is exactly the released architecture, only smaller. Per-layer shapes keep the real model's head
+sizes (DeltaNet key/value heads of 128, attention heads of 256 with a 64-dim partial RoPE, theta
+1e7) and its ratios (value heads = 2 x key heads; expert and shared-expert width = hidden / 4), so
+the engine's kernels for the real model run unchanged on the demo.
+
+Training: random 512-token windows of the packed token stream (train.bin), AdamW, bf16 autocast
+with fp32 master weights, the router's load-balancing loss (coef 1e-3, as in the config), linear
+warm-up then cosine decay driven by *wall time* (--seconds), so a fixed device budget always ends on a
+fully decayed learning rate. The corpus is small (~4M tokens), so training runs several epochs; the
+weights with the best validation loss are the ones saved.
+
+Output (--out): config.json + sharded safetensors in the released composite layout
+(`Qwen3_5MoeForConditionalGeneration`: `model.language_model.*`, fused experts
+`mlp.experts.gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I]; bf16 matrices, fp32 vectors),
+loss.csv and train_summary.json.
+
+  python train.py --data data --out /tmp/ckpt --seconds 300          # on the GPU
+  python train.py --data data --out /tmp/ckpt --smoke                 # a few CPU steps of a tiny twin
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+VOCAB = 4096
+EOT_ID, IM_START_ID, IM_END_ID = 4087, 4088, 4089  # fixed by train_tokenizer.py (checked below)
+
+
+def text_config(smoke: bool = False) -> dict:
+    """The demo model's text config (real head sizes, everything else scaled down)."""
+    cfg = dict(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        num_hidden_layers=8,            # 6 Gated DeltaNet + 2 full attention (layers 3 and 7)
+        full_attention_interval=4,
+        num_attention_heads=2,          # gated attention: q_proj gives [query 256 | gate 256] per head
+        num_key_value_heads=1,
+        head_dim=256,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64 * 2,
+        shared_expert_intermediate_size=64 * 2,
+        router_aux_loss_coef=0.001,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
+                         "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                         "mrope_interleaved": True},
+        tie_word_embeddings=False,
+        eos_token_id=IM_END_ID,
+        pad_token_id=EOT_ID,
+        bos_token_id=None,
+    )
+    if smoke:
+        cfg.update(num_hidden_layers=4, hidden_size=128, moe_intermediate_size=64,
+                   shared_expert_intermediate_size=64)
+    return cfg
+
+
+def composite_config(tcfg: dict) -> dict:
+    """config.json of the released layout: mlx_lm.convert only takes model_type `qwen3_5_moe`."""
+    cfg = Qwen3_5MoeTextConfig(**tcfg).to_dict()
+    for k in ("architectures", "transformers_version", "dtype", "torch_dtype", "output_attentions",
+              "output_hidden_states", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder",
+              "problem_type", "id2label", "label2id", "tokenizer_class", "prefix", "sep_token_id",
+              "decoder_start_token_id", "task_specific_params", "add_cross_attention",
+              "cross_attention_hidden_size", "tie_encoder_decoder", "finetuning_task",
+              "use_cache"):
+        cfg.pop(k, None)
+    cfg.pop("_name_or_path", None)
+    cfg["model_type"] = "qwen3_5_moe_text"
+    cfg["full_attention_interval"] = tcfg["full_attention_interval"]  # mlx-lm reads this key
+    cfg["decoder_sparse_step"] = 1
+    cfg["norm_topk_prob"] = True
+    cfg["dtype"] = "bfloat16"
+    return {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "text_config": cfg,
+        "tie_word_embeddings": False,
+        "eos_token_id": IM_END_ID,
+        "pad_token_id": EOT_ID,
+    }
+
+
+def export(model: Qwen3_5MoeForCausalLM, tcfg: dict, out: Path, state=None, shard_mb: float = 15.0) -> None:
+    """Write the checkpoint in the released composite layout (fused experts): matrices in bf16 like
+    the released checkpoints, 1-D tensors (norms, A_log, dt_bias) in fp32; sharded under shard_mb
+    (the device returns files of at most 16 MB) with the usual model.safetensors.index.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    state = state if state is not None else model.state_dict()
+    tensors = {}
+    for k, v in state.items():
+        if k.startswith("model."):
+            k = "model.language_model." + k[len("model."):]
+        tensors[k] = v.detach().to("cpu", torch.bfloat16 if v.ndim >= 2 else torch.float32).contiguous()
+    assert "lm_head.weight" in tensors and "model.language_model.layers.0.mlp.experts.gate_up_proj" in tensors
+    shards, cur, size = [], {}, 0
+    for k in sorted(tensors):
+        nbytes = tensors[k].numel() * tensors[k].element_size()
+        if cur and size + nbytes > shard_mb * 1e6:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k] = tensors[k]
+        size += nbytes
+    shards.append(cur)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
+    (out / "config.json").write_text(json.dumps(composite_config(tcfg), indent=2) + "\n")
+
+
+def batches(tokens: np.ndarray, batch: int, seq: int, gen: np.random.Generator, device):
+    """Random windows of seq+1 tokens: inputs are [:-1], labels [1:] (HF shifts labels itself)."""
+    while True:
+        starts = gen.integers(0, tokens.size - seq - 1, size=batch)
+        x = np.stack([tokens[s:s + seq] for s in starts]).astype(np.int64)
+        yield torch.from_numpy(x).to(device, non_blocking=True)
+
+
+@torch.no_grad()
+def evaluate(model, val: np.ndarray, seq: int, n_windows: int, device, amp) -> float:
+    """Mean next-token cross-entropy over fixed, evenly spaced validation windows."""
+    model.eval()
+    starts = np.linspace(0, val.size - seq - 1, n_windows).astype(np.int64)
+    total, count = 0.0, 0
+    for i in range(0, n_windows, 16):
+        x = torch.from_numpy(np.stack([val[s:s + seq] for s in starts[i:i + 16]]).astype(np.int64)).to(device)
+        with amp():
+            out = model(input_ids=x, labels=x)
+        total += out.loss.item() * x.numel()
+        count += x.numel()
+    model.train()
+    return total / count
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", default=str(Path(__file__).parent / "data"))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seconds", type=float, default=300.0, help="wall-time budget for the steps")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--smoke", action="store_true", help="tiny model, few steps, CPU: proves the script")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    torch.manual_seed(args.seed)
+    data, out = Path(args.data), Path(args.out)
+    tok = json.loads((data / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    assert (ids["<|endoftext|>"], ids["<|im_start|>"], ids["<|im_end|>"]) == (EOT_ID, IM_START_ID, IM_END_ID)
+    train = np.fromfile(data / "train.bin", dtype=np.uint16)
+    val = np.fromfile(data / "val.bin", dtype=np.uint16)
+
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if args.smoke:
+        args.batch, args.seq, args.eval_every, args.warmup = 2, 64, 4, 2
+    tcfg = text_config(args.smoke)
+    config = Qwen3_5MoeTextConfig(**tcfg)
+    config.output_router_logits = True  # adds router_aux_loss_coef * load-balancing loss
+    model = Qwen3_5MoeForCausalLM._from_config(config, attn_implementation="sdpa").to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"params {n_params / 1e6:.2f}M  device {device}  train {train.size} val {val.size} tokens",
+          flush=True)
+
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        (decay if p.ndim >= 2 and "conv1d" not in n else no_decay).append(p)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=(device == "cuda"))
+
+    def amp():
+        if device == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cpu", enabled=False)
+
+    gen = np.random.default_rng(args.seed)
+    stream = batches(train, args.batch, args.seq, gen, device)
+    log = ["step,tokens,seconds,lr,train_loss,val_loss"]
+    best = (float("inf"), None, 0)
+    t0 = time.time()
+    step, smooth = 0, None
+    max_steps = 12 if args.smoke else 10**9
+    while step < max_steps:
+        elapsed = time.time() - t0
+        frac = min(elapsed / args.seconds, 1.0)
+        if frac >= 1.0:
+            break
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x = next(stream)
+        with amp():
+            res = model(input_ids=x, labels=x)
+        loss = res.loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        ce = (loss - config.router_aux_loss_coef * res.aux_loss).item() if step % 10 == 0 or args.smoke else None
+        if ce is not None:
+            smooth = ce if smooth is None else 0.8 * smooth + 0.2 * ce
+        if step % args.eval_every == 0:
+            v = evaluate(model, val, args.seq, 8 if args.smoke else 128, device, amp)
+            el = time.time() - t0
+            log.append(f"{step},{step * args.batch * args.seq},{el:.1f},{lr:.6f},{smooth:.4f},{v:.4f}")
+            print(log[-1], flush=True)
+            if v < best[0]:
+                best = (v, {k: t.detach().to("cpu", copy=True) for k, t in model.state_dict().items()}, step)
+    v = evaluate(model, val, args.seq, 8 if args.smoke else 128, device, amp)
+    el = time.time() - t0
+    log.append(f"{step},{step * args.batch * args.seq},{el:.1f},{lr:.6f},{smooth:.4f},{v:.4f}")
+    print(log[-1], flush=True)
+    if v <= best[0]:
+        best = (v, None, step)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "loss.csv").write_text("\n".join(log) + "\n")
+    export(model, tcfg, out, state=best[1])
+    summary = dict(steps=step, seconds=round(el, 1), tokens=step * args.batch * args.seq,
+                   epochs=round(step * args.batch * args.seq / train.size, 2), params=n_params,
+                   best_val_loss=round(best[0], 4), best_step=best[2], batch=args.batch, seq=args.seq,
+                   lr=args.lr, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                   torch=torch.__version__)
+    import transformers
+    summary["transformers"] = transformers.__version__
+    (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Everything the test suite needs on a fresh Debian/Ubuntu machine, then the suite itself.
+# This is the README's test command; .ci/run runs exactly this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# clang runs the Metal kernels on the CPU (MSL-on-CPU runtime); GNUstep headers type-check the
+# Objective-C++ Metal host.
+if command -v apt-get >/dev/null; then
+  if ! command -v clang-19 >/dev/null || ! [ -d /usr/include/GNUstep ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang-19 libclang-rt-19-dev libgnustep-base-dev >/dev/null
+  fi
+fi
+
+python -m pip install -q --upgrade pip
+# torch first: the pinned version is a local CPU wheel on these machines (a plain `torch`
+# would pull a multi-GB CUDA build).
+python -m pip install -q "torch==2.13.0"
+python -m pip install -q ".[test,server]"
+python -m pytest -q tests "$@"

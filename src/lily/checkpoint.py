@@ -1,0 +1,241 @@
+"""Checkpoint loading: safetensors files -> the native engine's weight slots.
+
+Two spellings of each model are accepted, and told apart the way mlx-lm does it:
+
+* Hugging Face layout: ``model.language_model.*`` (or ``model.*``), zero-centred norms stored
+  as ``w`` (the gain is ``1 + w``), conv1d as ``[C, 1, K]``, experts fused
+  (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) or one tensor
+  per expert (``mlp.experts.{e}.gate_proj.weight``).
+* MLX layout: ``language_model.model.*``, norms already ``1 + w``, conv1d as ``[C, K, 1]``,
+  experts stacked as ``mlp.switch_mlp.{gate,up,down}_proj``, linears affine-quantized
+  (``.weight`` uint32 + ``.scales`` + ``.biases``) with per-path bit overrides in
+  config.json ``quantization``.
+
+The large matrices are never copied: the native builder keeps views into the memory-mapped
+files. Vision-tower and MTP tensors are skipped on purpose; any other tensor that is not used,
+any missing tensor, and any wrong shape is a CheckpointError naming the tensor before any
+compute runs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lily import _core
+from lily._core import CheckpointError
+from lily.config import ModelConfig
+
+# Tensors that belong to parts of the released checkpoints lily does not run.
+_SKIP = re.compile(r"^(model\.visual\.|visual\.|vision_tower\.|model\.vision_tower\.|mtp\.|model\.mtp\.|language_model\.mtp\.)")
+# Name prefixes of the text model, longest first.
+_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+
+
+@dataclass
+class _Tensor:
+    file: int
+    name: str  # as stored in the file
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _canonical(name: str) -> str:
+    for p in _PREFIXES:
+        if name.startswith(p):
+            return name[len(p) :]
+    return name
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"[checkpoint] {index} is malformed: {e!r}") from None
+        files = [model_dir / n for n in names]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"[checkpoint] {index} names {f.name}, which does not exist")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"[checkpoint] no .safetensors files in {model_dir}")
+    return files
+
+
+class _Loader:
+    def __init__(self, model_dir: Path, cfg: ModelConfig):
+        self.cfg = cfg
+        self.builder = _core.WeightsBuilder(cfg.to_native())
+        self.tensors: dict[str, _Tensor] = {}
+        self.used: set[str] = set()
+        for path in safetensors_files(model_dir):
+            fid = self.builder.add_file(str(path))
+            for name, dtype, shape in self.builder.tensors(fid):
+                if _SKIP.match(name):
+                    continue
+                key = _canonical(name)
+                if key in self.tensors:
+                    raise CheckpointError(
+                        f"[checkpoint] tensor '{name}' in {path.name} duplicates '{self.tensors[key].name}'"
+                    )
+                self.tensors[key] = _Tensor(fid, name, dtype, tuple(shape))
+        # The checkpoint's own prefix, so a missing tensor is named as this file would name it.
+        self.prefix = next(
+            (t.name[: len(t.name) - len(k)] for k, t in self.tensors.items() if k.startswith("layers.")), ""
+        )
+        conv = [t for k, t in self.tensors.items() if k.endswith("conv1d.weight")]
+        # mlx-lm's own rule: a conv1d stored [C, 1, K] means Hugging Face layout, whose
+        # zero-centred norms still need the + 1.
+        self.hf_layout = any(t.shape[-1] != 1 for t in conv) if conv else not any(
+            k.endswith(".scales") for k in self.tensors
+        )
+        self.quant = cfg.quantization or {}
+
+    # -- lookups ----------------------------------------------------------------------------
+
+    def has(self, key: str) -> bool:
+        return key in self.tensors
+
+    def get(self, key: str) -> _Tensor:
+        t = self.tensors.get(key)
+        if t is None:
+            name = key if key.startswith("lm_head") else self.prefix + key
+            raise CheckpointError(f"[checkpoint] missing tensor '{name}'")
+        self.used.add(key)
+        return t
+
+    def vector(self, slot: str, key: str, length: int, *, plus_one: bool = False) -> None:
+        t = self.get(key)
+        v = self.builder.read_f32(t.file, t.name)
+        if v.size != length:
+            raise CheckpointError(f"[checkpoint] tensor '{t.name}' has shape {list(t.shape)}, expected [{length}]")
+        if plus_one:
+            v = v + np.float32(1.0)
+        self.builder.set_vector(slot, np.ascontiguousarray(v, dtype=np.float32))
+
+    def _quant_params(self, module: str, t: _Tensor) -> tuple[int, int]:
+        override = self.quant.get(module)
+        if isinstance(override, dict):
+            bits, group = override.get("bits"), override.get("group_size")
+        else:
+            bits, group = self.quant.get("bits"), self.quant.get("group_size")
+        if not isinstance(bits, int) or not isinstance(group, int):
+            raise CheckpointError(
+                f"[checkpoint] tensor '{t.name}' is quantized but config.json 'quantization' gives no "
+                f"bits/group_size for '{module}'"
+            )
+        return bits, group
+
+    def linear(self, slot: str, key: str, *, index: int = -1, rows: tuple[int, int] = (0, -1)) -> None:
+        """key: the module path without '.weight' (canonical names)."""
+        w = self.get(key + ".weight")
+        if self.has(key + ".scales"):
+            s, b = self.get(key + ".scales"), self.get(key + ".biases")
+            bits, group = self._quant_params(w.name[: -len(".weight")], w)
+            self.builder.set_affine(
+                slot, w.file, w.name, s.file, s.name, b.file, b.name, bits, group, index, rows[0], rows[1]
+            )
+        else:
+            self.builder.set_dense(slot, w.file, w.name, index, rows[0], rows[1])
+
+    def raw(self, slot: str, key: str, *, index: int = -1, rows: tuple[int, int] = (0, -1)) -> None:
+        """A dense matrix stored under its own name (fused HF experts)."""
+        t = self.get(key)
+        self.builder.set_dense(slot, t.file, t.name, index, rows[0], rows[1])
+
+    # -- the model ----------------------------------------------------------------------------
+
+    def load(self):
+        c = self.cfg
+        self.linear("embed", "embed_tokens")
+        if c.tie_word_embeddings and not self.has("lm_head.weight"):
+            self.linear("lm_head", "embed_tokens")
+        else:
+            self.linear("lm_head", "lm_head")
+        zc = self.hf_layout  # zero-centred norms stored as w
+        self.vector("final_norm", "norm.weight", c.hidden_size, plus_one=zc)
+        for i in range(c.num_hidden_layers):
+            p, s = f"layers.{i}.", f"layers.{i}."
+            self.vector(s + "input_norm", p + "input_layernorm.weight", c.hidden_size, plus_one=zc)
+            self.vector(s + "post_norm", p + "post_attention_layernorm.weight", c.hidden_size, plus_one=zc)
+            if c.layer_types[i] == "full_attention":
+                a = p + "self_attn."
+                for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                    self.linear(s + "attn." + proj, a + proj)
+                self.vector(s + "attn.q_norm", a + "q_norm.weight", c.head_dim, plus_one=zc)
+                self.vector(s + "attn.k_norm", a + "k_norm.weight", c.head_dim, plus_one=zc)
+            else:
+                self._gated_deltanet(i)
+            if c.ffn_types[i] == "moe":
+                self._moe(i)
+            else:
+                for proj in ("gate", "up", "down"):
+                    self.linear(f"{s}mlp.{proj}", f"{p}mlp.{proj}_proj")
+        unused = sorted(self.tensors[k].name for k in self.tensors.keys() - self.used)
+        if unused:
+            more = f" (and {len(unused) - 5} more)" if len(unused) > 5 else ""
+            raise CheckpointError(f"[checkpoint] unexpected tensors: {', '.join(unused[:5])}{more}")
+        return self.builder.finish()
+
+    def _gated_deltanet(self, i: int) -> None:
+        c, p, s = self.cfg, f"layers.{i}.linear_attn.", f"layers.{i}.gdn."
+        projs = ("in_proj_qkvz", "in_proj_ba") if c.architecture == "qwen3_next" else (
+            "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        for proj in projs + ("out_proj",):
+            self.linear(s + proj.replace("in_proj_", "in_"), p + proj)
+        channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim + (
+            c.linear_num_value_heads * c.linear_value_head_dim)
+        conv = self.get(p + "conv1d.weight")
+        K = c.linear_conv_kernel_dim
+        if conv.shape not in ((channels, 1, K), (channels, K, 1), (channels, K)):
+            raise CheckpointError(
+                f"[checkpoint] tensor '{conv.name}' has shape {list(conv.shape)}, expected "
+                f"[{channels}, 1, {K}] (Hugging Face) or [{channels}, {K}, 1] (MLX)"
+            )
+        taps = self.builder.read_f32(conv.file, conv.name)  # [C, K] in both layouts' memory order
+        self.builder.set_vector(s + "conv1d", np.ascontiguousarray(taps, dtype=np.float32))
+        self.vector(s + "dt_bias", p + "dt_bias", c.linear_num_value_heads)
+        self.vector(s + "A_log", p + "A_log", c.linear_num_value_heads)
+        self.vector(s + "norm", p + "norm.weight", c.linear_value_head_dim)
+
+    def _moe(self, i: int) -> None:
+        c, p, s = self.cfg, f"layers.{i}.mlp.", f"layers.{i}.moe."
+        self.linear(s + "router", p + "gate")
+        if c.shared_expert_intermediate_size > 0:
+            self.linear(s + "shared_gate", p + "shared_expert_gate")
+            for proj in ("gate", "up", "down"):
+                self.linear(f"{s}shared.{proj}", f"{p}shared_expert.{proj}_proj")
+        E, I = c.num_experts, c.moe_intermediate_size
+        if self.has(p + "switch_mlp.gate_proj.weight"):  # MLX: stacked [E, ...]
+            for e in range(E):
+                for proj in ("gate", "up", "down"):
+                    self.linear(f"{s}experts.{e}.{proj}", f"{p}switch_mlp.{proj}_proj", index=e)
+        elif self.has(p + "experts.gate_up_proj"):  # HF fused [E, 2I, H] / [E, H, I]
+            gu = self.get(p + "experts.gate_up_proj")
+            if len(gu.shape) != 3 or gu.shape[1] != 2 * I:
+                raise CheckpointError(
+                    f"[checkpoint] tensor '{gu.name}' has shape {list(gu.shape)}, expected [{E}, {2 * I}, {c.hidden_size}]"
+                )
+            if gu.shape[0] != E:
+                raise CheckpointError(f"[checkpoint] tensor '{gu.name}' holds {gu.shape[0]} experts, config says {E}")
+            for e in range(E):
+                self.raw(f"{s}experts.{e}.gate", p + "experts.gate_up_proj", index=e, rows=(0, I))
+                self.raw(f"{s}experts.{e}.up", p + "experts.gate_up_proj", index=e, rows=(I, 2 * I))
+                self.raw(f"{s}experts.{e}.down", p + "experts.down_proj", index=e)
+        else:  # HF one tensor per expert
+            for e in range(E):
+                for proj in ("gate", "up", "down"):
+                    self.linear(f"{s}experts.{e}.{proj}", f"{p}experts.{e}.{proj}_proj")
+
+
+def load_weights(model_dir: str | Path, cfg: ModelConfig):
+    """Maps and validates every tensor; returns the native weights object."""
+    return _Loader(Path(model_dir), cfg).load()
