@@ -310,6 +310,9 @@ def convert(src: str | Path, out: str | Path, *, bits: int = 4, group_size: int 
         {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=4))
 
     new_config = dict(config)
+    rope = (new_config.get("text_config") or {}).get("rope_parameters")
+    if model_type in ("qwen3_5_moe", "qwen3_5") and isinstance(rope, dict) and "rope_type" in rope:
+        rope["type"] = rope.pop("rope_type")  # mlx_lm's spelling when it re-saves
     new_config.pop("_name_or_path", None)
     new_config.pop("vision_config", None)
     if quantize_weights:
