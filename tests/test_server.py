@@ -8,6 +8,7 @@ server answering one client at a time.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
@@ -17,7 +18,6 @@ import threading
 import time
 from pathlib import Path
 
-import http.client
 import openai
 import pytest
 

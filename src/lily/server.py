@@ -22,11 +22,11 @@ Design choices:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import queue
 import time
 import uuid
-import contextlib
 from typing import Any
 
 import numpy as np
