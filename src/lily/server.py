@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import queue
 import time
@@ -125,7 +126,7 @@ class Server:
         if self.api_key is None:
             return
         auth = request.headers.get("authorization", "")
-        if auth != f"Bearer {self.api_key}":
+        if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
             raise APIError(401, "Incorrect API key provided.", type="invalid_request_error",
                            code="invalid_api_key")
 
@@ -498,6 +499,11 @@ class Server:
         finally:
             job.cancel()
 
+    def _stream_error(self, e: Exception) -> str:
+        kind = "invalid_request_error" if isinstance(e, LilyError) else "server_error"
+        return self._sse({"error": {"message": f"{type(e).__name__}: {e}", "type": kind, "param": None,
+                                    "code": None}})
+
     def _sse(self, obj: dict) -> str:
         return json.dumps(obj, ensure_ascii=False)
 
@@ -534,8 +540,8 @@ class Server:
                     if include_usage:
                         yield self._sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                                          "model": self.model_id, "choices": [], "usage": self._usage(result)})
-        except LilyError as e:
-            yield self._sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        except Exception as e:  # the response has started: report in-stream, then end it
+            yield self._stream_error(e)
         yield "[DONE]"
 
     async def _completion_stream(self, job, events, rid, created, want_lp, include_usage):
@@ -560,8 +566,8 @@ class Server:
                     if include_usage:
                         yield self._sse({"id": rid, "object": "text_completion", "created": created,
                                          "model": self.model_id, "choices": [], "usage": self._usage(value)})
-        except LilyError as e:
-            yield self._sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        except Exception as e:  # the response has started: report in-stream, then end it
+            yield self._stream_error(e)
         yield "[DONE]"
 
 
