@@ -131,7 +131,21 @@ inline float hsum(__m512 v) {
   return s;
 }
 
-template <int NT>
+// One scale or bias, with its dtype fixed at compile time (no per-group switch).
+template <DType SD>
+inline float scalar_at(const uint8_t* p, int i) {
+  if constexpr (SD == DType::F32) {
+    float f;
+    std::memcpy(&f, p + 4 * i, 4);
+    return f;
+  } else {
+    uint16_t v;
+    std::memcpy(&v, p + 2 * i, 2);
+    return SD == DType::BF16 ? bf16_to_f32(v) : f16_to_f32(v);
+  }
+}
+
+template <int NT, DType SD>
 void row_q4(const Linear& W, int r, const float* xd, int ldx, const float* gsum, int G, float* out, int ldo) {
   const uint8_t* wrow = W.w + size_t(r) * (W.in / 2);
   const size_t esz = dtype_size(W.dtype);
@@ -156,8 +170,8 @@ void row_q4(const Linear& W, int r, const float* xd, int ldx, const float* gsum,
         gacc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), gacc[t]);
       }
     }
-    const __m512 sc = _mm512_set1_ps(load_as_f32(srow, W.dtype, g));
-    const float bi = load_as_f32(brow, W.dtype, g);
+    const __m512 sc = _mm512_set1_ps(scalar_at<SD>(srow, g));
+    const float bi = scalar_at<SD>(brow, g);
     for (int t = 0; t < NT; ++t) {
       acc[t] = _mm512_fmadd_ps(gacc[t], sc, acc[t]);
       bias_part[t] += bi * gsum[size_t(t) * G + g];
@@ -166,7 +180,7 @@ void row_q4(const Linear& W, int r, const float* xd, int ldx, const float* gsum,
   for (int t = 0; t < NT; ++t) out[size_t(t) * ldo] = hsum(acc[t]) + bias_part[t];
 }
 
-template <int NT>
+template <int NT, DType SD>
 void row_q8(const Linear& W, int r, const float* x, int ldx, const float* gsum, int G, float* out, int ldo) {
   const uint8_t* wrow = W.w + size_t(r) * W.in;
   const size_t esz = dtype_size(W.dtype);
@@ -183,8 +197,8 @@ void row_q8(const Linear& W, int r, const float* x, int ldx, const float* gsum, 
           _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + e0))));
       for (int t = 0; t < NT; ++t) gacc[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + size_t(t) * ldx + e0), gacc[t]);
     }
-    const __m512 sc = _mm512_set1_ps(load_as_f32(srow, W.dtype, g));
-    const float bi = load_as_f32(brow, W.dtype, g);
+    const __m512 sc = _mm512_set1_ps(scalar_at<SD>(srow, g));
+    const float bi = scalar_at<SD>(brow, g);
     for (int t = 0; t < NT; ++t) {
       acc[t] = _mm512_fmadd_ps(gacc[t], sc, acc[t]);
       bias_part[t] += bi * gsum[size_t(t) * G + g];
@@ -224,11 +238,19 @@ void matvec_rows_nt(const Linear& W, const MatvecInput& in, int t0, float* y, in
   const int G = W.quantized() ? W.in / W.group : 0;
   const float* xk = (in.deinterleaved ? in.xd.data() : in.x) + size_t(t0) * W.in;
   const float* gs = in.gsum.data() + size_t(t0) * G;
-  for (int64_t r = r0; r < r1; ++r) {
-    float* o = y + size_t(t0) * ldy + r;
-    if (!W.quantized()) row_dense<NT>(W, int(r), xk, W.in, o, ldy);
-    else if (W.bits == 4) row_q4<NT>(W, int(r), xk, W.in, gs, G, o, ldy);
-    else row_q8<NT>(W, int(r), xk, W.in, gs, G, o, ldy);
+  auto rows = [&](auto row_fn) {
+    for (int64_t r = r0; r < r1; ++r) row_fn(W, int(r), xk, W.in, gs, G, y + size_t(t0) * ldy + r, ldy);
+  };
+  if (!W.quantized()) {
+    for (int64_t r = r0; r < r1; ++r) row_dense<NT>(W, int(r), xk, W.in, y + size_t(t0) * ldy + r, ldy);
+  } else if (W.bits == 4) {
+    if (W.dtype == DType::BF16) rows(row_q4<NT, DType::BF16>);
+    else if (W.dtype == DType::F16) rows(row_q4<NT, DType::F16>);
+    else rows(row_q4<NT, DType::F32>);
+  } else {
+    if (W.dtype == DType::BF16) rows(row_q8<NT, DType::BF16>);
+    else if (W.dtype == DType::F16) rows(row_q8<NT, DType::F16>);
+    else rows(row_q8<NT, DType::F32>);
   }
 }
 #endif  // __AVX512F__
@@ -262,36 +284,36 @@ void micro_kernel(const float* Wt, int in, const float* x, int ldx, float* y, in
   }
 }
 
-void linear_panel(const Linear& W, const float* x, int T, float* y, ThreadPool& pool) {
+// Panels [p0, p1) of y[T, out], in the calling thread.
+void panel_rows(const Linear& W, const float* x, int T, float* y, int64_t p0, int64_t p1) {
   const int in = W.in, out = W.out;
-  const int64_t panels = (out + kPanel - 1) / kPanel;
-  pool.parallel_for(panels, [&](int64_t p0, int64_t p1, int) {
-    thread_local std::vector<float, std::allocator<float>> wt_store, row;
-    wt_store.resize(size_t(in) * kPanel + 16);
-    row.resize(in);
-    // 64-byte aligned view for the aligned loads.
-    float* Wt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(wt_store.data()) + 63) & ~uintptr_t(63));
-    for (int64_t p = p0; p < p1; ++p) {
-      const int r0 = int(p * kPanel), nr = std::min(kPanel, out - r0);
-      for (int i = 0; i < nr; ++i) {
-        dequantize_row(W, r0 + i, row.data());
-        for (int k = 0; k < in; ++k) Wt[size_t(k) * kPanel + i] = row[k];
-      }
-      for (int i = nr; i < kPanel; ++i)
-        for (int k = 0; k < in; ++k) Wt[size_t(k) * kPanel + i] = 0.0f;
-      int t = 0;
-      for (; t + kMR <= T; t += kMR) micro_kernel<kMR>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr);
-      switch (T - t) {
-        case 1: micro_kernel<1>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
-        case 2: micro_kernel<2>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
-        case 3: micro_kernel<3>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
-        case 4: micro_kernel<4>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
-        case 5: micro_kernel<5>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
-        default: break;
-      }
+  thread_local std::vector<float> wt_store, row;
+  wt_store.resize(size_t(in) * kPanel + 16);
+  row.resize(in);
+  // 64-byte aligned view for the aligned loads.
+  float* Wt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(wt_store.data()) + 63) & ~uintptr_t(63));
+  for (int64_t p = p0; p < p1; ++p) {
+    const int r0 = int(p * kPanel), nr = std::min(kPanel, out - r0);
+    for (int i = 0; i < nr; ++i) {
+      dequantize_row(W, r0 + i, row.data());
+      for (int k = 0; k < in; ++k) Wt[size_t(k) * kPanel + i] = row[k];
     }
-  });
+    for (int i = nr; i < kPanel; ++i)
+      for (int k = 0; k < in; ++k) Wt[size_t(k) * kPanel + i] = 0.0f;
+    int t = 0;
+    for (; t + kMR <= T; t += kMR) micro_kernel<kMR>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr);
+    switch (T - t) {
+      case 1: micro_kernel<1>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
+      case 2: micro_kernel<2>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
+      case 3: micro_kernel<3>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
+      case 4: micro_kernel<4>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
+      case 5: micro_kernel<5>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
+      default: break;
+    }
+  }
 }
+
+int64_t panel_count(const Linear& W) { return (W.out + kPanel - 1) / kPanel; }
 #endif  // __AVX512F__
 
 }  // namespace
@@ -367,7 +389,7 @@ void linear(const Linear& W, const float* x, int T, float* y, ThreadPool& pool) 
   // Large chunks: expand each panel of weights once and sweep it with a register-blocked
   // micro-kernel. Small ones (decode, small expert groups): fused kernels off the packed bytes.
   if (T > kPanelMinT) {
-    linear_panel(W, x, T, y, pool);
+    pool.parallel_for(panel_count(W), [&](int64_t p0, int64_t p1, int) { panel_rows(W, x, T, y, p0, p1); });
     return;
   }
 #endif
@@ -377,6 +399,18 @@ void linear(const Linear& W, const float* x, int T, float* y, ThreadPool& pool) 
   MatvecInput& in = prepared;
   in.prepare(W, x, T);
   pool.parallel_for(W.out, [&](int64_t r0, int64_t r1, int) { matvec_rows(W, in, y, W.out, r0, r1); }, 16);
+}
+
+void linear_serial(const Linear& W, const float* x, int T, float* y) {
+#if defined(__AVX512F__)
+  if (T > kPanelMinT) {
+    panel_rows(W, x, T, y, 0, panel_count(W));
+    return;
+  }
+#endif
+  thread_local MatvecInput in;
+  in.prepare(W, x, T);
+  matvec_rows(W, in, y, W.out, 0, W.out);
 }
 
 void embedding(const Linear& W, const int32_t* tokens, int T, float* x, ThreadPool& pool) {

@@ -19,6 +19,10 @@ void dequantize_row(const Linear& W, int row, float* out);
 // y[T, out] = x[T, in] · Wᵀ
 void linear(const Linear& W, const float* x, int T, float* y, ThreadPool& pool);
 
+// The same product computed entirely by the calling thread (for callers that parallelise
+// over something else, e.g. MoE prefill over experts).
+void linear_serial(const Linear& W, const float* x, int T, float* y);
+
 // Activations prepared once for the fused small-batch kernels (decode, small expert groups):
 // group sums for the affine bias term and, for 4-bit rows, x de-interleaved to match the
 // nibble order. Valid for every matrix with the same (in, bits, group), so a decode step can

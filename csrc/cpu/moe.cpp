@@ -182,20 +182,45 @@ void moe_block(const ModelConfig& c, const MoeWeights& w, const float* x, int T,
     for (int i = 0; i < T * k; ++i) s.by_expert[fill[s.route_id[i]]++] = i;  // i = t * k + slot
   }
 
-  std::fill(y, y + size_t(T) * H, 0.0f);
-  for (int e = 0; e < E; ++e) {
-    const int b = s.expert_start[e], n = s.expert_start[e + 1] - b;
-    if (n == 0) continue;
-    s.xe.resize(size_t(n) * H);
-    s.ye.resize(size_t(n) * H);
-    for (int j = 0; j < n; ++j)
-      std::memcpy(s.xe.data() + size_t(j) * H, x + size_t(s.by_expert[b + j] / k) * H, H * sizeof(float));
-    swiglu_mlp(w.experts[e], s.xe.data(), n, s.ye.data(), s, pool);
-    for (int j = 0; j < n; ++j) {
-      const int i = s.by_expert[b + j];
-      axpy(s.route_w[i], s.ye.data() + size_t(j) * H, y + size_t(i / k) * H, H);
+  // Experts in parallel, each computed whole by one thread (a chunk spreads its tokens over
+  // many experts, so this keeps every thread busy with one wake-up instead of three per
+  // expert). Each (token, slot) gets its own output row, so no two threads write one row.
+  std::vector<int32_t>& active = s.active;
+  active.clear();
+  for (int e = 0; e < E; ++e)
+    if (s.expert_start[e + 1] > s.expert_start[e]) active.push_back(e);
+  s.slot_out.resize(size_t(T) * k * H);
+  pool.parallel_for(int64_t(active.size()), [&](int64_t a0, int64_t a1, int) {
+    thread_local std::vector<float> xe, gate, up, down;
+    for (int64_t a = a0; a < a1; ++a) {
+      const int e = active[a], b = s.expert_start[e], n = s.expert_start[e + 1] - b;
+      const MlpWeights& ew = w.experts[e];
+      const int I = ew.gate.out;
+      xe.resize(size_t(n) * H);
+      gate.resize(size_t(n) * I);
+      up.resize(size_t(n) * I);
+      down.resize(size_t(n) * H);
+      for (int j = 0; j < n; ++j)
+        std::memcpy(xe.data() + size_t(j) * H, x + size_t(s.by_expert[b + j] / k) * H, H * sizeof(float));
+      linear_serial(ew.gate, xe.data(), n, gate.data());
+      linear_serial(ew.up, xe.data(), n, up.data());
+      swiglu(gate.data(), up.data(), size_t(n) * I);
+      linear_serial(ew.down, gate.data(), n, down.data());
+      for (int j = 0; j < n; ++j)
+        std::memcpy(s.slot_out.data() + size_t(s.by_expert[b + j]) * H, down.data() + size_t(j) * H,
+                    H * sizeof(float));
     }
-  }
+  });
+  pool.parallel_for(T, [&](int64_t t0, int64_t t1, int) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* yt = y + size_t(t) * H;
+      std::fill(yt, yt + H, 0.0f);
+      for (int slot = 0; slot < k; ++slot) {
+        const size_t i = size_t(t) * k + slot;
+        axpy(s.route_w[i], s.slot_out.data() + i * H, yt, H);
+      }
+    }
+  });
 
   if (c.shared_intermediate > 0) {
     s.shared_gate.resize(T);

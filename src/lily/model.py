@@ -133,8 +133,14 @@ class Model:
             raise ConfigError("[load] prefill_chunk must be at least 1")
         if path_or_repo_id is None:
             root = demo_model_path()
+        elif Path(path_or_repo_id).expanduser().is_dir():
+            # A local folder: the config and checkpoint loaders name whatever is wrong in it.
+            root = Path(path_or_repo_id).expanduser()
         else:
-            root = resolve_model_path(path_or_repo_id, revision=revision)
+            try:
+                root = resolve_model_path(path_or_repo_id, revision=revision)
+            except (FileNotFoundError, ValueError) as e:
+                raise ConfigError(f"[load] {e}") from None
         config = load_config(root)
         weights = load_weights(root, config)
         engine = _core.Engine(weights, backend, threads or 0, prefill_chunk)
