@@ -12,7 +12,9 @@ Design choices:
   within one step. ``Scheduler.stats`` records how many steps ran after the flag was set.
 - Prompt caching: each job asks the PrefixCache for the sequence sharing the longest usable
   prefix with its prompt, prefills only the rest, and hands the sequence back afterwards (the
-  cache keeps it, LRU-evicted under a byte budget).
+  cache keeps it, LRU-evicted under a byte budget). Snapshots of the recurrent state are taken
+  at the end of the prompt and after 16, 32, 64, ... generated tokens (log-spaced, so a long
+  answer costs few).
 - Results travel back as events through a callback; the HTTP layer turns the callback into
   an asyncio queue (``loop.call_soon_threadsafe``).
 """
@@ -72,7 +74,7 @@ class Scheduler:
     """A worker thread running queued Jobs one at a time on ``model``."""
 
     def __init__(self, model, *, max_queue: int = 64, cache_bytes: int = 1 << 30,
-                 max_snapshots: int = 8):
+                 max_snapshots: int = 12):
         self.model = model
         self.cache = PrefixCache(model, cache_bytes, max_snapshots=max_snapshots)
         self.stats = SchedulerStats()
@@ -143,8 +145,18 @@ class Scheduler:
             def prefill(chunk: np.ndarray) -> np.ndarray:
                 return step(seq.prefill, chunk)
 
+            decoded = 0
+
             def decode(tok: int) -> np.ndarray:
-                return step(seq.decode, tok)
+                # Snapshots after 16, 32, 64, ... decoded tokens too: when the next turn's
+                # template re-renders this answer to slightly different tokens (a cut-off
+                # last word, say), the follow-up still reuses most of the answer.
+                nonlocal decoded
+                out = step(seq.decode, tok)
+                decoded += 1
+                if decoded >= 16 and decoded & (decoded - 1) == 0:
+                    seq.take_snapshot()
+                return out
 
             detok = model.tokenizer.detokenizer(skip_special_tokens=True) if model.tokenizer else None
             chunks = token_loop(prefill, decode, job.ids[reused:], chunk=model._engine.prefill_chunk,
