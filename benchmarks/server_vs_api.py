@@ -6,7 +6,8 @@
 Both sides run the same greedy chat requests (distinct prompts, so the prompt cache does not
 help) on the same checkpoint, the server in a subprocess on 127.0.0.1. Reported per side: the
 median request latency (non-streamed), the median time to the first streamed token, and
-completion tokens per second of wall time (request latency, prefill included).
+completion tokens per second of wall time (request latency, prefill included). The two sides
+alternate request by request so both see the same machine load.
 """
 
 from __future__ import annotations
@@ -41,20 +42,6 @@ def main() -> None:
     msgs = [[{"role": "user", "content": p}] for p in prompts]
 
     model = lily.Model.load(args.model)
-    api_lat, api_tok, api_ttft = [], [], []
-    model.generate(msgs[0], max_tokens=4, temperature=0)  # warm-up
-    for m in msgs:
-        t = time.perf_counter()
-        r = model.generate(m, max_tokens=args.max_tokens, temperature=0)
-        api_lat.append(time.perf_counter() - t)
-        api_tok.append(r.completion_tokens)
-        t = time.perf_counter()
-        for c in model.generate(m, max_tokens=args.max_tokens, temperature=0, stream=True):
-            if c.text:
-                api_ttft.append(time.perf_counter() - t)
-                break
-        # (breaking out closes the stream)
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -63,6 +50,8 @@ def main() -> None:
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, env=env)
+    api_lat, api_tok, api_ttft = [], [], []
+    srv_lat, srv_tok, srv_ttft = [], [], []
     try:
         for _ in range(600):
             try:
@@ -72,13 +61,23 @@ def main() -> None:
                 time.sleep(0.1)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
         name = client.models.list().data[0].id
-        client.chat.completions.create(model=name, messages=msgs[0], max_tokens=4, temperature=0)
-        srv_lat, srv_tok, srv_ttft = [], [], []
+        client.chat.completions.create(model=name, messages=msgs[0], max_tokens=4, temperature=0)  # warm-up
+        model.generate(msgs[0], max_tokens=4, temperature=0)
+        # Interleaved, so both sides see the same machine load.
         for m in msgs:
+            t = time.perf_counter()
+            r = model.generate(m, max_tokens=args.max_tokens, temperature=0)
+            api_lat.append(time.perf_counter() - t)
+            api_tok.append(r.completion_tokens)
             t = time.perf_counter()
             r = client.chat.completions.create(model=name, messages=m, max_tokens=args.max_tokens, temperature=0)
             srv_lat.append(time.perf_counter() - t)
             srv_tok.append(r.usage.completion_tokens)
+            t = time.perf_counter()
+            for c in model.generate(m, max_tokens=args.max_tokens, temperature=0, stream=True):
+                if c.text:
+                    api_ttft.append(time.perf_counter() - t)
+                    break  # breaking out closes the stream
             t = time.perf_counter()
             stream = client.chat.completions.create(model=name, messages=m, max_tokens=args.max_tokens,
                                                     temperature=0, stream=True)

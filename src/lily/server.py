@@ -40,6 +40,7 @@ from lily.tool_calls import CALL_OPEN, THINK_CLOSE, THINK_OPEN, _split_reasoning
 try:
     from sse_starlette.sse import EventSourceResponse
     from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
     from starlette.requests import Request
     from starlette.responses import JSONResponse
@@ -280,12 +281,19 @@ class Server:
         if enable_thinking is not None and not isinstance(enable_thinking, bool):
             raise APIError(400, "'enable_thinking' must be a boolean", param="chat_template_kwargs")
         params, max_tokens, stop, want_lp = self._sampling(body, chat=True)
-        try:
-            text = self.model.render_chat(messages, tools=tools if tool_choice != "none" else None,
-                                          enable_thinking=enable_thinking)
-        except Exception as e:  # template errors (raise_exception, bad message structure)
-            raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
-        ids = np.asarray(self.model.tokenizer.encode(text), dtype=np.int32)
+        if self.model.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send token ids to /v1/completions", param="messages")
+
+        def render() -> tuple[str, np.ndarray]:
+            try:
+                text = self.model.render_chat(messages, tools=tools if tool_choice != "none" else None,
+                                              enable_thinking=enable_thinking)
+            except Exception as e:  # template errors (raise_exception, bad message structure)
+                raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
+            return text, np.asarray(self.model.tokenizer.encode(text), dtype=np.int32)
+
+        # Rendering and tokenizing a long conversation takes a while: off the event loop.
+        text, ids = await run_in_threadpool(render)
         if ids.size == 0:
             raise APIError(400, "the rendered prompt is empty", param="messages")
         max_tokens = self._fit(ids, max_tokens)
@@ -320,7 +328,9 @@ class Server:
         if isinstance(prompt, str):
             if not prompt:
                 raise APIError(400, "'prompt' is empty", param="prompt")
-            ids = np.asarray(self.model.tokenizer.encode(prompt), dtype=np.int32)
+            if self.model.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+            ids = np.asarray(await run_in_threadpool(self.model.tokenizer.encode, prompt), dtype=np.int32)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                           for t in prompt):
             vocab = self.model.config.vocab_size
