@@ -21,7 +21,7 @@ print(repr(result.text), result.finish_reason)
 
 # Breaking out of the loop stops generation at once and frees the model.
 with model.generate("Errors should never", max_tokens=500, stream=True) as stream:
-    for i, chunk in enumerate(stream):
+    for i, _chunk in enumerate(stream):
         if i == 5:
             break
 print("stopped after 5 chunks; the model is free:", model.generate("x", max_tokens=1).finish_reason)

@@ -16,10 +16,11 @@ Design choices:
   so each worker draws one 32 MB random block once and every piece is that block, at a random
   offset, XOR-ed with a random 64-bit key. The quantized codes are uniformly spread; their
   repetition at 32 MB periods changes no engine's speed.
-- Values keep a 40-layer random forward finite: scales s in [2^-9, 2^-8) (4-bit) or
-  [2^-12, 2^-11) (8-bit) written as bf16 bit patterns, biases exactly -2^(bits-1)*s (same random
-  mantissa, so w = s*(q - 8) is centred); norms near 1 (MLX stores 1 + w), conv1d small,
-  A_log = log of [1, 16), dt_bias near 1.
+- Values keep a 40-layer random forward finite and the routing spread like a trained model's:
+  scales s in [2^-9, 2^-8) (4-bit) or [2^-12, 2^-11) (8-bit) written as bf16 bit patterns,
+  biases bf16(-(2^bits - 1)/2 * s) from the same random mantissa, so w = s*(q - 7.5) has zero
+  mean (a biased mean collapses the router onto one expert); norms near 1 (MLX stores 1 + w),
+  conv1d small, A_log = log of [1, 16), dt_bias near 1.
 - `--layers/--experts/--vocab` shrink the model for a CI smoke run while every per-layer matrix
   keeps its real size; `spec()` gives the full-size names/shapes/dtypes without writing anything.
 
@@ -149,7 +150,7 @@ def _quantized(name: str, rows: tuple[int, ...], cols: int, bits: int) -> list[T
 def spec(tc: dict) -> list[Tensor]:
     """Every tensor of the checkpoint, sorted by name (the order mlx writes them)."""
     H, V, E = tc["hidden_size"], tc["vocab_size"], tc["num_experts"]
-    I, Is = tc["moe_intermediate_size"], tc["shared_expert_intermediate_size"]
+    I, Is = tc["moe_intermediate_size"], tc["shared_expert_intermediate_size"]  # noqa: E741
     Nq, Nkv, Dh = tc["num_attention_heads"], tc["num_key_value_heads"], tc["head_dim"]
     Nk, Nv = tc["linear_num_key_heads"], tc["linear_num_value_heads"]
     Dk, Dv, K = tc["linear_key_head_dim"], tc["linear_value_head_dim"], tc["linear_conv_kernel_dim"]
@@ -231,14 +232,16 @@ _BLOCK: np.ndarray | None = None  # the random block (uint64), the same in every
 def _random_u64(n: int, rng: np.random.Generator) -> np.ndarray:
     global _BLOCK
     if _BLOCK is None:
-        _BLOCK = np.random.default_rng(12345).integers(0, 2**63, size=(32 << 20) // 8, dtype=np.uint64)
+        # random_raw: all 64 bits random (integers(0, 2**63) would leave every 16th 4-bit code
+        # below 8, a common direction in every weight matrix).
+        _BLOCK = np.random.default_rng(12345).bit_generator.random_raw((32 << 20) // 8)
         _BLOCK = np.concatenate([_BLOCK, _BLOCK])  # so any offset has a full block after it
     out = np.empty(n, np.uint64)
     half = _BLOCK.size // 2
     for s in range(0, n, half):
         m = min(half, n - s)
         off = int(rng.integers(0, half))
-        np.bitwise_xor(_BLOCK[off : off + m], np.uint64(rng.integers(0, 2**63)), out=out[s : s + m])
+        np.bitwise_xor(_BLOCK[off : off + m], np.uint64(rng.bit_generator.random_raw()), out=out[s : s + m])
     return out
 
 
@@ -250,16 +253,22 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 
 def _fill(kind: str, bits: int, count: int, seed: int) -> bytes:
     """`count` elements of a tensor of this kind. scales and biases of one Linear use the same
-    seed per piece, so bias = -2^(bits-1) * scale element by element."""
+    seed per piece, so bias = -(2^bits - 1)/2 * scale element by element (to bf16)."""
     rng = np.random.default_rng(seed)
     if kind == "codes":
         return _random_u64((count + 1) // 2, rng).view(np.uint32)[:count].tobytes()
     if kind in ("scales", "biases"):
         mant = _random_u64((count + 3) // 4, rng).view(np.uint16)[:count] & np.uint16(0x7F)
         lo = 127 - (9 if bits == 4 else 12)  # exponent of s: [2^-9, 2^-8) or [2^-12, 2^-11)
+        scales = mant | np.uint16(lo << 7)
         if kind == "scales":
-            return (mant | np.uint16(lo << 7)).tobytes()
-        return (mant | np.uint16(0x8000 | ((lo + bits - 1) << 7))).tobytes()
+            return scales.tobytes()
+        # Centred codes: w = s * (q - (2^bits - 1) / 2). An offset of -2^(bits-1) would give every
+        # weight a mean of -s/2, a common direction in every projection that makes all tokens
+        # pick the same experts (measured: 1 expert of 256 for every token) -- an MoE unlike
+        # a trained one, whose prefill touches every expert.
+        s32 = (scales.astype(np.uint32) << 16).view(np.float32)
+        return _bf16(s32 * np.float32(-(2 ** bits - 1) / 2)).tobytes()
     if kind == "norm":
         return _bf16(1.0 + 0.1 * rng.standard_normal(count)).tobytes()
     if kind == "conv":
@@ -312,7 +321,7 @@ def write(out: Path, tc: dict, workers: int = 0, seed: int = 0, tokenizer: Path 
     names = shard_names(len(groups))
     pieces: list[Piece] = []
     weight_map, total = {}, 0
-    for name, group in zip(names, groups):
+    for name, group in zip(names, groups, strict=True):
         head = _header(group)
         size = len(head) + sum(t.nbytes for t in group)
         path = out / name
@@ -370,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     tc = text_config(a.layers, a.experts, a.vocab)
     if a.dry_run:
         groups = shards(spec(tc))
-        for name, g in zip(shard_names(len(groups)), groups):
+        for name, g in zip(shard_names(len(groups)), groups, strict=True):
             print(f"{name}: {len(g)} tensors, {sum(t.nbytes for t in g) / 1e9:.3f} GB")
         print(f"total {sum(t.nbytes for g in groups for t in g) / 1e9:.3f} GB")
         return

@@ -18,4 +18,5 @@ python -m pip install -q --upgrade pip
 # would pull a multi-GB CUDA build).
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q ".[test,server]"
+python -m ruff check src tests scripts benchmarks examples
 python -m pytest -q tests "$@"

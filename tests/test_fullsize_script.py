@@ -7,7 +7,7 @@
   the ~19.5 GB total splits into 5 GB shards as mlx-lm's make_shards does.
 - Small shape (4 layers, 8 experts, vocab 4096, every per-layer matrix at its real size),
   written for real with two worker processes: the headers hold exactly the spec, the index maps
-  every tensor, biases are -2^(bits-1) x scales, and the checkpoint loads in mlx-lm and in lily,
+  every tensor, biases are -(2^bits - 1)/2 x scales (centred codes), and the checkpoint loads in mlx-lm and in lily,
   whose logits (prefill and decode) match mlx-lm's on these bytes.
 """
 
@@ -73,7 +73,7 @@ def test_full_size_shards():
     assert 19.3e9 < sum(sizes) < 19.7e9, sum(sizes)  # the release: 19.4 GB
     assert len(groups) == 4
     # make_shards: a shard closes only when the next tensor would not fit.
-    for g, nxt in zip(groups, groups[1:]):
+    for g, nxt in zip(groups, groups[1:], strict=False):
         assert sum(t.nbytes for t in g) <= mf.SHARD_BYTES < sum(t.nbytes for t in g) + nxt[0].nbytes
 
 
@@ -115,7 +115,7 @@ def test_small_values(small):
     for name, bits in (("mlp.switch_mlp.up_proj", 4), ("mlp.gate", 8), ("linear_attn.in_proj_qkv", 4)):
         s = np.array(w[p + name + ".scales"].astype(mx.float32))
         b = np.array(w[p + name + ".biases"].astype(mx.float32))
-        np.testing.assert_array_equal(b, -(2.0 ** (bits - 1)) * s)
+        np.testing.assert_allclose(b, -(2.0**bits - 1) / 2 * s, rtol=2**-8)  # bf16 rounding
         lo = 2.0 ** (-9 if bits == 4 else -12)
         assert s.min() >= lo and s.max() < 2 * lo
     codes = np.array(w[p + "mlp.switch_mlp.down_proj.weight"]).view(np.uint8)
@@ -139,3 +139,34 @@ def test_small_runs_in_lily_like_mlx_lm(small, lily):
     s.prefill(ids[:-1])
     last = s.decode(int(ids[-1]))
     assert rel_err(last, ref[-1]) <= 1e-3
+
+
+def test_random_routing_spreads_over_experts(tmp_path):
+    """A trained MoE sends a prompt to most experts; random weights must too, or the speed and
+    memory figures measure a degenerate model. (Codes with a non-zero mean, or a random source
+    with a stuck bit, once sent every token to the same expert.) Router choices are read from
+    mlx-lm's own forward on the written checkpoint."""
+    import mlx.core as mx
+
+    mf.write(tmp_path, mf.text_config(layers=4, experts=64, vocab=1024), workers=2, log=lambda *_: None)
+    model = mlx_load(tmp_path, upcast_fp32=True)
+    chosen: dict[int, np.ndarray] = {}
+
+    class Record:
+        def __init__(self, i, gate):
+            self.i, self.gate = i, gate
+
+        def __call__(self, x):
+            logits = self.gate(x)
+            chosen[self.i] = np.array(mx.argsort(-logits, axis=-1)[..., :8]).reshape(-1, 8)
+            return logits
+
+    for i, layer in enumerate(model.language_model.model.layers):
+        layer.mlp.gate = Record(i, layer.mlp.gate)
+    ids = np.random.default_rng(0).integers(0, 1024, 128).tolist()
+    model(mx.array(ids)[None])
+    assert sorted(chosen) == [0, 1, 2, 3]
+    for i, sel in chosen.items():
+        counts = np.bincount(sel.ravel(), minlength=64)
+        assert np.count_nonzero(counts) >= 60, (i, counts)  # 128 tokens x 8 picks over 64 experts
+        assert counts.max() <= 0.4 * len(ids), (i, counts)  # no expert taken by most tokens
