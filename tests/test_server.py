@@ -404,3 +404,10 @@ def test_full_queue_gets_503_and_server_recovers(server, client):
     r = _post(server, "/v1/chat/completions", json_body=body)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
     assert _health(server)["rejected"] >= 1
+
+
+def test_openai_client_example_runs(server):
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / "openai_client.py"), "--base-url", server + "/v1",
+                        "--api-key", KEY], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "[chat]" in p.stdout and "cached prompt tokens" in p.stdout and "[completion]" in p.stdout
