@@ -98,3 +98,12 @@ def test_bench_table_and_json(tmp_path):
     for r in rows:
         assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
         assert r["prefill_tok_s"] == pytest.approx(r["prompt_tokens"] / r["prefill_s"])
+
+
+def test_prefill_progress_reports_each_chunk():
+    model = lily.Model.load(prefill_chunk=64)
+    calls = []
+    ids = list(range(10, 210))
+    res = model.generate(ids, max_tokens=2, temperature=0, on_prefill_progress=lambda d, t: calls.append((d, t)))
+    assert calls == [(64, 200), (128, 200), (192, 200), (200, 200)]
+    assert res.tokens == model.generate(ids, max_tokens=2, temperature=0).tokens
