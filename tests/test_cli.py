@@ -18,10 +18,13 @@ import lily
 from lily.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
+# Where the lily under test was imported from (site-packages in CI, src/ in a dev tree):
+# subprocesses must see the same one.
+LILY_PARENT = str(Path(lily.__file__).resolve().parent.parent)
 
 
 def run_lily(*args, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=LILY_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "lily", *args], input=stdin, capture_output=True, text=True,
                           env=env, timeout=timeout)
 

@@ -24,6 +24,9 @@ import lily
 from lily.convert import quantize
 
 ROOT = Path(__file__).resolve().parents[1]
+# Where the lily under test was imported from (site-packages in CI, src/ in a dev tree):
+# subprocesses must see the same one.
+LILY_PARENT = str(Path(lily.__file__).resolve().parent.parent)
 DEMO = ROOT / "src" / "lily" / "demo"
 VOCAB = 4096  # the demo tokenizer's, so mlx_lm can load a tokenizer with the checkpoint
 
@@ -49,7 +52,7 @@ def _mlx_convert(src: Path, dst: Path, bits: int, group_size: int) -> Path:
 
 
 def _lily_convert(src: Path, dst: Path, bits: int, group_size: int) -> Path:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=LILY_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-m", "lily", "convert", str(src), "--out", str(dst), "--q-bits",
                         str(bits), "--q-group-size", str(group_size)], capture_output=True, text=True, env=env,
                        timeout=300)
@@ -158,7 +161,7 @@ def test_eval_against_mlx_lm_reports_figures(checkpoints):
     ckpt = checkpoints["root"] / "moe_f32_fused-mlx4-g64"
     if not ckpt.exists():
         _mlx_convert(checkpoints["moe_f32_fused"], ckpt, 4, 64)
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=LILY_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-m", "lily", "eval", "--model", str(ckpt), "--reference", "mlx", "-N", "96",
                         "--json", "-"], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr
