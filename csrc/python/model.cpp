@@ -11,7 +11,12 @@
 #include "cpu/backend.h"
 #include "cpu/linear.h"
 #include "engine/engine.h"
+#include "gpu/backend.h"
 #include "model/error.h"
+#include "msl_cpu/device.h"
+#if defined(LILY_HAVE_METAL)
+#include "metal/device.h"
+#endif
 #include "python/bindings.h"
 
 namespace lily::python {
@@ -48,6 +53,31 @@ std::vector<Ffn> parse_ffns(const std::vector<std::string>& names) {
     else throw ConfigError("[config] unknown feed-forward type '" + n + "'");
   }
   return out;
+}
+
+// "cpu", "msl-cpu" (the Metal backend's dispatches run by the MSL-on-CPU runtime) or "metal".
+// The GPU options are for tests (route thresholds, the runtime's checking modes).
+std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weights, const std::string& name,
+                                      int threads, int split_threshold, int split_len,
+                                      bool check_dependencies, int interleavings) {
+  if (name == "cpu") return std::make_unique<cpu::CpuBackend>(weights, threads);
+  gpu::GpuOptions opt;
+  if (split_threshold >= 0) opt.split_threshold = split_threshold;
+  if (split_len > 0) opt.split_len = split_len;
+  if (name == "msl-cpu") {
+    msl_cpu::DeviceOptions dev;
+    dev.check_dependencies = check_dependencies;
+    dev.interleavings = interleavings;
+    return std::make_unique<gpu::GpuBackend>(weights, msl_cpu::make_device(dev), "msl-cpu", opt);
+  }
+#if defined(LILY_HAVE_METAL)
+  if (name == "metal") return std::make_unique<gpu::GpuBackend>(weights, metal::make_device(), "metal", opt);
+#else
+  if (name == "metal")
+    throw ConfigError("[engine] backend 'metal' needs a build on macOS with Metal (this one has none); "
+                      "'msl-cpu' runs the same kernels on the CPU");
+#endif
+  throw ConfigError("[engine] unknown backend '" + name + "'");
 }
 
 TensorSlice slice(int file, const std::string& name, int index, int row_begin, int row_end) {
@@ -175,11 +205,21 @@ void init_model(nb::module_& m) {
       .def(
           "__init__",
           [](Engine* self, std::shared_ptr<ModelWeights> weights, const std::string& backend, int threads,
-             int prefill_chunk) {
-            if (backend != "cpu") throw ConfigError("[engine] unknown backend '" + backend + "'");
-            new (self) Engine(weights, std::make_unique<cpu::CpuBackend>(weights, threads), prefill_chunk);
+             int prefill_chunk, int split_threshold, int split_len, bool check_dependencies, int interleavings) {
+            new (self) Engine(weights,
+                              make_backend(weights, backend, threads, split_threshold, split_len,
+                                           check_dependencies, interleavings),
+                              prefill_chunk);
           },
-          nb::arg("weights"), nb::arg("backend") = "cpu", nb::arg("threads") = 0, nb::arg("prefill_chunk") = 512)
+          nb::arg("weights"), nb::arg("backend") = "cpu", nb::arg("threads") = 0, nb::arg("prefill_chunk") = 512,
+          nb::arg("split_threshold") = -1, nb::arg("split_len") = -1, nb::arg("check_dependencies") = false,
+          nb::arg("interleavings") = 0)
+      .def_prop_ro("gpu_stats", [](Engine& e) {
+        auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
+        if (!g) throw Error("[engine] gpu_stats: the backend is not a GPU backend");
+        const gpu::GpuStats& s = g->stats();
+        return std::make_tuple(s.dispatches, s.barriers, s.command_buffers, s.waits);
+      }, "(dispatches, barriers, command buffers, CPU waits) so far")
       .def_prop_ro("backend", [](Engine& e) { return std::string(e.backend().name()); })
       .def_prop_ro("threads", [](Engine& e) {
         auto* cpu = dynamic_cast<cpu::CpuBackend*>(&e.backend());
