@@ -12,6 +12,7 @@
 #include "cpu/linear.h"
 #include "engine/engine.h"
 #include "gpu/backend.h"
+#include "gpu/plan.h"
 #include "model/error.h"
 #include "msl_cpu/device.h"
 #if defined(LILY_HAVE_METAL)
@@ -254,6 +255,27 @@ void init_model(nb::module_& m) {
             return out;
           },
           nb::arg("state"), nb::arg("token"));
+
+  m.def(
+      "gpu_plan",
+      [](const ModelConfig& c, int context, int bits, int group, int gate_bits, int split_threshold,
+         int split_len) {
+        gpu::PlanQuantization q{bits, group, gate_bits};
+        gpu::GpuOptions opt;
+        if (split_threshold >= 0) opt.split_threshold = split_threshold;
+        if (split_len > 0) opt.split_len = split_len;
+        gpu::DecodePlan p = gpu::plan_decode_step(c, q, opt, context);
+        std::vector<std::tuple<std::string, int, uint64_t, uint64_t, uint64_t>> rows;
+        for (const auto& d : p.dispatches)
+          rows.emplace_back(d.kernel, d.stage, d.weight_bytes, d.state_bytes, d.other_bytes);
+        return std::make_tuple(rows, std::make_tuple(p.stats.dispatches, p.stats.barriers,
+                                                     p.stats.command_buffers, p.stats.waits));
+      },
+      nb::arg("config"), nb::arg("context"), nb::arg("bits") = 4, nb::arg("group_size") = 64,
+      nb::arg("gate_bits") = 8, nb::arg("split_threshold") = -1, nb::arg("split_len") = -1,
+      "The GPU backend's dispatch sequence for one decode step, recorded without running it: "
+      "([(kernel, stage, weight bytes, state bytes, other bytes)], (dispatches, barriers, "
+      "command buffers, CPU waits)).");
 
   m.def(
       "dequantize",
