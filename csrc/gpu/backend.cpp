@@ -8,6 +8,8 @@
 #include <set>
 #include <sstream>
 
+#include <unistd.h>
+
 #include "model/error.h"
 
 // The argument structs shared with the kernels (plain 32-bit fields).
@@ -237,9 +239,12 @@ GpuBackend::GpuBackend(std::shared_ptr<const ModelWeights> weights, std::shared_
                        std::string name, GpuOptions options, std::vector<Region> regions)
     : weights_(std::move(weights)), c_(weights_->config), device_(std::move(device)), name_(std::move(name)),
       options_(options) {
+  // A file's mapping covers whole pages, so the wrapped length is rounded up to the page size
+  // (Metal's newBufferWithBytesNoCopy wants a page-aligned pointer and length).
+  const size_t page = size_t(sysconf(_SC_PAGESIZE));
   if (regions.empty())
     for (const auto& f : weights_->files)
-      regions.push_back({static_cast<const uint8_t*>(f->mapping()), size_t(f->file_size())});
+      regions.push_back({static_cast<const uint8_t*>(f->mapping()), (size_t(f->file_size()) + page - 1) / page * page});
   for (const Region& r : regions)
     regions_.push_back({r, device_->wrap_buffer(const_cast<uint8_t*>(r.base), r.size)});
 
