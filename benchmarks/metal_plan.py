@@ -48,7 +48,7 @@ def qbytes(out: int, inp: int, bits: int = BITS) -> int:
     return out * inp * bits // 8 + 2 * 2 * out * (inp // GROUP)
 
 
-def minimum_bytes(c: _core.ModelConfig, context: int) -> dict[str, int]:
+def minimum_bytes(c: _core.ModelConfig, context: int, kv_bytes: int = 4) -> dict[str, int]:
     H, D, Hq, Hkv = c.hidden, c.head_dim, c.n_heads, c.n_kv_heads
     C = 2 * c.gdn_k_heads * c.gdn_k_dim + c.gdn_v_heads * c.gdn_v_dim
     V = c.gdn_v_heads * c.gdn_v_dim
@@ -62,14 +62,14 @@ def minimum_bytes(c: _core.ModelConfig, context: int) -> dict[str, int]:
     return {
         "dense weights": n_attn * attn + n_gdn * gdn + LAYERS * moe_dense + qbytes(c.vocab, H) + qbytes(1, H),
         "active experts": LAYERS * c.top_k * expert,
-        "KV (f32)": n_attn * (2 * Hkv * context * D * 4 + 2 * Hkv * D * 4),
+        "KV": n_attn * (2 * Hkv * context * D * kv_bytes + 2 * Hkv * D * kv_bytes),
         "DeltaNet + conv state": n_gdn * 2 * (c.gdn_v_heads * c.gdn_k_dim * c.gdn_v_dim * 4
                                               + (c.conv_kernel - 1) * C * 4),
     }
 
 
-def plan(c, context):
-    rows, (dispatches, barriers, cbs, waits) = _core.gpu_plan(c, context, BITS, GROUP, GATE_BITS)
+def plan(c, context, kv_half=False):
+    rows, (dispatches, barriers, cbs, waits) = _core.gpu_plan(c, context, BITS, GROUP, GATE_BITS, kv_half=kv_half)
     kernels = Counter(r[0] for r in rows)
     by_kernel = defaultdict(int)
     for name, _stage, wb, sb, ob in rows:
@@ -94,20 +94,21 @@ def main() -> None:
     args = ap.parse_args()
     c = config_35b()
     GB = 1e9
-    results = {ctx: (plan(c, ctx), minimum_bytes(c, ctx)) for ctx in args.contexts}
+    results = {(ctx, kv): (plan(c, ctx, kv == "f16"), minimum_bytes(c, ctx, 2 if kv == "f16" else 4))
+               for kv in ("f32", "f16") for ctx in args.contexts}
 
-    print("| context | kernels | stages | command buffers | CPU waits | weights GB | state GB | "
+    print("| context | KV cache | kernels | stages | command buffers | CPU waits | weights GB | state GB | "
           "activations GB | total GB | minimum GB | total / minimum |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for ctx, (p, m) in results.items():
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for (ctx, kv), (p, m) in results.items():
         total = p["weights"] + p["state"] + p["activations"]
         mn = sum(m.values())
-        print(f"| {ctx:,} | {p['dispatches']} | {p['stages']} | {p['command buffers']} | {p['CPU waits']} | "
+        print(f"| {ctx:,} | {kv} | {p['dispatches']} | {p['stages']} | {p['command buffers']} | {p['CPU waits']} | "
               f"{p['weights'] / GB:.3f} | {p['state'] / GB:.3f} | {p['activations'] / GB:.4f} | "
               f"{total / GB:.3f} | {mn / GB:.3f} | {total / mn:.3f} |")
     print()
     ctx0 = args.contexts[0]
-    p0, m0 = results[ctx0]
+    p0, m0 = results[(ctx0, "f32")]
     print(f"Minimum at {ctx0:,}: " + ", ".join(f"{k} {v / GB:.3f} GB" for k, v in m0.items()))
     print()
     print(f"| kernel | dispatches per step | GB per step at {ctx0:,} |")

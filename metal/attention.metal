@@ -13,20 +13,24 @@
 // 4 running states are merged at the end through threadgroup memory. A lane holds D/32
 // elements of each vector (strided by 32, so a simdgroup reads each row as one coalesced run).
 // Softmax in f32 with the running max subtracted, as the CPU backend computes it.
+//
+// KV is the cache's element type: float (the CPU backend's precision, the default) or half
+// (half the bytes per token at long contexts; scores and sums stay f32).
 #include <metal_stdlib>
 #include "lily_msl.h"
 #include "attention_args.h"
 #include "reduce.h"
 using namespace metal;
 
+template <typename KV>
 kernel void attn_prepare(device float* qg [[buffer(0)]],            // [T, Hq, 2D]
                          device const float* k [[buffer(1)]],       // [T, Hkv, D]
                          device const float* v [[buffer(2)]],       // [T, Hkv, D]
                          device const float* q_norm [[buffer(3)]],  // [D]
                          device const float* k_norm [[buffer(4)]],  // [D]
                          device const float* inv_freq [[buffer(5)]],  // [rot / 2]
-                         device float* k_cache [[buffer(6)]],       // [Hkv, cap, D]
-                         device float* v_cache [[buffer(7)]],       // [Hkv, cap, D]
+                         device KV* k_cache [[buffer(6)]],          // [Hkv, cap, D]
+                         device KV* v_cache [[buffer(7)]],          // [Hkv, cap, D]
                          constant AttnPrepareArgs& args [[buffer(8)]],
                          uint2 tg [[threadgroup_position_in_grid]],
                          uint tid [[thread_index_in_threadgroup]],
@@ -51,8 +55,8 @@ kernel void attn_prepare(device float* qg [[buffer(0)]],            // [T, Hq, 2
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   const uint pos = args.pos0 + t, half_rot = args.rot / 2;
-  device float* dst = is_q ? qg + (ulong(t) * args.Hq + head) * 2 * D
-                           : k_cache + (ulong(hk) * args.cap + pos) * D;
+  device float* q_dst = qg + (ulong(t) * args.Hq + head) * 2 * D;
+  device KV* k_dst = k_cache + (is_q ? 0 : (ulong(hk) * args.cap + pos) * D);
   for (uint i = tid; i < D; i += threads) {
     float out = normed[i];
     if (i < args.rot) {
@@ -62,18 +66,23 @@ kernel void attn_prepare(device float* qg [[buffer(0)]],            // [T, Hq, 2
       out = i < half_rot ? normed[i] * c - normed[i + half_rot] * s
                          : normed[i] * c + normed[i - half_rot] * s;
     }
-    dst[i] = out;
+    if (is_q) q_dst[i] = out;
+    else k_dst[i] = KV(out);
   }
   if (!is_q) {
     device const float* vs = v + (ulong(t) * args.Hkv + hk) * D;
-    device float* vd = v_cache + (ulong(hk) * args.cap + pos) * D;
-    for (uint i = tid; i < D; i += threads) vd[i] = vs[i];
+    device KV* vd = v_cache + (ulong(hk) * args.cap + pos) * D;
+    for (uint i = tid; i < D; i += threads) vd[i] = KV(vs[i]);
   }
 }
 
+LILY_KERNEL_INSTANTIATE("attn_prepare_float", attn_prepare, float)
+LILY_KERNEL_INSTANTIATE("attn_prepare_half", attn_prepare, half)
+
+template <typename KV>
 kernel void attn_decode(device const float* qg [[buffer(0)]],       // [T, Hq, 2D]
-                        device const float* k_cache [[buffer(1)]],  // [Hkv, cap, D]
-                        device const float* v_cache [[buffer(2)]],  // [Hkv, cap, D]
+                        device const KV* k_cache [[buffer(1)]],     // [Hkv, cap, D]
+                        device const KV* v_cache [[buffer(2)]],     // [Hkv, cap, D]
                         device float* o [[buffer(3)]],              // [T, Hq, D]
                         device float* part_o [[buffer(4)]],         // [T, Hq, n_splits, D]
                         device float* part_ml [[buffer(5)]],        // [T, Hq, n_splits, 2]
@@ -105,13 +114,13 @@ kernel void attn_decode(device const float* qg [[buffer(0)]],       // [T, Hq, 2
     l[g] = 0.0f;
   }
 
-  device const float* kh = k_cache + ulong(hk) * args.cap * D;
-  device const float* vh = v_cache + ulong(hk) * args.cap * D;
+  device const KV* kh = k_cache + ulong(hk) * args.cap * D;
+  device const KV* vh = v_cache + ulong(hk) * args.cap * D;
   for (uint p = begin + simd_id; p < end; p += LILY_ATTN_SIMDGROUPS) {
     float kr[per_lane_max], vr[per_lane_max];
     for (uint i = 0; i < per_lane; ++i) {
-      kr[i] = kh[ulong(p) * D + lane + 32 * i];
-      vr[i] = vh[ulong(p) * D + lane + 32 * i];
+      kr[i] = float(kh[ulong(p) * D + lane + 32 * i]);
+      vr[i] = float(vh[ulong(p) * D + lane + 32 * i]);
     }
     for (uint g = 0; g < group; ++g) {
       float d = 0.0f;
@@ -160,6 +169,9 @@ kernel void attn_decode(device const float* qg [[buffer(0)]],       // [T, Hq, 2
     }
   }
 }
+
+LILY_KERNEL_INSTANTIATE("attn_decode_float", attn_decode, float)
+LILY_KERNEL_INSTANTIATE("attn_decode_half", attn_decode, half)
 
 kernel void attn_combine(device const float* qg [[buffer(0)]],       // [T, Hq, 2D] (gate)
                          device const float* part_o [[buffer(1)]],   // [T, Hq, n_splits, D]

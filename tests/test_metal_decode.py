@@ -117,6 +117,21 @@ def test_qwen3_5_moe_dependency_check(store, lily):
     _check(s.decode(cases.PROMPT[2]), store.mlx_reference(path).prompt[2], "checked decode step vs mlx-lm")
 
 
+def test_half_precision_kv_cache(store, lily):
+    """kv_dtype="float16" halves the cache's bytes per token; k and v are rounded to f16 once
+    (relative 2^-11), scores and sums stay f32, so logits stay within 1e-3 of mlx-lm's f32."""
+    path = store.mlx("qwen3_5_moe", 4, 64, "bfloat16")
+    ref = store.mlx_reference(path)
+    model = lily.Model.load(path, backend="msl-cpu", backend_options=dict(kv_dtype="float16", **ROUTES))
+    s = model.session()
+    n = cases.DECODE_SPLIT
+    errs = [rel_err(s.prefill(cases.PROMPT[:n], all_logits=True), ref.prompt[:n])]
+    errs += [rel_err(s.decode(cases.PROMPT[i]), ref.prompt[i]) for i in range(n, len(cases.PROMPT))]
+    assert max(errs) <= 1e-3, f"rel err {max(errs):.2e} with a half-precision KV cache"
+    with pytest.raises(lily.ConfigError, match="kv_dtype"):
+        lily.Model.load(path, backend="msl-cpu", backend_options=dict(kv_dtype="int8"))
+
+
 def test_backend_errors(store, lily):
     path = store.mlx("qwen3_5", 4)
     if sys.platform != "darwin":

@@ -169,16 +169,17 @@ def _torch_norm_rope(x, w, eps, pos, inv_freq, rot):
 
 
 ATTN_CASES = [
-    # (D, Hq, Hkv, rot, pos0, T, n_splits, split_len)
-    (256, 16, 2, 64, 40, 1, 1, 41),      # 35B decode, single pass
-    (256, 16, 2, 64, 90, 1, 4, 24),      # 35B decode, split-K (last split partial) + combine
-    (96, 6, 2, 24, 5, 3, 1, 8),          # odd: GQA 3, prefill of 3 tokens (causal)
-    (64, 3, 3, 64, 70, 1, 5, 16),        # no GQA, whole head rotated, split-K
+    # (D, Hq, Hkv, rot, pos0, T, n_splits, split_len, KV cache type)
+    (256, 16, 2, 64, 40, 1, 1, 41, "float"),   # 35B decode, single pass
+    (256, 16, 2, 64, 90, 1, 4, 24, "float"),   # 35B decode, split-K (last split partial) + combine
+    (256, 16, 2, 64, 90, 1, 4, 24, "half"),    # the same with a half-precision cache
+    (96, 6, 2, 24, 5, 3, 1, 8, "float"),       # odd: GQA 3, prefill of 3 tokens (causal)
+    (64, 3, 3, 64, 70, 1, 5, 16, "half"),      # no GQA, whole head rotated, split-K
 ]
 
 
-@pytest.mark.parametrize("D,Hq,Hkv,rot,pos0,T,n_splits,split_len", ATTN_CASES)
-def test_attention(D, Hq, Hkv, rot, pos0, T, n_splits, split_len):
+@pytest.mark.parametrize("D,Hq,Hkv,rot,pos0,T,n_splits,split_len,kv", ATTN_CASES)
+def test_attention(D, Hq, Hkv, rot, pos0, T, n_splits, split_len, kv):
     dev = msl_cpu.device(interleavings=2 if D < 256 else 0)
     lib = kernels(dev, "attention.metal")
     cap, eps, theta = pos0 + T + 3, 1e-6, 10_000_000.0
@@ -187,10 +188,11 @@ def test_attention(D, Hq, Hkv, rot, pos0, T, n_splits, split_len):
     v = RNG.standard_normal((T, Hkv, D), dtype=np.float32)
     qn, kn = (1 + 0.3 * RNG.standard_normal(D)).astype(np.float32), (1 + 0.3 * RNG.standard_normal(D)).astype(np.float32)
     inv_freq = (1.0 / theta ** (np.arange(0, rot, 2, dtype=np.float32) / rot)).astype(np.float32)
-    kc = RNG.standard_normal((Hkv, cap, D), dtype=np.float32)  # earlier positions: any values
-    vc = RNG.standard_normal((Hkv, cap, D), dtype=np.float32)
+    kv_np = np.float32 if kv == "float" else np.float16
+    kc = RNG.standard_normal((Hkv, cap, D), dtype=np.float32).astype(kv_np)  # earlier positions: any values
+    vc = RNG.standard_normal((Hkv, cap, D), dtype=np.float32).astype(kv_np)
     qgb, kcb, vcb = dev.buffer(qg), dev.buffer(kc), dev.buffer(vc)
-    dispatch(dev, lib.pipeline("attn_prepare"), (Hq + Hkv, T), (128,),
+    dispatch(dev, lib.pipeline(f"attn_prepare_{kv}"), (Hq + Hkv, T), (128,),
              {0: qgb, 1: dev.buffer(k), 2: dev.buffer(v), 3: dev.buffer(qn), 4: dev.buffer(kn),
               5: dev.buffer(inv_freq), 6: kcb, 7: vcb, 8: struct.pack("6If", D, rot, Hq, Hkv, pos0, cap, eps)})
 
@@ -200,21 +202,24 @@ def test_attention(D, Hq, Hkv, rot, pos0, T, n_splits, split_len):
     got_qg = read(qgb, np.float32, (T, Hq, 2 * D))
     np.testing.assert_allclose(got_qg[..., :D], q_want, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(got_qg[..., D:], qg[..., D:])  # the gate half is untouched
-    kc_got, vc_got = read(kcb, np.float32, (Hkv, cap, D)), read(vcb, np.float32, (Hkv, cap, D))
-    np.testing.assert_allclose(kc_got[:, pos0:pos0 + T], k_want.transpose(1, 0, 2), rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(vc_got[:, pos0:pos0 + T], v.transpose(1, 0, 2))
+    kc_got, vc_got = read(kcb, kv_np, (Hkv, cap, D)), read(vcb, kv_np, (Hkv, cap, D))
+    k_tol = 1e-4 if kv == "float" else 1e-3  # f16 rounding of the stored key
+    np.testing.assert_allclose(kc_got[:, pos0:pos0 + T], k_want.transpose(1, 0, 2), rtol=k_tol, atol=k_tol)
+    np.testing.assert_array_equal(vc_got[:, pos0:pos0 + T], v.transpose(1, 0, 2).astype(kv_np))
     np.testing.assert_array_equal(kc_got[:, :pos0], kc[:, :pos0])  # nothing else written
 
     scale = 1.0 / np.sqrt(D)
     o = dev.buffer_empty(4 * T * Hq * D)
     part_o, part_ml = dev.buffer_empty(4 * T * Hq * n_splits * D), dev.buffer_empty(4 * T * Hq * n_splits * 2)
     args = struct.pack("7If", D, Hq, Hkv, cap, pos0, n_splits, split_len, scale)
-    dispatch(dev, lib.pipeline("attn_decode"), (Hkv, n_splits, T), (128,),
+    dispatch(dev, lib.pipeline(f"attn_decode_{kv}"), (Hkv, n_splits, T), (128,),
              {0: qgb, 1: kcb, 2: vcb, 3: o, 4: part_o, 5: part_ml, 6: args})
     if n_splits > 1:
         dispatch(dev, lib.pipeline("attn_combine"), (Hq, T), (128,),
                  {0: qgb, 1: part_o, 2: part_ml, 3: o, 4: args})
-    want = _torch_attention(got_qg[..., :D], kc_got, vc_got, qg[..., D:], pos0, scale)
+    # Attention over the cache as stored (f16 values are exact in f64).
+    want = _torch_attention(got_qg[..., :D], kc_got.astype(np.float32), vc_got.astype(np.float32), qg[..., D:],
+                            pos0, scale)
     np.testing.assert_allclose(read(o, np.float32, (T, Hq, D)), want, rtol=1e-4, atol=1e-5)
 
 

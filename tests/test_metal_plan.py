@@ -49,9 +49,10 @@ def test_plan_bytes_at_35b_shape():
     mp = _plan_module()
     c = mp.config_35b()
     for ctx in (4096, 32768, 131072):
-        p, m = mp.plan(c, ctx), mp.minimum_bytes(c, ctx)
-        assert (p["command buffers"], p["CPU waits"]) == (1, 1)
-        assert p["weights"] == m["dense weights"] + m["active experts"]
-        assert p["state"] == m["KV (f32)"] + m["DeltaNet + conv state"]
-        total = p["weights"] + p["state"] + p["activations"]
-        assert 1.0 <= total / sum(m.values()) < 1.05
+        for kv_half in (False, True):
+            p, m = mp.plan(c, ctx, kv_half), mp.minimum_bytes(c, ctx, 2 if kv_half else 4)
+            assert (p["command buffers"], p["CPU waits"]) == (1, 1)
+            assert p["weights"] == m["dense weights"] + m["active experts"]
+            assert p["state"] == m["KV"] + m["DeltaNet + conv state"]
+            total = p["weights"] + p["state"] + p["activations"]
+            assert 1.0 <= total / sum(m.values()) < 1.05

@@ -356,7 +356,7 @@ void GpuBackend::reserve_kv(GpuState& st, int positions) {
   int cap = std::max(st.capacity, 256);
   while (cap < positions) cap *= 2;
   cap = std::min(cap, std::max(st.max_context(), positions));
-  const size_t row = size_t(c_.head_dim) * 4;
+  const size_t row = size_t(c_.head_dim) * (options_.kv_half ? 2 : 4);
   for (int l = 0; l < c_.n_layers(); ++l) {
     if (c_.mixers[l] != Mixer::Attention) continue;
     for (auto* list : {&st.k, &st.v}) {
@@ -473,11 +473,12 @@ void GpuBackend::attention(State& state, int layer, const AttentionWeights& w) {
 
   auto& kc = st.k[layer];
   auto& vc = st.v[layer];
-  const uint64_t row = uint64_t(D) * 4;
+  const uint64_t row = uint64_t(D) * (options_.kv_half ? 2 : 4);
+  const std::string kv = options_.kv_half ? "half" : "float";
   {
     AttnPrepareArgs a{uint32_t(D), uint32_t(c_.rotary_dim), uint32_t(Hq), uint32_t(Hkv),
                       uint32_t(pos0_), uint32_t(st.capacity), c_.rms_eps};
-    Dispatch d(*this, "attention.metal", "attn_prepare");
+    Dispatch d(*this, "attention.metal", "attn_prepare_" + kv);
     d.buf(0, qg_).buf(1, k_).buf(2, v_).buf(3, vec(w.q_norm)).buf(4, vec(w.k_norm)).buf(5, inv_freq_)
         .buf(6, kc).buf(7, vc).args(8, a)
         .reads(qg_, size_t(T) * Hq * 2 * D * 4).writes(qg_, size_t(T) * Hq * 2 * D * 4)
@@ -501,7 +502,7 @@ void GpuBackend::attention(State& state, int layer, const AttentionWeights& w) {
              uint32_t(splits), uint32_t(split_len), 1.0f / std::sqrt(float(D))};
   const size_t part_o = size_t(Hq) * splits * D * 4, part_ml = size_t(Hq) * splits * 2 * 4;
   {
-    Dispatch d(*this, "attention.metal", "attn_decode");
+    Dispatch d(*this, "attention.metal", "attn_decode_" + kv);
     d.buf(0, qg_).buf(1, kc).buf(2, vc).buf(3, o_).buf(4, part_o_).buf(5, part_ml_).args(6, a)
         .reads(qg_, size_t(T) * Hq * 2 * D * 4)
         .state(kc, false, uint64_t(Hkv) * n_ctx * row)

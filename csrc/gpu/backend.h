@@ -40,6 +40,9 @@ struct GpuOptions {
   int split_threshold = 4096;
   int split_len = 1024;  // positions per split (grown so that splits <= max_splits)
   int max_splits = 128;
+  // KV cache elements in half precision: half the bytes per token at long contexts, at the cost
+  // of f16 rounding of k and v (default f32: the CPU backend's precision).
+  bool kv_half = false;
 };
 
 // One encoded dispatch, for plan reports (benchmarks/metal_plan.py) and tests.

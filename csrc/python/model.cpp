@@ -60,11 +60,14 @@ std::vector<Ffn> parse_ffns(const std::vector<std::string>& names) {
 // The GPU options are for tests (route thresholds, the runtime's checking modes).
 std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weights, const std::string& name,
                                       int threads, int split_threshold, int split_len,
-                                      bool check_dependencies, int interleavings) {
+                                      bool check_dependencies, int interleavings, const std::string& kv_dtype) {
   if (name == "cpu") return std::make_unique<cpu::CpuBackend>(weights, threads);
   gpu::GpuOptions opt;
   if (split_threshold >= 0) opt.split_threshold = split_threshold;
   if (split_len > 0) opt.split_len = split_len;
+  if (kv_dtype != "float32" && kv_dtype != "float16")
+    throw ConfigError("[engine] kv_dtype must be 'float32' or 'float16', not '" + kv_dtype + "'");
+  opt.kv_half = kv_dtype == "float16";
   if (name == "msl-cpu") {
     msl_cpu::DeviceOptions dev;
     dev.check_dependencies = check_dependencies;
@@ -206,15 +209,16 @@ void init_model(nb::module_& m) {
       .def(
           "__init__",
           [](Engine* self, std::shared_ptr<ModelWeights> weights, const std::string& backend, int threads,
-             int prefill_chunk, int split_threshold, int split_len, bool check_dependencies, int interleavings) {
+             int prefill_chunk, int split_threshold, int split_len, bool check_dependencies, int interleavings,
+             const std::string& kv_dtype) {
             new (self) Engine(weights,
                               make_backend(weights, backend, threads, split_threshold, split_len,
-                                           check_dependencies, interleavings),
+                                           check_dependencies, interleavings, kv_dtype),
                               prefill_chunk);
           },
           nb::arg("weights"), nb::arg("backend") = "cpu", nb::arg("threads") = 0, nb::arg("prefill_chunk") = 512,
           nb::arg("split_threshold") = -1, nb::arg("split_len") = -1, nb::arg("check_dependencies") = false,
-          nb::arg("interleavings") = 0)
+          nb::arg("interleavings") = 0, nb::arg("kv_dtype") = "float32")
       .def_prop_ro("gpu_stats", [](Engine& e) {
         auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
         if (!g) throw Error("[engine] gpu_stats: the backend is not a GPU backend");
@@ -259,9 +263,10 @@ void init_model(nb::module_& m) {
   m.def(
       "gpu_plan",
       [](const ModelConfig& c, int context, int bits, int group, int gate_bits, int split_threshold,
-         int split_len) {
+         int split_len, bool kv_half) {
         gpu::PlanQuantization q{bits, group, gate_bits};
         gpu::GpuOptions opt;
+        opt.kv_half = kv_half;
         if (split_threshold >= 0) opt.split_threshold = split_threshold;
         if (split_len > 0) opt.split_len = split_len;
         gpu::DecodePlan p = gpu::plan_decode_step(c, q, opt, context);
@@ -273,6 +278,7 @@ void init_model(nb::module_& m) {
       },
       nb::arg("config"), nb::arg("context"), nb::arg("bits") = 4, nb::arg("group_size") = 64,
       nb::arg("gate_bits") = 8, nb::arg("split_threshold") = -1, nb::arg("split_len") = -1,
+      nb::arg("kv_half") = false,
       "The GPU backend's dispatch sequence for one decode step, recorded without running it: "
       "([(kernel, stage, weight bytes, state bytes, other bytes)], (dispatches, barriers, "
       "command buffers, CPU waits)).");
