@@ -3,8 +3,8 @@
 //   gdn_ungroup     Qwen3-Next only: scatter the per-key-head grouped [q k v z] / [b a]
 //                   projections into the plain layouts.      grid (ceil(n / 256), T), 256 threads
 //   gdn_conv        causal depthwise conv1d over [carried K-1 inputs ; chunk] + SiLU, one
-//                   thread per channel walking the chunk's tokens; the carried window is
-//                   updated in place.                         grid (ceil(C / 256)), 256 threads
+//                   thread per channel walking the chunk's tokens; the new window is written to
+//                   window_out.                               grid (ceil(C / 256)), 256 threads
 //   gdn_recurrence  one threadgroup per value head, one thread per value column j: the
 //                   column S[:, j] (Dk floats) stays in registers for the whole chunk. Per token:
 //                   l2-norm q and k (threadgroup reductions), beta = sigmoid(b),
@@ -12,6 +12,9 @@
 //                   S <- S * decay; delta = (v - S^T k) * beta; S <- S + k delta^T; o = S^T q,
 //                   then the gated RMSNorm  (w * (o * r)) * silu(z)  fused.   grid (Hv), Dv threads
 // f32 throughout, in the CPU backend's order of operations.
+// State in and out are separate bindings (they may be the same buffer): the host ping-pongs two
+// copies, so the state before a pass survives it and a pass made past the end of a generation
+// can be discarded (depth-2 pipelining) without a copy.
 #include <metal_stdlib>
 #include "lily_msl.h"
 #include "gdn_args.h"
@@ -51,11 +54,12 @@ kernel void gdn_ungroup(device const float* qkvz [[buffer(0)]],  // [T, C + Hv*D
   }
 }
 
-kernel void gdn_conv(device const float* qkv [[buffer(0)]],   // [T, C]
-                     device const float* taps [[buffer(1)]],  // [C, K]
-                     device float* window [[buffer(2)]],      // [K-1, C] carried inputs
-                     device float* out [[buffer(3)]],         // [T, C]
+kernel void gdn_conv(device const float* qkv [[buffer(0)]],        // [T, C]
+                     device const float* taps [[buffer(1)]],       // [C, K]
+                     device const float* window [[buffer(2)]],     // [K-1, C] carried inputs
+                     device float* out [[buffer(3)]],              // [T, C]
                      constant GdnArgs& args [[buffer(4)]],
+                     device float* window_out [[buffer(5)]],       // [K-1, C] for the next pass
                      uint ch [[thread_position_in_grid]]) {
   const uint C = args.C, K = args.K, T = args.T;
   if (ch >= C) return;
@@ -69,11 +73,11 @@ kernel void gdn_conv(device const float* qkv [[buffer(0)]],   // [T, C]
     }
     out[ulong(t) * C + ch] = silu_f(acc);
   }
-  // Carry the last K-1 inputs (reads of the old window happen before it is overwritten:
-  // slot j takes old slot j + T, which is later in the loop order).
+  // Carry the last K-1 inputs. window_out may be window itself: slot j takes old slot j + T,
+  // which is later in the loop order, so no old value is overwritten before it is read.
   for (uint j = 0; j + 1 < K; ++j) {
     const int src = int(T) - int(K - 1) + int(j);
-    window[ulong(j) * C + ch] = src >= 0 ? qkv[ulong(src) * C + ch] : window[ulong(j + T) * C + ch];
+    window_out[ulong(j) * C + ch] = src >= 0 ? qkv[ulong(src) * C + ch] : window[ulong(j + T) * C + ch];
   }
 }
 
@@ -84,9 +88,10 @@ kernel void gdn_recurrence(device const float* conv_out [[buffer(0)]],  // [T, C
                            device const float* a_neg [[buffer(4)]],     // [Hv] -exp(A_log)
                            device const float* dt_bias [[buffer(5)]],   // [Hv]
                            device const float* norm_w [[buffer(6)]],    // [Dv]
-                           device float* S [[buffer(7)]],               // [Hv, Dk, Dv]
+                           device const float* S [[buffer(7)]],         // [Hv, Dk, Dv] in
                            device float* o [[buffer(8)]],               // [T, Hv*Dv]
                            constant GdnArgs& args [[buffer(9)]],
+                           device float* S_out [[buffer(10)]],          // [Hv, Dk, Dv] out
                            uint hv [[threadgroup_position_in_grid]],
                            uint j [[thread_index_in_threadgroup]],
                            uint threads [[threads_per_threadgroup]],
@@ -101,7 +106,7 @@ kernel void gdn_recurrence(device const float* conv_out [[buffer(0)]],  // [T, C
   const bool owner = j < Dv;  // threads is Dv rounded up to the simdgroup width
 
   float col[LILY_GDN_MAX_DK];  // S[:, j] of this head
-  device float* Sh = S + ulong(hv) * Dk * Dv;
+  device const float* Sh = S + ulong(hv) * Dk * Dv;
   for (uint i = 0; i < Dk; ++i) col[i] = owner ? Sh[ulong(i) * Dv + j] : 0.0f;
 
   for (uint t = 0; t < args.T; ++t) {
@@ -144,6 +149,7 @@ kernel void gdn_recurrence(device const float* conv_out [[buffer(0)]],  // [T, C
       o[ulong(t) * vdim + hv * Dv + j] = (norm_w[j] * (out * r)) * silu_f(zj);
     }
   }
+  device float* So = S_out + ulong(hv) * Dk * Dv;  // may be S itself: each thread owns its column
   if (owner)
-    for (uint i = 0; i < Dk; ++i) Sh[ulong(i) * Dv + j] = col[i];
+    for (uint i = 0; i < Dk; ++i) So[ulong(i) * Dv + j] = col[i];
 }

@@ -72,12 +72,38 @@ def test_one_pass_and_one_wait_per_decode_step(case):
     gpu, _, _ = case
     s = gpu.session()
     s.prefill(cases.PROMPT[:3])
-    d0, b0, cb0, w0 = gpu._engine.gpu_stats
+    d0, b0, cb0, w0, _ = gpu._engine.gpu_stats
     for tok in cases.PROMPT[3:6]:
         s.decode(tok)
-    d1, b1, cb1, w1 = gpu._engine.gpu_stats
+    d1, b1, cb1, w1, _ = gpu._engine.gpu_stats
     assert (cb1 - cb0, w1 - w0) == (3, 3), "a decode step must be one command buffer and one CPU wait"
     assert b1 - b0 < d1 - d0, "the hazard tracker placed a barrier before every dispatch"
+
+
+def test_device_greedy_pipelined(case):
+    """Engine.generate_greedy on a GPU backend: the argmax is written on the device into the
+    next step's input slot and step N+1 is committed before step N's token is read (two steps
+    in flight). Tokens equal mlx-lm's greedy ones; stopping early discards the step made past
+    the stop, so the state continues exactly as if decoded token by token."""
+    gpu, cpu, ref = case
+    eng = gpu._engine
+    s = gpu.session()
+    s.prefill(cases.GEN_PROMPT[:-1])
+    cb0, w0 = eng.gpu_stats[2:4]
+    got = eng.generate_greedy(s._state, cases.GEN_PROMPT[-1], cases.GEN_TOKENS)
+    _, _, cb1, w1, in_flight = eng.gpu_stats
+    assert got == ref.gen_tokens
+    assert s.position == len(cases.GEN_PROMPT) + cases.GEN_TOKENS - 1
+    assert (cb1 - cb0, w1 - w0, in_flight) == (cases.GEN_TOKENS, cases.GEN_TOKENS, 2)
+
+    stop = 4  # stop after the 5th token: the 6th step was already committed and must be undone
+    s = gpu.session()
+    s.prefill(cases.GEN_PROMPT[:-1])
+    got = eng.generate_greedy(s._state, cases.GEN_PROMPT[-1], cases.GEN_TOKENS, [ref.gen_tokens[stop]])
+    assert got == ref.gen_tokens[:stop + 1]
+    assert s.position == len(cases.GEN_PROMPT) + stop
+    want = cpu.session().prefill(cases.GEN_PROMPT + ref.gen_tokens[:stop + 1])
+    _check(s.decode(got[-1]), want, "decode after a discarded pipelined step vs cpu backend")
 
 
 def test_state_fork_and_snapshot(case):

@@ -254,13 +254,15 @@ def test_gated_deltanet_step(Hk, Hv, Dk, Dv, K, T):
     S0 = (0.1 * RNG.standard_normal((Hv, Dk, Dv))).astype(np.float32)
     args = struct.pack("7I2f", T, Hk, Hv, Dk, Dv, K, C, eps, 1.0 / np.sqrt(Dk))
 
+    # State in place for the conv window, ping-ponged (separate out buffer) for S.
     winb, conv_out = dev.buffer(window), dev.buffer_empty(4 * T * C)
     dispatch(dev, lib.pipeline("gdn_conv"), ((C + 255) // 256,), (256,),
-             {0: dev.buffer(qkv), 1: dev.buffer(taps), 2: winb, 3: conv_out, 4: args})
-    Sb, o = dev.buffer(S0), dev.buffer_empty(4 * T * vdim)
+             {0: dev.buffer(qkv), 1: dev.buffer(taps), 2: winb, 3: conv_out, 4: args, 5: winb})
+    S_in, Sb, o = dev.buffer(S0), dev.buffer_empty(S0.nbytes), dev.buffer_empty(4 * T * vdim)
     dispatch(dev, lib.pipeline("gdn_recurrence"), (Hv,), (32 * ((Dv + 31) // 32),),
              {0: conv_out, 1: dev.buffer(b), 2: dev.buffer(a), 3: dev.buffer(z), 4: dev.buffer(a_neg),
-              5: dev.buffer(dt_bias), 6: dev.buffer(norm_w), 7: Sb, 8: o, 9: args})
+              5: dev.buffer(dt_bias), 6: dev.buffer(norm_w), 7: S_in, 8: o, 9: args, 10: Sb})
+    np.testing.assert_array_equal(read(S_in, np.float32, S0.shape), S0)  # the input state survives
 
     # Reference: PyTorch's depthwise conv1d over [window ; qkv], transformers' recurrence and norm.
     full = torch.from_numpy(np.concatenate([window, qkv])).double().T[None]  # [1, C, K-1+T]

@@ -201,14 +201,14 @@ std::unique_ptr<State> GpuState::clone() const {
   backend->finish();
   auto s = std::make_unique<GpuState>(*this);
   Device& dev = backend->device();
-  for (auto* list : {&s->k, &s->v, &s->conv, &s->S})
+  for (auto* list : {&s->k, &s->v, &s->conv[0], &s->conv[1], &s->S[0], &s->S[1]})
     for (auto& b : *list) b = copy_buffer(dev, b);
   return s;
 }
 
 size_t GpuState::nbytes() const {
   size_t n = 0;
-  for (const auto* list : {&k, &v, &conv, &S})
+  for (const auto* list : {&k, &v, &conv[0], &conv[1], &S[0], &S[1]})
     for (const auto& b : *list)
       if (b) n += b->length();
   return n;
@@ -218,8 +218,8 @@ std::unique_ptr<Snapshot> GpuState::capture() const {
   backend->finish();
   auto snap = std::make_unique<GpuSnapshot>();
   snap->owner = this;
-  for (const auto& b : conv) snap->conv.push_back(bytes_of(b));
-  for (const auto& b : S) snap->S.push_back(bytes_of(b));
+  for (const auto& b : conv[parity]) snap->conv.push_back(bytes_of(b));
+  for (const auto& b : S[parity]) snap->S.push_back(bytes_of(b));
   return snap;
 }
 
@@ -227,9 +227,11 @@ void GpuState::apply(const Snapshot& snap) {
   const auto* s = dynamic_cast<const GpuSnapshot*>(&snap);
   if (!s || s->owner != this) throw RequestError("[state] snapshot was taken from another sequence");
   backend->finish();
-  for (size_t l = 0; l < conv.size(); ++l) {
-    if (conv[l] && conv[l]->contents()) std::memcpy(conv[l]->contents(), s->conv[l].data(), s->conv[l].size());
-    if (S[l] && S[l]->contents()) std::memcpy(S[l]->contents(), s->S[l].data(), s->S[l].size());
+  for (size_t l = 0; l < conv[parity].size(); ++l) {
+    auto& c = conv[parity][l];
+    auto& S_ = S[parity][l];
+    if (c && c->contents()) std::memcpy(c->contents(), s->conv[l].data(), s->conv[l].size());
+    if (S_ && S_->contents()) std::memcpy(S_->contents(), s->S[l].data(), s->S[l].size());
   }
 }
 
@@ -337,14 +339,16 @@ std::unique_ptr<State> GpuBackend::new_state(int max_context) {
   const int L = c_.n_layers();
   st->k.resize(L);
   st->v.resize(L);
-  st->conv.resize(L);
-  st->S.resize(L);
-  for (int l = 0; l < L; ++l) {
-    if (c_.mixers[l] != Mixer::GatedDeltaNet) continue;
-    st->conv[l] = device_->new_buffer(size_t(c_.conv_kernel - 1) * c_.gdn_qkv_dim() * 4);
-    st->S[l] = device_->new_buffer(size_t(c_.gdn_v_heads) * c_.gdn_k_dim * c_.gdn_v_dim * 4);
-    for (auto* b : {st->conv[l].get(), st->S[l].get()})
-      if (b->contents()) std::memset(b->contents(), 0, b->length());
+  for (int p = 0; p < 2; ++p) {
+    st->conv[p].resize(L);
+    st->S[p].resize(L);
+    for (int l = 0; l < L; ++l) {
+      if (c_.mixers[l] != Mixer::GatedDeltaNet) continue;
+      st->conv[p][l] = device_->new_buffer(size_t(c_.conv_kernel - 1) * c_.gdn_qkv_dim() * 4);
+      st->S[p][l] = device_->new_buffer(size_t(c_.gdn_v_heads) * c_.gdn_k_dim * c_.gdn_v_dim * 4);
+      for (auto* b : {st->conv[p][l].get(), st->S[p][l].get()})
+        if (b->contents()) std::memset(b->contents(), 0, b->length());
+    }
   }
   return st;
 }
@@ -373,13 +377,7 @@ void GpuBackend::reserve_kv(GpuState& st, int positions) {
   st.capacity = cap;
 }
 
-void GpuBackend::embed(State& state, const int32_t* tokens, int T) {
-  finish();
-  auto& st = static_cast<GpuState&>(state);
-  T_ = T;
-  pos0_ = st.position();
-  reserve_kv(st, pos0_ + T);
-
+void GpuBackend::size_activations(int T) {
   const size_t H = c_.hidden, Hq = c_.n_heads, Hkv = c_.n_kv_heads, D = c_.head_dim;
   const size_t C = c_.gdn_qkv_dim(), vdim = c_.gdn_value_dim(), Hv = c_.gdn_v_heads;
   const size_t I = std::max(c_.moe_intermediate, c_.intermediate), k = std::max(c_.top_k, 1);
@@ -412,7 +410,26 @@ void GpuBackend::embed(State& state, const int32_t* tokens, int T) {
     grow(zeros_, f);
     if (zeros_->contents()) std::memset(zeros_->contents(), 0, zeros_->length());
   }
-  if (tokens_->contents()) std::memcpy(tokens_->contents(), tokens, f);
+}
+
+void GpuBackend::embed(State& state, const int32_t* tokens, int T) {
+  auto& st = static_cast<GpuState&>(state);
+  T_ = T;
+  pos0_ = st.position();
+  const size_t f = 4 * size_t(T), H = c_.hidden;
+  Ref token_src;
+  if (!greedy_) {
+    finish();
+    reserve_kv(st, pos0_ + T);
+    size_activations(T);
+    if (tokens_->contents()) std::memcpy(tokens_->contents(), tokens, f);
+    token_src = Ref{tokens_, 0};
+  } else {  // the previous step's argmax (sized and reserved by begin_device_greedy)
+    if (tokens || T != 1) throw Error("[gpu] device greedy steps take their token from the device");
+    token_src = Ref{ring_, size_t((step_ + 1) % 2) * 4};
+  }
+  in_ = st.parity;
+  st.parity ^= 1;
 
   const Linear& E = weights_->embed;
   EmbedArgs args{};
@@ -423,10 +440,10 @@ void GpuBackend::embed(State& state, const int32_t* tokens, int T) {
   d.buf(0, weight(E.w, "embed_tokens"))
       .buf(1, E.quantized() ? weight(E.scales, "embed scales") : Ref{dummy_, 0})
       .buf(2, E.quantized() ? weight(E.biases, "embed biases") : Ref{dummy_, 0})
-      .buf(3, tokens_)
+      .buf(3, token_src)
       .buf(4, x_)
       .args(5, args)
-      .reads(tokens_, f)
+      .reads(token_src.buf, f, token_src.off)
       .writes(x_, f * H)
       .weight_bytes(uint64_t(T) * E.nbytes() / std::max(E.out, 1));
   d.run({div_up(H, 256), uint32_t(T), 1}, {256, 1, 1});
@@ -545,20 +562,24 @@ void GpuBackend::gated_deltanet(State& state, int layer, const GdnWeights& w) {
     gemv(w.in_b, {h_, 0}, H, {b_, 0}, Hv, T);
     gemv(w.in_a, {h_, 0}, H, {a_, 0}, Hv, T);
   }
+  const int out = in_ ^ 1;
   {
     Dispatch d(*this, "gdn.metal", "gdn_conv");
-    d.buf(0, qkv_).buf(1, vec(w.conv1d)).buf(2, st.conv[layer]).buf(3, conv_out_).args(4, args)
+    d.buf(0, qkv_).buf(1, vec(w.conv1d)).buf(2, st.conv[in_][layer]).buf(3, conv_out_).args(4, args)
+        .buf(5, st.conv[out][layer])
         .reads(qkv_, f * C).writes(conv_out_, f * C)
-        .state(st.conv[layer], true, 2 * st.conv[layer]->length());
+        .state(st.conv[in_][layer], false, st.conv[in_][layer]->length())
+        .state(st.conv[out][layer], true, st.conv[out][layer]->length());
     d.run({div_up(C, 256), 1, 1}, {256, 1, 1});
   }
   {
     Dispatch d(*this, "gdn.metal", "gdn_recurrence");
     d.buf(0, conv_out_).buf(1, b_).buf(2, a_).buf(3, z_).buf(4, vec(w.a_neg)).buf(5, vec(w.dt_bias))
-        .buf(6, vec(w.norm)).buf(7, st.S[layer]).buf(8, go_).args(9, args)
+        .buf(6, vec(w.norm)).buf(7, st.S[in_][layer]).buf(8, go_).args(9, args).buf(10, st.S[out][layer])
         .reads(conv_out_, f * C).reads(b_, f * Hv).reads(a_, f * Hv).reads(z_, f * vdim)
         .writes(go_, f * vdim)
-        .state(st.S[layer], true, 2 * st.S[layer]->length());
+        .state(st.S[in_][layer], false, st.S[in_][layer]->length())
+        .state(st.S[out][layer], true, st.S[out][layer]->length());
     d.run({uint32_t(Hv), 1, 1}, {32 * div_up(c_.gdn_v_dim, 32), 1, 1});
   }
   gemv(w.out_proj, {go_, 0}, vdim, {y_, 0}, H, T);
@@ -724,10 +745,72 @@ void GpuBackend::moe(const MoeWeights& w) {
 
 void GpuBackend::lm_head(const Linear& head, int first, int n, float* logits) {
   const size_t bytes = size_t(n) * head.out * 4;
-  grow(logits_, bytes);
+  if (!greedy_) grow(logits_, bytes);
   gemv(head, {h_, size_t(first) * c_.hidden * 4}, c_.hidden, {logits_, 0}, head.out, n);
+  if (!greedy_) {
+    finish();
+    if (logits && logits_->contents()) std::memcpy(logits, logits_->contents(), bytes);
+    return;
+  }
+  // Greedy step: the argmax goes into this step's ring slot (the next step's input); commit
+  // and return without waiting.
+  const uint32_t vocab = uint32_t(head.out);
+  const Ref slot{ring_, size_t(step_ % 2) * 4};
+  Dispatch d(*this, "sampling.metal", "argmax");
+  d.buf(0, logits_).buf(1, slot).args(2, vocab).reads(logits_, bytes).writes(slot.buf, 4, slot.off);
+  d.run({1, 1, 1}, {1024, 1, 1});
+  auto cb = std::move(cb_);
+  auto enc = std::move(enc_);
+  enc->end_encoding();
+  cb->commit();
+  inflight_.push_back(std::move(cb));
+  stats_.max_in_flight = std::max<uint64_t>(stats_.max_in_flight, inflight_.size());
+  ++step_;
+}
+
+// ---- device greedy decoding ------------------------------------------------------------------
+
+bool GpuBackend::begin_device_greedy(State& state, int32_t first_token, int max_steps) {
+  auto& st = static_cast<GpuState&>(state);
   finish();
-  if (logits && logits_->contents()) std::memcpy(logits, logits_->contents(), bytes);
+  reserve_kv(st, st.position() + max_steps);
+  size_activations(1);
+  grow(logits_, size_t(c_.vocab) * 4);
+  grow(ring_, 8);
+  step_ = read_step_ = 0;
+  inflight_.clear();
+  if (auto* r = static_cast<int32_t*>(ring_->contents())) r[1] = first_token;  // "step -1"'s token
+  greedy_ = true;
+  return true;
+}
+
+int32_t GpuBackend::wait_device_token() {
+  if (inflight_.empty()) throw Error("[gpu] no greedy step in flight");
+  auto cb = inflight_.front();
+  inflight_.erase(inflight_.begin());
+  ++stats_.waits;
+  cb->wait_until_completed();
+  const int64_t i = read_step_++;
+  const auto* r = static_cast<const int32_t*>(ring_->contents());
+  return r ? r[i % 2] : 0;
+}
+
+void GpuBackend::discard_last_step(State& state) {
+  for (auto& cb : inflight_) {
+    ++stats_.waits;
+    cb->wait_until_completed();
+  }
+  inflight_.clear();
+  auto& st = static_cast<GpuState&>(state);
+  st.parity ^= 1;  // back to the copies the discarded step read
+  --step_;
+  read_step_ = step_;
+}
+
+void GpuBackend::end_device_greedy() {
+  for (auto& cb : inflight_) cb->wait_until_completed();
+  inflight_.clear();
+  greedy_ = false;
 }
 
 }  // namespace lily::gpu

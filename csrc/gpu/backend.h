@@ -56,6 +56,7 @@ struct DispatchRecord {
 
 struct GpuStats {
   uint64_t dispatches = 0, barriers = 0, command_buffers = 0, waits = 0;
+  uint64_t max_in_flight = 0;  // most greedy steps committed and not yet read back at once
 };
 
 class GpuBackend;
@@ -65,7 +66,10 @@ class GpuState : public State {
   GpuBackend* backend = nullptr;
   int capacity = 0;                                  // KV positions allocated
   std::vector<std::shared_ptr<Buffer>> k, v;         // per attention layer [Hkv, capacity, D]
-  std::vector<std::shared_ptr<Buffer>> conv, S;      // per DeltaNet layer
+  // Per DeltaNet layer, two copies each: a pass reads copy `parity` and writes the other, then
+  // flips parity, so the state before the latest pass is still there (discard_last_step).
+  std::vector<std::shared_ptr<Buffer>> conv[2], S[2];
+  int parity = 0;
 
   // Plan reports only (benchmarks/metal_plan.py): act as if `position` tokens were cached.
   void seek(int position) { position_ = position; }
@@ -101,6 +105,11 @@ class GpuBackend : public Backend {
   void mlp(const MlpWeights& w) override;
   void moe(const MoeWeights& w) override;
   void lm_head(const Linear& head, int first, int n, float* logits) override;
+
+  bool begin_device_greedy(State& st, int32_t first_token, int max_steps) override;
+  int32_t wait_device_token() override;
+  void discard_last_step(State& st) override;
+  void end_device_greedy() override;
 
   // Commits the pass being encoded (if any) and waits for it.
   void finish();
@@ -153,6 +162,14 @@ class GpuBackend : public Backend {
   std::vector<DispatchRecord> records_;
 
   int T_ = 0, pos0_ = 0;
+  int in_ = 0;  // the state copy this pass reads (GpuState::parity at embed)
+  // Device greedy mode: step i reads its token from ring slot (i+1)%2 and writes its argmax to
+  // slot i%2; committed steps not yet read back wait in `inflight_`.
+  bool greedy_ = false;
+  int64_t step_ = 0, read_step_ = 0;
+  std::vector<std::shared_ptr<CommandBuffer>> inflight_;
+  std::shared_ptr<Buffer> ring_;
+  void size_activations(int T);
   // Activations [T, ...] (see metal/*_args.h for the layouts).
   std::shared_ptr<Buffer> tokens_, x_, h_, y_, qg_, k_, v_, o_, part_o_, part_ml_, qkv_, qkvz_, z_,
       b_, a_, ba_, conv_out_, go_, logits_, router_, ids_, wts_, act_, act_s_, sgate_, zeros_,

@@ -6,6 +6,7 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "cpu/backend.h"
@@ -223,8 +224,8 @@ void init_model(nb::module_& m) {
         auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
         if (!g) throw Error("[engine] gpu_stats: the backend is not a GPU backend");
         const gpu::GpuStats& s = g->stats();
-        return std::make_tuple(s.dispatches, s.barriers, s.command_buffers, s.waits);
-      }, "(dispatches, barriers, command buffers, CPU waits) so far")
+        return std::make_tuple(s.dispatches, s.barriers, s.command_buffers, s.waits, s.max_in_flight);
+      }, "(dispatches, barriers, command buffers, CPU waits, most greedy steps in flight) so far")
       .def_prop_ro("backend", [](Engine& e) { return std::string(e.backend().name()); })
       .def_prop_ro("threads", [](Engine& e) {
         auto* cpu = dynamic_cast<cpu::CpuBackend*>(&e.backend());
@@ -258,7 +259,18 @@ void init_model(nb::module_& m) {
             }
             return out;
           },
-          nb::arg("state"), nb::arg("token"));
+          nb::arg("state"), nb::arg("token"))
+      .def(
+          "generate_greedy",
+          [](Engine& e, State& st, int32_t token, int max_tokens, const std::vector<int32_t>& stop_tokens) {
+            nb::gil_scoped_release release;
+            return e.generate_greedy(st, token, max_tokens, [&](int32_t t) {
+              return std::find(stop_tokens.begin(), stop_tokens.end(), t) == stop_tokens.end();
+            });
+          },
+          nb::arg("state"), nb::arg("token"), nb::arg("max_tokens"), nb::arg("stop_tokens") = std::vector<int32_t>{},
+          "Greedy tokens after `token` (argmax, ties to the lowest id), stopping after a stop token; on a GPU "
+          "backend the token is fed back on the device with depth-2 pipelining.");
 
   m.def(
       "gpu_plan",
