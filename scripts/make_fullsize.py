@@ -150,7 +150,7 @@ def _quantized(name: str, rows: tuple[int, ...], cols: int, bits: int) -> list[T
 def spec(tc: dict) -> list[Tensor]:
     """Every tensor of the checkpoint, sorted by name (the order mlx writes them)."""
     H, V, E = tc["hidden_size"], tc["vocab_size"], tc["num_experts"]
-    I, Is = tc["moe_intermediate_size"], tc["shared_expert_intermediate_size"]
+    I, Is = tc["moe_intermediate_size"], tc["shared_expert_intermediate_size"]  # noqa: E741
     Nq, Nkv, Dh = tc["num_attention_heads"], tc["num_key_value_heads"], tc["head_dim"]
     Nk, Nv = tc["linear_num_key_heads"], tc["linear_num_value_heads"]
     Dk, Dv, K = tc["linear_key_head_dim"], tc["linear_value_head_dim"], tc["linear_conv_kernel_dim"]
@@ -321,7 +321,7 @@ def write(out: Path, tc: dict, workers: int = 0, seed: int = 0, tokenizer: Path 
     names = shard_names(len(groups))
     pieces: list[Piece] = []
     weight_map, total = {}, 0
-    for name, group in zip(names, groups):
+    for name, group in zip(names, groups, strict=True):
         head = _header(group)
         size = len(head) + sum(t.nbytes for t in group)
         path = out / name
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     tc = text_config(a.layers, a.experts, a.vocab)
     if a.dry_run:
         groups = shards(spec(tc))
-        for name, g in zip(shard_names(len(groups)), groups):
+        for name, g in zip(shard_names(len(groups)), groups, strict=True):
             print(f"{name}: {len(g)} tensors, {sum(t.nbytes for t in g) / 1e9:.3f} GB")
         print(f"total {sum(t.nbytes for g in groups for t in g) / 1e9:.3f} GB")
         return

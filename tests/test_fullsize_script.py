@@ -73,7 +73,7 @@ def test_full_size_shards():
     assert 19.3e9 < sum(sizes) < 19.7e9, sum(sizes)  # the release: 19.4 GB
     assert len(groups) == 4
     # make_shards: a shard closes only when the next tensor would not fit.
-    for g, nxt in zip(groups, groups[1:]):
+    for g, nxt in zip(groups, groups[1:], strict=False):
         assert sum(t.nbytes for t in g) <= mf.SHARD_BYTES < sum(t.nbytes for t in g) + nxt[0].nbytes
 
 
