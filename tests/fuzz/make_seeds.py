@@ -94,15 +94,25 @@ def main() -> None:
     # Python config target: config.json + generation_config.json of the demo and variants.
     cfg = json.loads((DEMO / "config.json").read_text())
     gen = (DEMO / "generation_config.json").read_bytes()
-    _write("config", "demo", _pair(json.dumps(cfg).encode(), gen))
+    # The Python targets' first byte picks the mode: even = raw documents, odd = structured
+    # edits of the target's seed document driven by the remaining bytes.
+    _write("config", "demo", b"\0" + _pair(json.dumps(cfg).encode(), gen))
     plain = {k: v for k, v in cfg.items() if k != "quantization"}
-    _write("config", "unquantized", _pair(json.dumps(plain).encode(), b"{}"))
+    _write("config", "unquantized", b"\0" + _pair(json.dumps(plain).encode(), b"{}"))
     text = cfg.get("text_config", cfg)
     nested = {"model_type": "qwen3_5_moe", "text_config": text, "quantization_config": {"bits": 8, "group_size": 32}}
-    _write("config", "nested_hf", _pair(json.dumps(nested).encode(), b'{"temperature": 0.7, "top_p": 0.9}'))
+    _write("config", "nested_hf", b"\0" + _pair(json.dumps(nested).encode(), b'{"temperature": 0.7, "top_p": 0.9}'))
     # Tokenizer target: tokenizer.json + tokenizer_config.json of the demo.
-    _write("tokenizer", "demo", _pair((DEMO / "tokenizer.json").read_bytes(),
+    _write("tokenizer", "demo", b"\0" + _pair((DEMO / "tokenizer.json").read_bytes(),
                                       (DEMO / "tokenizer_config.json").read_bytes()))
+    _write("config", "structured", b"\1" + bytes(range(64)))
+    _write("tokenizer", "structured", b"\1" + bytes(range(64)))
+    # Server target: first byte picks the route (even: chat, odd: completions), then the mode.
+    chat = {"model": "lily-demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    _write("server", "chat", b"\0\0" + json.dumps(chat).encode())
+    _write("server", "completions", b"\1\0" + json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}).encode())
+    _write("server", "chat_structured", b"\0\1" + bytes(range(64)))
+    _write("server", "completions_structured", b"\1\1" + bytes(range(64, 128)))
     # Template target: the demo template and a few small ones.
     _write("template", "demo", (DEMO / "chat_template.jinja").read_bytes())
     _write("template", "loop", b"{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
