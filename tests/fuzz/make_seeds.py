@@ -113,6 +113,19 @@ def main() -> None:
     _write("server", "completions", b"\1\0" + json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}).encode())
     _write("server", "chat_structured", b"\0\1" + bytes(range(64)))
     _write("server", "completions_structured", b"\1\1" + bytes(range(64, 128)))
+    # Regression inputs: what the fuzzers crashed on before the fixes (docs/reliability.md).
+    big = json.loads(json.dumps(cfg))
+    big.get("text_config", big)["vocab_size"] = 2**31
+    _write("config", "regress_vocab_2_31", b"\0" + _pair(json.dumps(big).encode(), b"{}"))
+    q = json.loads(json.dumps(cfg))
+    q["quantization"]["bits"] = 2**40
+    _write("config", "regress_bits_2_40", b"\0" + _pair(json.dumps(q).encode(), b"{}"))
+    _write("server", "regress_surrogate_model", b"\0\0" + b'{"model": "\\ud800", "messages": []}')
+    _write("server", "regress_surrogate_prompt", b"\1\0" + b'{"prompt": "x\\ud83d", "max_tokens": 1}')
+    header = {"a": {"dtype": "F32", "shape": [16], "data_offsets": [0, 64]},
+              "empty": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]},
+              "b": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]}}
+    _write("safetensors", "regress_hidden_overlap", _raw(header, bytes(64)))
     # Template target: the demo template and a few small ones.
     _write("template", "demo", (DEMO / "chat_template.jinja").read_bytes())
     _write("template", "loop", b"{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")

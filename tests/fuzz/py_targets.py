@@ -40,6 +40,9 @@ from pathlib import Path
 
 import atheris
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from asgi import post  # noqa: E402
+
 with atheris.instrument_imports(include=["lily"]):
     import lily  # noqa: F401  (instrumented for coverage)
     from lily.chat_template import ChatTemplateError, render
@@ -246,36 +249,6 @@ def _app():
     return _server
 
 
-async def _post(app, path: str, body: bytes) -> tuple[int, bytes]:
-    sent = False
-    out = {"status": 0, "body": b""}
-
-    async def receive():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return {"type": "http.disconnect"}
-
-    async def send(msg):
-        if msg["type"] == "http.response.start":
-            out["status"] = msg["status"]
-        elif msg["type"] == "http.response.body":
-            out["body"] += msg.get("body", b"")
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
-             "server": ("127.0.0.1", 8000)}
-    try:
-        await app(scope, receive, send)
-    except Exception:
-        # Starlette's ServerErrorMiddleware re-raises after its handler for `Exception` has
-        # answered (lily.server maps LilyError to 400 there); what the client got is the status.
-        pass
-    return out["status"], out["body"]
-
-
 _loop = None
 
 
@@ -285,7 +258,7 @@ def server_target(data: bytes) -> None:
         _loop = asyncio.new_event_loop()
     path = list(SERVER_SEEDS)[data[0] % 2 if data else 0]
     body = _doc(data[1:], SERVER_SEEDS[path]) if len(data) > 1 else b""
-    status, resp = _loop.run_until_complete(_post(_app(), path, body))
+    status, resp = _loop.run_until_complete(post(_app(), path, body))
     if status == 500 or status == 0:
         raise AssertionError(f"{path} answered {status} to {body[:200]!r}: {resp[:500]!r}")
 
