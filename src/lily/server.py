@@ -148,6 +148,14 @@ class Server:
                            code="invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        try:
+            # JSON's \ud800-style escapes can smuggle unpaired surrogates into strings, which
+            # nothing downstream can encode (the tokenizer, or an error message echoing the value
+            # as UTF-8): refuse them here (found by the tests/fuzz server target).
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "the request body has an unpaired UTF-16 surrogate escape (\\ud800-\\udfff); "
+                                "strings must be valid Unicode", code="invalid_json") from None
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise APIError(400, "'model' must be a string", param="model", code="invalid_type")
