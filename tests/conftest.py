@@ -1,0 +1,36 @@
+"""Session fixtures for lily's tests.
+
+- `store`: builds tiny random-weight checkpoints on demand (transformers fp32; mlx_lm MLX
+  conversions of the same weights) into one session tmp dir, and computes reference outputs
+  from transformers / mlx-lm on the files as saved (see tests/fixtures/).
+- `lily`: the package under test, imported once; an import failure is a test failure.
+
+Checkpoint building and the references need torch, transformers, mlx[cpu] and mlx-lm (the
+`test` extra of pyproject.toml); they are imported lazily so a run of tests that need none of
+them does not pay for them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+from fixtures.store import Store  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def store(tmp_path_factory) -> Store:
+    return Store(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def lily():
+    import lily as _lily
+
+    return _lily
