@@ -7,5 +7,6 @@ namespace nb = nanobind;
 namespace lily::python {
 void init_errors(nb::module_& m);
 void init_model(nb::module_& m);
+void init_sampler(nb::module_& m);
 
 }  // namespace lily::python

@@ -6,5 +6,6 @@ NB_MODULE(_core, m) {
   m.doc() = "lily native core";
   lily::python::init_errors(m);
   lily::python::init_model(m);
+  lily::python::init_sampler(m);
 
 }

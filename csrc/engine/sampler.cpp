@@ -1,0 +1,340 @@
+// Sampler implementation. See sampler.h for the order of operations and what logprobs mean.
+//
+// Numerics: every weight is exp(s) with s = (l - max) / T <= 0, from exp_nonpos() below, a
+// branch-free float exponential (Cody-Waite reduction + degree-7 polynomial, < 2 ulp) that the
+// compiler vectorizes. libm's exp is ~40x slower per call inside a Python process (its scalar
+// SSE code after AVX-512 work), and this runs over 248K logits every decode step. Sums and
+// cumulative masses are accumulated in double, so top-p boundaries and the draw (u * total,
+// then a cumulative scan) agree with a float64 NumPy reference to ~1e-7 relative.
+//
+// Candidate order everywhere is (logit descending, id ascending), so ties resolve to the lowest
+// id for argmax, top-k, top-p and the reported top logprobs alike.
+#include "engine/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "model/error.h"
+
+namespace lily {
+
+namespace {
+
+// Better-first order of candidates: higher logit, then lower id.
+struct Better {
+  template <class C>
+  bool operator()(const C& a, const C& b) const {
+    return a.logit > b.logit || (a.logit == b.logit && a.id < b.id);
+  }
+};
+
+// The k best tokens of logits[0, vocab), written to dst best-first. A bounded heap (O(V log k))
+// for the usual small k; nth_element over all ids (O(V)) when k is large.
+template <class C>
+void select_top(const float* logits, int32_t vocab, int32_t k, std::vector<C>& dst) {
+  dst.clear();
+  if (k <= 0) return;
+  if (k >= vocab) {
+    for (int32_t i = 0; i < vocab; ++i) dst.push_back({logits[i], i});
+  } else if (k <= 1024) {
+    // Min-heap on "Better": the front is the worst of the k kept so far.
+    Better better;
+    for (int32_t i = 0; i < vocab; ++i) {
+      C c{logits[i], i};
+      if (static_cast<int32_t>(dst.size()) < k) {
+        dst.push_back(c);
+        std::push_heap(dst.begin(), dst.end(), better);
+      } else if (better(c, dst.front())) {
+        std::pop_heap(dst.begin(), dst.end(), better);
+        dst.back() = c;
+        std::push_heap(dst.begin(), dst.end(), better);
+      }
+    }
+  } else {
+    dst.resize(vocab);
+    for (int32_t i = 0; i < vocab; ++i) dst[i] = {logits[i], i};
+    std::nth_element(dst.begin(), dst.begin() + (k - 1), dst.end(), Better{});
+    dst.resize(k);
+  }
+  std::sort(dst.begin(), dst.end(), Better{});
+}
+
+// e^x for x <= 0 (x below -87 gives 0). n = round(x / ln2) by the 1.5 * 2^23 trick (no libm
+// call, so the loop vectorizes); r = x - n ln2 in two parts (Cody-Waite) so |r| <= ln2/2; e^r by
+// its Taylor series to r^7 (truncation < 6e-9 relative); 2^n built in the exponent bits.
+inline float exp_nonpos(float x) {
+  const bool under = x < -87.0f;
+  x = under ? -87.0f : x;
+  const float shifter = 12582912.0f;  // 1.5 * 2^23
+  const float t = x * 1.44269504088896341f + shifter;
+  const float n = t - shifter;
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return under ? 0.0f : p * scale;
+}
+
+// w[i] = exp((l[i] - max) * inv_t) for i < n; returns their sum (double, four partial sums).
+double exp_weights(const float* l, size_t n, float max, float inv_t, float* w) {
+  for (size_t i = 0; i < n; ++i) w[i] = exp_nonpos((l[i] - max) * inv_t);
+  double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    a0 += w[i];
+    a1 += w[i + 1];
+    a2 += w[i + 2];
+    a3 += w[i + 3];
+  }
+  for (; i < n; ++i) a0 += w[i];
+  return (a0 + a1) + (a2 + a3);
+}
+
+std::string fmt(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Parameters
+
+void SamplingParams::validate() const {
+  auto bad = [](const std::string& name, const std::string& rule, double v) {
+    throw RequestError("[sampling] " + name + " " + rule + ", got " + fmt(v));
+  };
+  if (!std::isfinite(temperature) || temperature < 0) bad("temperature", "must be >= 0", temperature);
+  if (top_k < 0) bad("top_k", "must be >= 0 (0 = off)", top_k);
+  if (!(top_p > 0 && top_p <= 1)) bad("top_p", "must be in (0, 1]", top_p);
+  if (!(min_p >= 0 && min_p <= 1)) bad("min_p", "must be in [0, 1]", min_p);
+  if (!std::isfinite(repetition_penalty) || repetition_penalty <= 0)
+    bad("repetition_penalty", "must be > 0 (1 = off)", repetition_penalty);
+  if (!std::isfinite(presence_penalty)) bad("presence_penalty", "must be finite", presence_penalty);
+  if (!std::isfinite(frequency_penalty)) bad("frequency_penalty", "must be finite", frequency_penalty);
+  if (top_logprobs < 0 || top_logprobs > 1024) bad("top_logprobs", "must be in [0, 1024]", top_logprobs);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rng: xoshiro256**, state filled by splitmix64 so any 64-bit seed (even 0) gives a good state.
+
+Rng::Rng(uint64_t seed) {
+  uint64_t x = seed;
+  for (auto& s : s_) {
+    x += 0x9e3779b97f4a7c15ull;
+    uint64_t z = x;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    s = z ^ (z >> 31);
+  }
+}
+
+uint64_t Rng::next() {
+  auto rotl = [](uint64_t v, int k) { return (v << k) | (v >> (64 - k)); };
+  const uint64_t result = rotl(s_[1] * 5, 7) * 9;
+  const uint64_t t = s_[1] << 17;
+  s_[2] ^= s_[0];
+  s_[3] ^= s_[1];
+  s_[1] ^= s_[2];
+  s_[0] ^= s_[3];
+  s_[2] ^= t;
+  s_[3] = rotl(s_[3], 45);
+  return result;
+}
+
+double Rng::uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
+
+// ---------------------------------------------------------------------------------------------
+// Sampler
+
+Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(params.seed) {
+  params_.validate();
+}
+
+void Sampler::apply_penalties(float* logits, int32_t vocab, const int32_t* tokens, size_t n) {
+  const float rep = params_.repetition_penalty;
+  const float pres = params_.presence_penalty;
+  const float freq = params_.frequency_penalty;
+  if (n == 0 || (rep == 1.0f && pres == 0.0f && freq == 0.0f)) return;
+  // Sort a copy of the window so each distinct token is visited once with its count; windows
+  // are short (tens to thousands of ids), so this is cheaper than a vocab-sized counter.
+  sorted_tokens_.assign(tokens, tokens + n);
+  std::sort(sorted_tokens_.begin(), sorted_tokens_.end());
+  if (sorted_tokens_.front() < 0 || sorted_tokens_.back() >= vocab) {
+    int32_t t = sorted_tokens_.front() < 0 ? sorted_tokens_.front() : sorted_tokens_.back();
+    throw RequestError("[sampling] penalty token " + std::to_string(t) +
+                       " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+  }
+  for (size_t i = 0; i < n;) {
+    size_t j = i;
+    while (j < n && sorted_tokens_[j] == sorted_tokens_[i]) ++j;
+    const int32_t t = sorted_tokens_[i];
+    const float count = static_cast<float>(j - i);
+    float l = logits[t];
+    if (rep != 1.0f) l = l > 0 ? l / rep : l * rep;
+    l -= pres + freq * count;
+    logits[t] = l;
+    i = j;
+  }
+}
+
+// Cuts cand_ (sorted best-first) to the smallest prefix whose mass reaches top_p of z, the mass
+// of the set top-p applies to (the top-k set, or the whole vocabulary): token j stays while the
+// mass strictly before it is < top_p * z.
+void Sampler::cut_top_p(float max_logit, float inv_t, double z) {
+  const double target = params_.top_p * z;
+  double cum = 0;
+  size_t keep = 0;
+  while (keep < cand_.size() && cum < target) {
+    cum += exp_nonpos((cand_[keep].logit - max_logit) * inv_t);
+    ++keep;
+  }
+  cand_.resize(std::max<size_t>(keep, 1));
+}
+
+// Top-p over the whole vocabulary in O(V), never sorting it. Tokens fall into buckets of width
+// 1/kScale nat by their scaled logit s = (l - max) / T <= 0 (bucket 0 holds the best; the last
+// bucket everything below -kBuckets/kScale). Buckets are ordered like the tokens, so summing
+// bucket masses from the top finds the bucket B where the cumulative mass crosses top_p * Z:
+// buckets before B are kept whole, and only B's tokens are sorted to place the exact cut.
+void Sampler::gather_top_p(const float* logits, int32_t vocab, float max_logit, float inv_t) {
+  constexpr int32_t kBuckets = 4096;
+  constexpr float kScale = 64.0f;  // buckets per nat: s in [-64, 0] is resolved
+  auto bucket = [&](float l) {
+    const float x = (max_logit - l) * inv_t * kScale;  // >= 0, monotone in l
+    return x < static_cast<float>(kBuckets - 1) ? static_cast<int32_t>(x) : kBuckets - 1;
+  };
+  weights_.resize(vocab);
+  const double z = exp_weights(logits, vocab, max_logit, inv_t, weights_.data());
+  bucket_mass_.assign(kBuckets, 0.0);
+  for (int32_t i = 0; i < vocab; ++i) bucket_mass_[bucket(logits[i])] += weights_[i];
+  const double target = params_.top_p * z;
+  double cum = 0;
+  int32_t cut = 0;
+  while (cut < kBuckets - 1 && cum + bucket_mass_[cut] < target) cum += bucket_mass_[cut++];
+  // Keep every token above bucket `cut`; collect bucket `cut` itself at the end of cand_.
+  cand_.clear();
+  top_.clear();
+  for (int32_t i = 0; i < vocab; ++i) {
+    const int32_t b = bucket(logits[i]);
+    if (b < cut) cand_.push_back({logits[i], i});
+    else if (b == cut) top_.push_back({logits[i], i});
+  }
+  std::sort(top_.begin(), top_.end(), Better{});
+  size_t keep = 0;
+  while (keep < top_.size() && (cum < target || cand_.empty())) {
+    cum += exp_nonpos((top_[keep].logit - max_logit) * inv_t);
+    cand_.push_back(top_[keep++]);
+  }
+}
+
+// One draw in proportion to exp((l - max) / T): over cand_, or over the whole vocabulary when
+// no truncation applies (cand_ empty).
+int32_t Sampler::draw(const float* logits, int32_t vocab, float max_logit, float inv_t) {
+  const double u = rng_.uniform();
+  if (cand_.empty()) {
+    weights_.resize(vocab);
+    const double x = u * exp_weights(logits, vocab, max_logit, inv_t, weights_.data());
+    double cum = 0;
+    int32_t last = 0;
+    for (int32_t i = 0; i < vocab; ++i) {
+      if (weights_[i] == 0) continue;
+      cum += weights_[i];
+      last = i;
+      if (x < cum) return i;
+    }
+    return last;  // rounding at the very top of the range
+  }
+  weights_.resize(cand_.size());
+  double total = 0;
+  for (size_t j = 0; j < cand_.size(); ++j)
+    total += (weights_[j] = exp_nonpos((cand_[j].logit - max_logit) * inv_t));
+  const double x = u * total;
+  double cum = 0;
+  for (size_t j = 0; j < cand_.size(); ++j) {
+    cum += weights_[j];
+    if (x < cum) return cand_[j].id;
+  }
+  return cand_.back().id;
+}
+
+void Sampler::fill_logprobs(const float* logits, int32_t vocab, float max_logit, int32_t token,
+                            SampleResult* out) {
+  weights_.resize(vocab);
+  const double lse = max_logit + std::log(exp_weights(logits, vocab, max_logit, 1.0f, weights_.data()));
+  out->token = token;
+  out->logprob = static_cast<float>(logits[token] - lse);
+  select_top(logits, vocab, std::min(params_.top_logprobs, vocab), top_);
+  out->top.clear();
+  for (const auto& c : top_) out->top.push_back({c.id, static_cast<float>(c.logit - lse)});
+}
+
+int32_t Sampler::sample(float* logits, int32_t vocab, const int32_t* penalty_tokens,
+                        size_t n_penalty_tokens, SampleResult* out) {
+  if (vocab <= 0) throw RequestError("[sampling] vocab must be > 0, got " + std::to_string(vocab));
+  apply_penalties(logits, vocab, penalty_tokens, n_penalty_tokens);
+
+  // One pass: the maximum (lowest id on ties, hence strict >) and a check for bad numbers.
+  float max_logit = -std::numeric_limits<float>::infinity();
+  int32_t argmax = -1;
+  for (int32_t i = 0; i < vocab; ++i) {
+    const float x = logits[i];
+    if (std::isnan(x) || x == std::numeric_limits<float>::infinity())
+      throw Error("[sampling] logit of token " + std::to_string(i) + " is " + fmt(x));
+    if (x > max_logit) {
+      max_logit = x;
+      argmax = i;
+    }
+  }
+  if (argmax < 0) throw Error("[sampling] every logit is -inf");
+
+  int32_t token = argmax;
+  if (params_.temperature > 0) {
+    const float inv_t = 1.0f / params_.temperature;
+    const int32_t k = params_.top_k;
+    const bool use_k = k > 0 && k < vocab;
+    const bool use_p = params_.top_p < 1.0f;
+    const bool use_min_p = params_.min_p > 0.0f;
+    cand_.clear();
+    if (use_k) {
+      select_top(logits, vocab, k, cand_);
+      if (use_p) {
+        double z = 0;
+        for (const auto& c : cand_) z += exp_nonpos((c.logit - max_logit) * inv_t);
+        cut_top_p(max_logit, inv_t, z);
+      }
+    } else if (use_p) {
+      gather_top_p(logits, vocab, max_logit, inv_t);
+    } else if (use_min_p) {
+      // Only min-p: gather its survivors directly (the filter below then keeps them all).
+      for (int32_t i = 0; i < vocab; ++i)
+        if (exp_nonpos((logits[i] - max_logit) * inv_t) >= params_.min_p) cand_.push_back({logits[i], i});
+    }
+    if (use_min_p) {
+      // p_i >= min_p * p_max  <=>  exp((l_i - max) / T) >= min_p; the best token always stays.
+      const float min_p = params_.min_p;
+      cand_.erase(std::remove_if(cand_.begin(), cand_.end(),
+                                 [&](const Candidate& c) {
+                                   return exp_nonpos((c.logit - max_logit) * inv_t) < min_p;
+                                 }),
+                  cand_.end());
+    }
+    token = draw(logits, vocab, max_logit, inv_t);
+  }
+  if (out) fill_logprobs(logits, vocab, max_logit, token, out);
+  return token;
+}
+
+}  // namespace lily

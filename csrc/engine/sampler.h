@@ -1,0 +1,100 @@
+// Token sampling from one row of logits: penalties, temperature, top-k, top-p, min-p, then a
+// draw from a seeded generator owned by the Sampler. Pure C++17, no Python.
+//
+// Order of operations (the one HF transformers, llama.cpp and mlx-lm users expect):
+//   1. penalties on the raw logits, over the tokens the caller passes as the penalty window:
+//        repetition (CTRL / HF): once per distinct token, l > 0 ? l / r : l * r
+//        presence / frequency (OpenAI): l -= presence * [count > 0] + frequency * count
+//   2. logprobs (SampleResult) are log-softmax of these penalized logits: the model's distribution
+//      after penalties, before temperature and truncation (what mlx-lm reports).
+//   3. temperature 0 -> argmax of the penalized logits, lowest id on ties; no draw, no RNG use.
+//   4. temperature T > 0 -> scaled logits l / T; top-k keeps the k largest (ties by lowest id);
+//      top-p keeps the smallest prefix of the remaining tokens, in descending probability
+//      (renormalized over the top-k set), whose mass reaches top_p; min-p keeps tokens whose
+//      probability is at least min_p times the largest; then one draw in proportion to
+//      exp(l / T) over what is left.
+//
+// Cost per call is a few O(V) passes over the vocabulary plus work on the candidate set only:
+// top-k uses a bounded heap (or nth_element for large k); top-p without top-k buckets tokens by
+// log-probability and sorts only the one bucket where the cut falls. A 248K vocabulary is never
+// fully sorted.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace lily {
+
+struct SamplingParams {
+  float temperature = 0.0f;         // 0 = greedy (argmax); else > 0
+  int32_t top_k = 0;                // 0 = off
+  float top_p = 1.0f;               // in (0, 1]; 1 = off
+  float min_p = 0.0f;               // in [0, 1]; 0 = off
+  float repetition_penalty = 1.0f;  // > 0; 1 = off
+  float presence_penalty = 0.0f;    // finite; 0 = off
+  float frequency_penalty = 0.0f;   // finite; 0 = off
+  uint64_t seed = 0;
+  int32_t top_logprobs = 0;         // how many (id, logprob) pairs SampleResult::top holds
+
+  // Throws lily::RequestError naming the first bad parameter.
+  void validate() const;
+};
+
+struct TokenLogprob {
+  int32_t token;
+  float logprob;
+};
+
+struct SampleResult {
+  int32_t token = -1;
+  float logprob = 0.0f;           // log p(token) under the penalized, untempered distribution
+  std::vector<TokenLogprob> top;  // the top_logprobs most likely tokens, descending (ties: low id)
+};
+
+// xoshiro256** (Blackman & Vigna), seeded through splitmix64: small, fast, and the same stream on
+// every platform, so a seed reproduces tokens across machines.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed);
+  uint64_t next();
+  double uniform();  // [0, 1) with 53 random bits
+ private:
+  uint64_t s_[4];
+};
+
+class Sampler {
+ public:
+  explicit Sampler(const SamplingParams& params);  // validates params
+
+  // Picks the next token from logits[0, vocab). logits is modified in place (penalties applied;
+  // its contents afterwards are unspecified). penalty_tokens are the window the penalties see
+  // (ids in [0, vocab), repeats count for the frequency penalty). out may be null.
+  int32_t sample(float* logits, int32_t vocab, const int32_t* penalty_tokens,
+                 size_t n_penalty_tokens, SampleResult* out = nullptr);
+
+  const SamplingParams& params() const { return params_; }
+
+ private:
+  struct Candidate {
+    float logit;  // penalized, not yet divided by the temperature (same order)
+    int32_t id;
+  };
+
+  void apply_penalties(float* logits, int32_t vocab, const int32_t* tokens, size_t n);
+  int32_t draw(const float* logits, int32_t vocab, float max_logit, float inv_t);
+  void cut_top_p(float max_logit, float inv_t, double z);
+  void gather_top_p(const float* logits, int32_t vocab, float max_logit, float inv_t);
+  void fill_logprobs(const float* logits, int32_t vocab, float max_logit, int32_t token,
+                     SampleResult* out);
+
+  SamplingParams params_;
+  Rng rng_;
+  // Scratch reused across calls so a decode step does not allocate.
+  std::vector<Candidate> cand_;
+  std::vector<Candidate> top_;
+  std::vector<int32_t> sorted_tokens_;
+  std::vector<float> weights_;
+  std::vector<double> bucket_mass_;
+};
+
+}  // namespace lily

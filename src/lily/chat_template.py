@@ -1,0 +1,314 @@
+"""Render a checkpoint's chat template (Jinja2), safely.
+
+Chat templates come from model repositories: untrusted code. `render()` runs them in Jinja2's
+`ImmutableSandboxedEnvironment` with what Hugging Face templates expect (the same environment
+transformers' `apply_chat_template` builds, so output is byte-identical):
+
+- `trim_blocks` / `lstrip_blocks`, the `loopcontrols` extension (`{% break %}`, `{% continue %}`),
+  and `{% generation %}...{% endgeneration %}` (rendered as its body);
+- `raise_exception(msg)`, `strftime_now(fmt)`, `dict(...)`, a `namespace` that refuses
+  `_`-prefixed names;
+- `tojson` with transformers' semantics: `json.dumps(x, ensure_ascii=False, indent=None,
+  separators=None, sort_keys=False)` (no HTML escaping, unlike Jinja's own filter);
+- variables: `messages`, `tools`, `documents`, `add_generation_prompt`, the tokenizer's special
+  tokens (`eos_token`, ...) and any extra keyword (`enable_thinking`, ...).
+
+The sandbox refuses attribute walks (`''.__class__.__mro__`, `obj._private`) and mutation of
+lists/dicts. On top of it, a per-render budget bounds what a hostile template can cost: total
+loop iterations over `range` plus calls and lookups (`max_steps`), macro/call nesting
+(`max_depth`), output size (`max_output_chars`), the size of strings/lists built with `*`, `+`
+and of numbers built with `**`, and wall time (`timeout_s`). Every failure is a
+`ChatTemplateError` (a ValueError) that says what went wrong.
+
+Inputs are normalized as transformers does: message keys whose value is None are dropped, and a
+message's `reasoning` / `thinking` is also offered as `reasoning_content`. One addition for
+OpenAI-format clients: a tool call whose `function.arguments` is a JSON string is parsed into a
+mapping, since templates iterate the arguments.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import time
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.sandbox
+import jinja2.utils
+
+__all__ = ["ChatTemplateError", "render", "DEFAULT_LIMITS"]
+
+
+class ChatTemplateError(ValueError):
+    """A chat template failed: it raised, broke a sandbox rule, ran over budget, or is invalid."""
+
+
+DEFAULT_LIMITS = {
+    "max_steps": 2_000_000,  # range iterations + calls + attribute/item lookups
+    "max_depth": 64,  # nested calls (macros calling macros)
+    "max_output_chars": 4_000_000,
+    "max_value_len": 1_000_000,  # a str/list built by * or +
+    "timeout_s": 10.0,
+}
+
+
+class _Budget:
+    def __init__(self, limits: dict):
+        self.limits = limits
+        self.steps = 0
+        self.depth = 0
+        self.deadline = time.monotonic() + limits["timeout_s"]
+
+    def step(self, n: int = 1) -> None:
+        self.steps += n
+        if self.steps > self.limits["max_steps"]:
+            raise ChatTemplateError(
+                f"chat template exceeded its step budget ({self.limits['max_steps']} loop iterations/calls)"
+            )
+        if (self.steps & 1023) == 0 and time.monotonic() > self.deadline:
+            raise ChatTemplateError(f"chat template ran longer than {self.limits['timeout_s']} s")
+
+
+_budget: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("lily_template_budget", default=None)
+
+
+def _step(n: int = 1) -> None:
+    b = _budget.get()
+    if b is not None:
+        b.step(n)
+
+
+def _counted_range(*args):
+    r = jinja2.sandbox.safe_range(*args)  # itself capped at 100,000 items
+    for i in r:
+        _step()
+        yield i
+
+
+class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset(["*", "**", "+"])
+
+    def call_binop(self, context, operator, left, right):
+        limit = _budget.get().limits["max_value_len"] if _budget.get() else DEFAULT_LIMITS["max_value_len"]
+        if operator == "**":
+            if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
+                if right * max(abs(left).bit_length(), 1) > 4096:
+                    raise ChatTemplateError("chat template built a number too large (** on big operands)")
+        elif operator == "*":
+            seq, n = (left, right) if isinstance(right, int) else (right, left)
+            if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * max(n, 0) > limit:
+                raise ChatTemplateError(f"chat template built a value longer than {limit} (*)")
+        elif operator == "+":
+            if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+                if len(left) + len(right) > limit:
+                    raise ChatTemplateError(f"chat template built a value longer than {limit} (+)")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
+        b = _budget.get()
+        if b is None:
+            return super().call(__context, __obj, *args, **kwargs)
+        b.step()
+        b.depth += 1
+        try:
+            if b.depth > b.limits["max_depth"]:
+                raise ChatTemplateError(f"chat template nested calls deeper than {b.limits['max_depth']}")
+            return super().call(__context, __obj, *args, **kwargs)
+        finally:
+            b.depth -= 1
+
+    def getattr(self, obj, attribute):
+        _step()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+        _step()
+        return super().getitem(obj, argument)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks in
+    transformers; for rendering it is just its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """Jinja's namespace, refusing `_`-prefixed names (no way to shadow internals)."""
+
+    def __init__(*args, **kwargs):  # noqa: N805 - same signature trick as jinja2.utils.Namespace
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} may not start with '_'")
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt):
+    return datetime.now().strftime(fmt)
+
+
+def _dict(*args, **kwargs):
+    return dict(*args, **kwargs)
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    env = _BoundedSandbox(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationTag],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals.update(
+        raise_exception=_raise_exception,
+        strftime_now=_strftime_now,
+        namespace=_Namespace,
+        dict=_dict,
+        range=_counted_range,
+    )
+    try:
+        return env.from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"chat template syntax error at line {e.lineno}: {e.message}") from None
+
+
+def _plain(value: Any, path: str = "messages") -> Any:
+    """A copy made of JSON types only, so the template sees no object with methods of its own."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, Mapping):
+        return {_plain(k, path): _plain(v, f"{path}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if hasattr(value, "model_dump"):  # pydantic objects, e.g. the OpenAI SDK's messages
+        return _plain(value.model_dump(), path)
+    raise TypeError(f"{path}: chat template inputs must be JSON-like, got {type(value).__name__}")
+
+
+def _normalize_messages(messages: Sequence[Any]) -> list[dict]:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    out = []
+    for i, m in enumerate(_plain(list(messages))):
+        if not isinstance(m, dict):
+            raise TypeError(f"messages[{i}] must be a dict, got {type(m).__name__}")
+        if "role" not in m:
+            raise ValueError(f"messages[{i}] has no 'role'")
+        m = {k: v for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if k in m), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        calls = m.get("tool_calls")
+        if isinstance(calls, list):
+            m["tool_calls"] = [_parse_call_arguments(c, i) for c in calls]
+        out.append(m)
+    return out
+
+
+def _parse_call_arguments(call: Any, index: int) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        try:
+            args = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"messages[{index}]: tool call arguments are not valid JSON ({e})") from None
+        return {**call, "function": {**fn, "arguments": args}}
+    return call
+
+
+def render(
+    template: str,
+    messages: Sequence[Any],
+    *,
+    tools: Sequence[Mapping] | None = None,
+    documents: Sequence[Mapping] | None = None,
+    add_generation_prompt: bool = False,
+    enable_thinking: bool | None = None,
+    limits: Mapping[str, float] | None = None,
+    **kwargs: Any,
+) -> str:
+    """Render `template` over `messages` (OpenAI-format dicts).
+
+    enable_thinking=None leaves the variable undefined (the template's default); other keyword
+    arguments (bos_token, eos_token, custom flags) are passed to the template as variables.
+    """
+    if not isinstance(template, str) or not template.strip():
+        raise ChatTemplateError("the chat template is empty")
+    lim = {**DEFAULT_LIMITS, **(limits or {})}
+    unknown = set(lim) - set(DEFAULT_LIMITS)
+    if unknown:
+        raise ValueError(f"unknown chat template limits: {sorted(unknown)}")
+    compiled = _compile(template)
+    if tools is not None:
+        if isinstance(tools, Mapping) or not isinstance(tools, Sequence):
+            raise TypeError("tools must be a list of JSON-schema dicts")
+        for i, t in enumerate(tools):
+            if not isinstance(t, Mapping):
+                raise TypeError(f"tools[{i}] must be a JSON-schema dict, got {type(t).__name__}")
+    variables = {
+        **_plain(kwargs, "kwargs"),
+        "messages": _normalize_messages(messages),
+        "tools": _plain(tools, "tools"),
+        "documents": _plain(documents, "documents"),
+        "add_generation_prompt": bool(add_generation_prompt),
+    }
+    if enable_thinking is not None:
+        variables["enable_thinking"] = bool(enable_thinking)
+
+    token = _budget.set(_Budget(lim))
+    try:
+        parts, size = [], 0
+        for chunk in compiled.generate(**variables):
+            size += len(chunk)
+            if size > lim["max_output_chars"]:
+                raise ChatTemplateError(f"chat template output exceeded {lim['max_output_chars']} characters")
+            parts.append(chunk)
+        return "".join(parts)
+    except ChatTemplateError:
+        raise
+    except jinja2.exceptions.SecurityError as e:
+        raise ChatTemplateError(f"chat template refused by the sandbox: {e}") from None
+    except jinja2.exceptions.TemplateError as e:
+        # raise_exception(...) from the template, or a runtime template error.
+        raise ChatTemplateError(f"chat template error: {e.message or e}") from None
+    except RecursionError:
+        raise ChatTemplateError("chat template recursed too deeply") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError) as e:
+        raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
+    finally:
+        _budget.reset(token)
