@@ -39,8 +39,6 @@ import sys
 import zlib
 from pathlib import Path
 
-import numpy as np
-
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_next")
 SIZES = ("tiny", "medium")
 
@@ -231,7 +229,7 @@ def _fill(name: str, shape: tuple[int, ...], seed: int):
     return normal(0.1)                                 # any other vector (biases)
 
 
-def randomize(model, seed: int, dtype=None) -> None:
+def randomize(model, seed: int) -> None:
     """Overwrite every parameter of `model` with _fill values (in place, no grad)."""
     import torch
 
@@ -262,6 +260,11 @@ def build_model(model_type: str, size: str = "tiny", layers: int | None = None,
         model = cls(cfg)
     finally:
         torch.set_default_dtype(prev)
+    # Released bf16 checkpoints keep the DeltaNet A_log in fp32 (so do mlx_lm conversions, via
+    # its cast_predicate); a mixed-dtype file is what a loader meets.
+    for mod in model.modules():
+        if isinstance(getattr(mod, "A_log", None), torch.nn.Parameter):
+            mod.A_log.data = mod.A_log.data.float()
     randomize(model, seed)
     model.config.use_cache = True
     return model.eval()
@@ -271,8 +274,9 @@ def build_model(model_type: str, size: str = "tiny", layers: int | None = None,
 # Saving
 # ---------------------------------------------------------------------------------------------
 
+# torch tensors, not numpy: numpy has no bfloat16.
 def _load_all(path: Path) -> tuple[dict, dict]:
-    from safetensors.numpy import load_file
+    from safetensors.torch import load_file
 
     tensors, meta = {}, {}
     for f in sorted(path.glob("*.safetensors")):
@@ -284,7 +288,7 @@ def _load_all(path: Path) -> tuple[dict, dict]:
 
 
 def _save_all(path: Path, tensors: dict, meta: dict) -> None:
-    from safetensors.numpy import save_file
+    from safetensors.torch import save_file
 
     for f in path.glob("*.safetensors"):
         f.unlink()
@@ -303,6 +307,8 @@ def relayout_experts(path: Path, layout: str) -> None:
     per_expert: <p>.experts.{e}.{gate,up,down}_proj.weight  ([I, H], [I, H], [H, I]) (Qwen3-Next
                 release; transformers' save of the text-only Qwen3.5 MoE class)
     """
+    import torch
+
     tensors, meta = _load_all(path)
     out = {}
     groups: dict[str, dict] = {}
@@ -317,18 +323,18 @@ def relayout_experts(path: Path, layout: str) -> None:
             gu, down = g["gate_up_proj"], g["down_proj"]
         else:
             n = 1 + max(int(r.split(".")[0]) for r in g)
-            gu = np.stack([np.concatenate([g[f"{e}.gate_proj.weight"], g[f"{e}.up_proj.weight"]])
-                           for e in range(n)])
-            down = np.stack([g[f"{e}.down_proj.weight"] for e in range(n)])
+            gu = torch.stack([torch.cat([g[f"{e}.gate_proj.weight"], g[f"{e}.up_proj.weight"]])
+                              for e in range(n)])
+            down = torch.stack([g[f"{e}.down_proj.weight"] for e in range(n)])
         if layout == "fused":
-            out[p + ".gate_up_proj"] = np.ascontiguousarray(gu)
-            out[p + ".down_proj"] = np.ascontiguousarray(down)
+            out[p + ".gate_up_proj"] = gu.contiguous()
+            out[p + ".down_proj"] = down.contiguous()
         elif layout == "per_expert":
             inter = gu.shape[1] // 2
             for e in range(gu.shape[0]):
-                out[f"{p}.{e}.gate_proj.weight"] = np.ascontiguousarray(gu[e, :inter])
-                out[f"{p}.{e}.up_proj.weight"] = np.ascontiguousarray(gu[e, inter:])
-                out[f"{p}.{e}.down_proj.weight"] = np.ascontiguousarray(down[e])
+                out[f"{p}.{e}.gate_proj.weight"] = gu[e, :inter].contiguous()
+                out[f"{p}.{e}.up_proj.weight"] = gu[e, inter:].contiguous()
+                out[f"{p}.{e}.down_proj.weight"] = down[e].contiguous()
         else:
             raise ValueError(f"unknown expert layout {layout!r}")
     _save_all(path, out, meta)

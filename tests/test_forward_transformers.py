@@ -32,8 +32,7 @@ def _assert_close(got, want, what):
 
 @pytest.fixture(params=CASES)
 def case(request, store):
-    model_type, layout = request.param
-    path = store.hf(model_type, layout)
+    path = store.hf(*request.param)
     return path, store.hf_reference(path)
 
 

@@ -9,10 +9,10 @@ distribution fails and a right one does not flake.
 
 import numpy as np
 import pytest
+from lily._core import Sampler, SamplingParams
 from scipy import stats
 
 import lily
-from lily._core import Sampler, SamplingParams
 
 
 def make_sampler(**kw):
@@ -88,6 +88,13 @@ def test_temperature_zero_is_argmax():
     for v in (1, 2, 31, 32, 33, 1000, 248320):
         logits = rng.standard_normal(v).astype(np.float32) * 4
         assert s.sample(logits)[0] == int(np.argmax(logits))
+
+
+def test_tiny_temperature_is_greedy():
+    logits = np.random.default_rng(11).standard_normal(1000).astype(np.float32)
+    logits[[5, 700]] = logits.max() + 1  # a tie: a division by ~0 must not turn it into NaN
+    for t in (1e-30, 1e-7):
+        assert make_sampler(temperature=t, seed=3, top_p=0.9).sample(logits)[0] == 5
 
 
 def test_argmax_ties_pick_lowest_id():

@@ -2,6 +2,7 @@
 
 #include "cpu/linear.h"
 #include "cpu/norm.h"
+#include "model/error.h"
 
 namespace lily::cpu {
 
@@ -10,6 +11,25 @@ size_t CpuState::nbytes() const {
   for (const auto& c : kv) n += (c.k.capacity() + c.v.capacity()) * sizeof(float);
   for (const auto& g : gdn) n += (g.conv.capacity() + g.S.capacity()) * sizeof(float);
   return n;
+}
+
+size_t CpuSnapshot::nbytes() const {
+  size_t n = 0;
+  for (const auto& g : gdn) n += (g.conv.size() + g.S.size()) * sizeof(float);
+  return n;
+}
+
+std::unique_ptr<Snapshot> CpuState::capture() const {
+  auto snap = std::make_unique<CpuSnapshot>();
+  snap->owner = this;
+  snap->gdn = gdn;
+  return snap;
+}
+
+void CpuState::apply(const Snapshot& snap) {
+  const auto* s = dynamic_cast<const CpuSnapshot*>(&snap);
+  if (!s || s->owner != this) throw RequestError("[state] snapshot was taken from another sequence");
+  gdn = s->gdn;
 }
 
 CpuBackend::CpuBackend(std::shared_ptr<const ModelWeights> weights, int n_threads)

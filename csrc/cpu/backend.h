@@ -12,6 +12,13 @@
 
 namespace lily::cpu {
 
+class CpuSnapshot : public Snapshot {
+ public:
+  const void* owner = nullptr;  // the CpuState it was taken from
+  std::vector<GdnState> gdn;
+  size_t nbytes() const override;
+};
+
 class CpuState : public State {
  public:
   std::vector<KvCache> kv;    // per layer (empty for DeltaNet layers)
@@ -19,6 +26,10 @@ class CpuState : public State {
 
   std::unique_ptr<State> clone() const override { return std::make_unique<CpuState>(*this); }
   size_t nbytes() const override;
+
+ protected:
+  std::unique_ptr<Snapshot> capture() const override;
+  void apply(const Snapshot& snap) override;
 };
 
 class CpuBackend : public Backend {

@@ -120,6 +120,8 @@ namespace {
 // de-interleaved once per call into blocks of 32: [x0 x2 .. x30 | x1 x3 .. x31].
 
 constexpr int kFusedMaxT = 8;
+// Above this many tokens the panel GEMM wins over re-reading packed weights per 8 tokens.
+constexpr int kPanelMinT = 32;
 
 inline float hsum(__m512 v) {
   alignas(64) float lanes[16];
@@ -129,7 +131,21 @@ inline float hsum(__m512 v) {
   return s;
 }
 
-template <int NT>
+// One scale or bias, with its dtype fixed at compile time (no per-group switch).
+template <DType SD>
+inline float scalar_at(const uint8_t* p, int i) {
+  if constexpr (SD == DType::F32) {
+    float f;
+    std::memcpy(&f, p + 4 * i, 4);
+    return f;
+  } else {
+    uint16_t v;
+    std::memcpy(&v, p + 2 * i, 2);
+    return SD == DType::BF16 ? bf16_to_f32(v) : f16_to_f32(v);
+  }
+}
+
+template <int NT, DType SD>
 void row_q4(const Linear& W, int r, const float* xd, int ldx, const float* gsum, int G, float* out, int ldo) {
   const uint8_t* wrow = W.w + size_t(r) * (W.in / 2);
   const size_t esz = dtype_size(W.dtype);
@@ -154,8 +170,8 @@ void row_q4(const Linear& W, int r, const float* xd, int ldx, const float* gsum,
         gacc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), gacc[t]);
       }
     }
-    const __m512 sc = _mm512_set1_ps(load_as_f32(srow, W.dtype, g));
-    const float bi = load_as_f32(brow, W.dtype, g);
+    const __m512 sc = _mm512_set1_ps(scalar_at<SD>(srow, g));
+    const float bi = scalar_at<SD>(brow, g);
     for (int t = 0; t < NT; ++t) {
       acc[t] = _mm512_fmadd_ps(gacc[t], sc, acc[t]);
       bias_part[t] += bi * gsum[size_t(t) * G + g];
@@ -164,7 +180,7 @@ void row_q4(const Linear& W, int r, const float* xd, int ldx, const float* gsum,
   for (int t = 0; t < NT; ++t) out[size_t(t) * ldo] = hsum(acc[t]) + bias_part[t];
 }
 
-template <int NT>
+template <int NT, DType SD>
 void row_q8(const Linear& W, int r, const float* x, int ldx, const float* gsum, int G, float* out, int ldo) {
   const uint8_t* wrow = W.w + size_t(r) * W.in;
   const size_t esz = dtype_size(W.dtype);
@@ -181,8 +197,8 @@ void row_q8(const Linear& W, int r, const float* x, int ldx, const float* gsum, 
           _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + e0))));
       for (int t = 0; t < NT; ++t) gacc[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + size_t(t) * ldx + e0), gacc[t]);
     }
-    const __m512 sc = _mm512_set1_ps(load_as_f32(srow, W.dtype, g));
-    const float bi = load_as_f32(brow, W.dtype, g);
+    const __m512 sc = _mm512_set1_ps(scalar_at<SD>(srow, g));
+    const float bi = scalar_at<SD>(brow, g);
     for (int t = 0; t < NT; ++t) {
       acc[t] = _mm512_fmadd_ps(gacc[t], sc, acc[t]);
       bias_part[t] += bi * gsum[size_t(t) * G + g];
@@ -216,66 +232,30 @@ void row_dense(const Linear& W, int r, const float* x, int ldx, float* out, int 
   }
 }
 
-bool fused_supported(const Linear& W) {
-  if (W.quantized()) return (W.bits == 4 || W.bits == 8) && W.group % 32 == 0;
-  return true;
-}
-
-// y[T, out] for T <= kFusedMaxT.
+// Rows [r0, r1) for NT tokens of a prepared input.
 template <int NT>
-void fused_rows(const Linear& W, const float* xk, int ldx, const float* gsum, int G, float* y, int64_t r0,
-                int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) {
-    float* o = y + r;
-    if (!W.quantized()) row_dense<NT>(W, int(r), xk, ldx, o, W.out);
-    else if (W.bits == 4) row_q4<NT>(W, int(r), xk, ldx, gsum, G, o, W.out);
-    else row_q8<NT>(W, int(r), xk, ldx, gsum, G, o, W.out);
+void matvec_rows_nt(const Linear& W, const MatvecInput& in, int t0, float* y, int ldy, int64_t r0, int64_t r1) {
+  const int G = W.quantized() ? W.in / W.group : 0;
+  const float* xk = (in.deinterleaved ? in.xd.data() : in.x) + size_t(t0) * W.in;
+  const float* gs = in.gsum.data() + size_t(t0) * G;
+  auto rows = [&](auto row_fn) {
+    for (int64_t r = r0; r < r1; ++r) row_fn(W, int(r), xk, W.in, gs, G, y + size_t(t0) * ldy + r, ldy);
+  };
+  if (!W.quantized()) {
+    for (int64_t r = r0; r < r1; ++r) row_dense<NT>(W, int(r), xk, W.in, y + size_t(t0) * ldy + r, ldy);
+  } else if (W.bits == 4) {
+    if (W.dtype == DType::BF16) rows(row_q4<NT, DType::BF16>);
+    else if (W.dtype == DType::F16) rows(row_q4<NT, DType::F16>);
+    else rows(row_q4<NT, DType::F32>);
+  } else {
+    if (W.dtype == DType::BF16) rows(row_q8<NT, DType::BF16>);
+    else if (W.dtype == DType::F16) rows(row_q8<NT, DType::F16>);
+    else rows(row_q8<NT, DType::F32>);
   }
 }
+#endif  // __AVX512F__
 
-void linear_fused(const Linear& W, const float* x, int T, float* y, ThreadPool& pool) {
-  const int in = W.in;
-  const int G = W.quantized() ? in / W.group : 0;
-  // Per-call preparation of x: de-interleaved copy (4-bit) and group sums (affine).
-  thread_local std::vector<float> xd, gsum;
-  const float* xk = x;
-  if (W.quantized()) {
-    gsum.resize(size_t(T) * G);
-    for (int t = 0; t < T; ++t)
-      for (int g = 0; g < G; ++g) {
-        float s = 0;
-        for (int j = 0; j < W.group; ++j) s += x[size_t(t) * in + g * W.group + j];
-        gsum[size_t(t) * G + g] = s;
-      }
-    if (W.bits == 4) {
-      xd.resize(size_t(T) * in);
-      for (int t = 0; t < T; ++t)
-        for (int b = 0; b < in; b += 32)
-          for (int i = 0; i < 16; ++i) {
-            xd[size_t(t) * in + b + i] = x[size_t(t) * in + b + 2 * i];
-            xd[size_t(t) * in + b + 16 + i] = x[size_t(t) * in + b + 2 * i + 1];
-          }
-      xk = xd.data();
-    }
-  }
-  const float* gs = gsum.data();
-  pool.parallel_for(
-      W.out,
-      [&](int64_t r0, int64_t r1, int) {
-        switch (T) {
-          case 1: fused_rows<1>(W, xk, in, gs, G, y, r0, r1); break;
-          case 2: fused_rows<2>(W, xk, in, gs, G, y, r0, r1); break;
-          case 3: fused_rows<3>(W, xk, in, gs, G, y, r0, r1); break;
-          case 4: fused_rows<4>(W, xk, in, gs, G, y, r0, r1); break;
-          case 5: fused_rows<5>(W, xk, in, gs, G, y, r0, r1); break;
-          case 6: fused_rows<6>(W, xk, in, gs, G, y, r0, r1); break;
-          case 7: fused_rows<7>(W, xk, in, gs, G, y, r0, r1); break;
-          default: fused_rows<8>(W, xk, in, gs, G, y, r0, r1); break;
-        }
-      },
-      16);
-}
-
+#if defined(__AVX512F__)
 // ---- Larger chunks: panel GEMM ----------------------------------------------------------
 // A panel of kPanel rows is expanded once into a k-major f32 buffer Wt[in][kPanel] (in L2),
 // then swept by a register-blocked micro-kernel: kMR tokens x kPanel rows of accumulators,
@@ -304,86 +284,133 @@ void micro_kernel(const float* Wt, int in, const float* x, int ldx, float* y, in
   }
 }
 
-void linear_panel(const Linear& W, const float* x, int T, float* y, ThreadPool& pool) {
+// Panels [p0, p1) of y[T, out], in the calling thread.
+void panel_rows(const Linear& W, const float* x, int T, float* y, int64_t p0, int64_t p1) {
   const int in = W.in, out = W.out;
-  const int64_t panels = (out + kPanel - 1) / kPanel;
-  pool.parallel_for(panels, [&](int64_t p0, int64_t p1, int) {
-    thread_local std::vector<float, std::allocator<float>> wt_store, row;
-    wt_store.resize(size_t(in) * kPanel + 16);
-    row.resize(in);
-    // 64-byte aligned view for the aligned loads.
-    float* Wt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(wt_store.data()) + 63) & ~uintptr_t(63));
-    for (int64_t p = p0; p < p1; ++p) {
-      const int r0 = int(p * kPanel), nr = std::min(kPanel, out - r0);
-      for (int i = 0; i < nr; ++i) {
-        dequantize_row(W, r0 + i, row.data());
-        for (int k = 0; k < in; ++k) Wt[size_t(k) * kPanel + i] = row[k];
-      }
-      for (int i = nr; i < kPanel; ++i)
-        for (int k = 0; k < in; ++k) Wt[size_t(k) * kPanel + i] = 0.0f;
-      int t = 0;
-      for (; t + kMR <= T; t += kMR) micro_kernel<kMR>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr);
-      switch (T - t) {
-        case 1: micro_kernel<1>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
-        case 2: micro_kernel<2>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
-        case 3: micro_kernel<3>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
-        case 4: micro_kernel<4>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
-        case 5: micro_kernel<5>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
-        default: break;
-      }
+  thread_local std::vector<float> wt_store, row;
+  wt_store.resize(size_t(in) * kPanel + 16);
+  row.resize(in);
+  // 64-byte aligned view for the aligned loads.
+  float* Wt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(wt_store.data()) + 63) & ~uintptr_t(63));
+  for (int64_t p = p0; p < p1; ++p) {
+    const int r0 = int(p * kPanel), nr = std::min(kPanel, out - r0);
+    for (int i = 0; i < nr; ++i) {
+      dequantize_row(W, r0 + i, row.data());
+      for (int k = 0; k < in; ++k) Wt[size_t(k) * kPanel + i] = row[k];
     }
-  });
+    for (int i = nr; i < kPanel; ++i)
+      for (int k = 0; k < in; ++k) Wt[size_t(k) * kPanel + i] = 0.0f;
+    int t = 0;
+    for (; t + kMR <= T; t += kMR) micro_kernel<kMR>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr);
+    switch (T - t) {
+      case 1: micro_kernel<1>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
+      case 2: micro_kernel<2>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
+      case 3: micro_kernel<3>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
+      case 4: micro_kernel<4>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
+      case 5: micro_kernel<5>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
+      default: break;
+    }
+  }
 }
-#endif  // __AVX512F__
 
-// Portable path: expand kRowBlock rows at a time, then one dot per (token, row).
-void linear_rows(const Linear& W, const float* x, int T, float* y, ThreadPool& pool) {
-  const int out = W.out, in = W.in;
-  const bool direct = W.format == Linear::Format::Dense && W.dtype == DType::F32;
-  pool.parallel_for(
-      out,
-      [&](int64_t r0, int64_t r1, int) {
-        thread_local std::vector<float> scratch;
-        if (!direct && scratch.size() < size_t(kRowBlock) * in) scratch.resize(size_t(kRowBlock) * in);
-        for (int64_t rb = r0; rb < r1; rb += kRowBlock) {
-          const int nr = int(std::min<int64_t>(kRowBlock, r1 - rb));
-          const float* rows[kRowBlock];
-          for (int i = 0; i < nr; ++i) {
-            if (direct) {
-              rows[i] = reinterpret_cast<const float*>(W.w) + size_t(rb + i) * in;
-            } else {
-              dequantize_row(W, int(rb + i), scratch.data() + size_t(i) * in);
-              rows[i] = scratch.data() + size_t(i) * in;
-            }
-          }
-          for (int t = 0; t < T; ++t) {
-            const float* xt = x + size_t(t) * in;
-            float* yt = y + size_t(t) * out + rb;
-            for (int i = 0; i < nr; ++i) yt[i] = dot(rows[i], xt, in);
-          }
-        }
-      },
-      kRowBlock);
-}
+int64_t panel_count(const Linear& W) { return (W.out + kPanel - 1) / kPanel; }
+#endif  // __AVX512F__
 
 }  // namespace
 
-void linear(const Linear& W, const float* x, int T, float* y, ThreadPool& pool) {
+void MatvecInput::prepare(const Linear& W, const float* x_, int T_) {
+  x = x_;
+  T = T_;
+  in = W.in;
+  bits = W.quantized() ? W.bits : 0;
+  group = W.quantized() ? W.group : 0;
+  deinterleaved = false;
+  if (!W.quantized()) return;
+  const int G = in / group;
+  gsum.resize(size_t(T) * G);
+  for (int t = 0; t < T; ++t)
+    for (int g = 0; g < G; ++g) {
+      float sum = 0;
+      for (int j = 0; j < group; ++j) sum += x[size_t(t) * in + g * group + j];
+      gsum[size_t(t) * G + g] = sum;
+    }
 #if defined(__AVX512F__)
-  if (T <= 4 * kFusedMaxT && fused_supported(W)) {
-    // Small batches: fused kernels, up to kFusedMaxT tokens per pass over the weights.
-    for (int t = 0; t < T; t += kFusedMaxT) {
-      const int n = std::min(kFusedMaxT, T - t);
-      linear_fused(W, x + size_t(t) * W.in, n, y + size_t(t) * W.out, pool);
+  if (bits == 4 && group % 32 == 0) {
+    xd.resize(size_t(T) * in);
+    for (int t = 0; t < T; ++t)
+      for (int b = 0; b < in; b += 32)
+        for (int i = 0; i < 16; ++i) {
+          xd[size_t(t) * in + b + i] = x[size_t(t) * in + b + 2 * i];
+          xd[size_t(t) * in + b + 16 + i] = x[size_t(t) * in + b + 2 * i + 1];
+        }
+    deinterleaved = true;
+  }
+#endif
+}
+
+bool MatvecInput::matches(const Linear& W) const {
+  return W.in == in && (W.quantized() ? (W.bits == bits && W.group == group) : bits == 0);
+}
+
+void matvec_rows(const Linear& W, const MatvecInput& in, float* y, int ldy, int64_t r0, int64_t r1) {
+#if defined(__AVX512F__)
+  const bool fused = W.quantized() ? ((W.bits == 4 || W.bits == 8) && W.group % 32 == 0) : true;
+  if (fused) {
+    for (int t = 0; t < in.T; t += kFusedMaxT) {
+      switch (std::min(kFusedMaxT, in.T - t)) {
+        case 1: matvec_rows_nt<1>(W, in, t, y, ldy, r0, r1); break;
+        case 2: matvec_rows_nt<2>(W, in, t, y, ldy, r0, r1); break;
+        case 3: matvec_rows_nt<3>(W, in, t, y, ldy, r0, r1); break;
+        case 4: matvec_rows_nt<4>(W, in, t, y, ldy, r0, r1); break;
+        case 5: matvec_rows_nt<5>(W, in, t, y, ldy, r0, r1); break;
+        case 6: matvec_rows_nt<6>(W, in, t, y, ldy, r0, r1); break;
+        case 7: matvec_rows_nt<7>(W, in, t, y, ldy, r0, r1); break;
+        default: matvec_rows_nt<8>(W, in, t, y, ldy, r0, r1); break;
+      }
     }
     return;
   }
-  if (T > 4 * kFusedMaxT || !fused_supported(W)) {
-    linear_panel(W, x, T, y, pool);
+#endif
+  // Portable: expand each row once, one dot per token.
+  thread_local std::vector<float> row;
+  row.resize(W.in);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* w = reinterpret_cast<const float*>(W.w) + size_t(r) * W.in;
+    if (W.quantized() || W.dtype != DType::F32) {
+      dequantize_row(W, int(r), row.data());
+      w = row.data();
+    }
+    for (int t = 0; t < in.T; ++t) y[size_t(t) * ldy + r] = dot(w, in.x + size_t(t) * W.in, W.in);
+  }
+}
+
+void linear(const Linear& W, const float* x, int T, float* y, ThreadPool& pool) {
+#if defined(__AVX512F__)
+  // Large chunks: expand each panel of weights once and sweep it with a register-blocked
+  // micro-kernel. Small ones (decode, small expert groups): fused kernels off the packed bytes.
+  if (T > kPanelMinT) {
+    pool.parallel_for(panel_count(W), [&](int64_t p0, int64_t p1, int) { panel_rows(W, x, T, y, p0, p1); });
     return;
   }
 #endif
-  linear_rows(W, x, T, y, pool);
+  // Reused across calls (no per-token allocation). Bound to a plain reference: a lambda that
+  // named the thread_local itself would see each worker thread's own (empty) instance.
+  thread_local MatvecInput prepared;
+  MatvecInput& in = prepared;
+  in.prepare(W, x, T);
+  pool.parallel_for(W.out, [&](int64_t r0, int64_t r1, int) { matvec_rows(W, in, y, W.out, r0, r1); }, 16);
+}
+
+void linear_serial(const Linear& W, const float* x, int T, float* y) {
+#if defined(__AVX512F__)
+  if (T > kPanelMinT) {
+    panel_rows(W, x, T, y, 0, panel_count(W));
+    return;
+  }
+#endif
+  thread_local MatvecInput in;
+  in.prepare(W, x, T);
+  matvec_rows(W, in, y, W.out, 0, W.out);
 }
 
 void embedding(const Linear& W, const int32_t* tokens, int T, float* x, ThreadPool& pool) {

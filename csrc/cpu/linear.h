@@ -5,6 +5,7 @@
 // Shapes: W [out, in], x [T, in], y [T, out]  (T = tokens in the chunk)
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "cpu/thread_pool.h"
 #include "model/weights.h"
@@ -17,6 +18,29 @@ void dequantize_row(const Linear& W, int row, float* out);
 
 // y[T, out] = x[T, in] · Wᵀ
 void linear(const Linear& W, const float* x, int T, float* y, ThreadPool& pool);
+
+// The same product computed entirely by the calling thread (for callers that parallelise
+// over something else, e.g. MoE prefill over experts).
+void linear_serial(const Linear& W, const float* x, int T, float* y);
+
+// Activations prepared once for the fused small-batch kernels (decode, small expert groups):
+// group sums for the affine bias term and, for 4-bit rows, x de-interleaved to match the
+// nibble order. Valid for every matrix with the same (in, bits, group), so a decode step can
+// prepare x once for all the experts that read it.
+struct MatvecInput {
+  const float* x = nullptr;  // [T, in], not owned
+  int T = 0, in = 0, bits = 0, group = 0;
+  bool deinterleaved = false;
+  std::vector<float> xd;    // [T, in] (4-bit only)
+  std::vector<float> gsum;  // [T, in / group]
+
+  void prepare(const Linear& W, const float* x, int T);
+  bool matches(const Linear& W) const;
+};
+
+// Rows [r0, r1) of y[t, r] (row stride ldy) = x[t] · W[r], t < in.T; single-threaded: callers
+// split rows across threads, so several matrices can share one parallel region.
+void matvec_rows(const Linear& W, const MatvecInput& in, float* y, int ldy, int64_t r0, int64_t r1);
 
 // x[T, in] = W[tokens[t], :] (embedding lookup; tokens already range-checked)
 void embedding(const Linear& W, const int32_t* tokens, int T, float* x, ThreadPool& pool);

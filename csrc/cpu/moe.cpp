@@ -61,8 +61,108 @@ void mlp_block(const MlpWeights& w, const float* x, int T, float* y, FfnScratch&
   swiglu_mlp(w, x, T, y, s, pool);
 }
 
+namespace {
+
+// One token (decode): the k routed experts and the shared expert are all fed the same x, so
+// x is prepared once and every expert's gate+up rows run in ONE parallel region, then every
+// down row in a second: two pool wake-ups per MoE block instead of three per expert.
+void moe_single_token(const ModelConfig& c, const MoeWeights& w, const float* x, float* y, FfnScratch& s,
+                      ThreadPool& pool) {
+  const int H = c.hidden, E = c.n_experts, k = c.top_k;
+  s.logits.resize(E);
+  s.route_id.resize(k);
+  s.route_w.resize(k);
+  linear(w.router, x, 1, s.logits.data(), pool);
+  route_token(s.logits.data(), E, k, c.norm_topk_prob, s.route_id.data(), s.route_w.data());
+
+  // Jobs: routed experts in id order (the reference sums them so), then the shared expert.
+  struct Job {
+    const MlpWeights* mlp;
+    float weight;
+    int inter;      // intermediate size
+    size_t act_at;  // offset of this job's [gate | up] rows in s.gate
+  };
+  std::vector<std::pair<int32_t, float>> routed(k);
+  for (int i = 0; i < k; ++i) routed[i] = {s.route_id[i], s.route_w[i]};
+  std::sort(routed.begin(), routed.end());
+  thread_local std::vector<Job> jobs_store;  // reused; bound by reference for the workers
+  std::vector<Job>& jobs = jobs_store;
+  jobs.clear();
+  size_t rows = 0;
+  for (auto [e, wt] : routed) {
+    jobs.push_back({&w.experts[e], wt, w.experts[e].gate.out, rows});
+    rows += 2 * size_t(w.experts[e].gate.out);
+  }
+  if (c.shared_intermediate > 0) {
+    float g;
+    linear(w.shared_gate, x, 1, &g, pool);
+    jobs.push_back({&w.shared, sigmoid(g), w.shared.gate.out, rows});
+    rows += 2 * size_t(w.shared.gate.out);
+  }
+  const int n_jobs = int(jobs.size());
+
+  // Phase 1: [gate | up] of every job. Rows of all jobs form one index space.
+  thread_local MatvecInput xin_store;
+  MatvecInput& xin = xin_store;
+  xin.prepare(jobs[0].mlp->gate, x, 1);
+  s.gate.resize(rows);
+  pool.parallel_for(
+      int64_t(rows),
+      [&](int64_t r0, int64_t r1, int) {
+        for (const Job& j : jobs) {
+          const int64_t b = int64_t(j.act_at), m = j.inter;
+          // gate rows [b, b+m), up rows [b+m, b+2m) of the shared index space
+          for (int part = 0; part < 2; ++part) {
+            const int64_t lo = std::max(r0, b + part * m), hi = std::min(r1, b + (part + 1) * m);
+            if (lo >= hi) continue;
+            const Linear& W = part == 0 ? j.mlp->gate : j.mlp->up;
+            float* out = s.gate.data() + (b + part * m);
+            if (xin.matches(W)) {
+              matvec_rows(W, xin, out, m, lo - b - part * m, hi - b - part * m);
+            } else {  // a job with another quantization (e.g. a bf16 shared expert)
+              MatvecInput own;
+              own.prepare(W, x, 1);
+              matvec_rows(W, own, out, m, lo - b - part * m, hi - b - part * m);
+            }
+          }
+        }
+      },
+      16);
+
+  // SwiGLU per job, then prepare each job's activation as the input of its down projection.
+  thread_local std::vector<MatvecInput> act_in_store;
+  std::vector<MatvecInput>& act_in = act_in_store;
+  act_in.resize(n_jobs);
+  for (int i = 0; i < n_jobs; ++i) {
+    float* g = s.gate.data() + jobs[i].act_at;
+    swiglu(g, g + jobs[i].inter, size_t(jobs[i].inter));
+    act_in[i].prepare(jobs[i].mlp->down, g, 1);
+  }
+
+  // Phase 2: every job's down rows, [n_jobs, H].
+  s.ye.resize(size_t(n_jobs) * H);
+  pool.parallel_for(
+      int64_t(n_jobs) * H,
+      [&](int64_t r0, int64_t r1, int) {
+        for (int i = 0; i < n_jobs; ++i) {
+          const int64_t lo = std::max<int64_t>(r0, int64_t(i) * H), hi = std::min<int64_t>(r1, int64_t(i + 1) * H);
+          if (lo < hi) matvec_rows(jobs[i].mlp->down, act_in[i], s.ye.data() + size_t(i) * H, H, lo - i * H, hi - i * H);
+        }
+      },
+      16);
+
+  std::fill(y, y + H, 0.0f);
+  for (int i = 0; i < n_jobs; ++i) axpy(jobs[i].weight, s.ye.data() + size_t(i) * H, y, H);
+}
+
+}  // namespace
+
 void moe_block(const ModelConfig& c, const MoeWeights& w, const float* x, int T, float* y, FfnScratch& s,
                ThreadPool& pool) {
+  if (T == 1) {
+    moe_single_token(c, w, x, y, s, pool);
+    return;
+  }
   const int H = c.hidden, E = c.n_experts, k = c.top_k;
   s.logits.resize(size_t(T) * E);
   s.route_id.resize(size_t(T) * k);
@@ -82,20 +182,45 @@ void moe_block(const ModelConfig& c, const MoeWeights& w, const float* x, int T,
     for (int i = 0; i < T * k; ++i) s.by_expert[fill[s.route_id[i]]++] = i;  // i = t * k + slot
   }
 
-  std::fill(y, y + size_t(T) * H, 0.0f);
-  for (int e = 0; e < E; ++e) {
-    const int b = s.expert_start[e], n = s.expert_start[e + 1] - b;
-    if (n == 0) continue;
-    s.xe.resize(size_t(n) * H);
-    s.ye.resize(size_t(n) * H);
-    for (int j = 0; j < n; ++j)
-      std::memcpy(s.xe.data() + size_t(j) * H, x + size_t(s.by_expert[b + j] / k) * H, H * sizeof(float));
-    swiglu_mlp(w.experts[e], s.xe.data(), n, s.ye.data(), s, pool);
-    for (int j = 0; j < n; ++j) {
-      const int i = s.by_expert[b + j];
-      axpy(s.route_w[i], s.ye.data() + size_t(j) * H, y + size_t(i / k) * H, H);
+  // Experts in parallel, each computed whole by one thread (a chunk spreads its tokens over
+  // many experts, so this keeps every thread busy with one wake-up instead of three per
+  // expert). Each (token, slot) gets its own output row, so no two threads write one row.
+  std::vector<int32_t>& active = s.active;
+  active.clear();
+  for (int e = 0; e < E; ++e)
+    if (s.expert_start[e + 1] > s.expert_start[e]) active.push_back(e);
+  s.slot_out.resize(size_t(T) * k * H);
+  pool.parallel_for(int64_t(active.size()), [&](int64_t a0, int64_t a1, int) {
+    thread_local std::vector<float> xe, gate, up, down;
+    for (int64_t a = a0; a < a1; ++a) {
+      const int e = active[a], b = s.expert_start[e], n = s.expert_start[e + 1] - b;
+      const MlpWeights& ew = w.experts[e];
+      const int I = ew.gate.out;
+      xe.resize(size_t(n) * H);
+      gate.resize(size_t(n) * I);
+      up.resize(size_t(n) * I);
+      down.resize(size_t(n) * H);
+      for (int j = 0; j < n; ++j)
+        std::memcpy(xe.data() + size_t(j) * H, x + size_t(s.by_expert[b + j] / k) * H, H * sizeof(float));
+      linear_serial(ew.gate, xe.data(), n, gate.data());
+      linear_serial(ew.up, xe.data(), n, up.data());
+      swiglu(gate.data(), up.data(), size_t(n) * I);
+      linear_serial(ew.down, gate.data(), n, down.data());
+      for (int j = 0; j < n; ++j)
+        std::memcpy(s.slot_out.data() + size_t(s.by_expert[b + j]) * H, down.data() + size_t(j) * H,
+                    H * sizeof(float));
     }
-  }
+  });
+  pool.parallel_for(T, [&](int64_t t0, int64_t t1, int) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* yt = y + size_t(t) * H;
+      std::fill(yt, yt + H, 0.0f);
+      for (int slot = 0; slot < k; ++slot) {
+        const size_t i = size_t(t) * k + slot;
+        axpy(s.route_w[i], s.slot_out.data() + i * H, yt, H);
+      }
+    }
+  });
 
   if (c.shared_intermediate > 0) {
     s.shared_gate.resize(T);

@@ -18,8 +18,9 @@
 namespace lily::cpu {
 
 struct FfnScratch {
-  std::vector<float> gate, up, down, logits, route_w, xe, ye, shared_gate;
-  std::vector<int32_t> route_id, by_expert, expert_start;
+  std::vector<float> gate, up, down, logits, route_w, ye, shared_gate;
+  std::vector<float> slot_out;  // [T * top_k, H]: each (token, slot)'s expert output
+  std::vector<int32_t> route_id, by_expert, expert_start, active;
 };
 
 void mlp_block(const MlpWeights& w, const float* x, int T, float* y, FfnScratch& s, ThreadPool& pool);

@@ -2,9 +2,25 @@
 
 #include <algorithm>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
 namespace lily::cpu {
 
 namespace {
+
+// ~50 microseconds of polling before a worker sleeps: longer than the gap between the ops of
+// one decode step, much shorter than the gap between requests.
+constexpr int kSpinIterations = 20000;
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(_M_X64)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
 
 // The range of participant `i` out of `parts` when [0, n) is cut in grain-sized blocks.
 void range_of(int64_t n, int64_t grain, int parts, int i, int64_t* b, int64_t* e) {
@@ -27,7 +43,7 @@ ThreadPool::ThreadPool(int n_threads) {
 ThreadPool::~ThreadPool() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
+    stop_.store(true);
   }
   wake_.notify_all();
   for (auto& t : threads_) t.join();
@@ -36,24 +52,25 @@ ThreadPool::~ThreadPool() {
 void ThreadPool::worker(int index) {
   uint64_t seen = 0;
   for (;;) {
-    const std::function<void(int64_t, int64_t, int)>* job;
-    int64_t n, grain;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
-      job = job_;
-      n = job_n_;
-      grain = job_grain_;
+    uint64_t gen = generation_.load(std::memory_order_acquire);
+    for (int spins = 0; gen == seen && !stop_.load(std::memory_order_relaxed); ++spins) {
+      if (spins < kSpinIterations) {
+        cpu_relax();
+      } else {
+        std::unique_lock<std::mutex> lock(mu_);
+        ++sleeping_;
+        wake_.wait(lock, [&] { return stop_.load() || generation_.load() != seen; });
+        --sleeping_;
+        spins = 0;
+      }
+      gen = generation_.load(std::memory_order_acquire);
     }
+    if (stop_.load()) return;
+    seen = gen;
     int64_t b, e;
-    range_of(n, grain, n_threads_, index, &b, &e);
-    if (b < e) (*job)(b, e, index);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--pending_ == 0) done_.notify_one();
-    }
+    range_of(job_n_, job_grain_, n_threads_, index, &b, &e);
+    if (b < e) (*job_)(b, e, index);
+    pending_.fetch_sub(1, std::memory_order_acq_rel);
   }
 }
 
@@ -64,21 +81,23 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
     fn(0, n, 0);
     return;
   }
+  job_ = &fn;
+  job_n_ = n;
+  job_grain_ = grain;
+  pending_.store(n_threads_ - 1, std::memory_order_relaxed);
+  generation_.fetch_add(1, std::memory_order_release);
   {
+    // Taking the lock orders this wake-up after any worker's predicate check (no lost wake-up).
     std::lock_guard<std::mutex> lock(mu_);
-    job_ = &fn;
-    job_n_ = n;
-    job_grain_ = grain;
-    pending_ = n_threads_ - 1;
-    ++generation_;
+    if (sleeping_ > 0) wake_.notify_all();
   }
-  wake_.notify_all();
   int64_t b, e;
   range_of(n, grain, n_threads_, 0, &b, &e);
   if (b < e) fn(b, e, 0);
-  std::unique_lock<std::mutex> lock(mu_);
-  done_.wait(lock, [&] { return pending_ == 0; });
-  job_ = nullptr;
+  for (int spins = 0; pending_.load(std::memory_order_acquire) != 0; ++spins) {
+    if (spins < kSpinIterations) cpu_relax();
+    else std::this_thread::yield();
+  }
 }
 
 }  // namespace lily::cpu

@@ -301,7 +301,9 @@ int32_t Sampler::sample(float* logits, int32_t vocab, const int32_t* penalty_tok
   if (argmax < 0) throw Error("[sampling] every logit is -inf");
 
   int32_t token = argmax;
-  if (params_.temperature > 0) {
+  // Temperatures this small are greedy in all but name; below it 1/T stops being usable.
+  constexpr float kMinTemperature = 1e-5f;
+  if (params_.temperature >= kMinTemperature) {
     const float inv_t = 1.0f / params_.temperature;
     const int32_t k = params_.top_k;
     const bool use_k = k > 0 && k < vocab;
@@ -317,19 +319,18 @@ int32_t Sampler::sample(float* logits, int32_t vocab, const int32_t* penalty_tok
       }
     } else if (use_p) {
       gather_top_p(logits, vocab, max_logit, inv_t);
-    } else if (use_min_p) {
-      // Only min-p: gather its survivors directly (the filter below then keeps them all).
-      for (int32_t i = 0; i < vocab; ++i)
-        if (exp_nonpos((logits[i] - max_logit) * inv_t) >= params_.min_p) cand_.push_back({logits[i], i});
     }
     if (use_min_p) {
-      // p_i >= min_p * p_max  <=>  exp((l_i - max) / T) >= min_p; the best token always stays.
-      const float min_p = params_.min_p;
-      cand_.erase(std::remove_if(cand_.begin(), cand_.end(),
-                                 [&](const Candidate& c) {
-                                   return exp_nonpos((c.logit - max_logit) * inv_t) < min_p;
-                                 }),
-                  cand_.end());
+      // p_i >= min_p * p_max  <=>  l_i >= max + T log(min_p): a threshold on the logits, so no
+      // exponentials; the best token always stays.
+      const double floor = max_logit + static_cast<double>(params_.temperature) * std::log(static_cast<double>(params_.min_p));
+      if (!use_k && !use_p) {
+        for (int32_t i = 0; i < vocab; ++i)
+          if (logits[i] >= floor) cand_.push_back({logits[i], i});
+      } else {
+        cand_.erase(std::remove_if(cand_.begin(), cand_.end(), [&](const Candidate& c) { return c.logit < floor; }),
+                    cand_.end());
+      }
     }
     token = draw(logits, vocab, max_logit, inv_t);
   }

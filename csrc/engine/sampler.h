@@ -7,7 +7,8 @@
 //        presence / frequency (OpenAI): l -= presence * [count > 0] + frequency * count
 //   2. logprobs (SampleResult) are log-softmax of these penalized logits: the model's distribution
 //      after penalties, before temperature and truncation (what mlx-lm reports).
-//   3. temperature 0 -> argmax of the penalized logits, lowest id on ties; no draw, no RNG use.
+//   3. temperature 0 -> argmax of the penalized logits, lowest id on ties; no draw, no RNG use
+//      (temperatures below 1e-5 count as 0).
 //   4. temperature T > 0 -> scaled logits l / T; top-k keeps the k largest (ties by lowest id);
 //      top-p keeps the smallest prefix of the remaining tokens, in descending probability
 //      (renormalized over the top-k set), whose mass reaches top_p; min-p keeps tokens whose

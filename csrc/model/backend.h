@@ -17,6 +17,21 @@
 
 namespace lily {
 
+// The recurrent part of a State at one position (DeltaNet S and conv windows). DeltaNet state
+// cannot be rewound, only restored; the KV cache needs no copy, because entries past a
+// position are simply overwritten as the sequence goes on from there.
+class Snapshot {
+ public:
+  virtual ~Snapshot() = default;
+  int position() const { return position_; }
+  virtual size_t nbytes() const = 0;
+
+ protected:
+  friend class State;
+  int position_ = 0;
+  uint64_t epoch_ = 0;  // the State's restore count when taken
+};
+
 // Everything a sequence carries between chunks: the attention KV cache, the DeltaNet conv and
 // recurrent state, and the position. Made by a backend; opaque to the schedule.
 class State {
@@ -29,10 +44,24 @@ class State {
   // Bytes of memory held now.
   virtual size_t nbytes() const = 0;
 
+  // Captures the recurrent state at the current position.
+  std::unique_ptr<Snapshot> snapshot() const;
+  // Returns the sequence to a snapshot's position. Throws RequestError if the snapshot is not
+  // of this state, or if the KV entries it relies on were overwritten since (a restore to an
+  // earlier position followed by new tokens).
+  void restore(const Snapshot& snap);
+
  protected:
   friend class Engine;
+  virtual std::unique_ptr<Snapshot> capture() const = 0;
+  virtual void apply(const Snapshot& snap) = 0;
+
   int position_ = 0;
   int max_context_ = 0;
+  uint64_t epoch_ = 0;
+  // (epoch after the restore, position restored to): a snapshot at position p taken in epoch e
+  // stays valid while every later restore went to a position >= p.
+  std::vector<std::pair<uint64_t, int>> restores_;
 };
 
 class Backend {

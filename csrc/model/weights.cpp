@@ -204,9 +204,15 @@ void WeightsBuilder::set_affine(const std::string& slot, const TensorSlice& ws, 
   if (wr != x.out || wc * 32 != int64_t(x.in) * bits)
     fail("packed shape [" + std::to_string(wr) + ", " + std::to_string(wc) + "] does not hold a [" +
          std::to_string(x.out) + ", " + std::to_string(x.in) + "] matrix at " + std::to_string(bits) + " bits");
-  if (sr != x.out || sc != x.in / group || br != x.out || bc != x.in / group)
-    fail("scales/biases shape [" + std::to_string(sr) + ", " + std::to_string(sc) + "], expected [" +
-         std::to_string(x.out) + ", " + std::to_string(x.in / group) + "]");
+  auto check_side = [&](const TensorSlice& t, int64_t r, int64_t cl) {
+    if (r != x.out || cl != x.in / group)
+      throw CheckpointError("[weights] " + slot + " <- '" + t.name + "': shape [" + std::to_string(r) + ", " +
+                            std::to_string(cl) + "], expected [" + std::to_string(x.out) + ", " +
+                            std::to_string(x.in / group) + "] for " + std::to_string(bits) + "-bit group " +
+                            std::to_string(group));
+  };
+  check_side(ss, sr, sc);
+  check_side(bs, br, bc);
   Linear& L = *x.linear;
   L = Linear{};
   L.format = Linear::Format::Affine;

@@ -159,7 +159,13 @@ void init_model(nb::module_& m) {
            })
       .def("finish", &WeightsBuilder::finish);
 
+  nb::class_<Snapshot>(m, "Snapshot")
+      .def_prop_ro("position", &Snapshot::position)
+      .def_prop_ro("nbytes", &Snapshot::nbytes);
+
   nb::class_<State>(m, "State")
+      .def("snapshot", &State::snapshot)
+      .def("restore", &State::restore, nb::arg("snapshot"))
       .def_prop_ro("position", &State::position)
       .def_prop_ro("max_context", &State::max_context)
       .def_prop_ro("nbytes", &State::nbytes)

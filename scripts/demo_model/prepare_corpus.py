@@ -17,7 +17,8 @@ go to the validation set by a stable rule, never by chance, so the split is the 
 
 Output (in --out, default scripts/demo_model/data/):
   train.txt, val.txt   documents separated by the line "<|endoftext|>" (chats end in <|im_end|>).
-  heldout_prose.txt    a few KB of held-out Python-docs prose for tests/data (no code blocks).
+  heldout_prose.txt    a few KB of held-out Python-docs prose paragraphs (no code blocks), separated
+                       by blank lines, for tests/data/demo_heldout.txt.
 """
 
 from __future__ import annotations
@@ -235,7 +236,7 @@ def main() -> None:
             for para in text.split("\n\n"):
                 if (para[:1].isupper() and "\n " not in para and ">>>" not in para
                         and len(para) > 200 and para.rstrip().endswith(".")):
-                    heldout_prose.append(" ".join(para.split()))
+                    heldout_prose.append(para.strip())
 
     files = sorted(p for p in FORTUNE_ROOT.iterdir()
                    if p.is_file() and "." not in p.name and p.name not in FORTUNE_SKIP)
@@ -280,7 +281,7 @@ def main() -> None:
             break
         keep.append(para)
         size += len(para)
-    (out / "heldout_prose.txt").write_text("\n".join(keep) + "\n", encoding="utf-8")
+    (out / "heldout_prose.txt").write_text("\n\n".join(keep) + "\n", encoding="utf-8")
     print(f"docs {len(docs)}  fortunes {n_fortunes}  chats {len(train_chats)}+{len(val_chats)}")
     for name in ("train.txt", "val.txt", "heldout_prose.txt"):
         print(f"{name}: {(out / name).stat().st_size / 1e6:.2f} MB")

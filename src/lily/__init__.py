@@ -2,7 +2,21 @@
 
 from lily._core import CheckpointError, ConfigError, LilyError, RequestError
 from lily.config import ModelConfig
+from lily.chat import Chat
+from lily.generate import GenerationChunk, GenerationResult, GenerationStream
 from lily.model import Model, Session
 
-__all__ = ["CheckpointError", "ConfigError", "LilyError", "Model", "ModelConfig", "RequestError", "Session"]
+__all__ = [
+    "Chat",
+    "CheckpointError",
+    "ConfigError",
+    "GenerationChunk",
+    "GenerationResult",
+    "GenerationStream",
+    "LilyError",
+    "Model",
+    "ModelConfig",
+    "RequestError",
+    "Session",
+]
 __version__ = "0.1.0"

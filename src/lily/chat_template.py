@@ -123,6 +123,13 @@ class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         finally:
             b.depth -= 1
 
+    def unsafe_undefined(self, obj, attribute):
+        # Jinja would return a silent Undefined (rendering as ""); a template that reaches for
+        # internals is hostile, so fail loudly instead.
+        raise jinja2.exceptions.SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
+        )
+
     def getattr(self, obj, attribute):
         _step()
         return super().getattr(obj, attribute)

@@ -87,6 +87,10 @@ class _Loader:
                         f"[checkpoint] tensor '{name}' in {path.name} duplicates '{self.tensors[key].name}'"
                     )
                 self.tensors[key] = _Tensor(fid, name, dtype, tuple(shape))
+        # The checkpoint's own prefix, so a missing tensor is named as this file would name it.
+        self.prefix = next(
+            (t.name[: len(t.name) - len(k)] for k, t in self.tensors.items() if k.startswith("layers.")), ""
+        )
         conv = [t for k, t in self.tensors.items() if k.endswith("conv1d.weight")]
         # mlx-lm's own rule: a conv1d stored [C, 1, K] means Hugging Face layout, whose
         # zero-centred norms still need the + 1.
@@ -103,7 +107,8 @@ class _Loader:
     def get(self, key: str) -> _Tensor:
         t = self.tensors.get(key)
         if t is None:
-            raise CheckpointError(f"[checkpoint] missing tensor '{key}' (any of the prefixes {', '.join(_PREFIXES)})")
+            name = key if key.startswith("lm_head") else self.prefix + key
+            raise CheckpointError(f"[checkpoint] missing tensor '{name}'")
         self.used.add(key)
         return t
 
@@ -182,7 +187,7 @@ class _Loader:
 
     def _gated_deltanet(self, i: int) -> None:
         c, p, s = self.cfg, f"layers.{i}.linear_attn.", f"layers.{i}.gdn."
-        projs = ("in_proj_qkvz", "in_proj_ba") if c.model_type == "qwen3_next" else (
+        projs = ("in_proj_qkvz", "in_proj_ba") if c.architecture == "qwen3_next" else (
             "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
         for proj in projs + ("out_proj",):
             self.linear(s + proj.replace("in_proj_", "in_"), p + proj)

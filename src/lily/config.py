@@ -32,7 +32,8 @@ SUPPORTED_MODEL_TYPES = {
 class ModelConfig:
     """The text model's shape, as read from config.json."""
 
-    model_type: str
+    model_type: str  # as config.json names it
+    architecture: str  # "qwen3_5_moe" | "qwen3_5" | "qwen3_next": what the engine runs
     hidden_size: int
     num_hidden_layers: int
     vocab_size: int
@@ -91,7 +92,7 @@ class ModelConfig:
         c.gdn_k_dim = self.linear_key_head_dim
         c.gdn_v_dim = self.linear_value_head_dim
         c.conv_kernel = self.linear_conv_kernel_dim
-        c.gdn_fused_qkvz = self.model_type == "qwen3_next"
+        c.gdn_fused_qkvz = self.architecture == "qwen3_next"
         c.intermediate = self.intermediate_size
         c.n_experts = self.num_experts
         c.top_k = self.num_experts_per_tok
@@ -154,11 +155,10 @@ def parse_config(raw: dict) -> ModelConfig:
     """Reads a config.json dict (top-level or nested text_config) into a ModelConfig."""
     if not isinstance(raw, dict):
         raise ConfigError("[config] config.json must hold a JSON object")
-    top_type = raw.get("model_type")
+    # The top-level model_type names the checkpoint; a composite (vision + text) release keeps
+    # the text model's fields under text_config.
+    model_type = raw.get("model_type")
     t = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
-    model_type = t.get("model_type", top_type)
-    if top_type in SUPPORTED_MODEL_TYPES and model_type not in SUPPORTED_MODEL_TYPES:
-        model_type = top_type
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"[config] model_type {model_type!r} is not supported; lily runs "
@@ -201,7 +201,8 @@ def parse_config(raw: dict) -> ModelConfig:
         raise ConfigError(f"[config] quantization mode {quant.get('mode')!r} is not supported (only 'affine')")
 
     cfg = ModelConfig(
-        model_type=family,
+        model_type=model_type,
+        architecture=family,
         hidden_size=hidden,
         num_hidden_layers=n_layers,
         vocab_size=_get(t, "vocab_size", int),

@@ -6,15 +6,31 @@ import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from lily import _core
 from lily._core import ConfigError, RequestError
+from lily.chat_template import render
 from lily.checkpoint import load_weights
 from lily.config import ModelConfig, load_config
+from lily.generate import (
+    GenerationLock,
+    GenerationResult,
+    GenerationStats,
+    GenerationStream,
+    sampling_params,
+    token_loop,
+)
+from lily.generation_config import GenerationDefaults, load_generation_config
+from lily.hub import resolve_model_path
+from lily.tokenizer import Tokenizer
 
-BACKENDS = ("cpu",)
+if TYPE_CHECKING:
+    from lily.chat import Chat
+
+BACKENDS = ("cpu",)  # "metal" and "msl-cpu" arrive with the Metal backend
 
 
 def _token_array(tokens: Sequence[int] | np.ndarray, what: str = "token_ids") -> np.ndarray:
@@ -73,46 +89,67 @@ class Session:
 class Model:
     """A loaded Qwen3.5 / Qwen3.6 / Qwen3-Next model.
 
-    >>> model = lily.Model.load("path/to/checkpoint")
-    >>> model.logits([1, 2, 3]).shape
-    (3, vocab_size)
+    >>> model = lily.Model.load("path/or/hf-repo-id")
+    >>> print(model.generate("The capital of France is", max_tokens=8).text)
     """
 
-    def __init__(self, path: Path, config: ModelConfig, weights, engine, max_context: int):
+    def __init__(self, path: Path, config: ModelConfig, weights, engine, max_context: int,
+                 tokenizer: Tokenizer | None, defaults: GenerationDefaults):
         self.path = path
         self.config = config
+        self.tokenizer = tokenizer
+        self.generation_defaults = defaults
         self._weights = weights
         self._engine = engine
         self.max_context = max_context
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one engine call at a time (shared scratch)
+        self._generation = GenerationLock()  # one generation at a time
 
     @classmethod
     def load(
         cls,
-        path: str | os.PathLike,
+        path_or_repo_id: str | os.PathLike | None = None,
         *,
-        backend: str = "cpu",
+        revision: str | None = None,
+        backend: str = "auto",
         threads: int | None = None,
         prefill_chunk: int = 512,
         max_context: int | None = None,
     ) -> Model:
-        """Loads a checkpoint folder (config.json + *.safetensors).
+        """Loads a checkpoint: a local folder, or a Hugging Face repo id (downloaded into the
+        standard HF cache, only the files lily needs; offline when cached). With no argument,
+        the small demo model shipped inside the package.
 
-        backend: "cpu". threads: worker threads (default: all cores). prefill_chunk: tokens per
-        prefill step (bounds scratch memory). max_context: default context of new sessions
-        (default: the model's max_position_embeddings).
+        backend: "auto" (Metal where it exists, else CPU) or "cpu". threads: CPU worker threads
+        (default: all cores). prefill_chunk: tokens per prefill step (bounds scratch memory).
+        max_context: default context of new sequences (default: the model's
+        max_position_embeddings).
         """
+        if backend == "auto":
+            backend = "cpu"  # the Metal backend is not built yet
         if backend not in BACKENDS:
-            raise ConfigError(f"[load] unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+            raise ConfigError(f"[load] unknown backend {backend!r}; available: auto, {', '.join(BACKENDS)}")
         if prefill_chunk < 1:
             raise ConfigError("[load] prefill_chunk must be at least 1")
-        root = Path(path)
-        if not root.is_dir():
-            raise ConfigError(f"[load] {path} is not a directory")
+        if path_or_repo_id is None:
+            root = demo_model_path()
+        elif Path(path_or_repo_id).expanduser().is_dir():
+            # A local folder: the config and checkpoint loaders name whatever is wrong in it.
+            root = Path(path_or_repo_id).expanduser()
+        else:
+            try:
+                root = resolve_model_path(path_or_repo_id, revision=revision)
+            except (FileNotFoundError, ValueError) as e:
+                raise ConfigError(f"[load] {e}") from None
         config = load_config(root)
         weights = load_weights(root, config)
         engine = _core.Engine(weights, backend, threads or 0, prefill_chunk)
-        return cls(root, config, weights, engine, max_context or config.max_position_embeddings)
+        tokenizer = Tokenizer.from_dir(root) if (root / "tokenizer.json").is_file() else None
+        defaults = load_generation_config(root)
+        ctx = max_context or config.max_position_embeddings
+        if ctx < 1:
+            raise ConfigError("[load] max_context must be at least 1")
+        return cls(root, config, weights, engine, ctx, tokenizer, defaults)
 
     def __repr__(self) -> str:
         c = self.config
@@ -123,6 +160,8 @@ class Model:
             f"vocab={c.vocab_size} {q} {self._weights.nbytes / 1e9:.2f} GB backend={self._engine.backend} "
             f"threads={self._engine.threads}>"
         )
+
+    # -- low level -------------------------------------------------------------------------
 
     def session(self, max_context: int | None = None) -> Session:
         """A fresh sequence state."""
@@ -135,22 +174,117 @@ class Model:
             raise RequestError("[logits] no tokens given")
         return self.session(max(ids.size, 1)).prefill(ids, all_logits=True)
 
-    def generate(self, token_ids: Sequence[int] | np.ndarray, max_tokens: int = 32) -> list[int]:
-        """Greedy continuation of ``token_ids``: returns the new token ids (stops at EOS)."""
-        ids = _token_array(token_ids)
-        if max_tokens < 0:
-            raise RequestError("[generate] max_tokens must be non-negative")
+    # -- generation ------------------------------------------------------------------------
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.config.eos_token_id) | set(self.generation_defaults.eos_token_ids)
+        if self.tokenizer is not None:
+            ids |= set(self.tokenizer.eos_token_ids)
+        return tuple(sorted(ids))
+
+    def _need_tokenizer(self, what: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise RequestError(f"[generate] {what} needs a tokenizer, and {self.path} has no tokenizer.json")
+        return self.tokenizer
+
+    def render_chat(self, messages: Sequence[dict], *, tools=None, enable_thinking: bool | None = None,
+                    add_generation_prompt: bool = True) -> str:
+        """The chat template applied to OpenAI-format messages (sandboxed)."""
+        tok = self._need_tokenizer("a chat prompt")
+        if not tok.chat_template:
+            raise RequestError(f"[generate] {self.path} has no chat template")
+        return render(tok.chat_template, list(messages), tools=tools, enable_thinking=enable_thinking,
+                      add_generation_prompt=add_generation_prompt)
+
+    def encode_prompt(self, prompt, *, tools=None, enable_thinking: bool | None = None) -> np.ndarray:
+        """A prompt (text, OpenAI chat messages or token ids) as token ids."""
+        if isinstance(prompt, str):
+            ids = self._need_tokenizer("a text prompt").encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            text = self.render_chat(prompt, tools=tools, enable_thinking=enable_thinking)
+            ids = self._need_tokenizer("a chat prompt").encode(text)
+        else:
+            ids = _token_array(prompt, "prompt")
+        ids = _token_array(ids, "prompt")
         if ids.size == 0:
-            raise RequestError("[generate] no prompt tokens given")
-        s = self.session(min(self.max_context, ids.size + max_tokens))
-        out: list[int] = []
-        if max_tokens == 0:
-            return out
-        logits = s.prefill(ids)
-        eos = set(self.config.eos_token_id)
-        while True:
-            tok = int(np.argmax(logits))
-            out.append(tok)
-            if tok in eos or len(out) >= max_tokens:
-                return out
-            logits = s.decode(tok)
+            raise RequestError("[generate] the prompt is empty")
+        return ids
+
+    def generate(
+        self,
+        prompt,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        logprobs: bool | int | None = None,
+        stream: bool = False,
+        tools: Sequence[dict] | None = None,
+        enable_thinking: bool | None = None,
+    ) -> GenerationResult | GenerationStream:
+        """Generates a continuation of ``prompt``: a string, a list of OpenAI-format chat
+        messages (rendered with the checkpoint's chat template), or token ids.
+
+        Sampling defaults come from the checkpoint's generation_config.json, else greedy.
+        ``logprobs``: True for the sampled token's logprob, an int N for the top N as well.
+        ``stream=True`` returns a :class:`GenerationStream` of chunks instead of a result.
+        """
+        ids = self.encode_prompt(prompt, tools=tools, enable_thinking=enable_thinking)
+        max_tokens = self._max_tokens(max_tokens)
+        if ids.size >= self.max_context:
+            raise RequestError(
+                f"[generate] the prompt has {ids.size} tokens; the context holds {self.max_context}"
+            )
+        params = sampling_params(
+            self.generation_defaults.sampling_kwargs(),
+            dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                 frequency_penalty=frequency_penalty, seed=seed),
+            logprobs,
+        )
+        max_tokens = min(max_tokens, self.max_context - int(ids.size))
+        session = self.session(int(ids.size) + max_tokens)
+        stats = GenerationStats(prompt_tokens=int(ids.size))
+        want_lp = bool(logprobs)
+        detok = self.tokenizer.detokenizer(skip_special_tokens=True) if self.tokenizer else None
+        self._generation.acquire()
+        chunks = token_loop(session.prefill, session.decode, ids, chunk=self._engine.prefill_chunk,
+                            params=params, max_tokens=max_tokens, eos_ids=self.eos_token_ids,
+                            detokenizer=detok, stop=stop, want_logprobs=want_lp, history=(), stats=stats)
+        stream_obj = GenerationStream(chunks, stats, want_lp, lambda _result: self._generation.release())
+        if stream:
+            return stream_obj
+        for _ in stream_obj:
+            pass
+        return stream_obj.result
+
+    def _max_tokens(self, max_tokens: int | None) -> int:
+        if max_tokens is None:
+            max_tokens = self.generation_defaults.max_new_tokens or 256
+        if not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool) or max_tokens < 0:
+            raise RequestError(f"[generate] max_tokens must be a non-negative integer, got {max_tokens!r}")
+        return int(max_tokens)
+
+    def chat(self, system: str | None = None, *, tools: Sequence[dict] | None = None,
+             enable_thinking: bool | None = None, max_snapshots: int = 16, **sampling) -> Chat:
+        """A conversation that keeps its state between turns (see :class:`lily.Chat`)."""
+        from lily.chat import Chat
+
+        return Chat(self, system, tools=tools, enable_thinking=enable_thinking,
+                    max_snapshots=max_snapshots, **sampling)
+
+
+def demo_model_path() -> Path:
+    """The small demo model shipped inside the package."""
+    path = Path(__file__).resolve().parent / "demo"
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"[load] the demo model is missing from this installation ({path})")
+    return path

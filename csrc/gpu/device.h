@@ -1,0 +1,126 @@
+// The one portable GPU interface: devices, buffers, pipelines and compute command encoding.
+//
+// Two backends implement it: csrc/metal/device.mm (real Metal, Apple only) and csrc/msl_cpu/
+// (runs the same .metal kernels on the CPU, for tests on Linux). Everything that encodes work
+// (csrc/gpu/) is written against this header only, so the dispatch sequence tested on Linux is
+// the one that ships.
+//
+// The interface mirrors Apple's API one to one and keeps its semantics:
+//   Device::new_library(source)         -> newLibraryWithSource:options:error:
+//   Library::pipeline(name, constants)  -> newFunctionWithName:constantValues:error: +
+//                                          newComputePipelineStateWithFunction:error:
+//   Device::new_buffer / wrap_buffer    -> newBufferWithLength: / newBufferWithBytesNoCopy:...
+//   CommandBuffer::compute_encoder(t)   -> computeCommandEncoderWithDispatchType:
+//   ComputeEncoder::set_buffer(i, b, o) -> setBuffer:offset:atIndex:
+//   ComputeEncoder::set_bytes(i, p, n)  -> setBytes:length:atIndex: (the bytes are copied now)
+//   set_threadgroup_memory_length(i, n) -> setThreadgroupMemoryLength:atIndex: (n % 16 == 0)
+//   dispatch_threadgroups(grid, tg)     -> dispatchThreadgroups:threadsPerThreadgroup:
+//   memory_barrier()                    -> memoryBarrierWithScope:MTLBarrierScopeBuffers
+//   CommandBuffer::commit / wait_until_completed; an execution error is raised by the wait, as
+//   Metal reports it in the command buffer's error once it completes.
+// Bindings persist on an encoder across dispatches, as in Metal. In a Concurrent encoder the
+// dispatches between two memory barriers may run in any order or overlap: that is a claim
+// that they are independent, which the msl_cpu dependency-check mode verifies.
+// Objects are shared_ptr-owned; a command buffer holds on to what it uses until it completes
+// (Metal retains them too).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace lily::gpu {
+
+// MTLSize.
+struct Size3 {
+  uint32_t width = 1, height = 1, depth = 1;
+};
+
+// MTLDispatchType.
+enum class DispatchType { Serial, Concurrent };
+
+// MTLDataType for the function-constant types the kernels use.
+enum class ConstantType { Bool, Int, UInt, Short, UShort, Float, Half };
+
+// MTLFunctionConstantValues: values by [[function_constant(index)]].
+class FunctionConstants {
+ public:
+  struct Value {
+    uint32_t index;
+    ConstantType type;
+    double value;  // exact for every type above (bool, 32-bit integers, float, half)
+  };
+  FunctionConstants& set(uint32_t index, ConstantType type, double value);
+  const std::vector<Value>& values() const { return values_; }
+  // A stable text form, e.g. "0:b=1;3:u=64": part of pipeline cache keys.
+  std::string key() const;
+
+ private:
+  std::vector<Value> values_;
+};
+
+// MTLBuffer (shared storage: the CPU sees contents() directly).
+class Buffer {
+ public:
+  virtual ~Buffer() = default;
+  virtual void* contents() = 0;
+  virtual size_t length() const = 0;
+};
+
+// MTLComputePipelineState.
+class Pipeline {
+ public:
+  virtual ~Pipeline() = default;
+  virtual const std::string& name() const = 0;
+  virtual uint32_t max_total_threads_per_threadgroup() const = 0;
+  virtual uint32_t thread_execution_width() const = 0;
+};
+
+// MTLLibrary: compiled MSL source; pipelines are made from it by function name.
+class Library {
+ public:
+  virtual ~Library() = default;
+  virtual std::shared_ptr<Pipeline> pipeline(const std::string& function,
+                                             const FunctionConstants& constants = {}) = 0;
+};
+
+// MTLComputeCommandEncoder.
+class ComputeEncoder {
+ public:
+  virtual ~ComputeEncoder() = default;
+  virtual void set_pipeline(const std::shared_ptr<Pipeline>& pipeline) = 0;
+  virtual void set_buffer(uint32_t index, const std::shared_ptr<Buffer>& buffer,
+                          size_t offset) = 0;
+  virtual void set_bytes(uint32_t index, const void* bytes, size_t length) = 0;
+  virtual void set_threadgroup_memory_length(uint32_t index, size_t length) = 0;
+  virtual void dispatch_threadgroups(Size3 threadgroups_per_grid,
+                                     Size3 threads_per_threadgroup) = 0;
+  virtual void memory_barrier() = 0;
+  virtual void end_encoding() = 0;
+};
+
+// MTLCommandBuffer.
+class CommandBuffer {
+ public:
+  virtual ~CommandBuffer() = default;
+  virtual std::shared_ptr<ComputeEncoder> compute_encoder(DispatchType type) = 0;
+  virtual void commit() = 0;
+  virtual void wait_until_completed() = 0;  // throws lily::Error if execution failed
+};
+
+// MTLDevice.
+class Device {
+ public:
+  virtual ~Device() = default;
+  virtual std::string name() const = 0;
+  virtual std::shared_ptr<Buffer> new_buffer(size_t length) = 0;
+  // Zero-copy wrap of caller memory (page-aligned on Metal); the caller keeps it alive.
+  virtual std::shared_ptr<Buffer> wrap_buffer(void* pointer, size_t length) = 0;
+  // file_name names the source in diagnostics ("metal/quant.metal").
+  virtual std::shared_ptr<Library> new_library(const std::string& source,
+                                               const std::string& file_name) = 0;
+  virtual std::shared_ptr<CommandBuffer> new_command_buffer() = 0;
+};
+
+}  // namespace lily::gpu

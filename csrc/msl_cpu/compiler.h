@@ -1,0 +1,92 @@
+// Turning MSL source into a loaded CPU kernel module, the way Metal compiles MSL at run time.
+//
+// 1. scan_source() reads the .metal text (comments and strings masked) for what C++ cannot
+//    express: each kernel's parameter attributes ([[buffer(i)]], [[threadgroup(i)]],
+//    [[thread_position_in_grid]], ...) and the [[function_constant(i)]] declarations.
+// 2. generate_unit() wraps the source, unchanged line for line, in a C++ translation unit: a
+//    binder struct per kernel (binds each parameter by attribute from the thread's bindings),
+//    `#line 1 "file.metal"` so every diagnostic points into the .metal file, the function
+//    constants rewritten to the pipeline's values, and a registration for each non-template
+//    kernel (templates register through LILY_KERNEL_INSTANTIATE).
+// 3. Module::build() compiles it with clang ($LILY_CLANG, else clang-19 / clang on PATH) into a
+//    shared object cached under $LILY_MSL_CPU_CACHE (default ~/.cache/lily/msl_cpu), keyed by a
+//    hash of the unit, the prelude, the included headers, the flags and the clang version; then
+//    dlopen()s it. The main extension may be built by gcc; only kernels need clang.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gpu/device.h"
+#include "msl_cpu/prelude/lily_msl_cpu_abi.h"
+
+namespace lily::msl_cpu {
+
+struct KernelParam {
+  std::string name;
+  std::string attribute;  // "buffer", "threadgroup", or a builtin such as "thread_position_in_grid"
+  uint32_t index = 0;     // for buffer / threadgroup
+  std::string function_constant;  // [[buffer(i), function_constant(c)]]: present iff c is true
+};
+
+struct KernelDecl {
+  std::string name;
+  bool is_template = false;
+  uint32_t max_total_threads_per_threadgroup = 0;
+  int line = 0;
+  std::vector<KernelParam> params;
+  // [[...]] spans in the parameter list: blanked in the generated unit, since C++ would
+  // macro-expand `threadgroup` inside [[threadgroup(0)]] (they are bound by the binder instead).
+  std::vector<std::pair<size_t, size_t>> attribute_spans;
+};
+
+struct FunctionConstantDecl {
+  std::string type, name;
+  uint32_t index = 0;
+  size_t begin = 0, end = 0;  // span of the declaration in the source
+};
+
+struct SourceInfo {
+  std::vector<KernelDecl> kernels;
+  std::vector<FunctionConstantDecl> constants;
+};
+
+SourceInfo scan_source(const std::string& source, const std::string& file_name);
+
+// constants == nullptr: no value given for any function constant (the library-level compile).
+std::string generate_unit(const std::string& source, const SourceInfo& info,
+                          const std::string& file_name, const gpu::FunctionConstants* constants);
+
+struct BuildOptions {
+  bool asan = false;                      // -fsanitize=address (the process must load ASan)
+  std::vector<std::string> include_dirs;  // besides the prelude
+};
+
+// A compiled, loaded kernel object.
+class Module {
+ public:
+  static std::shared_ptr<Module> build(const std::string& unit, const std::string& file_name,
+                                       const BuildOptions& options);
+  ~Module();
+  const lily_msl_kernel* find(const std::string& name) const;
+  std::vector<std::string> kernel_names() const;
+  lily_msl_thread** current_slot() const { return current_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  Module() = default;
+  void* handle_ = nullptr;
+  lily_msl_thread** current_ = nullptr;
+  const lily_msl_kernel* kernels_ = nullptr;
+  unsigned count_ = 0;
+  std::string path_;
+};
+
+// The clang used for kernels; the lily source tree ($LILY_SOURCE_DIR, else the checkout the
+// extension was built from), whose csrc/msl_cpu/prelude and metal/ the kernels include.
+std::string clang_path();
+std::string source_dir();
+std::string prelude_dir();
+
+}  // namespace lily::msl_cpu

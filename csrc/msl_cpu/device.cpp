@@ -1,0 +1,450 @@
+// gpu::Device over the CPU: buffers, libraries, pipelines, encoders, command buffers, and the
+// interleaving / dependency checks. See device.h.
+#include "msl_cpu/device.h"
+
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "model/error.h"
+#include "msl_cpu/compiler.h"
+#include "msl_cpu/executor.h"
+
+namespace lily::msl_cpu {
+namespace {
+
+[[noreturn]] void fail(const std::string& what) { throw lily::Error("[msl_cpu] " + what); }
+
+constexpr uint32_t kMaxThreadsPerThreadgroup = 1024;
+constexpr size_t kMaxThreadgroupMemory = 32768;
+
+class CpuBuffer final : public gpu::Buffer {
+ public:
+  explicit CpuBuffer(size_t length)
+      // Exactly `length` bytes from malloc, so ASan's redzone starts right after the end.
+      : data_(std::calloc(length ? length : 1, 1)), length_(length), owned_(true) {
+    if (!data_) fail("cannot allocate a buffer of " + std::to_string(length) + " bytes");
+  }
+  CpuBuffer(void* pointer, size_t length) : data_(pointer), length_(length), owned_(false) {}
+  ~CpuBuffer() override {
+    if (owned_) std::free(data_);
+  }
+  void* contents() override { return data_; }
+  size_t length() const override { return length_; }
+
+ private:
+  void* data_;
+  size_t length_;
+  bool owned_;
+};
+
+class CpuPipeline final : public gpu::Pipeline {
+ public:
+  CpuPipeline(std::shared_ptr<Module> module, const lily_msl_kernel* kernel)
+      : module_(std::move(module)), kernel_(kernel), name_(kernel->name) {}
+  const std::string& name() const override { return name_; }
+  uint32_t max_total_threads_per_threadgroup() const override {
+    uint32_t declared = kernel_->max_total_threads_per_threadgroup;
+    return declared ? std::min(declared, kMaxThreadsPerThreadgroup) : kMaxThreadsPerThreadgroup;
+  }
+  uint32_t thread_execution_width() const override { return LILY_MSL_SIMD_WIDTH; }
+  const Module* module() const { return module_.get(); }
+  const lily_msl_kernel* kernel() const { return kernel_; }
+
+ private:
+  std::shared_ptr<Module> module_;
+  const lily_msl_kernel* kernel_;
+  std::string name_;
+};
+
+class CpuLibrary final : public gpu::Library {
+ public:
+  CpuLibrary(const DeviceOptions& options, std::string source, std::string file_name)
+      : source_(std::move(source)), file_name_(std::move(file_name)) {
+    build_.asan = options.asan;
+    build_.include_dirs = options.include_dirs;
+    size_t slash = file_name_.rfind('/');
+    if (slash != std::string::npos) build_.include_dirs.push_back(file_name_.substr(0, slash));
+    info_ = scan_source(source_, file_name_);
+    // Compile now, as newLibraryWithSource does, so errors show at library creation.
+    base_ = Module::build(generate_unit(source_, info_, file_name_, nullptr), file_name_, build_);
+  }
+
+  std::shared_ptr<gpu::Pipeline> pipeline(const std::string& function,
+                                          const gpu::FunctionConstants& constants) override {
+    std::shared_ptr<Module> module = base_;
+    if (!info_.constants.empty()) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto& m = specialized_[constants.key()];
+      if (!m)
+        m = Module::build(generate_unit(source_, info_, file_name_, &constants), file_name_,
+                          build_);
+      module = m;
+    }
+    const lily_msl_kernel* k = module->find(function);
+    if (!k) {
+      std::string names;
+      for (const auto& n : module->kernel_names()) names += (names.empty() ? "" : ", ") + n;
+      fail("function '" + function + "' is not in " + file_name_ + " (it has: " + names + ")");
+    }
+    return std::make_shared<CpuPipeline>(module, k);
+  }
+
+ private:
+  std::string source_, file_name_;
+  BuildOptions build_;
+  SourceInfo info_;
+  std::shared_ptr<Module> base_;
+  std::mutex mutex_;
+  std::map<std::string, std::shared_ptr<Module>> specialized_;
+};
+
+struct Binding {
+  std::shared_ptr<gpu::Buffer> buffer;  // set_buffer
+  size_t offset = 0;
+  std::vector<uint8_t> bytes;  // set_bytes (copied at encode time, as Metal does)
+  bool bound = false;
+};
+
+struct Command {
+  bool barrier = false;
+  std::shared_ptr<CpuPipeline> pipeline;
+  std::array<Binding, LILY_MSL_MAX_BINDINGS> buffers;
+  std::array<size_t, LILY_MSL_MAX_BINDINGS> threadgroup_lengths{};
+  gpu::Size3 threadgroups, threads;
+};
+
+std::string param_name(const lily_msl_kernel* k, int kind_a, int kind_b, uint32_t index) {
+  for (const lily_msl_param* p = k->params; p->kind != LILY_MSL_PARAM_END; ++p)
+    if ((p->kind == kind_a || p->kind == kind_b) && p->index == index) return p->name;
+  return "?";
+}
+
+class CpuEncoder final : public gpu::ComputeEncoder {
+ public:
+  explicit CpuEncoder(gpu::DispatchType type) : type_(type) {}
+
+  void set_pipeline(const std::shared_ptr<gpu::Pipeline>& pipeline) override {
+    check_open();
+    state_.pipeline = std::dynamic_pointer_cast<CpuPipeline>(pipeline);
+    if (!state_.pipeline) fail("set_pipeline: not a pipeline of an msl_cpu device");
+  }
+  void set_buffer(uint32_t index, const std::shared_ptr<gpu::Buffer>& buffer,
+                  size_t offset) override {
+    check_open();
+    check_index(index, "set_buffer");
+    if (!buffer) fail("set_buffer: null buffer at index " + std::to_string(index));
+    if (offset > buffer->length())
+      fail("set_buffer: offset " + std::to_string(offset) + " is past the end of a buffer of " +
+           std::to_string(buffer->length()) + " bytes (index " + std::to_string(index) + ")");
+    Binding& b = state_.buffers[index];
+    b = Binding{buffer, offset, {}, true};
+  }
+  void set_bytes(uint32_t index, const void* bytes, size_t length) override {
+    check_open();
+    check_index(index, "set_bytes");
+    Binding& b = state_.buffers[index];
+    b = Binding{nullptr, 0, std::vector<uint8_t>(length), true};
+    if (length) std::memcpy(b.bytes.data(), bytes, length);
+  }
+  void set_threadgroup_memory_length(uint32_t index, size_t length) override {
+    check_open();
+    check_index(index, "set_threadgroup_memory_length");
+    if (length % 16 != 0)
+      fail("set_threadgroup_memory_length: " + std::to_string(length) +
+           " bytes is not a multiple of 16, as Metal requires (index " + std::to_string(index) +
+           ")");
+    state_.threadgroup_lengths[index] = length;
+  }
+  void dispatch_threadgroups(gpu::Size3 grid, gpu::Size3 threads) override {
+    check_open();
+    const CpuPipeline* p = state_.pipeline.get();
+    if (!p) fail("dispatch_threadgroups: no pipeline set");
+    const lily_msl_kernel* k = p->kernel();
+    const std::string where = "kernel '" + p->name() + "': ";
+    uint64_t n = uint64_t(threads.width) * threads.height * threads.depth;
+    if (n == 0 || uint64_t(grid.width) * grid.height * grid.depth == 0)
+      fail(where + "a threadgroup or grid size is zero");
+    if (n > p->max_total_threads_per_threadgroup())
+      fail(where + std::to_string(n) + " threads per threadgroup exceed the pipeline's maximum of " +
+           std::to_string(p->max_total_threads_per_threadgroup()));
+    size_t tg_bytes = 0;
+    for (const lily_msl_param* q = k->params; q->kind != LILY_MSL_PARAM_END; ++q) {
+      const std::string arg = "(" + std::string(q->name) + ")";
+      if (q->kind == LILY_MSL_PARAM_BUFFER || q->kind == LILY_MSL_PARAM_BUFFER_REF) {
+        const Binding& b = state_.buffers[q->index];
+        if (!b.bound) fail(where + "buffer(" + std::to_string(q->index) + ") " + arg + " is not bound");
+        size_t have = b.buffer ? b.buffer->length() - b.offset : b.bytes.size();
+        if (q->kind == LILY_MSL_PARAM_BUFFER_REF && have < q->size)
+          fail(where + "buffer(" + std::to_string(q->index) + ") " + arg + " has " +
+               std::to_string(have) + " bytes but the kernel reads " + std::to_string(q->size));
+      } else if (q->kind == LILY_MSL_PARAM_THREADGROUP) {
+        if (!state_.threadgroup_lengths[q->index])
+          fail(where + "threadgroup(" + std::to_string(q->index) + ") " + arg +
+               " has no set_threadgroup_memory_length");
+      }
+    }
+    for (size_t len : state_.threadgroup_lengths) tg_bytes += len;
+    if (tg_bytes > kMaxThreadgroupMemory)
+      fail(where + std::to_string(tg_bytes) +
+           " bytes of threadgroup memory exceed the 32768 that Apple GPUs have");
+    Command c = state_;
+    c.threadgroups = grid;
+    c.threads = threads;
+    commands_.push_back(std::move(c));
+  }
+  void memory_barrier() override {
+    check_open();
+    Command c;
+    c.barrier = true;
+    commands_.push_back(std::move(c));
+  }
+  void end_encoding() override {
+    check_open();
+    ended_ = true;
+  }
+
+  bool ended() const { return ended_; }
+  gpu::DispatchType type() const { return type_; }
+  const std::vector<Command>& commands() const { return commands_; }
+
+ private:
+  void check_open() const {
+    if (ended_) fail("the encoder was used after end_encoding()");
+  }
+  static void check_index(uint32_t index, const char* what) {
+    if (index >= LILY_MSL_MAX_BINDINGS)
+      fail(std::string(what) + ": index " + std::to_string(index) + " is past Metal's 31");
+  }
+  gpu::DispatchType type_;
+  Command state_;  // the current bindings (they persist across dispatches, as in Metal)
+  std::vector<Command> commands_;
+  bool ended_ = false;
+};
+
+// ---- execution and checks --------------------------------------------------------------------
+
+using Snapshot = std::vector<std::pair<gpu::Buffer*, std::vector<uint8_t>>>;
+
+std::vector<gpu::Buffer*> buffers_of(const std::vector<const Command*>& cmds) {
+  std::vector<gpu::Buffer*> out;
+  for (const Command* c : cmds)
+    for (const Binding& b : c->buffers)
+      if (b.bound && b.buffer && std::find(out.begin(), out.end(), b.buffer.get()) == out.end())
+        out.push_back(b.buffer.get());
+  return out;
+}
+Snapshot take(const std::vector<gpu::Buffer*>& bufs) {
+  Snapshot s;
+  for (gpu::Buffer* b : bufs) {
+    const uint8_t* p = static_cast<const uint8_t*>(b->contents());
+    s.emplace_back(b, std::vector<uint8_t>(p, p + b->length()));
+  }
+  return s;
+}
+void restore(const Snapshot& s) {
+  for (const auto& [b, bytes] : s)
+    if (!bytes.empty()) std::memcpy(b->contents(), bytes.data(), bytes.size());
+}
+// The first buffer that differs, described by the bindings that name it; "" if none.
+std::string first_difference(const Snapshot& a, const Snapshot& b,
+                             const std::vector<const Command*>& cmds) {
+  for (size_t i = 0; i < a.size(); ++i) {
+    const auto& x = a[i].second;
+    const auto& y = b[i].second;
+    size_t at = 0;
+    while (at < x.size() && x[at] == y[at]) ++at;
+    if (at == x.size()) continue;
+    std::string names;
+    for (const Command* c : cmds)
+      for (uint32_t k = 0; k < LILY_MSL_MAX_BINDINGS; ++k)
+        if (c->buffers[k].buffer.get() == a[i].first) {
+          std::string n = "buffer(" + std::to_string(k) + ") '" +
+                          param_name(c->pipeline->kernel(), LILY_MSL_PARAM_BUFFER,
+                                     LILY_MSL_PARAM_BUFFER_REF, k) +
+                          "'";
+          if (names.find(n) == std::string::npos) names += (names.empty() ? "" : " / ") + n;
+        }
+    return names + " differs at byte " + std::to_string(at);
+  }
+  return "";
+}
+
+class CpuCommandBuffer final : public gpu::CommandBuffer {
+ public:
+  explicit CpuCommandBuffer(const DeviceOptions& options) : options_(options) {}
+
+  std::shared_ptr<gpu::ComputeEncoder> compute_encoder(gpu::DispatchType type) override {
+    if (committed_) fail("compute_encoder: the command buffer is already committed");
+    for (const auto& e : encoders_)
+      if (!e->ended()) fail("compute_encoder: the previous encoder was not ended (end_encoding)");
+    encoders_.push_back(std::make_shared<CpuEncoder>(type));
+    return encoders_.back();
+  }
+  void commit() override {
+    if (committed_) fail("commit: the command buffer was already committed");
+    committed_ = true;
+    try {
+      for (const auto& e : encoders_) {
+        if (!e->ended()) fail("commit: an encoder was not ended (end_encoding)");
+        run_encoder(*e);
+      }
+    } catch (const lily::Error& err) {
+      error_ = err.what();
+    }
+    encoders_.clear();  // release what the commands held, as a completed Metal buffer does
+  }
+  void wait_until_completed() override {
+    if (!committed_) fail("wait_until_completed: the command buffer was not committed");
+    if (!error_.empty()) throw lily::Error(error_);
+  }
+
+ private:
+  void run_dispatch(const Command& c) {
+    DispatchRun r;
+    r.module = c.pipeline->module();
+    r.kernel = c.pipeline->kernel();
+    r.threadgroups = c.threadgroups;
+    r.threads = c.threads;
+    r.stack_bytes = options_.asan ? 1024 * 1024 : 256 * 1024;
+    for (uint32_t i = 0; i < LILY_MSL_MAX_BINDINGS; ++i) {
+      const Binding& b = c.buffers[i];
+      if (!b.bound) continue;
+      if (b.buffer) {
+        r.bindings.buffers[i] = static_cast<uint8_t*>(b.buffer->contents()) + b.offset;
+        r.bindings.buffer_lengths[i] = b.buffer->length() - b.offset;
+      } else {
+        r.bindings.buffers[i] = const_cast<uint8_t*>(b.bytes.data());
+        r.bindings.buffer_lengths[i] = b.bytes.size();
+      }
+      r.bindings.threadgroup_memory_lengths[i] = c.threadgroup_lengths[i];
+    }
+    for (uint32_t i = 0; i < LILY_MSL_MAX_BINDINGS; ++i)
+      r.bindings.threadgroup_memory_lengths[i] = c.threadgroup_lengths[i];
+    if (options_.interleavings <= 0) {
+      execute(r);
+      return;
+    }
+    // Interleaving check: the same inputs under other thread orders must give the same bytes.
+    const std::vector<const Command*> cmds = {&c};
+    const auto bufs = buffers_of(cmds);
+    const Snapshot before = take(bufs);
+    execute(r);
+    const Snapshot reference = take(bufs);
+    for (int k = 1; k <= options_.interleavings; ++k) {
+      restore(before);
+      r.randomize = true;
+      r.seed = options_.seed * 1000003u + uint64_t(k);
+      execute(r);
+      std::string diff = first_difference(reference, take(bufs), cmds);
+      if (!diff.empty()) {
+        restore(reference);
+        fail("kernel '" + c.pipeline->name() + "': the result depends on the order its threads " +
+             "run in: " + diff + " between two thread interleavings (seed " +
+             std::to_string(r.seed) + "). A threadgroup_barrier is missing, or threads race " +
+             "on the same memory");
+      }
+    }
+    restore(reference);
+  }
+
+  void run_stage(const std::vector<const Command*>& stage) {
+    if (!options_.check_dependencies || stage.size() < 2) {
+      for (const Command* c : stage) run_dispatch(*c);
+      return;
+    }
+    // Dependency check: the encoder claims these dispatches independent; any order must do.
+    const auto bufs = buffers_of(stage);
+    const Snapshot before = take(bufs);
+    for (const Command* c : stage) run_dispatch(*c);
+    const Snapshot forward = take(bufs);
+    restore(before);
+    for (auto it = stage.rbegin(); it != stage.rend(); ++it) run_dispatch(**it);
+    std::string diff = first_difference(forward, take(bufs), stage);
+    if (diff.empty()) {
+      restore(forward);
+      return;
+    }
+    // Name a pair whose order matters.
+    for (size_t i = 0; i < stage.size(); ++i) {
+      for (size_t j = i + 1; j < stage.size(); ++j) {
+        restore(before);
+        run_dispatch(*stage[i]);
+        run_dispatch(*stage[j]);
+        const Snapshot a = take(bufs);
+        restore(before);
+        run_dispatch(*stage[j]);
+        run_dispatch(*stage[i]);
+        std::string d = first_difference(a, take(bufs), {stage[i], stage[j]});
+        if (!d.empty()) {
+          restore(forward);
+          fail("dispatches " + std::to_string(i) + " (kernel '" + stage[i]->pipeline->name() +
+               "') and " + std::to_string(j) + " (kernel '" + stage[j]->pipeline->name() +
+               "') of a concurrent encoder have no memory barrier between them but are not "
+               "independent: in the other order " + d + ". Add memory_barrier() between them");
+        }
+      }
+    }
+    restore(forward);
+    std::string names;
+    for (const Command* c : stage) names += (names.empty() ? "'" : ", '") + c->pipeline->name() + "'";
+    fail("the dispatches " + names + " of a concurrent encoder have no memory barrier between "
+         "them but their result depends on their order: " + diff);
+  }
+
+  void run_encoder(const CpuEncoder& e) {
+    std::vector<const Command*> stage;
+    for (const Command& c : e.commands()) {
+      if (c.barrier) {
+        run_stage(stage);
+        stage.clear();
+      } else if (e.type() == gpu::DispatchType::Serial) {
+        run_dispatch(c);  // a serial encoder orders every dispatch after the previous one
+      } else {
+        stage.push_back(&c);
+      }
+    }
+    run_stage(stage);
+  }
+
+  DeviceOptions options_;
+  std::vector<std::shared_ptr<CpuEncoder>> encoders_;
+  bool committed_ = false;
+  std::string error_;
+};
+
+class CpuDevice final : public gpu::Device {
+ public:
+  explicit CpuDevice(DeviceOptions options) : options_(std::move(options)) {}
+  std::string name() const override {
+    return std::string("msl_cpu (MSL on the CPU, 32-wide simdgroups") +
+           (options_.asan ? ", AddressSanitizer" : "") + ")";
+  }
+  std::shared_ptr<gpu::Buffer> new_buffer(size_t length) override {
+    return std::make_shared<CpuBuffer>(length);
+  }
+  std::shared_ptr<gpu::Buffer> wrap_buffer(void* pointer, size_t length) override {
+    return std::make_shared<CpuBuffer>(pointer, length);
+  }
+  std::shared_ptr<gpu::Library> new_library(const std::string& source,
+                                            const std::string& file_name) override {
+    return std::make_shared<CpuLibrary>(options_, source, file_name);
+  }
+  std::shared_ptr<gpu::CommandBuffer> new_command_buffer() override {
+    return std::make_shared<CpuCommandBuffer>(options_);
+  }
+
+ private:
+  DeviceOptions options_;
+};
+
+}  // namespace
+
+std::shared_ptr<gpu::Device> make_device(const DeviceOptions& options) {
+  return std::make_shared<CpuDevice>(options);
+}
+
+}  // namespace lily::msl_cpu

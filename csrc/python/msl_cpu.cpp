@@ -1,0 +1,175 @@
+// lily._core.msl_cpu: the MSL-on-CPU runtime for tests. The classes are the portable gpu::
+// interfaces (csrc/gpu/device.h), so a test drives kernels exactly as the Metal backend does:
+//
+//   dev = msl_cpu.device(interleavings=0, check_dependencies=False, asan=False, seed=0)
+//   lib = dev.library(source, "tests/msl/kernels/reduce.metal")
+//   pso = lib.pipeline("reduce_sum", constants={0: ("bool", True)})
+//   buf = dev.buffer(np_array) / dev.buffer_empty(nbytes);  buf.read() -> bytes
+//   cb = dev.command_buffer(); enc = cb.compute_encoder(concurrent=False)
+//   enc.set_pipeline(pso); enc.set_buffer(0, buf, 0); enc.set_bytes(1, b"...")
+//   enc.set_threadgroup_memory_length(0, 1024); enc.dispatch_threadgroups((g,), (t,))
+//   enc.memory_barrier(); enc.end_encoding(); cb.commit(); cb.wait_until_completed()
+// Errors are lily.LilyError (ValueError) naming the kernel.
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+
+#include "gpu/device.h"
+#include "gpu/hazards.h"
+#include "model/error.h"
+#include "msl_cpu/compiler.h"
+#include "msl_cpu/device.h"
+#include "python/bindings.h"
+
+namespace lily::python {
+namespace {
+
+gpu::Size3 size3(const std::vector<uint32_t>& v, const char* what) {
+  if (v.empty() || v.size() > 3)
+    throw lily::Error(std::string("[msl_cpu] ") + what + " takes 1 to 3 sizes");
+  gpu::Size3 s;
+  s.width = v[0];
+  s.height = v.size() > 1 ? v[1] : 1;
+  s.depth = v.size() > 2 ? v[2] : 1;
+  return s;
+}
+
+gpu::ConstantType constant_type(const std::string& t) {
+  if (t == "bool") return gpu::ConstantType::Bool;
+  if (t == "int") return gpu::ConstantType::Int;
+  if (t == "uint") return gpu::ConstantType::UInt;
+  if (t == "short") return gpu::ConstantType::Short;
+  if (t == "ushort") return gpu::ConstantType::UShort;
+  if (t == "float") return gpu::ConstantType::Float;
+  if (t == "half") return gpu::ConstantType::Half;
+  throw lily::Error("[msl_cpu] unknown function constant type '" + t +
+                    "' (bool, int, uint, short, ushort, float, half)");
+}
+
+using Bytes = nb::ndarray<nb::device::cpu, nb::c_contig>;
+
+}  // namespace
+
+void init_msl_cpu(nb::module_& parent) {
+  nb::module_ m = parent.def_submodule(
+      "msl_cpu", "Run MSL kernels on the CPU with Metal's semantics (for tests)");
+
+  nb::class_<gpu::Buffer>(m, "Buffer")
+      .def_prop_ro("length", &gpu::Buffer::length)
+      .def("read", [](gpu::Buffer& b) {
+        return nb::bytes(static_cast<const char*>(b.contents()), b.length());
+      }, "A copy of the buffer's contents.")
+      .def("write", [](gpu::Buffer& b, Bytes data, size_t offset) {
+        size_t n = data.nbytes();
+        if (offset + n > b.length())
+          throw lily::Error("[msl_cpu] Buffer.write: " + std::to_string(n) + " bytes at offset " +
+                            std::to_string(offset) + " do not fit in " +
+                            std::to_string(b.length()));
+        std::memcpy(static_cast<char*>(b.contents()) + offset, data.data(), n);
+      }, nb::arg("data"), nb::arg("offset") = 0);
+
+  nb::class_<gpu::Pipeline>(m, "Pipeline")
+      .def_prop_ro("name", &gpu::Pipeline::name)
+      .def_prop_ro("max_total_threads_per_threadgroup",
+                   &gpu::Pipeline::max_total_threads_per_threadgroup)
+      .def_prop_ro("thread_execution_width", &gpu::Pipeline::thread_execution_width);
+
+  nb::class_<gpu::Library>(m, "Library")
+      .def("pipeline",
+           [](gpu::Library& lib, const std::string& name,
+              const std::map<uint32_t, std::pair<std::string, double>>& constants) {
+             gpu::FunctionConstants fc;
+             for (const auto& [index, tv] : constants)
+               fc.set(index, constant_type(tv.first), tv.second);
+             return lib.pipeline(name, fc);
+           },
+           nb::arg("name"), nb::arg("constants") = std::map<uint32_t, std::pair<std::string, double>>{});
+
+  nb::class_<gpu::ComputeEncoder>(m, "ComputeEncoder")
+      .def("set_pipeline", &gpu::ComputeEncoder::set_pipeline)
+      .def("set_buffer", &gpu::ComputeEncoder::set_buffer, nb::arg("index"), nb::arg("buffer"),
+           nb::arg("offset") = 0)
+      .def("set_bytes", [](gpu::ComputeEncoder& e, uint32_t index, nb::bytes data) {
+        e.set_bytes(index, data.c_str(), data.size());
+      })
+      .def("set_threadgroup_memory_length", &gpu::ComputeEncoder::set_threadgroup_memory_length)
+      .def("dispatch_threadgroups",
+           [](gpu::ComputeEncoder& e, const std::vector<uint32_t>& grid,
+              const std::vector<uint32_t>& threads) {
+             e.dispatch_threadgroups(size3(grid, "threadgroups_per_grid"),
+                                     size3(threads, "threads_per_threadgroup"));
+           })
+      .def("memory_barrier", &gpu::ComputeEncoder::memory_barrier)
+      .def("end_encoding", &gpu::ComputeEncoder::end_encoding);
+
+  nb::class_<gpu::CommandBuffer>(m, "CommandBuffer")
+      .def("compute_encoder",
+           [](gpu::CommandBuffer& cb, bool concurrent) {
+             return cb.compute_encoder(concurrent ? gpu::DispatchType::Concurrent
+                                                  : gpu::DispatchType::Serial);
+           },
+           nb::arg("concurrent") = false)
+      .def("commit", &gpu::CommandBuffer::commit, nb::call_guard<nb::gil_scoped_release>())
+      .def("wait_until_completed", &gpu::CommandBuffer::wait_until_completed);
+
+  nb::class_<gpu::Device>(m, "Device")
+      .def_prop_ro("name", &gpu::Device::name)
+      .def("buffer", [](gpu::Device& d, Bytes data) {
+        auto b = d.new_buffer(data.nbytes());
+        if (data.nbytes()) std::memcpy(b->contents(), data.data(), data.nbytes());
+        return b;
+      }, "A new buffer holding a copy of the array's bytes.")
+      .def("buffer_empty", &gpu::Device::new_buffer, nb::arg("length"))
+      .def("library", &gpu::Device::new_library, nb::arg("source"), nb::arg("file_name"))
+      .def("command_buffer", &gpu::Device::new_command_buffer);
+
+  // gpu::HazardTracker, for tests of barrier placement (accesses: (buffer, begin, end) bytes).
+  using AccessList = std::vector<std::tuple<std::shared_ptr<gpu::Buffer>, size_t, size_t>>;
+  auto accesses = [](const AccessList& list) {
+    std::vector<gpu::Access> out;
+    for (const auto& [b, begin, end] : list) out.push_back({b.get(), begin, end});
+    return out;
+  };
+  nb::class_<gpu::HazardTracker>(m, "HazardTracker")
+      .def(nb::init<>())
+      .def("dispatch",
+           [accesses](gpu::HazardTracker& t, gpu::ComputeEncoder& e,
+                      const std::vector<uint32_t>& grid, const std::vector<uint32_t>& threads,
+                      const AccessList& reads, const AccessList& writes) {
+             return t.dispatch(e, size3(grid, "threadgroups_per_grid"),
+                               size3(threads, "threads_per_threadgroup"), accesses(reads),
+                               accesses(writes));
+           },
+           nb::arg("encoder"), nb::arg("threadgroups"), nb::arg("threads"),
+           nb::arg("reads"), nb::arg("writes"),
+           "Dispatch, placing a memory barrier first if it depends on a dispatch since the last "
+           "one; returns whether a barrier was placed.");
+
+  m.def("device",
+        [](bool asan, int interleavings, bool check_dependencies, uint64_t seed,
+           const std::vector<std::string>& include_dirs) {
+          msl_cpu::DeviceOptions o;
+          o.asan = asan;
+          o.interleavings = interleavings;
+          o.check_dependencies = check_dependencies;
+          o.seed = seed;
+          o.include_dirs = include_dirs;
+          return msl_cpu::make_device(o);
+        },
+        nb::arg("asan") = false, nb::arg("interleavings") = 0,
+        nb::arg("check_dependencies") = false, nb::arg("seed") = 0,
+        nb::arg("include_dirs") = std::vector<std::string>{},
+        "A device that runs MSL kernels on the CPU. interleavings=K reruns each dispatch under K "
+        "random thread orders and fails if the result changes; check_dependencies reruns the "
+        "dispatches between memory barriers of a concurrent encoder in reverse order; asan "
+        "builds kernels with AddressSanitizer (preload its runtime).");
+  m.def("clang_path", &msl_cpu::clang_path);
+}
+
+}  // namespace lily::python

@@ -1,0 +1,19 @@
+// The few macros where MSL and the C++ that runs it on the CPU (csrc/msl_cpu/) cannot meet.
+// Included by every kernel file after <metal_stdlib>; on a Mac the Metal branch is used.
+//
+//   LILY_KERNEL_INSTANTIATE("host_name", func, T...)  instantiate a kernel template under a
+//       host name. (Metal's `template [[host_name(...)]] [[kernel]] ...` explicit
+//       instantiation is a hard error in C++; on the CPU the macro registers func<T...>.)
+//   LILY_THREADGROUP(type, name, dims);  a kernel-scope threadgroup array, e.g.
+//       LILY_THREADGROUP(float, tile, [32][33]);  (on the CPU every thread is a fiber with its
+//       own stack, so the array is taken from the threadgroup's shared storage.)
+#pragma once
+
+#if defined(__METAL_VERSION__)
+#define LILY_KERNEL_INSTANTIATE(host, func, ...) \
+  template [[host_name(host)]] [[kernel]] decltype(func<__VA_ARGS__>) func<__VA_ARGS__>;
+#define LILY_THREADGROUP(type, name, dims) threadgroup type name dims
+#else
+#define LILY_KERNEL_INSTANTIATE(host, func, ...) LILY_MSL_CPU_INSTANTIATE(host, func, __VA_ARGS__)
+#define LILY_THREADGROUP(type, name, dims) LILY_MSL_CPU_THREADGROUP(type, name, dims)
+#endif

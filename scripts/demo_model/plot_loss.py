@@ -1,0 +1,44 @@
+"""Plot loss.csv (train.py's log) to loss.png: train (smoothed) and validation cross-entropy per token.
+
+Needs matplotlib (not a lily dependency): `pip install matplotlib`.
+  python plot_loss.py [loss.csv ...] --out loss.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("csv", nargs="*", default=[str(Path(__file__).parent / "loss.csv")])
+    ap.add_argument("--out", default=str(Path(__file__).parent / "loss.png"))
+    args = ap.parse_args()
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for i, path in enumerate(args.csv):
+        rows = list(csv.DictReader(open(path)))
+        tokens = [int(r["tokens"]) / 1e6 for r in rows]
+        label = {"loss": "shipped run (185 s)", "loss_run1_330s": "first run (330 s)"}.get(
+            Path(path).stem, Path(path).stem)
+        ax.plot(tokens, [float(r["train_loss"]) for r in rows], f"C{i}--", label=f"{label}: train")
+        ax.plot(tokens, [float(r["val_loss"]) for r in rows], f"C{i}-", label=f"{label}: validation")
+    ax.set_xlabel("training tokens (millions); one epoch = 4.16M")
+    ax.set_ylabel("cross-entropy (nats / token)")
+    ax.set_title("lily demo model (13.4M params, Qwen3.5 MoE hybrid)")
+    ax.set_ylim(1.5, 6.0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.out)
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()

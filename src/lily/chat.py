@@ -1,0 +1,198 @@
+"""Conversations that keep their state between turns.
+
+Each turn renders the whole conversation with the checkpoint's chat template, tokenizes it,
+and feeds the model only what its state has not seen: the longest common prefix of the new
+token sequence and the tokens already processed is reused. Attention KV can be cut back to
+any position, but Gated DeltaNet and conv state cannot be rewound, so the conversation keeps
+snapshots of the recurrent state at turn boundaries (after each prompt's prefill). When the
+template re-renders history differently from what was generated (Qwen3.5 drops earlier
+turns' reasoning, for example), the state is restored from the latest snapshot before the
+first differing token and only the rest is prefilled.
+
+Memory: a snapshot holds every DeltaNet layer's state and conv window — for Qwen3.6-35B-A3B
+30 x 32 x 128 x 128 x 4 B + conv = about 64 MiB — and no KV (cut back in place). At most
+``max_snapshots`` are kept (oldest dropped first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from lily._core import RequestError
+from lily.generate import (
+    GenerationResult,
+    GenerationStats,
+    GenerationStream,
+    sampling_params,
+    token_loop,
+)
+from lily.tool_calls import parse_output
+
+if TYPE_CHECKING:
+    from lily.model import Model
+
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "seed")
+
+
+class Chat:
+    """A multi-turn conversation on one model.
+
+    >>> chat = model.chat(system="You are terse.")
+    >>> chat.send("Hi!").text
+    >>> for chunk in chat.send("And then?", stream=True): print(chunk.text, end="")
+    >>> chat.undo()            # forget the last exchange (no re-prefill)
+    """
+
+    def __init__(self, model: Model, system: str | None = None, *, tools: Sequence[dict] | None = None,
+                 enable_thinking: bool | None = None, max_snapshots: int = 16, **sampling: Any):
+        unknown = set(sampling) - set(_SAMPLING_KEYS) - {"max_tokens", "stop", "logprobs"}
+        if unknown:
+            raise RequestError(f"[chat] unknown sampling argument(s): {', '.join(sorted(unknown))}")
+        if max_snapshots < 1:
+            raise RequestError("[chat] max_snapshots must be at least 1")
+        self.model = model
+        self.tools = list(tools) if tools else None
+        self.enable_thinking = enable_thinking
+        self.max_snapshots = max_snapshots
+        self.sampling = dict(sampling)
+        self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
+        self._session = model.session()
+        self._tokens: list[int] = []  # tokens the state has processed, in order
+        self._snapshots: list = []  # native Snapshots, ascending position
+
+    # -- conversation editing --------------------------------------------------------------
+
+    def add_message(self, role: str, content: str | None, **extra: Any) -> None:
+        """Appends a message (e.g. a ``tool`` result with ``tool_call_id``) without generating."""
+        if role not in ("system", "user", "assistant", "tool"):
+            raise RequestError(f"[chat] unknown role {role!r}")
+        self.messages.append({"role": role, "content": content, **extra})
+
+    def undo(self) -> None:
+        """Forgets the last user turn and everything after it. The state is rolled back
+        lazily: the next turn restores the snapshot before the forgotten tokens."""
+        for i in range(len(self.messages) - 1, -1, -1):
+            if self.messages[i]["role"] == "user":
+                del self.messages[i:]
+                return
+        raise RequestError("[chat] nothing to undo")
+
+    def reset(self, system: str | None = None) -> None:
+        """Starts over (keeping the model and sampling settings)."""
+        self.messages = [{"role": "system", "content": system}] if system else []
+        self._session = self.model.session()
+        self._tokens, self._snapshots = [], []
+
+    @property
+    def position(self) -> int:
+        """Tokens held in the conversation's state."""
+        return self._session.position
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return sum(s.nbytes for s in self._snapshots)
+
+    # -- turns -----------------------------------------------------------------------------
+
+    def send(self, content: str, *, stream: bool = False, **sampling: Any) -> GenerationResult | GenerationStream:
+        """Adds a user message and generates the assistant's answer."""
+        self.add_message("user", content)
+        try:
+            return self.respond(stream=stream, **sampling)
+        except BaseException:
+            self.messages.pop()
+            raise
+
+    def respond(self, *, stream: bool = False, **sampling: Any) -> GenerationResult | GenerationStream:
+        """Generates the assistant's next message for the conversation as it stands."""
+        model = self.model
+        opts = {**self.sampling, **sampling}
+        max_tokens = model._max_tokens(opts.pop("max_tokens", None))
+        stop = opts.pop("stop", None)
+        logprobs = opts.pop("logprobs", None)
+        unknown = set(opts) - set(_SAMPLING_KEYS)
+        if unknown:
+            raise RequestError(f"[chat] unknown sampling argument(s): {', '.join(sorted(unknown))}")
+        params = sampling_params(model.generation_defaults.sampling_kwargs(), opts, logprobs)
+
+        text = model.render_chat(self.messages, tools=self.tools, enable_thinking=self.enable_thinking)
+        ids = model._need_tokenizer("chat").encode(text)
+        if len(ids) >= self._session.max_context:
+            raise RequestError(f"[chat] the conversation has {len(ids)} tokens; the context holds "
+                               f"{self._session.max_context}")
+        max_tokens = min(max_tokens, self._session.max_context - len(ids))
+        reasoning_started = text.rstrip().endswith("<think>")
+
+        model._generation.acquire()
+        try:
+            reused = self._rewind_to_prefix(ids)
+        except BaseException:
+            model._generation.release()
+            raise
+        new = np.asarray(ids[reused:], dtype=np.int32)
+        stats = GenerationStats(prompt_tokens=len(ids), cached_tokens=reused)
+        want_lp = bool(logprobs)
+
+        def prefill(chunk: np.ndarray) -> np.ndarray:
+            out = self._session.prefill(chunk)
+            self._tokens.extend(int(t) for t in chunk)
+            return out
+
+        def decode(tok: int) -> np.ndarray:
+            out = self._session.decode(tok)
+            self._tokens.append(int(tok))
+            return out
+
+        chunks = token_loop(prefill, decode, new, chunk=model._engine.prefill_chunk, params=params,
+                            max_tokens=max_tokens, eos_ids=model.eos_token_ids,
+                            detokenizer=model.tokenizer.detokenizer(skip_special_tokens=True), stop=stop,
+                            want_logprobs=want_lp, history=self._tokens[:reused], stats=stats,
+                            on_prefilled=self._take_snapshot)
+
+        def finish(result: GenerationResult | None) -> None:
+            try:
+                if result is not None:
+                    parsed = parse_output(result.text, tools=self.tools, reasoning_started=reasoning_started)
+                    result.content, result.reasoning, result.tool_calls = (
+                        parsed.content, parsed.reasoning, parsed.tool_calls)
+                    self.messages.append(parsed.to_message())
+            finally:
+                model._generation.release()
+
+        stream_obj = GenerationStream(chunks, stats, want_lp, finish)
+        if stream:
+            return stream_obj
+        for _ in stream_obj:
+            pass
+        if stream_obj.result is None:  # pragma: no cover - interrupted
+            raise RequestError("[chat] generation did not finish")
+        return stream_obj.result
+
+    def _take_snapshot(self) -> None:
+        self._snapshots.append(self._session._state.snapshot())
+        if len(self._snapshots) > self.max_snapshots:
+            self._snapshots.pop(0)
+
+    def _rewind_to_prefix(self, ids: list[int]) -> int:
+        """Brings the state to the longest reusable prefix of ``ids``; returns its length."""
+        common = 0
+        limit = min(len(ids) - 1, len(self._tokens))  # keep >= 1 token to prefill (for logits)
+        while common < limit and self._tokens[common] == ids[common]:
+            common += 1
+        if common == len(self._tokens):
+            return common
+        # The state holds tokens past the common prefix: go back to a snapshot at or before it.
+        while self._snapshots and self._snapshots[-1].position > common:
+            self._snapshots.pop()
+        if self._snapshots:
+            snap = self._snapshots[-1]
+            self._session._state.restore(snap)
+            del self._tokens[snap.position :]
+            return snap.position
+        self._session = self.model.session(self._session.max_context)
+        self._tokens = []
+        return 0

