@@ -15,14 +15,15 @@ Design choices:
 - The weights come from scripts/make_checkpoint.py (`build_model`: transformers builds the
   model, values seeded per parameter name) and the MLX conversion from its
   `quantize_checkpoint` (mlx_lm's own code path). Nothing about the model is re-implemented.
-- Only the HF *save* differs, for memory: make_checkpoint saves with `save_pretrained` (which
-  writes per-expert tensors) and then loads everything back to fuse the experts. For medium
-  (8.7 GB of bf16) that holds the model, the loaded tensors and the fused copies at once
-  (~24 GB), more than this 23 GB machine has. transformers keeps the experts fused in memory
-  already (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I] = the released layout),
-  so we stream `state_dict()` straight into one safetensors file, one tensor at a time: peak
-  memory = the model. config.json comes from the model's config and make_checkpoint's own
-  release-field patch, as in its save path.
+- Only how the HF checkpoint is *written* differs, for memory: make_checkpoint builds the whole
+  model, saves it with `save_pretrained` (per-expert tensors) and loads it all back to fuse the
+  experts. For medium (8.7 GB of bf16) that needs ~24 GB at once; this machine has 23 GB,
+  shared (the OOM killer stopped it twice). Its values are a pure function of (seed, parameter
+  name) (`_fill`), so we take names, shapes and dtypes from the transformers model built on the
+  meta device (no memory), and write each tensor as soon as it is filled: peak memory = one
+  tensor. transformers' own parameter names are the released layout (experts fused as
+  `mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]). On tiny the file is checked
+  byte-identical (tensors, config.json, generation_config.json) to make_checkpoint's.
 - The tokenizer (needed by llama.cpp's converter only) is scripts/make_tokenizer.py's
   Qwen3.5 tokenizer.json. A size whose vocab is smaller than the tokenizer (tiny: 503) gets no
   GGUF: llama.cpp would need a tokenizer that matches the vocabulary.
@@ -39,6 +40,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -50,16 +53,17 @@ GROUP_SIZE = 64
 _ST_DTYPE = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F16"}
 
 
-def _stream_safetensors(state_dict: dict, path: Path) -> None:
-    """Write tensors to one safetensors file without ever holding a second copy of them."""
+def _stream_safetensors(specs: dict, make, path: Path) -> None:
+    """Write one safetensors file tensor by tensor: specs {name: (shape, torch dtype)},
+    make(name) -> the tensor. Only one tensor is ever in memory."""
     import torch
 
     header, offset = {}, 0
-    names = sorted(state_dict)
+    names = sorted(specs)
     for k in names:
-        t = state_dict[k]
-        n = t.numel() * t.element_size()
-        header[k] = {"dtype": _ST_DTYPE[str(t.dtype)], "shape": list(t.shape),
+        shape, dtype = specs[k]
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        header[k] = {"dtype": _ST_DTYPE[str(dtype)], "shape": list(shape),
                      "data_offsets": [offset, offset + n]}
         offset += n
     header["__metadata__"] = {"format": "pt"}
@@ -69,12 +73,19 @@ def _stream_safetensors(state_dict: dict, path: Path) -> None:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         for k in names:
-            t = state_dict[k].contiguous().reshape(-1)
+            t = make(k).contiguous().reshape(-1)
+            assert t.dtype == specs[k][1] and t.numel() * t.element_size() == (
+                header[k]["data_offsets"][1] - header[k]["data_offsets"][0]), k
             f.write(memoryview(t.view(torch.uint8).numpy()))
+            del t
 
 
-def make_hf(size: str, out: Path, seed: int = 0) -> Path:
-    """The HF checkpoint (released layout, fused experts) of make_checkpoint's `size` dims."""
+def make_hf(size: str, out: Path, seed: int = 0, dtype: str | None = None) -> Path:
+    """The HF checkpoint (released layout, fused experts) of make_checkpoint's `size` dims,
+    with make_checkpoint's values (its per-name generator), written one tensor at a time."""
+    import torch
+    import transformers as tf
+
     import make_checkpoint as mc
 
     if (out / "config.json").is_file():
@@ -82,18 +93,32 @@ def make_hf(size: str, out: Path, seed: int = 0) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model = mc.build_model(MODEL_TYPE, size, seed=seed)
-    _, interval = mc.build_config(MODEL_TYPE, size)
-    sd = {k: v for k, v in model.state_dict().items()}
-    _stream_safetensors(sd, tmp / "model.safetensors")
+    cfg, interval = mc.build_config(MODEL_TYPE, size)
+    dtype = getattr(torch, dtype or ("bfloat16" if size == "medium" else "float32"))  # as mc
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):  # names, shapes and dtypes only: no memory
+            model = tf.Qwen3_5MoeForConditionalGeneration(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    params = dict(model.named_parameters())
+    if set(params) != set(model.state_dict()):  # make_checkpoint randomizes parameters only
+        raise RuntimeError("state_dict holds non-parameter tensors; streaming save would miss them")
+    specs = {k: (tuple(p.shape), p.dtype) for k, p in params.items()}
+    # make_checkpoint.build_model's one dtype exception: A_log stays fp32 (as in releases).
+    specs.update({k: (s, torch.float32) for k, (s, _) in specs.items() if k.endswith(".A_log")})
+    _stream_safetensors(
+        specs, lambda k: mc._fill(mc.canonical_name(k), specs[k][0], seed).to(specs[k][1]),
+        tmp / "model.safetensors")
     # The two fields save_pretrained adds (llama.cpp's converter picks its class by
     # `architectures`).
     model.config.architectures = [type(model).__name__]
-    model.config.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    model.config.dtype = str(dtype).removeprefix("torch.")
+    model.config.use_cache = True
     model.config.save_pretrained(str(tmp))
     gen = {"do_sample": False, "eos_token_id": model.config.get_text_config().eos_token_id}
     (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    del sd, model
     mc._patch_config(tmp, MODEL_TYPE, interval)
     tmp.rename(out)
     return out
@@ -153,10 +178,11 @@ def main(argv=None) -> int:
     ap.add_argument("--root", type=Path, default=ROOT / "build" / "bench")
     ap.add_argument("--no-gguf", action="store_true")
     ap.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", help=argparse.SUPPRESS)  # HF dtype override (for the tiny check)
     ap.add_argument("-j", "--jobs", type=int, default=2)
     a = ap.parse_args(argv)
     if a.hf_only:
-        print(make_hf(a.size, a.root / a.size / "hf"))
+        print(make_hf(a.size, a.root / a.size / "hf", dtype=a.dtype))
         return 0
     for k, p in ensure(a.size, a.root, not a.no_gguf, a.jobs).items():
         print(k, p)
