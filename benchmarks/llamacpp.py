@@ -27,6 +27,7 @@ Design choices:
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shutil
@@ -96,6 +97,13 @@ def fetch_source() -> Path:
 def build(jobs: int = 2) -> Tools:
     """Configure and build llama-bench + llama-quantize (cached; rebuilt if flags change)."""
     src = fetch_source()
+    BUILD.mkdir(parents=True, exist_ok=True)
+    with open(BUILD / ".lock", "w") as lock:  # one build at a time (two sessions may ask)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_locked(src, jobs)
+
+
+def _build_locked(src: Path, jobs: int) -> Tools:
     stamp = BUILD / "lily-stamp.json"
     want = {"version": VERSION, "flags": CMAKE_FLAGS}
     bins = [BUILD / "bin" / t for t in TARGETS]
@@ -145,7 +153,7 @@ def convert(hf_dir: Path, out_dir: Path, types=("q4_0", "q8_0"), tokenizer: Path
     Cached: an existing output newer than the checkpoint's weights is reused.
     """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    t = build(jobs)
+    src = fetch_source()  # the converter is Python: it need not wait for the build
     if tokenizer is not None:
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if not (hf_dir / name).is_file():
@@ -164,14 +172,15 @@ def convert(hf_dir: Path, out_dir: Path, types=("q4_0", "q8_0"), tokenizer: Path
     if all(fresh(p) for p in outs.values()):
         return outs
     if not fresh(base):
-        cmd = [sys.executable, str(t.convert), str(hf_dir), "--outtype", "bf16",
+        cmd = [sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "bf16",
                "--outfile", str(base)]
         if not _has_mtp(hf_dir):
             cmd.append("--no-mtp")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(t.gguf_py)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+            [str(src / "gguf-py")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
         _log(" ".join(cmd))
         subprocess.run(cmd, check=True, env=env)
+    t = build(jobs)
     for ty, p in outs.items():
         if not fresh(p):
             cmd = [str(t.quantize), str(base), str(p), ty.upper(), str(jobs)]
