@@ -170,6 +170,9 @@ def measure_all(a, handles: dict) -> list[dict]:
                 print(f"[run] rep {rep} P={p:5d} {name:15s} {msg}  ({time.time() - t0:.0f} s)",
                       file=sys.stderr, flush=True)
                 samples.append(s)
+                if a.json:  # as we go: an interrupted session keeps what it measured
+                    with open(a.json.with_suffix(".samples.jsonl"), "a") as f:
+                        f.write(json.dumps(s) + "\n")
     return samples
 
 
