@@ -83,10 +83,9 @@ def _stream_safetensors(specs: dict, make, path: Path) -> None:
 def make_hf(size: str, out: Path, seed: int = 0, dtype: str | None = None) -> Path:
     """The HF checkpoint (released layout, fused experts) of make_checkpoint's `size` dims,
     with make_checkpoint's values (its per-name generator), written one tensor at a time."""
+    import make_checkpoint as mc
     import torch
     import transformers as tf
-
-    import make_checkpoint as mc
 
     if (out / "config.json").is_file():
         return out
@@ -146,9 +145,10 @@ def make_mlx(hf: Path, out: Path, bits: int = 4) -> Path:
     # In a child process: mlx_lm's conversion holds its own copy of the weights, and the
     # parent may still hold torch's allocator arena from building the model.
     tmp = out.with_name(out.name + ".tmp")
-    code = ("import sys; sys.path.insert(0, %r); import make_checkpoint as mc; "
-            "from pathlib import Path; mc.quantize_checkpoint(Path(%r), Path(%r), bits=%d, "
-            "group_size=%d)" % (str(ROOT / "scripts"), str(hf), str(tmp), bits, GROUP_SIZE))
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'scripts')!r}); "
+            f"import make_checkpoint as mc; from pathlib import Path; "
+            f"mc.quantize_checkpoint(Path({str(hf)!r}), Path({str(tmp)!r}), bits={bits}, "
+            f"group_size={GROUP_SIZE})")
     subprocess.run([sys.executable, "-c", code], check=True)
     tmp.rename(out)
     return out

@@ -66,8 +66,8 @@ def machine() -> dict:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-        mem = next(int(l.split()[1]) for l in Path("/proc/meminfo").read_text().splitlines()
-                   if l.startswith("MemTotal")) / 2**20
+        mem = next(int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
+                   if ln.startswith("MemTotal")) / 2**20
     except (OSError, StopIteration):
         mem = float("nan")
     try:
