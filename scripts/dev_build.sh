@@ -9,3 +9,4 @@ gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
 cmake -S "$root" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
 cmake --build "$build" -j "$(nproc)"
 cp -f "$build"/_core*.so "$root/src/lily/"
+cp -f "$build"/_core.pyi "$root/src/lily/" 2>/dev/null || true

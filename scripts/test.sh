@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 # clang runs the Metal kernels on the CPU (MSL-on-CPU runtime); GNUstep headers type-check the
 # Objective-C++ Metal host.
 if command -v apt-get >/dev/null; then
-  if ! command -v clang-19 >/dev/null || ! [ -d /usr/include/GNUstep ]; then
+  if ! command -v clang-19 >/dev/null || ! command -v llvm-symbolizer-19 >/dev/null || ! [ -d /usr/include/GNUstep ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang-19 libclang-rt-19-dev llvm-19 libgnustep-base-dev >/dev/null
   fi
@@ -18,4 +18,5 @@ python -m pip install -q --upgrade pip
 # would pull a multi-GB CUDA build).
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q ".[test,server]"
+python -m ruff check src tests scripts benchmarks examples
 python -m pytest -q tests "$@"

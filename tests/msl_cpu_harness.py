@@ -6,6 +6,7 @@ import struct
 from pathlib import Path
 
 import numpy as np
+
 from lily._core import msl_cpu
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -23,8 +23,14 @@ import numpy as np
 import pytest
 
 HELDOUT = Path(__file__).resolve().parent / "data" / "demo_heldout.txt"
-SHIPPED = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-           "chat_template.jinja", "generation_config.json"]
+SHIPPED = [
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+]
 PROMPT_TOKENS = 20
 CONTINUATION_TOKENS = 16
 
@@ -49,7 +55,7 @@ def nll(logits: np.ndarray, ids: np.ndarray) -> float:
 def continuation_logp(model, prompt: np.ndarray, cont: np.ndarray) -> float:
     """log p(cont | prompt), teacher-forced through model.logits."""
     ids = np.concatenate([prompt, cont])
-    lp = log_probs(model.logits(ids)[len(prompt) - 1:-1])  # rows predicting cont[0..]
+    lp = log_probs(model.logits(ids)[len(prompt) - 1 : -1])  # rows predicting cont[0..]
     return float(lp[np.arange(len(cont)), cont].sum())
 
 
@@ -58,8 +64,8 @@ def shuffled_copy(src: Path, dst: Path, seed: int = 0) -> None:
     shutil.copytree(src, dst)
     raw = (src / "model.safetensors").read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
-    body = bytearray(raw[8 + n:])
+    header = json.loads(raw[8 : 8 + n])
+    body = bytearray(raw[8 + n :])
     unit = {"BF16": np.uint16, "F16": np.uint16, "F32": np.uint32, "U32": np.uint32}
     rng = np.random.default_rng(seed)
     for name, t in header.items():
@@ -69,7 +75,7 @@ def shuffled_copy(src: Path, dst: Path, seed: int = 0) -> None:
         dt = np.dtype(unit[t["dtype"]])
         view = np.frombuffer(body, dtype=dt, count=(b - a) // dt.itemsize, offset=a)
         body[a:b] = rng.permutation(view).tobytes()
-    (dst / "model.safetensors").write_bytes(raw[:8 + n] + bytes(body))
+    (dst / "model.safetensors").write_bytes(raw[: 8 + n] + bytes(body))
 
 
 @pytest.fixture(scope="module")
@@ -116,12 +122,20 @@ def test_demo_ships_in_package(lily, model, tokenizer):
     # The real layer schedule: full attention where (i + 1) % 4 == 0, Gated DeltaNet elsewhere.
     assert model.config.num_hidden_layers == text["num_hidden_layers"] == 8
     assert list(model.config.layer_types) == [
-        "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(8)]
+        "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(8)
+    ]
     assert model.config.vocab_size == tokenizer.get_vocab_size() == 4096
     # Chat markup tokens are single ids, and the end-of-turn token is the model's EOS.
     im_end = tokenizer.token_to_id("<|im_end|>")
-    for t in ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>",
-              "<tool_call>", "</tool_call>"]:
+    for t in [
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+        "<think>",
+        "</think>",
+        "<tool_call>",
+        "</tool_call>",
+    ]:
         assert tokenizer.encode(t).ids == [tokenizer.token_to_id(t)], t
     assert im_end in list(model.config.eos_token_id)
 
@@ -142,8 +156,9 @@ def test_heldout_perplexity_matches_mlx_lm(lily, model, heldout):
 
     ref, _ = load(str(demo_dir(lily)))
     # Upcast bf16 scales/biases/norms to fp32 (exact): mlx then computes in fp32 on the same bytes.
-    ref.update(tree_map(lambda x: x.astype(mx.float32) if x.dtype == mx.bfloat16 else x,
-                        ref.parameters()))
+    ref.update(
+        tree_map(lambda x: x.astype(mx.float32) if x.dtype == mx.bfloat16 else x, ref.parameters())
+    )
 
     def ref_logits(ids: np.ndarray) -> np.ndarray:
         return np.array(ref(mx.array(ids.astype(np.int32))[None])[0].astype(mx.float32))
@@ -168,12 +183,12 @@ def test_greedy_continuation_beats_shuffled(model, heldout, tokenizer):
     rng = np.random.default_rng(0)
     for seq in heldout[:8]:
         prompt = mid_sentence_prompt(seq, tokenizer)
-        cont = np.array(model.generate(prompt, max_tokens=CONTINUATION_TOKENS), dtype=np.int64)
+        cont = np.array(model.generate(prompt, max_tokens=CONTINUATION_TOKENS, temperature=0).tokens, dtype=np.int64)
         assert len(cont) >= CONTINUATION_TOKENS // 2, f"stopped after {len(cont)} tokens"
         assert len(set(cont.tolist())) > 1, f"degenerate continuation {cont.tolist()}"
         # generate is greedy: its first token is the argmax after the prompt, and teacher-forcing
         # its own continuation gives back (nearly) the same argmax chain.
-        chain = model.logits(np.concatenate([prompt, cont]))[len(prompt) - 1:-1].argmax(-1)
+        chain = model.logits(np.concatenate([prompt, cont]))[len(prompt) - 1 : -1].argmax(-1)
         assert chain[0] == cont[0]
         assert np.mean(chain == cont) >= 0.9, (chain.tolist(), cont.tolist())
         shuffled = cont.copy()
@@ -187,7 +202,7 @@ def test_true_continuation_beats_shuffled(model, heldout):
     rng = np.random.default_rng(1)
     wins = 0
     for seq in heldout:
-        prompt, cont = seq[:PROMPT_TOKENS], seq[PROMPT_TOKENS:PROMPT_TOKENS + CONTINUATION_TOKENS]
+        prompt, cont = seq[:PROMPT_TOKENS], seq[PROMPT_TOKENS : PROMPT_TOKENS + CONTINUATION_TOKENS]
         shuffled = cont.copy()
         while np.array_equal(shuffled, cont):
             shuffled = rng.permutation(cont)

@@ -72,8 +72,7 @@ def test_quantized_long_prompt_chunked(qcase, lily):
 
 def test_quantized_generate_greedy(qcase, lily):
     path, ref = qcase
-    got = list(lily.Model.load(path).generate(cases.GEN_PROMPT, max_tokens=cases.GEN_TOKENS))
-    assert got == ref.gen_tokens
+    cases.assert_greedy_matches(lily.Model.load(path), ref.gen_tokens)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -98,6 +98,4 @@ def test_long_prompt_chunked(case, lily):
 
 def test_generate_greedy(case, lily):
     path, ref = case
-    model = lily.Model.load(path)
-    got = list(model.generate(cases.GEN_PROMPT, max_tokens=cases.GEN_TOKENS))
-    assert got == ref.gen_tokens
+    cases.assert_greedy_matches(lily.Model.load(path), ref.gen_tokens)

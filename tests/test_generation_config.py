@@ -3,9 +3,9 @@
 import json
 
 import pytest
-from lily._core import SamplingParams
 from transformers import GenerationConfig
 
+from lily._core import SamplingParams
 from lily.generation_config import load_generation_config
 
 

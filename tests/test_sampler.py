@@ -9,10 +9,10 @@ distribution fails and a right one does not flake.
 
 import numpy as np
 import pytest
-from lily._core import Sampler, SamplingParams
 from scipy import stats
 
 import lily
+from lily._core import Sampler, SamplingParams
 
 
 def make_sampler(**kw):

@@ -1,5 +1,8 @@
 #include "cpu/backend.h"
 
+#include <new>
+#include <string>
+
 #include "cpu/linear.h"
 #include "cpu/norm.h"
 #include "model/error.h"
@@ -51,7 +54,20 @@ std::unique_ptr<State> CpuBackend::new_state(int max_context) {
   return st;
 }
 
-void CpuBackend::embed(State&, const int32_t* tokens, int T) {
+void CpuBackend::embed(State& st, const int32_t* tokens, int T) {
+  // Grow every layer's KV cache for this chunk before any layer runs: if memory runs out, the
+  // chunk fails here with the state untouched (position, KV, DeltaNet state all as before),
+  // instead of after some layers have already advanced their recurrent state.
+  auto& s = static_cast<CpuState&>(st);
+  for (int l = 0; l < c_.n_layers(); ++l) {
+    if (c_.mixers[l] != Mixer::Attention) continue;
+    try {
+      s.kv[l].reserve(s.position() + T, s.max_context());
+    } catch (const std::bad_alloc&) {
+      throw RequestError("[kv-cache] out of memory growing layer " + std::to_string(l) + "'s KV cache to " +
+                         std::to_string(s.position() + T) + " positions; use a shorter context");
+    }
+  }
   T_ = T;
   const size_t n = size_t(T) * c_.hidden;
   x_.resize(n);

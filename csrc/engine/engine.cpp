@@ -1,6 +1,10 @@
 #include "engine/engine.h"
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
 #include <functional>
 #include <string>
 
@@ -21,11 +25,53 @@ std::unique_ptr<State> Engine::new_state(int max_context) {
   return st;
 }
 
+namespace {
+
+// Memory a request may still claim: physical RAM, or less under an address-space limit
+// (ulimit -v), minus what the process already maps. Linux overcommits, so a KV cache larger than
+// RAM would "allocate" and then be OOM-killed when touched; this check turns that into an error.
+uint64_t available_memory() {
+  uint64_t avail = UINT64_MAX;
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  if (pages > 0 && page > 0) avail = uint64_t(pages) * uint64_t(page);
+#if defined(__linux__)
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) {
+    uint64_t mapped = 0;
+    if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+      unsigned long long vm_pages = 0;
+      if (std::fscanf(f, "%llu", &vm_pages) == 1) mapped = vm_pages * uint64_t(page);
+      std::fclose(f);
+    }
+    const uint64_t lim = uint64_t(rl.rlim_cur);
+    avail = std::min(avail, lim > mapped ? lim - mapped : 0);
+  }
+#endif
+  return avail;
+}
+
+}  // namespace
+
+uint64_t Engine::kv_bytes(int64_t positions) const {
+  const ModelConfig& c = config();
+  uint64_t per_position = 0;
+  for (Mixer m : c.mixers)
+    if (m == Mixer::Attention) per_position += 2ull * c.n_kv_heads * c.head_dim * sizeof(float);
+  return per_position * uint64_t(positions);
+}
+
 void Engine::check_tokens(const State& st, const int32_t* tokens, int n) const {
   if (n < 0) throw RequestError("[engine] negative token count");
   if (int64_t(st.position()) + n > st.max_context())
     throw RequestError("[engine] " + std::to_string(st.position()) + " cached + " + std::to_string(n) +
                        " new tokens exceed the context of " + std::to_string(st.max_context()));
+  // The KV cache this request grows to, against the memory left (what the state holds already
+  // is in use and stays). Checked before any compute, so a refused request changes nothing.
+  const uint64_t need = kv_bytes(int64_t(st.position()) + n), held = st.nbytes();
+  if (need > held && need - held > available_memory())
+    throw RequestError("[engine] a context of " + std::to_string(int64_t(st.position()) + n) + " tokens needs " +
+                       std::to_string(need >> 20) + " MiB of KV cache, more than the " +
+                       std::to_string(available_memory() >> 20) + " MiB of memory available; use a shorter context");
   const int vocab = config().vocab;
   for (int i = 0; i < n; ++i)
     if (tokens[i] < 0 || tokens[i] >= vocab)
@@ -34,6 +80,7 @@ void Engine::check_tokens(const State& st, const int32_t* tokens, int n) const {
 }
 
 void Engine::prefill(State& st, const int32_t* tokens, int n, float* logits, bool all_logits) {
+  weights_->check_files_unchanged();
   check_tokens(st, tokens, n);
   const int vocab = config().vocab;
   for (int done = 0; done < n;) {
@@ -55,6 +102,7 @@ void Engine::prefill(State& st, const int32_t* tokens, int n, float* logits, boo
 }
 
 void Engine::decode(State& st, int32_t token, float* logits) {
+  weights_->check_files_unchanged();
   check_tokens(st, &token, 1);
   forward_chunk(*backend_, *weights_, st, &token, 1, logits ? LogitRows::Last : LogitRows::None, logits);
   st.position_ += 1;

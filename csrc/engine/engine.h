@@ -23,6 +23,13 @@ class Engine {
 
   std::unique_ptr<State> new_state(int max_context);
 
+  // Bytes of KV cache (all attention layers, fp32 K and V) for `positions` tokens.
+  uint64_t kv_bytes(int64_t positions) const;
+
+  // Both calls first check that the mapped checkpoint files are unchanged on disk (a file
+  // truncated under the mapping would SIGBUS on the next read; see Weights.check_files_unchanged),
+  // and that the KV cache the request grows to fits in the memory left; either failure is an
+  // error before any compute, leaving the state as it was.
   // Appends n tokens to the state. logits: [n, vocab] when all_logits, else [vocab] of the last
   // token (or nullptr for none). Throws RequestError before any compute if the state's context
   // would overflow.

@@ -167,10 +167,14 @@ void SafetensorsFile::parse_header(const uint8_t* bytes, uint64_t header_len) {
   std::vector<const TensorInfo*> order;
   for (const auto& t : tensors_) order.push_back(&t);
   std::sort(order.begin(), order.end(), [](auto* a, auto* b) { return a->begin < b->begin; });
-  for (size_t i = 1; i < order.size(); ++i) {
-    const TensorInfo* prev = order[i - 1];
-    if (prev->nbytes && order[i]->nbytes && prev->begin + prev->nbytes > order[i]->begin)
-      fail("tensors '" + prev->name + "' and '" + order[i]->name + "' overlap");
+  // Compare each tensor with the one reaching furthest so far, not just its sorted neighbour:
+  // an empty tensor placed inside another must not hide the overlap of the two around it.
+  const TensorInfo* far = nullptr;
+  for (const TensorInfo* t : order) {
+    if (!t->nbytes) continue;
+    if (far && far->begin + far->nbytes > t->begin)
+      fail("tensors '" + far->name + "' and '" + t->name + "' overlap");
+    if (!far || t->begin + t->nbytes > far->begin + far->nbytes) far = t;
   }
 }
 

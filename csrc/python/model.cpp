@@ -235,6 +235,8 @@ void init_model(nb::module_& m) {
       })
       .def_prop_ro("prefill_chunk", &Engine::prefill_chunk)
       .def("new_state", &Engine::new_state, nb::arg("max_context"))
+      .def("kv_bytes", &Engine::kv_bytes, nb::arg("positions"),
+           "Bytes of KV cache (all attention layers) for `positions` tokens.")
       .def(
           "prefill",
           [](Engine& e, State& st, nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig> tokens, bool all_logits) {

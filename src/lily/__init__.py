@@ -1,8 +1,8 @@
 """lily: fast inference for the Qwen3.5 / Qwen3.6 hybrid models."""
 
 from lily._core import CheckpointError, ConfigError, LilyError, RequestError
-from lily.config import ModelConfig
 from lily.chat import Chat
+from lily.config import ModelConfig
 from lily.generate import GenerationChunk, GenerationResult, GenerationStream
 from lily.model import Model, Session
 

@@ -9,6 +9,9 @@ template re-renders history differently from what was generated (Qwen3.5 drops e
 turns' reasoning, for example), the state is restored from the latest snapshot before the
 first differing token and only the rest is prefilled.
 
+The prefix matching and snapshots live in :class:`lily.prefix_cache.CachedSequence`, shared
+with the server's cross-request prompt cache.
+
 Memory: a snapshot holds every DeltaNet layer's state and conv window — for Qwen3.6-35B-A3B
 30 x 32 x 128 x 128 x 4 B + conv = about 64 MiB — and no KV (cut back in place). At most
 ``max_snapshots`` are kept (oldest dropped first).
@@ -29,6 +32,7 @@ from lily.generate import (
     sampling_params,
     token_loop,
 )
+from lily.prefix_cache import CachedSequence
 from lily.tool_calls import parse_output
 
 if TYPE_CHECKING:
@@ -60,9 +64,7 @@ class Chat:
         self.max_snapshots = max_snapshots
         self.sampling = dict(sampling)
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
-        self._session = model.session()
-        self._tokens: list[int] = []  # tokens the state has processed, in order
-        self._snapshots: list = []  # native Snapshots, ascending position
+        self._seq = CachedSequence(model, max_snapshots=max_snapshots)
 
     # -- conversation editing --------------------------------------------------------------
 
@@ -84,17 +86,16 @@ class Chat:
     def reset(self, system: str | None = None) -> None:
         """Starts over (keeping the model and sampling settings)."""
         self.messages = [{"role": "system", "content": system}] if system else []
-        self._session = self.model.session()
-        self._tokens, self._snapshots = [], []
+        self._seq = CachedSequence(self.model, max_snapshots=self.max_snapshots)
 
     @property
     def position(self) -> int:
         """Tokens held in the conversation's state."""
-        return self._session.position
+        return self._seq.position
 
     @property
     def snapshot_bytes(self) -> int:
-        return sum(s.nbytes for s in self._snapshots)
+        return self._seq.snapshot_bytes
 
     # -- turns -----------------------------------------------------------------------------
 
@@ -121,15 +122,16 @@ class Chat:
 
         text = model.render_chat(self.messages, tools=self.tools, enable_thinking=self.enable_thinking)
         ids = model._need_tokenizer("chat").encode(text)
-        if len(ids) >= self._session.max_context:
+        seq = self._seq
+        if len(ids) >= seq.max_context:
             raise RequestError(f"[chat] the conversation has {len(ids)} tokens; the context holds "
-                               f"{self._session.max_context}")
-        max_tokens = min(max_tokens, self._session.max_context - len(ids))
+                               f"{seq.max_context}")
+        max_tokens = min(max_tokens, seq.max_context - len(ids))
         reasoning_started = text.rstrip().endswith("<think>")
 
         model._generation.acquire()
         try:
-            reused = self._rewind_to_prefix(ids)
+            reused = seq.rewind(ids)
         except BaseException:
             model._generation.release()
             raise
@@ -137,21 +139,11 @@ class Chat:
         stats = GenerationStats(prompt_tokens=len(ids), cached_tokens=reused)
         want_lp = bool(logprobs)
 
-        def prefill(chunk: np.ndarray) -> np.ndarray:
-            out = self._session.prefill(chunk)
-            self._tokens.extend(int(t) for t in chunk)
-            return out
-
-        def decode(tok: int) -> np.ndarray:
-            out = self._session.decode(tok)
-            self._tokens.append(int(tok))
-            return out
-
-        chunks = token_loop(prefill, decode, new, chunk=model._engine.prefill_chunk, params=params,
+        chunks = token_loop(seq.prefill, seq.decode, new, chunk=model._engine.prefill_chunk, params=params,
                             max_tokens=max_tokens, eos_ids=model.eos_token_ids,
                             detokenizer=model.tokenizer.detokenizer(skip_special_tokens=True), stop=stop,
-                            want_logprobs=want_lp, history=self._tokens[:reused], stats=stats,
-                            on_prefilled=self._take_snapshot)
+                            want_logprobs=want_lp, history=seq.tokens[:reused], stats=stats,
+                            on_prefilled=seq.take_snapshot)
 
         def finish(result: GenerationResult | None) -> None:
             try:
@@ -171,28 +163,3 @@ class Chat:
         if stream_obj.result is None:  # pragma: no cover - interrupted
             raise RequestError("[chat] generation did not finish")
         return stream_obj.result
-
-    def _take_snapshot(self) -> None:
-        self._snapshots.append(self._session._state.snapshot())
-        if len(self._snapshots) > self.max_snapshots:
-            self._snapshots.pop(0)
-
-    def _rewind_to_prefix(self, ids: list[int]) -> int:
-        """Brings the state to the longest reusable prefix of ``ids``; returns its length."""
-        common = 0
-        limit = min(len(ids) - 1, len(self._tokens))  # keep >= 1 token to prefill (for logits)
-        while common < limit and self._tokens[common] == ids[common]:
-            common += 1
-        if common == len(self._tokens):
-            return common
-        # The state holds tokens past the common prefix: go back to a snapshot at or before it.
-        while self._snapshots and self._snapshots[-1].position > common:
-            self._snapshots.pop()
-        if self._snapshots:
-            snap = self._snapshots[-1]
-            self._session._state.restore(snap)
-            del self._tokens[snap.position :]
-            return snap.position
-        self._session = self.model.session(self._session.max_context)
-        self._tokens = []
-        return 0

@@ -132,6 +132,13 @@ class _Loader:
                 f"[checkpoint] tensor '{t.name}' is quantized but config.json 'quantization' gives no "
                 f"bits/group_size for '{module}'"
             )
+        # The native builder names unsupported widths; values past a C int (or booleans) would
+        # fail in the binding with a TypeError instead (found by tests/fuzz config target).
+        if isinstance(bits, bool) or isinstance(group, bool) or not (0 < bits <= 64 and 0 < group <= 1 << 16):
+            raise CheckpointError(
+                f"[checkpoint] tensor '{t.name}': config.json 'quantization' for '{module}' has bits={bits!r}, "
+                f"group_size={group!r}; expected bits in 2..8 and a group size of 32, 64 or 128"
+            )
         return bits, group
 
     def linear(self, slot: str, key: str, *, index: int = -1, rows: tuple[int, int] = (0, -1)) -> None:

@@ -103,6 +103,9 @@ class ModelConfig:
         return c
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _get(d: dict, key: str, kind: type, default: Any = dataclasses.MISSING) -> Any:
     if key not in d or d[key] is None:
         if default is dataclasses.MISSING:
@@ -117,6 +120,10 @@ def _get(d: dict, key: str, kind: type, default: Any = dataclasses.MISSING) -> A
         raise ConfigError(f"[config] field '{key}' must be {kind.__name__}, got {type(v).__name__} {v!r}")
     if kind in (int, float) and (not math.isfinite(v) or v < 0):
         raise ConfigError(f"[config] field '{key}' must be a finite non-negative number, got {v!r}")
+    # Sizes go to the native core as C ints; a larger value would surface as a TypeError from the
+    # binding (found by the tests/fuzz config target).
+    if kind is int and v > _INT32_MAX:
+        raise ConfigError(f"[config] field '{key}' is {v}, larger than the supported {_INT32_MAX}")
     return v
 
 

@@ -138,8 +138,14 @@ class Model:
             raise ConfigError("[load] prefill_chunk must be at least 1")
         if path_or_repo_id is None:
             root = demo_model_path()
+        elif Path(path_or_repo_id).expanduser().is_dir():
+            # A local folder: the config and checkpoint loaders name whatever is wrong in it.
+            root = Path(path_or_repo_id).expanduser()
         else:
-            root = resolve_model_path(path_or_repo_id, revision=revision)
+            try:
+                root = resolve_model_path(path_or_repo_id, revision=revision)
+            except (FileNotFoundError, ValueError) as e:
+                raise ConfigError(f"[load] {e}") from None
         config = load_config(root)
         weights = load_weights(root, config)
         engine = _core.Engine(weights, backend, threads or 0, prefill_chunk, **(backend_options or {}))
@@ -228,6 +234,7 @@ class Model:
         stream: bool = False,
         tools: Sequence[dict] | None = None,
         enable_thinking: bool | None = None,
+        on_prefill_progress=None,
     ) -> GenerationResult | GenerationStream:
         """Generates a continuation of ``prompt``: a string, a list of OpenAI-format chat
         messages (rendered with the checkpoint's chat template), or token ids.
@@ -235,6 +242,7 @@ class Model:
         Sampling defaults come from the checkpoint's generation_config.json, else greedy.
         ``logprobs``: True for the sampled token's logprob, an int N for the top N as well.
         ``stream=True`` returns a :class:`GenerationStream` of chunks instead of a result.
+        ``on_prefill_progress(done, total)`` is called after each prefill chunk (progress bars).
         """
         ids = self.encode_prompt(prompt, tools=tools, enable_thinking=enable_thinking)
         max_tokens = self._max_tokens(max_tokens)
@@ -257,7 +265,8 @@ class Model:
         self._generation.acquire()
         chunks = token_loop(session.prefill, session.decode, ids, chunk=self._engine.prefill_chunk,
                             params=params, max_tokens=max_tokens, eos_ids=self.eos_token_ids,
-                            detokenizer=detok, stop=stop, want_logprobs=want_lp, history=(), stats=stats)
+                            detokenizer=detok, stop=stop, want_logprobs=want_lp, history=(), stats=stats,
+                            on_prefill_progress=on_prefill_progress)
         stream_obj = GenerationStream(chunks, stats, want_lp, lambda _result: self._generation.release())
         if stream:
             return stream_obj

@@ -22,6 +22,8 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from lily._core import RequestError
+
 __all__ = ["Tokenizer", "IncrementalDetokenizer", "load_json_file"]
 
 
@@ -160,7 +162,19 @@ class Tokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            # The tokenizers library refuses text that is not valid Unicode (a lone surrogate,
+            # which JSON's \ud800 escapes can produce) with a bare TypeError; found by the
+            # server fuzz target. Name the character; the server answers 400 for RequestError.
+            bad = next((i for i, ch in enumerate(text) if 0xD800 <= ord(ch) < 0xE000), None)
+            if bad is None:
+                raise
+            raise RequestError(
+                f"[tokenizer] the text has an unpaired surrogate U+{ord(text[bad]):04X} at index {bad}; "
+                "it is not valid Unicode"
+            ) from None
 
     def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool = False) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Sanitizer job: builds lily._core with AddressSanitizer + UndefinedBehaviorSanitizer
+# (-DLILY_SANITIZE=ON, clang-19) into build/asan and runs the native-facing tests against it:
+# the engine (a subset of the transformers comparison, the bad-checkpoint and failure tests)
+# and the MSL-on-CPU runtime. Any ASan report or UBSan diagnostic fails the run.
+#   scripts/sanitize.sh [extra pytest args]
+#
+# The extension is a shared object loaded by an uninstrumented python, so the ASan runtime must
+# be the first library in the process: it is LD_PRELOADed (clang's shared runtime, which carries
+# the UBSan handlers too). Leak checking is off: CPython's interned objects and arenas are never
+# freed at exit and would bury real reports. The normal build (build/dev, src/lily/_core*.so) is
+# not touched: the tests import lily from a copy of src/lily with the sanitized extension.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build="$root/build/asan"
+pkg="$build/py"
+cc=${CC_SANITIZE:-clang-19} cxx=${CXX_SANITIZE:-clang++-19}
+gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
+cmake -S "$root" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLILY_SANITIZE=ON \
+  -DCMAKE_C_COMPILER="$cc" -DCMAKE_CXX_COMPILER="$cxx" >/dev/null
+# Only the extension: the type-stub step imports the module, which needs the preload below.
+cmake --build "$build" --target _core -j "${SANITIZE_JOBS:-2}"
+
+rm -rf "$pkg" && mkdir -p "$pkg"
+cp -r "$root/src/lily" "$pkg/lily"
+rm -f "$pkg"/lily/_core*.so
+cp "$build"/_core*.so "$pkg/lily/"
+
+runtime=$("$cxx" -print-file-name=libclang_rt.asan-x86_64.so)
+[ -f "$runtime" ] || { echo "ASan runtime not found ($runtime): apt-get install libclang-rt-19-dev" >&2; exit 1; }
+export LD_PRELOAD="$runtime"
+export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:symbolize=1:detect_stack_use_after_return=0:${ASAN_OPTIONS:-}"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
+export PYTHONPATH="$pkg"
+export LILY_SANITIZED=1  # tests/test_failures.py: the process is under ASan (its RLIMIT_AS test is skipped... see there)
+cd "$root"
+python -c "import lily, lily._core as c; assert c.__file__.startswith('$pkg'), c.__file__; print('sanitized extension:', c.__file__)"
+python -m pytest -q -p no:cacheprovider \
+  tests/test_bad_checkpoints.py tests/test_failures.py tests/test_msl_cpu.py tests/test_msl_cpu_bugs.py \
+  "tests/test_forward_transformers.py" -k "not fullsize" "$@"

@@ -1,0 +1,393 @@
+"""The `lily` command line: generate, chat, serve, convert, bench, eval.
+
+Each subcommand is a thin layer over the Python API (lily.Model, lily.Chat) or over one
+module (lily.server, lily.convert, lily.bench, lily.evaluate); heavy imports happen inside
+the subcommand so `lily --help` is instant. Errors the user can fix (bad paths, bad flags,
+bad checkpoints) print one line `lily: error: ...` and exit with status 2; Ctrl-C exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "seed")
+
+
+# -- shared flags ------------------------------------------------------------------------------
+
+
+def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument("--model", "-m", required=required, default=None,
+                   help="checkpoint folder or Hugging Face repo id (default: the built-in demo model)"
+                   if not required else "checkpoint folder or Hugging Face repo id")
+    p.add_argument("--revision", default=None, help="Hugging Face revision (branch, tag or commit)")
+    p.add_argument("--backend", default="auto", help="compute backend: auto or cpu (default: auto)")
+    p.add_argument("--threads", type=int, default=None, help="CPU worker threads (default: all cores)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="context length of new sequences (default: the model's)")
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json, else greedy)")
+    g.add_argument("--max-tokens", "-n", type=int, default=None, help="tokens to generate at most")
+    g.add_argument("--temperature", "-t", type=float, default=None, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=None)
+    g.add_argument("--presence-penalty", type=float, default=None)
+    g.add_argument("--frequency-penalty", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None, help="random seed (reproducible sampling)")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _sampling(args) -> dict:
+    kw = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
+    if args.max_tokens is not None:
+        kw["max_tokens"] = args.max_tokens
+    if args.stop:
+        kw["stop"] = args.stop
+    return kw
+
+
+def _load(args):
+    import lily
+
+    return lily.Model.load(args.model, revision=args.revision, backend=args.backend, threads=args.threads,
+                           max_context=args.max_context)
+
+
+def _model_id(args, model) -> str:
+    if getattr(args, "served_model_name", None):
+        return args.served_model_name
+    if args.model is None:
+        return "lily-demo"
+    return str(args.model).rstrip("/")
+
+
+# -- generate ----------------------------------------------------------------------------------
+
+
+def cmd_generate(args) -> int:
+    prompt = args.prompt
+    if prompt is None or prompt == "-":
+        if sys.stdin.isatty():
+            print("lily: reading the prompt from stdin (end with Ctrl-D)", file=sys.stderr)
+        prompt = sys.stdin.read()
+    if not prompt:
+        raise SystemExit("lily: error: the prompt is empty")
+    model = _load(args)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}]
+        target = messages
+    else:
+        target = prompt
+    kw = _sampling(args)
+    bar = PrefillProgress()
+    stream = model.generate(target, stream=True, enable_thinking=args.think, on_prefill_progress=bar, **kw)
+    out = sys.stdout
+    with stream:
+        for chunk in stream:
+            bar.close()
+            out.write(chunk.text)
+            out.flush()
+    bar.close()
+    if not stream.result or not stream.result.text.endswith("\n"):
+        out.write("\n")
+    if args.verbose and stream.result is not None:
+        r = stream.result
+        print(f"[{r.prompt_tokens} prompt tokens, {r.completion_tokens} generated, ttft {r.ttft_s * 1e3:.0f} ms, "
+              f"prefill {r.prefill_tokens_per_s:.1f} tok/s, decode {r.decode_tokens_per_s:.1f} tok/s, "
+              f"finish {r.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+class PrefillProgress:
+    """A prefill progress bar on stderr, for prompts of several chunks when stderr is a terminal."""
+
+    def __init__(self, min_tokens: int = 2048):
+        self.min_tokens = min_tokens
+        self.shown = False
+        self.t0 = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        if total < self.min_tokens or not sys.stderr.isatty():
+            return
+        rate = done / max(time.perf_counter() - self.t0, 1e-9)
+        width = 30
+        fill = width * done // total
+        sys.stderr.write(f"\rprefill [{'#' * fill}{'.' * (width - fill)}] {done}/{total} tokens {rate:.0f} tok/s")
+        sys.stderr.flush()
+        self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+            self.shown = False
+
+
+# -- chat --------------------------------------------------------------------------------------
+
+CHAT_HELP = """commands:
+  /reset            start a new conversation (keeps the system prompt)
+  /undo             forget your last message and the answer to it
+  /system TEXT      set the system prompt and start over
+  /think on|off     toggle the model's thinking (reasoning) block
+  /help             this help
+  /quit             leave (or Ctrl-D)"""
+
+
+def cmd_chat(args) -> int:
+    model = _load(args)
+    interactive = sys.stdin.isatty()
+    system = args.system
+    chat = model.chat(system, enable_thinking=args.think, **_sampling(args))
+    if interactive:
+        print(f"lily chat - {model.config.family} ({_model_id(args, model)}). /help for commands, Ctrl-D to quit.",
+              file=sys.stderr)
+    while True:
+        if interactive:
+            try:
+                line = input(">>> ")
+            except EOFError:
+                print(file=sys.stderr)
+                return 0
+        else:
+            line = sys.stdin.readline()
+            if not line:
+                return 0
+            line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        if line.startswith("/"):
+            cmd, _, rest = line.partition(" ")
+            if cmd in ("/quit", "/exit"):
+                return 0
+            if cmd == "/help":
+                print(CHAT_HELP, file=sys.stderr)
+            elif cmd == "/reset":
+                chat.reset(system)
+                print("[conversation reset]", file=sys.stderr)
+            elif cmd == "/undo":
+                try:
+                    chat.undo()
+                    print("[last exchange forgotten]", file=sys.stderr)
+                except Exception as e:
+                    print(f"[{e}]", file=sys.stderr)
+            elif cmd == "/system":
+                system = rest.strip() or None
+                chat.reset(system)
+                print("[system prompt set; conversation reset]", file=sys.stderr)
+            elif cmd == "/think":
+                if rest.strip() not in ("on", "off"):
+                    print("[usage: /think on|off]", file=sys.stderr)
+                else:
+                    chat.enable_thinking = rest.strip() == "on"
+                    print(f"[thinking {rest.strip()}]", file=sys.stderr)
+            else:
+                print(f"[unknown command {cmd}; /help lists them]", file=sys.stderr)
+            continue
+        try:
+            stream = chat.send(line, stream=True)
+            with stream:
+                for chunk in stream:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+        except KeyboardInterrupt:
+            if not interactive:
+                raise
+            print("\n[interrupted]", file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+# -- serve -------------------------------------------------------------------------------------
+
+
+def cmd_serve(args) -> int:
+    try:
+        from lily.server import serve
+    except ImportError as e:
+        raise SystemExit(f"lily: error: {e}") from None
+    model = _load(args)
+    api_key = args.api_key or os.environ.get("LILY_API_KEY") or None
+    model_id = _model_id(args, model)
+    print(f"lily: serving {model_id!r} ({model.config.family}, context {model.max_context}) on "
+          f"http://{args.host}:{args.port}/v1" + (" (API key required)" if api_key else ""), file=sys.stderr)
+    serve(model, model_id=model_id, host=args.host, port=args.port, api_key=api_key, max_queue=args.max_queue,
+          cache_bytes=int(args.cache_mb * (1 << 20)), log_level=args.log_level,
+          default_max_tokens=args.default_max_tokens)
+    return 0
+
+
+# -- convert / bench / eval ---------------------------------------------------------------------
+
+
+def cmd_convert(args) -> int:
+    from lily.convert import convert
+
+    convert(args.hf_path, args.out, bits=args.q_bits, group_size=args.q_group_size, dtype=args.dtype,
+            quantize_weights=not args.no_quantize, progress=not args.quiet)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from lily.bench import bench, print_table
+
+    lengths = [int(x) for x in args.prompt_lengths.split(",") if x.strip()]
+    model = _load(args)
+    rows = bench(model, lengths, decode_tokens=args.decode_tokens, repeats=args.repeats)
+    print_table(model, rows)
+    if args.json:
+        import json
+
+        payload = json.dumps({"model": _model_id(args, model), "backend": model._engine.backend,
+                              "threads": model._engine.threads, "rows": rows}, indent=2)
+        if args.json == "-":
+            print(payload)
+        else:
+            with open(args.json, "w") as f:
+                f.write(payload + "\n")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from lily.evaluate import evaluate, print_report
+
+    model = _load(args)
+    text = None
+    if args.text_file:
+        with open(args.text_file, encoding="utf-8") as f:
+            text = f.read()
+    report = evaluate(model, reference=args.reference, positions=args.positions, text=text,
+                      reference_model=args.reference_model)
+    print_report(report)
+    if args.json:
+        import json
+
+        payload = json.dumps(report, indent=2)
+        if args.json == "-":
+            print(payload)
+        else:
+            with open(args.json, "w") as f:
+                f.write(payload + "\n")
+    return 0
+
+
+# -- parser ------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from lily import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="lily",
+        description="Fast inference for the Qwen3.5 / Qwen3.6 hybrid models (Gated DeltaNet + attention, MoE).",
+        epilog="Run `lily COMMAND --help` for a command's options. Without --model, generate/chat/serve/bench "
+               "use the small demo model built into the package.",
+    )
+    parser.add_argument("--version", action="version", version=f"lily {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+
+    p = sub.add_parser("generate", help="generate a continuation of a prompt (streams to the terminal)",
+                       description="Generate text from a prompt given as an argument or on stdin.")
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt ('-' or omitted: read stdin)")
+    _add_model(p)
+    _add_sampling(p)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
+    p.add_argument("--system", default=None, help="system prompt (with --chat)")
+    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                   help="enable or disable thinking (with --chat)")
+    p.add_argument("--verbose", "-v", action="store_true", help="print token counts and speeds to stderr")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat (also works with a pipe on stdin)",
+                       description="Chat with a model. Each line you type is a user message; the conversation "
+                                   "state is kept between turns. " + CHAT_HELP.replace("\n", " "))
+    _add_model(p)
+    _add_sampling(p)
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                   help="enable or disable thinking (default: the chat template's)")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=fmt,
+                       description="Serve a model over an OpenAI-compatible API (/v1/chat/completions, "
+                                   "/v1/completions, /v1/models, /health).")
+    _add_model(p)
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 exposes it to the network)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require this bearer key (default: $LILY_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model, or lily-demo)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get HTTP 503")
+    p.add_argument("--cache-mb", type=float, default=1024, help="prompt cache budget in MiB (0 disables it)")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="max_tokens when a chat request gives none (default: generation_config, else 512)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("convert", help="Hugging Face checkpoint -> MLX affine 4/8-bit", formatter_class=fmt,
+                       description="Convert a Hugging Face bf16/fp32 checkpoint to the MLX format with "
+                                   "affine quantization, making the same per-tensor choices as mlx_lm.convert.")
+    p.add_argument("hf_path", help="Hugging Face checkpoint folder (or repo id)")
+    p.add_argument("--out", "-o", required=True, help="output folder (must not exist)")
+    p.add_argument("--q-bits", "-b", type=int, default=4, choices=[2, 3, 4, 5, 6, 8], help="bits per weight")
+    p.add_argument("--q-group-size", "-g", type=int, default=64, choices=[32, 64, 128])
+    p.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
+                   help="dtype of unquantized tensors and scales (default: the checkpoint's)")
+    p.add_argument("--no-quantize", action="store_true", help="only re-lay out the tensors (no quantization)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("bench", help="prefill / decode tokens per second across prompt lengths", formatter_class=fmt)
+    _add_model(p)
+    p.add_argument("--prompt-lengths", "-p", default="128,512,2048", help="comma-separated prompt lengths")
+    p.add_argument("--decode-tokens", "-d", type=int, default=64, help="tokens decoded after each prompt")
+    p.add_argument("--repeats", "-r", type=int, default=1, help="runs per length (best is reported)")
+    p.add_argument("--json", nargs="?", const="-", default=None, help="also write JSON (to a file, or '-')")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("eval", help="teacher-forced perplexity and top-1 agreement against a reference",
+                       formatter_class=fmt,
+                       description="Run the same text through lily and a reference implementation, teacher-forced, "
+                                   "and report perplexity of both and how often their top-1 tokens agree.")
+    _add_model(p)
+    p.add_argument("--reference", default="mlx", help="mlx (mlx-lm) or lily:BACKEND (another lily backend)")
+    p.add_argument("--reference-model", default=None, help="checkpoint for the reference (default: --model)")
+    p.add_argument("--positions", "-N", type=int, default=256, help="token positions compared")
+    p.add_argument("--text-file", default=None, help="text to evaluate on (default: a built-in passage)")
+    p.add_argument("--json", nargs="?", const="-", default=None, help="also write JSON (to a file, or '-')")
+    p.set_defaults(func=cmd_eval)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    import lily
+
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except (lily.LilyError, FileNotFoundError, ValueError, OSError) as e:
+        print(f"lily: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

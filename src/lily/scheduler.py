@@ -1,0 +1,190 @@
+"""One engine, many requests: the server's generation worker.
+
+Design choices:
+- One worker thread owns generation. Requests wait in a bounded FIFO (``queue.Queue``), so
+  they run in arrival order and a full queue is refused at once (HTTP 503) instead of piling
+  up. The engine itself runs one sequence at a time (its scratch buffers are shared), so a
+  single worker is the whole scheduler; there is no batching.
+- The worker also takes the model's GenerationLock per job, so Python-API calls on the same
+  model in the same process take turns with the server instead of corrupting it.
+- Every job carries a cancel flag. The HTTP side sets it when the client goes away; the worker
+  checks it before each prefill chunk and each decode step, so a disconnect frees the engine
+  within one step. ``Scheduler.stats`` records how many steps ran after the flag was set.
+- Prompt caching: each job asks the PrefixCache for the sequence sharing the longest usable
+  prefix with its prompt, prefills only the rest, and hands the sequence back afterwards (the
+  cache keeps it, LRU-evicted under a byte budget). Snapshots of the recurrent state are taken
+  at the end of the prompt and after 16, 32, 64, ... generated tokens (log-spaced, so a long
+  answer costs few).
+- Results travel back as events through a callback; the HTTP layer turns the callback into
+  an asyncio queue (``loop.call_soon_threadsafe``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lily.generate import GenerationStats, result_from, token_loop
+from lily.prefix_cache import PrefixCache
+
+
+class Cancelled(Exception):
+    """Raised inside the token loop when the job's client went away."""
+
+
+@dataclass
+class Job:
+    """One generation request, ready to run: token ids and native sampling parameters."""
+
+    ids: np.ndarray
+    params: Any  # lily._core.SamplingParams
+    max_tokens: int
+    stop: Sequence[str] | None
+    want_logprobs: bool
+    emit: Callable[[str, Any], None]  # ("chunk", GenerationChunk) | ("done", result) | ("error", exc)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    cancel_time: float | None = None
+    enqueued: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        if not self.cancelled.is_set():
+            self.cancel_time = time.perf_counter()
+            self.cancelled.set()
+
+
+@dataclass
+class SchedulerStats:
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    rejected: int = 0
+    # For the last cancelled job: engine steps (prefill chunks or decode steps) that ran after
+    # the cancel flag was set, and seconds from the flag to the engine being free.
+    last_cancel_steps: int | None = None
+    last_cancel_release_s: float | None = None
+
+
+class Scheduler:
+    """A worker thread running queued Jobs one at a time on ``model``."""
+
+    def __init__(self, model, *, max_queue: int = 64, cache_bytes: int = 1 << 30,
+                 max_snapshots: int = 12):
+        self.model = model
+        self.cache = PrefixCache(model, cache_bytes, max_snapshots=max_snapshots)
+        self.stats = SchedulerStats()
+        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.running: Job | None = None
+        self._thread = threading.Thread(target=self._run, name="lily-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, job: Job) -> None:
+        """Queues ``job``; raises ``queue.Full`` when the queue is at its limit."""
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            self.stats.rejected += 1
+            raise
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        if self.running is not None:
+            self.running.cancel()
+        while True:  # drop waiting jobs, then wake the worker
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if job.cancelled.is_set():
+                self.stats.cancelled += 1
+                continue
+            self.running = job
+            try:
+                self._generate(job)
+            finally:
+                self.running = None
+
+    def _generate(self, job: Job) -> None:
+        model = self.model
+        steps_after_cancel = 0
+        model._generation.acquire()
+        seq = None
+        try:
+            seq, reused = self.cache.acquire(job.ids)
+            stats = GenerationStats(prompt_tokens=int(job.ids.size), cached_tokens=reused)
+
+            def step(fn, arg):
+                # The flag is checked before every engine call; a step already running when
+                # the client leaves finishes (counted in steps_after_cancel), none starts after.
+                nonlocal steps_after_cancel
+                if job.cancelled.is_set():
+                    raise Cancelled
+                out = fn(arg)
+                if job.cancel_time is not None:
+                    steps_after_cancel += 1
+                return out
+
+            def prefill(chunk: np.ndarray) -> np.ndarray:
+                return step(seq.prefill, chunk)
+
+            decoded = 0
+
+            def decode(tok: int) -> np.ndarray:
+                # Snapshots after 16, 32, 64, ... decoded tokens too: when the next turn's
+                # template re-renders this answer to slightly different tokens (a cut-off
+                # last word, say), the follow-up still reuses most of the answer.
+                nonlocal decoded
+                out = step(seq.decode, tok)
+                decoded += 1
+                if decoded >= 16 and decoded & (decoded - 1) == 0:
+                    seq.take_snapshot()
+                return out
+
+            detok = model.tokenizer.detokenizer(skip_special_tokens=True) if model.tokenizer else None
+            chunks = token_loop(prefill, decode, job.ids[reused:], chunk=model._engine.prefill_chunk,
+                                params=job.params, max_tokens=job.max_tokens, eos_ids=model.eos_token_ids,
+                                detokenizer=detok, stop=job.stop, want_logprobs=job.want_logprobs,
+                                history=seq.tokens[:reused], stats=stats, on_prefilled=seq.take_snapshot)
+            texts: list[str] = []
+            tokens: list[int] = []
+            lps: list[dict] = []
+            for c in chunks:
+                texts.append(c.text)
+                if c.token is not None:
+                    tokens.append(c.token)
+                    if job.want_logprobs:
+                        lps.append({"token": c.token, "logprob": c.logprob, "top_logprobs": c.top_logprobs})
+                job.emit("chunk", c)
+            result = result_from(stats, "".join(texts), tokens, lps if job.want_logprobs else None)
+            self.stats.completed += 1
+            job.emit("done", result)
+        except Cancelled:
+            self.stats.cancelled += 1
+            self.stats.last_cancel_steps = steps_after_cancel
+            self.stats.last_cancel_release_s = (time.perf_counter() - job.cancel_time
+                                                if job.cancel_time is not None else None)
+        except Exception as e:  # a bad request that got past validation; keep serving
+            self.stats.failed += 1
+            job.emit("error", e)
+        finally:
+            if seq is not None:
+                self.cache.release(seq)
+            model._generation.release()

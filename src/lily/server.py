@@ -1,0 +1,682 @@
+"""`lily serve`: an OpenAI-compatible HTTP server (Starlette + uvicorn + sse-starlette).
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming or not), GET /v1/models,
+GET /health. Requests are validated here, turned into token ids and native sampling parameters,
+and queued on the Scheduler (one engine, arrival order, bounded queue, prompt-prefix cache).
+
+Design choices:
+- Validation happens before anything is queued, so a bad request costs no engine time and gets
+  an OpenAI-style error body {"error": {"message", "type", "param", "code"}} with the right
+  status: 400 (malformed JSON, wrong types, out-of-range values, prompt longer than the
+  context), 401 (API key), 404 (unknown model or route), 405, 413 (body too large), 503 (queue
+  full). Unknown request fields are ignored, as vLLM and llama.cpp do, so clients that send
+  extras keep working; known fields are type-checked strictly.
+- Streaming uses Server-Sent Events in OpenAI's chunk format, ending with ``data: [DONE]``.
+  Reasoning (``<think>`` ... ``</think>``) and content are split as they stream with the
+  same rules as the non-streamed parse (lily.tool_calls.parse_output), so the streamed pieces
+  concatenate to the non-streamed message; tool calls are sent once complete.
+- A client that disconnects cancels its job (checked before every engine step); a queued job
+  whose client left is dropped without running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import queue
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from lily._core import LilyError
+from lily.generate import sampling_params
+from lily.scheduler import Job, Scheduler
+from lily.tool_calls import CALL_OPEN, THINK_CLOSE, THINK_OPEN, _split_reasoning, parse_output
+
+try:
+    from sse_starlette.sse import EventSourceResponse
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+except ImportError as e:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "lily serve needs the server extra: pip install \"lily[server]\" (starlette, uvicorn, sse-starlette)"
+    ) from e
+
+MAX_BODY_BYTES = 16 << 20
+MAX_STOP = 16
+MAX_STOP_CHARS = 1024  # a stop string holds back that much streamed text
+MAX_TOP_LOGPROBS = 20
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_response(status: int, message: str, *, type: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+# -- request field checks ------------------------------------------------------------------
+
+
+def _get(body: dict, key: str, kinds, default=None, *, lo=None, hi=None, allow_none=True):
+    """body[key] checked against ``kinds`` (bool is never an int here) and an inclusive range."""
+    if key not in body or (body[key] is None and allow_none):
+        return default
+    v = body[key]
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    ok = isinstance(v, kinds) and not (isinstance(v, bool) and bool not in kinds)
+    if not ok and float in kinds and isinstance(v, int) and not isinstance(v, bool):
+        v, ok = float(v), True
+    if not ok:
+        names = " or ".join(k.__name__ for k in kinds).replace("str", "string").replace("float", "number")
+        names = names.replace("int", "integer").replace("bool", "boolean").replace("dict", "object")
+        names = names.replace("list", "array")
+        raise APIError(400, f"'{key}' must be {names}, got {json.dumps(v)[:80]}", param=key,
+                       code="invalid_type")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f"between {lo} and {hi}" if lo is not None and hi is not None else (
+            f">= {lo}" if lo is not None else f"<= {hi}")
+        raise APIError(400, f"'{key}' must be {rng}, got {v}", param=key, code="invalid_value")
+    return v
+
+
+def _stop(body: dict) -> list[str] | None:
+    stop = body.get("stop")
+    if stop is None:
+        return None
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise APIError(400, "'stop' must be a string or an array of strings", param="stop", code="invalid_type")
+    if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"'stop' takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters",
+                       param="stop", code="invalid_value")
+    return [s for s in stop if s] or None
+
+
+class Server:
+    """The served model, its scheduler and the request handlers."""
+
+    def __init__(self, model, *, model_id: str, api_key: str | None = None, max_queue: int = 64,
+                 cache_bytes: int = 1 << 30, default_max_tokens: int | None = None):
+        self.model = model
+        self.model_id = model_id
+        self.api_key = api_key
+        self.default_max_tokens = default_max_tokens
+        self.created = int(time.time())
+        self.scheduler = Scheduler(model, max_queue=max_queue, cache_bytes=cache_bytes)
+
+    # -- shared request handling -------------------------------------------------------------
+
+    def _check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
+            raise APIError(401, "Incorrect API key provided.", type="invalid_request_error",
+                           code="invalid_api_key")
+
+    async def _body(self, request: Request) -> dict:
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > MAX_BODY_BYTES:
+                raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes",
+                               code="request_too_large")
+        try:
+            body = json.loads(bytes(raw).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            msg = e.msg if isinstance(e, json.JSONDecodeError) else type(e).__name__
+            raise APIError(400, f"could not parse the JSON body of the request ({msg})",
+                           code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        try:
+            # JSON's \ud800-style escapes can smuggle unpaired surrogates into strings, which
+            # nothing downstream can encode (the tokenizer, or an error message echoing the value
+            # as UTF-8): refuse them here (found by the tests/fuzz server target).
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "the request body has an unpaired UTF-16 surrogate escape (\\ud800-\\udfff); "
+                                "strings must be valid Unicode", code="invalid_json") from None
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise APIError(400, "'model' must be a string", param="model", code="invalid_type")
+        if model not in (None, self.model_id):
+            raise APIError(404, f"The model '{model}' does not exist (this server serves "
+                                f"'{self.model_id}')", param="model", code="model_not_found")
+        return body
+
+    def _sampling(self, body: dict, *, chat: bool):
+        want_lp: bool | int
+        if chat:
+            lp = _get(body, "logprobs", bool, False)
+            top = _get(body, "top_logprobs", int, 0, lo=0, hi=MAX_TOP_LOGPROBS)
+            if top and not lp:
+                raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+            want_lp = (top or True) if lp else False
+        else:
+            top = _get(body, "logprobs", int, None, lo=0, hi=MAX_TOP_LOGPROBS)
+            want_lp = False if top is None else (top or True)
+        n = _get(body, "n", int, 1, lo=1)
+        if n != 1:
+            raise APIError(400, "only n=1 is supported", param="n", code="invalid_value")
+        max_tokens = _get(body, "max_completion_tokens", int, None, lo=0) if chat else None
+        if max_tokens is None:
+            max_tokens = _get(body, "max_tokens", int, None, lo=0)
+        if max_tokens is None:
+            max_tokens = self.default_max_tokens or self.model.generation_defaults.max_new_tokens or 512
+        overrides = dict(
+            temperature=_get(body, "temperature", float, None, lo=0.0, hi=2.0),
+            top_p=_get(body, "top_p", float, None, lo=0.0, hi=1.0),
+            top_k=_get(body, "top_k", int, None, lo=-1),
+            min_p=_get(body, "min_p", float, None, lo=0.0, hi=1.0),
+            repetition_penalty=_get(body, "repetition_penalty", float, None, lo=0.0),
+            presence_penalty=_get(body, "presence_penalty", float, None, lo=-2.0, hi=2.0),
+            frequency_penalty=_get(body, "frequency_penalty", float, None, lo=-2.0, hi=2.0),
+            seed=_get(body, "seed", int, None),
+        )
+        if overrides["top_k"] is not None and overrides["top_k"] <= 0:
+            overrides["top_k"] = 0  # OpenAI-compatible servers use -1 / 0 for "off"
+        if overrides["seed"] is not None:
+            overrides["seed"] = overrides["seed"] % (1 << 63)
+        try:
+            params = sampling_params(self.model.generation_defaults.sampling_kwargs(), overrides, want_lp)
+        except LilyError as e:
+            raise APIError(400, str(e), code="invalid_value") from None
+        return params, int(max_tokens), _stop(body), want_lp
+
+    def _fit(self, ids: np.ndarray, max_tokens: int) -> int:
+        ctx = self.model.max_context
+        if ids.size >= ctx:
+            raise APIError(400, f"This model's maximum context length is {ctx} tokens; the prompt has "
+                                f"{ids.size} tokens", param="messages", code="context_length_exceeded")
+        return min(max_tokens, ctx - int(ids.size))
+
+    async def _run(self, request: Request, job_args: dict):
+        """Queues a job; returns (job, asyncio.Queue of events)."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(kind: str, value: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+            except RuntimeError:  # the event loop is gone (shutdown): stop generating
+                job.cancel()
+
+        job = Job(emit=emit, **job_args)
+        try:
+            self.scheduler.submit(job)
+        except queue.Full:
+            raise APIError(503, "The server is busy: too many requests are queued; retry later",
+                           type="server_error", code="queue_full") from None
+        return job, events
+
+    async def _collect(self, request: Request, job: Job, events: asyncio.Queue):
+        """Waits for a non-streamed job, cancelling it if the client disconnects."""
+        chunks = []
+        try:
+            while True:
+                try:
+                    kind, value = await asyncio.wait_for(events.get(), timeout=0.25)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        job.cancel()
+                        raise APIError(499, "client disconnected") from None
+                    continue
+                if kind == "chunk":
+                    chunks.append(value)
+                elif kind == "done":
+                    return chunks, value
+                else:
+                    raise value
+        finally:
+            job.cancel()  # no-op once finished; frees the engine if we leave early
+
+    # -- endpoints ------------------------------------------------------------------------------
+
+    async def health(self, request: Request):
+        s = self.scheduler
+        st = s.stats
+        return JSONResponse({
+            "status": "ok", "model": self.model_id, "running": s.running is not None, "queued": s.queued,
+            "completed": st.completed, "cancelled": st.cancelled, "failed": st.failed,
+            "rejected": st.rejected, "last_cancel_steps": st.last_cancel_steps,
+            "last_cancel_release_s": st.last_cancel_release_s,
+            "cache": {"sequences": len(s.cache), "bytes": s.cache.nbytes, "budget_bytes": s.cache.budget_bytes,
+                      "hits": s.cache.hits, "misses": s.cache.misses, "evictions": s.cache.evictions},
+        })
+
+    async def models(self, request: Request):
+        self._check_auth(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request):
+        self._check_auth(request)
+        name = request.path_params["name"]
+        if name != self.model_id:
+            raise APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "lily",
+                "max_model_len": self.model.max_context}
+
+    async def chat_completions(self, request: Request):
+        self._check_auth(request)
+        body = await self._body(request)
+        messages = self._messages(body)
+        tools, tool_choice = self._tools(body)
+        stream = _get(body, "stream", bool, False)
+        include_usage = bool(_get(_get(body, "stream_options", dict, {}) or {}, "include_usage", bool, False))
+        kwargs = _get(body, "chat_template_kwargs", dict, {}) or {}
+        enable_thinking = kwargs.get("enable_thinking", body.get("enable_thinking"))
+        if enable_thinking is not None and not isinstance(enable_thinking, bool):
+            raise APIError(400, "'enable_thinking' must be a boolean", param="chat_template_kwargs")
+        params, max_tokens, stop, want_lp = self._sampling(body, chat=True)
+        if self.model.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send token ids to /v1/completions", param="messages")
+
+        def render() -> tuple[str, np.ndarray]:
+            try:
+                text = self.model.render_chat(messages, tools=tools if tool_choice != "none" else None,
+                                              enable_thinking=enable_thinking)
+            except Exception as e:  # template errors (raise_exception, bad message structure)
+                raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
+            return text, np.asarray(self.model.tokenizer.encode(text), dtype=np.int32)
+
+        # Rendering and tokenizing a long conversation takes a while: off the event loop.
+        text, ids = await run_in_threadpool(render)
+        if ids.size == 0:
+            raise APIError(400, "the rendered prompt is empty", param="messages")
+        max_tokens = self._fit(ids, max_tokens)
+        reasoning_started = text.rstrip().endswith(THINK_OPEN)
+        job, events = await self._run(request, dict(ids=ids, params=params, max_tokens=max_tokens, stop=stop,
+                                                    want_logprobs=bool(want_lp)))
+        rid = "chatcmpl-" + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        call_tools = tools if tool_choice != "none" else None
+        if stream:
+            return EventSourceResponse(
+                self._chat_stream(job, events, rid, created, call_tools, reasoning_started, include_usage),
+                ping=15, sep="\n")
+        _chunks, result = await self._collect(request, job, events)
+        parsed = parse_output(result.text, tools=call_tools, reasoning_started=reasoning_started)
+        msg = parsed.to_message()
+        if msg.get("content") is None and not parsed.tool_calls:
+            msg["content"] = ""
+        finish = "tool_calls" if parsed.tool_calls else result.finish_reason
+        choice = {"index": 0, "message": msg, "finish_reason": finish,
+                  "logprobs": {"content": self._chat_logprobs(result.logprobs)} if want_lp else None}
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_id,
+                             "choices": [choice], "usage": self._usage(result),
+                             "system_fingerprint": "lily"})
+
+    async def completions(self, request: Request):
+        self._check_auth(request)
+        body = await self._body(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError(400, "'prompt' is empty", param="prompt")
+            if self.model.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+            ids = np.asarray(await run_in_threadpool(self.model.tokenizer.encode, prompt), dtype=np.int32)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                          for t in prompt):
+            vocab = self.model.config.vocab_size
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                raise APIError(400, f"token ids in 'prompt' must be in [0, {vocab})", param="prompt")
+            ids = np.asarray(prompt, dtype=np.int32)
+        else:
+            raise APIError(400, "'prompt' must be a non-empty string or array of token ids (one prompt)",
+                           param="prompt", code="invalid_type")
+        if ids.size == 0:
+            raise APIError(400, "the prompt has no tokens", param="prompt")
+        if _get(body, "echo", bool, False):
+            raise APIError(400, "'echo' is not supported", param="echo")
+        if _get(body, "suffix", str, None):
+            raise APIError(400, "'suffix' is not supported", param="suffix")
+        _get(body, "best_of", int, 1, lo=1, hi=1)
+        stream = _get(body, "stream", bool, False)
+        include_usage = bool(_get(_get(body, "stream_options", dict, {}) or {}, "include_usage", bool, False))
+        params, max_tokens, stop, want_lp = self._sampling(body, chat=False)
+        if "max_tokens" not in body:
+            max_tokens = min(max_tokens, 16)  # OpenAI's default for completions
+        max_tokens = self._fit(ids, max_tokens)
+        job, events = await self._run(request, dict(ids=ids, params=params, max_tokens=max_tokens, stop=stop,
+                                                    want_logprobs=bool(want_lp)))
+        rid = "cmpl-" + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if stream:
+            return EventSourceResponse(self._completion_stream(job, events, rid, created, want_lp, include_usage),
+                                       ping=15, sep="\n")
+        _chunks, result = await self._collect(request, job, events)
+        choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason,
+                  "logprobs": self._completion_logprobs(result.logprobs) if want_lp else None}
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_id,
+                             "choices": [choice], "usage": self._usage(result), "system_fingerprint": "lily"})
+
+    # -- request pieces --------------------------------------------------------------------------
+
+    def _messages(self, body: dict) -> list[dict]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise APIError(400, "'messages' must be a non-empty array", param="messages",
+                           code="invalid_type" if messages is not None else "missing_required_parameter")
+        out = []
+        for i, m in enumerate(messages):
+            where = f"messages[{i}]"
+            if not isinstance(m, dict):
+                raise APIError(400, f"'{where}' must be an object", param=where, code="invalid_type")
+            role = m.get("role")
+            if role == "developer":
+                role = "system"
+            if role not in ("system", "user", "assistant", "tool"):
+                raise APIError(400, f"'{where}.role' must be one of system, developer, user, assistant, tool; "
+                                    f"got {json.dumps(role)[:40]}", param=f"{where}.role", code="invalid_value")
+            msg = {k: v for k, v in m.items() if k in ("name", "tool_call_id", "reasoning_content")}
+            msg["role"] = role
+            msg["content"] = self._content(m.get("content"), where, allow_none=role == "assistant")
+            if role == "assistant" and m.get("tool_calls") is not None:
+                msg["tool_calls"] = self._history_tool_calls(m["tool_calls"], where)
+            out.append(msg)
+        return out
+
+    @staticmethod
+    def _content(content, where: str, *, allow_none: bool) -> str | None:
+        if content is None:
+            if allow_none:
+                return None
+            raise APIError(400, f"'{where}.content' is required", param=f"{where}.content")
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            parts = []
+            for p in content:
+                if not isinstance(p, dict) or p.get("type") not in ("text", "input_text"):
+                    kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+                    raise APIError(400, f"'{where}.content' part of type {kind!r} is not supported (text only)",
+                                   param=f"{where}.content")
+                if not isinstance(p.get("text"), str):
+                    raise APIError(400, f"'{where}.content' text part needs a string 'text'",
+                                   param=f"{where}.content")
+                parts.append(p["text"])
+            return "".join(parts)
+        raise APIError(400, f"'{where}.content' must be a string or an array of text parts",
+                       param=f"{where}.content", code="invalid_type")
+
+    @staticmethod
+    def _history_tool_calls(calls, where: str) -> list[dict]:
+        if not isinstance(calls, list):
+            raise APIError(400, f"'{where}.tool_calls' must be an array", param=f"{where}.tool_calls")
+        out = []
+        for c in calls:
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise APIError(400, f"'{where}.tool_calls' entries need function.name",
+                               param=f"{where}.tool_calls")
+            args = fn.get("arguments", "{}")
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except json.JSONDecodeError:
+                    raise APIError(400, f"'{where}.tool_calls' arguments are not valid JSON",
+                                   param=f"{where}.tool_calls") from None
+            out.append({"id": c.get("id"), "type": "function",
+                        "function": {"name": fn["name"], "arguments": args}})
+        return out
+
+    @staticmethod
+    def _tools(body: dict) -> tuple[list[dict] | None, Any]:
+        tools = body.get("tools")
+        if tools is not None:
+            if not isinstance(tools, list):
+                raise APIError(400, "'tools' must be an array", param="tools", code="invalid_type")
+            for i, t in enumerate(tools):
+                fn = t.get("function") if isinstance(t, dict) else None
+                if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict) \
+                        or not isinstance(fn.get("name"), str) or not fn["name"]:
+                    raise APIError(400, f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": "
+                                        f"{{\"name\": ...}}}}", param=f"tools[{i}]")
+            tools = tools or None
+        choice = body.get("tool_choice")
+        if choice is None:
+            return tools, "auto"
+        if choice in ("none", "auto", "required"):
+            return tools, choice
+        if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+            name = choice["function"].get("name")
+            chosen = [t for t in tools or [] if t["function"]["name"] == name]
+            if not chosen:
+                raise APIError(400, f"'tool_choice' names function {name!r}, which is not in 'tools'",
+                               param="tool_choice")
+            return chosen, "required"
+        raise APIError(400, "'tool_choice' must be 'none', 'auto', 'required' or "
+                            "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+
+    # -- responses -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _usage(result) -> dict:
+        return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                "total_tokens": result.prompt_tokens + result.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+
+    def _token_entry(self, tok: int, lp: float) -> dict:
+        s = self.model.tokenizer.decode([tok])
+        return {"token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8"))}
+
+    def _chat_logprobs(self, lps) -> list[dict]:
+        out = []
+        for e in lps or []:
+            d = self._token_entry(e["token"], e["logprob"])
+            d["top_logprobs"] = [self._token_entry(t, p) for t, p in (e["top_logprobs"] or [])]
+            out.append(d)
+        return out
+
+    def _completion_logprobs(self, lps) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        pos = 0
+        for e in lps or []:
+            s = self.model.tokenizer.decode([e["token"]])
+            tokens.append(s)
+            token_lps.append(float(e["logprob"]))
+            tops.append({self.model.tokenizer.decode([t]): float(p) for t, p in (e["top_logprobs"] or [])})
+            offsets.append(pos)
+            pos += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    async def _events(self, job: Job, events: asyncio.Queue):
+        """Yields ("chunk"|"done", value); cancels the job if the consumer stops early."""
+        try:
+            while True:
+                kind, value = await events.get()
+                if kind == "error":
+                    raise value
+                yield kind, value
+                if kind == "done":
+                    return
+        finally:
+            job.cancel()
+
+    def _stream_error(self, e: Exception) -> str:
+        kind = "invalid_request_error" if isinstance(e, LilyError) else "server_error"
+        return self._sse({"error": {"message": f"{type(e).__name__}: {e}", "type": kind, "param": None,
+                                    "code": None}})
+
+    def _sse(self, obj: dict) -> str:
+        return json.dumps(obj, ensure_ascii=False)
+
+    async def _chat_stream(self, job, events, rid, created, tools, reasoning_started, include_usage):
+        def chunk(delta: dict, finish=None, logprobs=None):
+            c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+            return self._sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                              "model": self.model_id, "system_fingerprint": "lily", "choices": [c]})
+
+        splitter = StreamSplitter(reasoning_started)
+        yield chunk({"role": "assistant", "content": ""})
+        try:
+            async for kind, value in self._events(job, events):
+                if kind == "chunk":
+                    lp = None
+                    if job.want_logprobs and value.token is not None:
+                        lp = {"content": self._chat_logprobs([{"token": value.token, "logprob": value.logprob,
+                                                               "top_logprobs": value.top_logprobs}])}
+                    deltas = splitter.feed(value.text)
+                    for d in deltas:
+                        yield chunk(d, logprobs=lp)
+                        lp = None
+                    if lp is not None:
+                        yield chunk({}, logprobs=lp)
+                else:
+                    result = value
+                    parsed = parse_output(result.text, tools=tools, reasoning_started=reasoning_started)
+                    for d in splitter.finish(parsed):
+                        yield chunk(d)
+                    if parsed.tool_calls:
+                        calls = [{"index": i, **c} for i, c in enumerate(parsed.tool_calls)]
+                        yield chunk({"tool_calls": calls})
+                    yield chunk({}, "tool_calls" if parsed.tool_calls else result.finish_reason)
+                    if include_usage:
+                        yield self._sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                         "model": self.model_id, "choices": [], "usage": self._usage(result)})
+        except Exception as e:  # the response has started: report in-stream, then end it
+            yield self._stream_error(e)
+        yield "[DONE]"
+
+    async def _completion_stream(self, job, events, rid, created, want_lp, include_usage):
+        def chunk(text: str, finish=None, logprobs=None):
+            c = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+            return self._sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_id,
+                              "system_fingerprint": "lily", "choices": [c]})
+
+        try:
+            async for kind, value in self._events(job, events):
+                if kind == "chunk":
+                    lp = None
+                    if want_lp and value.token is not None:
+                        lp = self._completion_logprobs([{"token": value.token, "logprob": value.logprob,
+                                                         "top_logprobs": value.top_logprobs}])
+                    if value.finish_reason is None:
+                        if value.text or lp:
+                            yield chunk(value.text, logprobs=lp)
+                    else:
+                        yield chunk(value.text, value.finish_reason, lp)
+                else:
+                    if include_usage:
+                        yield self._sse({"id": rid, "object": "text_completion", "created": created,
+                                         "model": self.model_id, "choices": [], "usage": self._usage(value)})
+        except Exception as e:  # the response has started: report in-stream, then end it
+            yield self._stream_error(e)
+        yield "[DONE]"
+
+
+class StreamSplitter:
+    """Splits streamed text into reasoning and content deltas as it arrives.
+
+    At every step the text so far is split with parse_output's rules, holding back what could
+    still change: a partial ``<think>`` / ``</think>`` / ``<tool_call>`` tag at the end,
+    trailing whitespace (the final parse strips it), and everything from the first
+    ``<tool_call>`` on (sent when the call is complete). The deltas are what extends the
+    pieces already sent, so the stream concatenates to the non-streamed message.
+    """
+
+    _TAGS = (THINK_OPEN, THINK_CLOSE, CALL_OPEN)
+
+    def __init__(self, reasoning_started: bool):
+        self.reasoning_started = reasoning_started
+        self.text = ""
+        self.sent = {"reasoning_content": "", "content": ""}
+
+    def _held(self, text: str) -> str:
+        for n in range(min(len(text), max(len(t) for t in self._TAGS) - 1), 0, -1):
+            tail = text[-n:]
+            if any(t.startswith(tail) for t in self._TAGS):
+                return text[:-n]
+        return text
+
+    def _deltas(self, reasoning: str | None, content: str) -> list[dict]:
+        out = []
+        for key, value in (("reasoning_content", reasoning or ""), ("content", content)):
+            if value.startswith(self.sent[key]) and len(value) > len(self.sent[key]):
+                out.append({key: value[len(self.sent[key]):]})
+                self.sent[key] = value
+        return out
+
+    def feed(self, piece: str) -> list[dict]:
+        if not piece:
+            return []
+        self.text += piece
+        visible = self._held(self.text)
+        reasoning, rest = _split_reasoning(visible, self.reasoning_started)
+        if reasoning is not None and THINK_CLOSE not in visible:
+            # still thinking: _split_reasoning already stripped; the start is fixed once sent
+            return self._deltas(reasoning, "")
+        call = rest.find(CALL_OPEN)
+        content = (rest if call < 0 else rest[:call]).strip()
+        return self._deltas(reasoning, content)
+
+    def finish(self, parsed) -> list[dict]:
+        return self._deltas(parsed.reasoning, parsed.content)
+
+
+def build_app(server: Server) -> Starlette:
+    async def on_api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    async def on_http_error(request: Request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(exc.status_code, str(exc.detail), code=code)
+
+    async def on_error(request: Request, exc: Exception):
+        if isinstance(exc, LilyError):
+            return error_response(400, str(exc))
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+
+    routes = [
+        Route("/health", server.health, methods=["GET"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{name:path}", server.model, methods=["GET"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+    ]
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        server.scheduler.shutdown()
+
+    app = Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
+                                                       Exception: on_error}, lifespan=lifespan)
+    app.state.server = server
+    return app
+
+
+def serve(model, *, model_id: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          max_queue: int = 64, cache_bytes: int = 1 << 30, log_level: str = "info",
+          default_max_tokens: int | None = None) -> None:
+    """Runs the server until interrupted."""
+    import uvicorn
+
+    server = Server(model, model_id=model_id, api_key=api_key, max_queue=max_queue, cache_bytes=cache_bytes,
+                    default_max_tokens=default_max_tokens)
+    uvicorn.run(build_app(server), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
