@@ -236,7 +236,9 @@ GDN_CASES = [
 @pytest.mark.parametrize("Hk,Hv,Dk,Dv,K,T", GDN_CASES)
 def test_gated_deltanet_step(Hk, Hv, Dk, Dv, K, T):
     from transformers.models.qwen3_next.modeling_qwen3_next import (
-        Qwen3NextRMSNormGated, torch_recurrent_gated_delta_rule)
+        Qwen3NextRMSNormGated,
+        torch_recurrent_gated_delta_rule,
+    )
 
     dev = msl_cpu.device(interleavings=2 if Hv < 32 else 0)
     lib = kernels(dev, "gdn.metal")
