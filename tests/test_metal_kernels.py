@@ -307,7 +307,7 @@ def test_gdn_ungroup():
     bag = ba.reshape(T, Hk, 2 * r)
     want = [np.concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], -1), z.reshape(T, -1),
             bag[..., :r].reshape(T, -1), bag[..., r:].reshape(T, -1)]
-    for buf, w in zip(outs, want):
+    for buf, w in zip(outs, want, strict=True):
         np.testing.assert_array_equal(read(buf, np.float32, w.shape), w)
 
 
