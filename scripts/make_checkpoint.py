@@ -257,7 +257,12 @@ def build_model(model_type: str, size: str = "tiny", layers: int | None = None,
     prev = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))
     try:
-        model = cls(cfg)
+        # transformers' own init is skipped (every parameter is overwritten below; buffers such
+        # as the rotary inv_freq are computed in __init__ and unaffected): minutes on medium.
+        from transformers.initialization import no_init_weights
+
+        with no_init_weights():
+            model = cls(cfg)
     finally:
         torch.set_default_dtype(prev)
     # Released bf16 checkpoints keep the DeltaNet A_log in fp32 (so do mlx_lm conversions, via
@@ -274,70 +279,58 @@ def build_model(model_type: str, size: str = "tiny", layers: int | None = None,
 # Saving
 # ---------------------------------------------------------------------------------------------
 
-# torch tensors, not numpy: numpy has no bfloat16.
-def _load_all(path: Path) -> tuple[dict, dict]:
-    from safetensors.torch import load_file
+def _expert_tensors(name: str, t, layout: str | None):
+    """(name, tensor) pairs to write for one state-dict entry, in the asked expert layout.
 
-    tensors, meta = {}, {}
-    for f in sorted(path.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            meta.update(json.loads(fh.read(n)).get("__metadata__", {}) or {})
-    return tensors, meta
+    transformers 5 keeps experts fused in memory (`<p>.mlp.experts.gate_up_proj` [E, 2I, H],
+    gate = rows [0, I); `<p>.mlp.experts.down_proj` [E, H, I]) and splits them per expert only
+    when it saves. Layouts written here:
+      fused:      the in-memory tensors as they are (released Qwen3.5/3.6 checkpoints)
+      per_expert: <p>.mlp.experts.{e}.{gate,up}_proj.weight [I, H], .down_proj.weight [H, I]
+                  (the Qwen3-Next release; what transformers' save_pretrained writes)
+    """
+    if layout is None or not name.endswith((".mlp.experts.gate_up_proj",
+                                            ".mlp.experts.down_proj")):
+        return [(name, t)]
+    if layout == "fused":
+        return [(name, t)]
+    if layout != "per_expert":
+        raise ValueError(f"unknown expert layout {layout!r}")
+    p = name.rsplit(".", 1)[0]
+    if name.endswith("gate_up_proj"):
+        i = t.shape[1] // 2
+        return [x for e in range(t.shape[0])
+                for x in ((f"{p}.{e}.gate_proj.weight", t[e, :i]),
+                          (f"{p}.{e}.up_proj.weight", t[e, i:]))]
+    return [(f"{p}.{e}.down_proj.weight", t[e]) for e in range(t.shape[0])]
 
 
-def _save_all(path: Path, tensors: dict, meta: dict) -> None:
+def _write_safetensors(out: Path, tensors, shard_bytes: int) -> None:
+    """model.safetensors, or model-0000k-of-0000n.safetensors + index when over shard_bytes
+    (released checkpoints are sharded; a shard at a time bounds the serialization copy)."""
     from safetensors.torch import save_file
 
-    for f in path.glob("*.safetensors"):
-        f.unlink()
-    idx = path / "model.safetensors.index.json"
-    if idx.exists():
-        idx.unlink()
-    save_file(dict(sorted(tensors.items())), str(path / "model.safetensors"),
-              metadata=meta or {"format": "pt"})
-
-
-def relayout_experts(path: Path, layout: str) -> None:
-    """Rewrite the expert tensors of a saved checkpoint to `layout` (fused | per_expert).
-
-    fused:      <p>.experts.gate_up_proj [E, 2I, H] (gate = rows [0, I)), <p>.experts.down_proj
-                [E, H, I]  (released Qwen3.5/3.6 checkpoints)
-    per_expert: <p>.experts.{e}.{gate,up,down}_proj.weight  ([I, H], [I, H], [H, I]) (Qwen3-Next
-                release; transformers' save of the text-only Qwen3.5 MoE class)
-    """
-    import torch
-
-    tensors, meta = _load_all(path)
-    out = {}
-    groups: dict[str, dict] = {}
-    for k, v in tensors.items():
-        if ".mlp.experts." in k:
-            prefix, rest = k.split(".mlp.experts.", 1)
-            groups.setdefault(prefix + ".mlp.experts", {})[rest] = v
-        else:
-            out[k] = v
-    for p, g in groups.items():
-        if "gate_up_proj" in g:
-            gu, down = g["gate_up_proj"], g["down_proj"]
-        else:
-            n = 1 + max(int(r.split(".")[0]) for r in g)
-            gu = torch.stack([torch.cat([g[f"{e}.gate_proj.weight"], g[f"{e}.up_proj.weight"]])
-                              for e in range(n)])
-            down = torch.stack([g[f"{e}.down_proj.weight"] for e in range(n)])
-        if layout == "fused":
-            out[p + ".gate_up_proj"] = gu.contiguous()
-            out[p + ".down_proj"] = down.contiguous()
-        elif layout == "per_expert":
-            inter = gu.shape[1] // 2
-            for e in range(gu.shape[0]):
-                out[f"{p}.{e}.gate_proj.weight"] = gu[e, :inter].contiguous()
-                out[f"{p}.{e}.up_proj.weight"] = gu[e, inter:].contiguous()
-                out[f"{p}.{e}.down_proj.weight"] = down[e].contiguous()
-        else:
-            raise ValueError(f"unknown expert layout {layout!r}")
-    _save_all(path, out, meta)
+    shards, cur, size = [], {}, 0
+    for k, v in tensors:
+        nb = v.numel() * v.element_size()
+        if cur and size + nb > shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k], size = v, size + nb
+    shards.append(cur)
+    if len(shards) == 1:
+        save_file({k: v.contiguous() for k, v in shards[0].items()},
+                  str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    index = {"metadata": {"total_size": 0}, "weight_map": {}}
+    for i, sh in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in sh.items()}, str(out / fname),
+                  metadata={"format": "pt"})
+        for k, v in sh.items():
+            index["weight_map"][k] = fname
+            index["metadata"]["total_size"] += v.numel() * v.element_size()
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _patch_config(path: Path, model_type: str, interval: int) -> None:
@@ -358,19 +351,26 @@ def _patch_config(path: Path, model_type: str, interval: int) -> None:
 
 
 def save_checkpoint(model, out: Path, model_type: str, interval: int,
-                    expert_layout: str | None = None) -> Path:
+                    expert_layout: str | None = None, shard_bytes: int = 2 << 30) -> Path:
+    """config.json + generation_config.json + safetensors of `model` in `out`.
+
+    The tensors come straight from the state dict (names as transformers saves them; checked
+    equal to `save_pretrained`'s for every model type) in the asked expert layout, without the
+    save-then-reload a relayout would need: a medium model never exists twice in memory.
+    """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
-    gen = {"do_sample": False, "eos_token_id": model.config.get_text_config().eos_token_id}
+    for f in list(out.glob("*.safetensors")) + list(out.glob("*.index.json")):
+        f.unlink()
+    model.config.architectures = [type(model).__name__]  # as save_pretrained records it
+    model.config.save_pretrained(str(out))
+    eos = model.config.get_text_config().eos_token_id
+    gen = {"do_sample": False, "eos_token_id": eos}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     _patch_config(out, model_type, interval)
-    if expert_layout is not None and model_type != "qwen3_5":
-        relayout_experts(out, expert_layout)
-    else:
-        # Single file, whatever transformers sharded into (loaders see one layout).
-        t, m = _load_all(out)
-        _save_all(out, t, m)
+    state = model.state_dict()
+    tensors = (x for k in sorted(state) for x in _expert_tensors(k, state[k], expert_layout))
+    _write_safetensors(out, tensors, shard_bytes)
     return out
 
 
@@ -427,7 +427,8 @@ def make_checkpoint(model_type: str, out, size: str = "tiny", *, layers: int | N
                     seed: int = 0, vocab_size: int | None = None,
                     expert_layout: str | None = None, quantize: int | None = None,
                     group_size: int = 64, scale_dtype: str | None = None,
-                    dtype: str | None = None, mlx: bool = False) -> Path:
+                    dtype: str | None = None, mlx: bool = False,
+                    shard_bytes: int = 2 << 30) -> Path:
     """Build, randomize and save one checkpoint; convert it to MLX (quantized to `quantize`
     bits, or unquantized with `mlx=True`) if asked.
 
@@ -439,20 +440,23 @@ def make_checkpoint(model_type: str, out, size: str = "tiny", *, layers: int | N
     _, interval = build_config(model_type, size, layers, vocab_size)
     layout = expert_layout or default_expert_layout(model_type)
     if quantize is None and not mlx:
-        return save_checkpoint(model, out, model_type, interval, layout)
+        return save_checkpoint(model, out, model_type, interval, layout, shard_bytes)
     if model_type == "qwen3_5_moe_text":
         raise ValueError("mlx_lm has no qwen3_5_moe_text model; quantize qwen3_5_moe instead")
     hf = out.with_name(out.name + ".hf")
     # mlx_lm's qwen3_5_moe sanitize needs the fused layout; qwen3_next's the per-expert one.
     mlx_layout = {"qwen3_5_moe": "fused", "qwen3_next": "per_expert"}.get(model_type)
-    save_checkpoint(model, hf, model_type, interval, mlx_layout)
+    save_checkpoint(model, hf, model_type, interval, mlx_layout, shard_bytes)
     del model
     return quantize_checkpoint(hf, out, quantize, group_size, scale_dtype)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-type", required=True, choices=MODEL_TYPES)
+    ap.add_argument("--model-type", choices=MODEL_TYPES)
+    ap.add_argument("--from-hf", metavar="DIR",
+                    help="convert this existing HF checkpoint with --quantize/--mlx instead of "
+                         "building one (e.g. a medium model made earlier)")
     ap.add_argument("--size", default="tiny", choices=SIZES)
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int)
@@ -461,6 +465,8 @@ def main(argv=None) -> int:
     ap.add_argument("--expert-layout", choices=("fused", "per_expert"))
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                     help="weight dtype of the HF checkpoint (tiny: float32, medium: bfloat16)")
+    ap.add_argument("--shard-mb", type=int, default=2048,
+                    help="max MiB per safetensors shard (more -> index.json + shards)")
     ap.add_argument("--quantize", type=int, choices=(2, 3, 4, 5, 6, 8),
                     help="convert to MLX affine-quantized (the HF source is kept in OUT.hf)")
     ap.add_argument("--mlx", action="store_true",
@@ -469,10 +475,18 @@ def main(argv=None) -> int:
     ap.add_argument("--scale-dtype", choices=("float32", "bfloat16", "float16"),
                     help="dtype to cast to before quantizing (sets the scales/biases dtype)")
     a = ap.parse_args(argv)
+    if a.from_hf:
+        if a.quantize is None and not a.mlx:
+            ap.error("--from-hf needs --quantize BITS or --mlx")
+        print(quantize_checkpoint(Path(a.from_hf), Path(a.out), a.quantize, a.group_size,
+                                  a.scale_dtype))
+        return 0
+    if a.model_type is None:
+        ap.error("--model-type is required (unless --from-hf)")
     p = make_checkpoint(a.model_type, a.out, a.size, layers=a.layers, seed=a.seed,
                         vocab_size=a.vocab, expert_layout=a.expert_layout, quantize=a.quantize,
                         group_size=a.group_size, scale_dtype=a.scale_dtype, dtype=a.dtype,
-                        mlx=a.mlx)
+                        mlx=a.mlx, shard_bytes=a.shard_mb << 20)
     print(p)
     return 0
 

@@ -18,10 +18,13 @@ import lily
 from lily.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
+# Where the lily under test was imported from (site-packages in CI, src/ in a dev tree):
+# subprocesses must see the same one.
+LILY_PARENT = str(Path(lily.__file__).resolve().parent.parent)
 
 
 def run_lily(*args, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=LILY_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "lily", *args], input=stdin, capture_output=True, text=True,
                           env=env, timeout=timeout)
 
@@ -98,3 +101,12 @@ def test_bench_table_and_json(tmp_path):
     for r in rows:
         assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
         assert r["prefill_tok_s"] == pytest.approx(r["prompt_tokens"] / r["prefill_s"])
+
+
+def test_prefill_progress_reports_each_chunk():
+    model = lily.Model.load(prefill_chunk=64)
+    calls = []
+    ids = list(range(10, 210))
+    res = model.generate(ids, max_tokens=2, temperature=0, on_prefill_progress=lambda d, t: calls.append((d, t)))
+    assert calls == [(64, 200), (128, 200), (192, 200), (200, 200)]
+    assert res.tokens == model.generate(ids, max_tokens=2, temperature=0).tokens

@@ -24,6 +24,9 @@ import lily
 from lily.convert import quantize
 
 ROOT = Path(__file__).resolve().parents[1]
+# Where the lily under test was imported from (site-packages in CI, src/ in a dev tree):
+# subprocesses must see the same one.
+LILY_PARENT = str(Path(lily.__file__).resolve().parent.parent)
 DEMO = ROOT / "src" / "lily" / "demo"
 VOCAB = 4096  # the demo tokenizer's, so mlx_lm can load a tokenizer with the checkpoint
 
@@ -49,7 +52,7 @@ def _mlx_convert(src: Path, dst: Path, bits: int, group_size: int) -> Path:
 
 
 def _lily_convert(src: Path, dst: Path, bits: int, group_size: int) -> Path:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=LILY_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-m", "lily", "convert", str(src), "--out", str(dst), "--q-bits",
                         str(bits), "--q-group-size", str(group_size)], capture_output=True, text=True, env=env,
                        timeout=300)
@@ -67,6 +70,7 @@ def checkpoints(tmp_path_factory):
         ("moe_f32_fused", "qwen3_5_moe", "float32", "fused"),
         ("moe_f32_per_expert", "qwen3_5_moe", "float32", "per_expert"),
         ("next_bf16", "qwen3_next", "bfloat16", "per_expert"),
+        ("dense_bf16", "qwen3_5", "bfloat16", None),
     ]:
         made[name] = _with_tokenizer(mc.make_checkpoint(mtype, root / name, vocab_size=VOCAB, dtype=dtype,
                                                         expert_layout=layout, seed=3))
@@ -96,17 +100,20 @@ def _assert_identical(ours: Path, ref: Path):
 
 
 @pytest.mark.parametrize("name,bits,gs", [("moe_bf16_fused", 4, 64), ("next_bf16", 4, 64),
-                                          ("moe_f32_fused", 8, 32)])
+                                          ("moe_f32_fused", 8, 32), ("dense_bf16", 4, 32)])
 def test_convert_is_byte_identical_to_mlx_lm(checkpoints, name, bits, gs):
     root = checkpoints["root"]
     ref = _mlx_convert(checkpoints[name], root / f"{name}-mlx{bits}", bits, gs)
     ours = _lily_convert(checkpoints[name], root / f"{name}-lily{bits}", bits, gs)
     tensors = _assert_identical(ours, ref)
     # The per-tensor choices are really there: routers at 8-bit g64, conv / norms unquantized.
+    assert not any(k.endswith("conv1d.scales") or k.endswith("norm.scales") for k in tensors)
+    if name.startswith("dense"):
+        assert not any("switch_mlp" in k or k.endswith("mlp.gate.weight") for k in tensors)
+        return
     router = next(k for k in tensors if k.endswith("mlp.gate.weight"))
     h = tensors[router.replace(".weight", ".scales")].shape[-1] * 64
     assert tensors[router].shape[-1] == h * 8 // 32
-    assert not any(k.endswith("conv1d.scales") or k.endswith("norm.scales") for k in tensors)
     assert any(".switch_mlp.gate_proj.scales" in k for k in tensors)
 
 
@@ -154,7 +161,7 @@ def test_eval_against_mlx_lm_reports_figures(checkpoints):
     ckpt = checkpoints["root"] / "moe_f32_fused-mlx4-g64"
     if not ckpt.exists():
         _mlx_convert(checkpoints["moe_f32_fused"], ckpt, 4, 64)
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=LILY_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-m", "lily", "eval", "--model", str(ckpt), "--reference", "mlx", "-N", "96",
                         "--json", "-"], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr

@@ -170,3 +170,24 @@ def test_random_routing_spreads_over_experts(tmp_path):
         counts = np.bincount(sel.ravel(), minlength=64)
         assert np.count_nonzero(counts) >= 60, (i, counts)  # 128 tokens x 8 picks over 64 experts
         assert counts.max() <= 0.4 * len(ids), (i, counts)  # no expert taken by most tokens
+
+
+def test_gguf_twin_has_the_same_parameters():
+    """benchmarks/fullsize/make_gguf.py (the llama.cpp side) lays out the same model: per kind of
+    tensor, the GGUF's element counts equal the MLX checkpoint's unpacked ones."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "fullsize"))
+    import make_gguf
+
+    tc = mf.text_config()
+
+    def mlx_count(t):
+        n = int(np.prod(t.shape))
+        return n * 32 // t.bits if t.dtype == "U32" else n
+
+    mlx = sum(mlx_count(t) for t in mf.spec(tc) if t.kind not in ("scales", "biases"))
+    gg = sum(int(np.prod(s)) for _, s, _ in make_gguf.tensors(tc))
+    assert gg == mlx, (gg, mlx)
+    names = [n for n, _, _ in make_gguf.tensors(tc)]
+    assert len(names) == len(set(names)) == 2 + 1 + 30 * 19 + 10 * 16
+    q4 = sum(make_gguf.nbytes(s, k) for _, s, k in make_gguf.tensors(tc))
+    assert 19.4e9 < q4 < 19.7e9  # Q4_0 is 4.5 bits per weight, like MLX 4-bit g64 + bf16 s/b

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -137,13 +138,24 @@ def test_threads_are_serialized_with_correct_answers(model):
 
 
 def test_ctrl_c_interrupts_and_leaves_the_model_usable(model):
-    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    sent = []
+
+    def interrupt():
+        sent.append(time.perf_counter())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Timer(0.3, interrupt)
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            model.generate("The", max_tokens=100000, temperature=0.7, seed=1)
+            # Generations back to back (any one may end early on EOS), so the signal lands
+            # inside one of them.
+            for seed in range(10_000):
+                model.generate("The", max_tokens=200, temperature=0.7, seed=seed)
+        latency = time.perf_counter() - sent[0]
     finally:
         timer.cancel()
+    assert latency < 1.0, f"KeyboardInterrupt took {latency:.2f} s"
     res = model.generate("The standard library", max_tokens=5, temperature=0)
     assert res.completion_tokens >= 1
 

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
+import lily
 from lily.hub import ALLOW_PATTERNS, resolve_model_path
 
-SRC = str(Path(__file__).resolve().parent.parent / "src")
+# The lily under test (site-packages in CI, src/ in a dev tree), for the subprocesses.
+SRC = str(Path(lily.__file__).resolve().parent.parent)
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 

@@ -26,6 +26,9 @@ from lily.server import StreamSplitter
 from lily.tool_calls import parse_output
 
 ROOT = Path(__file__).resolve().parents[1]
+# Where the lily under test was imported from (site-packages in CI, src/ in a dev tree):
+# subprocesses must see the same one.
+LILY_PARENT = str(Path(lily.__file__).resolve().parent.parent)
 KEY = "test-key-123"
 MAX_QUEUE = 8
 MODEL = "lily-demo"
@@ -62,7 +65,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server():
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=LILY_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
         [sys.executable, "-m", "lily", "serve", "--port", str(port), "--api-key", KEY, "--max-queue",
          str(MAX_QUEUE), "--log-level", "warning"],
@@ -358,6 +361,7 @@ def test_malformed_and_hostile_requests(server, client):
     _err(_post(server, "/v1/chat/completions", json_body={**ok, "temperature": 5}), 400)
     _err(_post(server, "/v1/chat/completions", json_body={**ok, "top_p": -1}), 400)
     _err(_post(server, "/v1/chat/completions", json_body={**ok, "stop": [1, 2]}), 400)
+    _err(_post(server, "/v1/chat/completions", json_body={**ok, "stop": ["x" * 100000]}), 400)
     _err(_post(server, "/v1/chat/completions", json_body={**ok, "n": 3}), 400)
     _err(_post(server, "/v1/chat/completions", json_body={**ok, "tools": "all"}), 400)
     _err(_post(server, "/v1/chat/completions", json_body={**ok, "stream": "yes"}), 400)

@@ -145,57 +145,40 @@ inline float scalar_at(const uint8_t* p, int i) {
   }
 }
 
-template <int NT, DType SD>
-void row_q4(const Linear& W, int r, const float* xd, int ldx, const float* gsum, int G, float* out, int ldo) {
-  const uint8_t* wrow = W.w + size_t(r) * (W.in / 2);
+// One row of an affine-quantized matrix (4 or 8 bits) against NT tokens. Per group, the
+// partial dot products gacc[t] are scaled once; the bias term uses the group sums of x.
+template <int NT, DType SD, int BITS>
+void row_affine(const Linear& W, int r, const float* x, int ldx, const float* gsum, int G, float* out, int ldo) {
+  static_assert(BITS == 4 || BITS == 8, "fused kernels exist for 4 and 8 bits");
+  const uint8_t* wrow = W.w + size_t(r) * (size_t(W.in) * BITS / 8);
   const size_t esz = dtype_size(W.dtype);
   const uint8_t* srow = W.scales + size_t(r) * G * esz;
   const uint8_t* brow = W.biases + size_t(r) * G * esz;
-  const __m512i low4 = _mm512_set1_epi32(0xF);
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
   float bias_part[NT] = {};
-  const int blocks = W.group / 32;
   for (int g = 0; g < G; ++g) {
     __m512 gacc[NT];
     for (int t = 0; t < NT; ++t) gacc[t] = _mm512_setzero_ps();
-    for (int b = 0; b < blocks; ++b) {
-      const int e0 = g * W.group + b * 32;  // first element of this 32-block
-      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + e0 / 2)));
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low4));
-      const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-      for (int t = 0; t < NT; ++t) {
-        const float* xb = xd + size_t(t) * ldx + e0;
-        gacc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), gacc[t]);
-        gacc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), gacc[t]);
+    if constexpr (BITS == 4) {
+      // 16 bytes = 32 weights: low nibbles pair with x's even block half, high with the odd.
+      const __m512i low4 = _mm512_set1_epi32(0xF);
+      for (int e0 = g * W.group; e0 < (g + 1) * W.group; e0 += 32) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + e0 / 2)));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low4));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        for (int t = 0; t < NT; ++t) {
+          const float* xb = x + size_t(t) * ldx + e0;
+          gacc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), gacc[t]);
+          gacc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), gacc[t]);
+        }
       }
-    }
-    const __m512 sc = _mm512_set1_ps(scalar_at<SD>(srow, g));
-    const float bi = scalar_at<SD>(brow, g);
-    for (int t = 0; t < NT; ++t) {
-      acc[t] = _mm512_fmadd_ps(gacc[t], sc, acc[t]);
-      bias_part[t] += bi * gsum[size_t(t) * G + g];
-    }
-  }
-  for (int t = 0; t < NT; ++t) out[size_t(t) * ldo] = hsum(acc[t]) + bias_part[t];
-}
-
-template <int NT, DType SD>
-void row_q8(const Linear& W, int r, const float* x, int ldx, const float* gsum, int G, float* out, int ldo) {
-  const uint8_t* wrow = W.w + size_t(r) * W.in;
-  const size_t esz = dtype_size(W.dtype);
-  const uint8_t* srow = W.scales + size_t(r) * G * esz;
-  const uint8_t* brow = W.biases + size_t(r) * G * esz;
-  __m512 acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
-  float bias_part[NT] = {};
-  for (int g = 0; g < G; ++g) {
-    __m512 gacc[NT];
-    for (int t = 0; t < NT; ++t) gacc[t] = _mm512_setzero_ps();
-    for (int e0 = g * W.group; e0 < (g + 1) * W.group; e0 += 16) {
-      const __m512 w = _mm512_cvtepi32_ps(
-          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + e0))));
-      for (int t = 0; t < NT; ++t) gacc[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + size_t(t) * ldx + e0), gacc[t]);
+    } else {
+      for (int e0 = g * W.group; e0 < (g + 1) * W.group; e0 += 16) {
+        const __m512 w = _mm512_cvtepi32_ps(
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + e0))));
+        for (int t = 0; t < NT; ++t) gacc[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + size_t(t) * ldx + e0), gacc[t]);
+      }
     }
     const __m512 sc = _mm512_set1_ps(scalar_at<SD>(srow, g));
     const float bi = scalar_at<SD>(brow, g);
@@ -244,13 +227,13 @@ void matvec_rows_nt(const Linear& W, const MatvecInput& in, int t0, float* y, in
   if (!W.quantized()) {
     for (int64_t r = r0; r < r1; ++r) row_dense<NT>(W, int(r), xk, W.in, y + size_t(t0) * ldy + r, ldy);
   } else if (W.bits == 4) {
-    if (W.dtype == DType::BF16) rows(row_q4<NT, DType::BF16>);
-    else if (W.dtype == DType::F16) rows(row_q4<NT, DType::F16>);
-    else rows(row_q4<NT, DType::F32>);
+    if (W.dtype == DType::BF16) rows(row_affine<NT, DType::BF16, 4>);
+    else if (W.dtype == DType::F16) rows(row_affine<NT, DType::F16, 4>);
+    else rows(row_affine<NT, DType::F32, 4>);
   } else {
-    if (W.dtype == DType::BF16) rows(row_q8<NT, DType::BF16>);
-    else if (W.dtype == DType::F16) rows(row_q8<NT, DType::F16>);
-    else rows(row_q8<NT, DType::F32>);
+    if (W.dtype == DType::BF16) rows(row_affine<NT, DType::BF16, 8>);
+    else if (W.dtype == DType::F16) rows(row_affine<NT, DType::F16, 8>);
+    else rows(row_affine<NT, DType::F32, 8>);
   }
 }
 #endif  // __AVX512F__

@@ -13,6 +13,9 @@ namespace {
 // ~50 microseconds of polling before a worker sleeps: longer than the gap between the ops of
 // one decode step, much shorter than the gap between requests.
 constexpr int kSpinIterations = 20000;
+// Chunks per participant: enough to rebalance around a slow or absent thread, few enough that
+// claiming costs nothing next to a chunk.
+constexpr int64_t kChunksPerThread = 4;
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -20,16 +23,6 @@ inline void cpu_relax() {
 #elif defined(__aarch64__)
   asm volatile("yield");
 #endif
-}
-
-// The range of participant `i` out of `parts` when [0, n) is cut in grain-sized blocks.
-void range_of(int64_t n, int64_t grain, int parts, int i, int64_t* b, int64_t* e) {
-  const int64_t blocks = (n + grain - 1) / grain;
-  const int64_t per = blocks / parts, extra = blocks % parts;
-  const int64_t b0 = i * per + std::min<int64_t>(i, extra);
-  const int64_t b1 = b0 + per + (i < extra ? 1 : 0);
-  *b = std::min(n, b0 * grain);
-  *e = std::min(n, b1 * grain);
 }
 
 }  // namespace
@@ -49,10 +42,26 @@ ThreadPool::~ThreadPool() {
   for (auto& t : threads_) t.join();
 }
 
-void ThreadPool::worker(int index) {
-  uint64_t seen = 0;
+void ThreadPool::run_chunks(uint32_t gen, int thread_index) {
+  uint64_t t = ticket_.load(std::memory_order_acquire);
   for (;;) {
-    uint64_t gen = generation_.load(std::memory_order_acquire);
+    if (uint32_t(t >> 32) != gen) return;  // a later (or earlier) call's ticket
+    const uint32_t idx = uint32_t(t);
+    // Safe to read: the acquire of a ticket of this generation orders the job fields.
+    if (idx >= n_chunks_) return;
+    if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+    // The chunk is ours, so the call that owns fn_ is still waiting for it: fn_ is alive.
+    const int64_t b = int64_t(idx) * chunk_, e = std::min(n_, b + chunk_);
+    (*fn_)(b, e, thread_index);
+    done_.fetch_add(1, std::memory_order_release);
+    t = ticket_.load(std::memory_order_acquire);
+  }
+}
+
+void ThreadPool::worker(int index) {
+  uint32_t seen = 0;
+  for (;;) {
+    uint32_t gen = generation_.load(std::memory_order_acquire);
     for (int spins = 0; gen == seen && !stop_.load(std::memory_order_relaxed); ++spins) {
       if (spins < kSpinIterations) {
         cpu_relax();
@@ -67,34 +76,34 @@ void ThreadPool::worker(int index) {
     }
     if (stop_.load()) return;
     seen = gen;
-    int64_t b, e;
-    range_of(job_n_, job_grain_, n_threads_, index, &b, &e);
-    if (b < e) (*job_)(b, e, index);
-    pending_.fetch_sub(1, std::memory_order_acq_rel);
+    run_chunks(gen, index);
   }
 }
 
 void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64_t, int)>& fn, int64_t grain) {
   if (n <= 0) return;
   grain = std::max<int64_t>(1, grain);
-  if (n_threads_ == 1 || n <= grain) {
+  const int64_t blocks = (n + grain - 1) / grain;
+  if (n_threads_ == 1 || blocks == 1) {
     fn(0, n, 0);
     return;
   }
-  job_ = &fn;
-  job_n_ = n;
-  job_grain_ = grain;
-  pending_.store(n_threads_ - 1, std::memory_order_relaxed);
-  generation_.fetch_add(1, std::memory_order_release);
+  const int64_t chunks = std::min<int64_t>(blocks, n_threads_ * kChunksPerThread);
+  fn_ = &fn;
+  n_ = n;
+  chunk_ = (blocks + chunks - 1) / chunks * grain;
+  n_chunks_ = uint32_t((n + chunk_ - 1) / chunk_);
+  done_.store(0, std::memory_order_relaxed);
+  const uint32_t gen = generation_.load(std::memory_order_relaxed) + 1;
+  ticket_.store(uint64_t(gen) << 32, std::memory_order_release);
+  generation_.store(gen, std::memory_order_release);
   {
     // Taking the lock orders this wake-up after any worker's predicate check (no lost wake-up).
     std::lock_guard<std::mutex> lock(mu_);
     if (sleeping_ > 0) wake_.notify_all();
   }
-  int64_t b, e;
-  range_of(n, grain, n_threads_, 0, &b, &e);
-  if (b < e) fn(b, e, 0);
-  for (int spins = 0; pending_.load(std::memory_order_acquire) != 0; ++spins) {
+  run_chunks(gen, 0);
+  for (int spins = 0; done_.load(std::memory_order_acquire) != n_chunks_; ++spins) {
     if (spins < kSpinIterations) cpu_relax();
     else std::this_thread::yield();
   }

@@ -1,10 +1,15 @@
 // A fixed pool of worker threads for data-parallel loops (no OpenMP: Apple clang ships none).
 //
-// parallel_for(n, fn) splits [0, n) into contiguous ranges, one per participant (the calling
-// thread included), and returns when all are done. A decode step of the 40-layer model makes
-// a few hundred such calls, so hand-off latency matters: workers spin on an atomic generation
-// counter for a short while after each job (a hand-off then costs about a microsecond) and only
-// then sleep on a condition variable, so an idle pool burns no CPU.
+// parallel_for(n, fn) cuts [0, n) into a few chunks per participant; the calling thread and
+// the workers claim chunks from one atomic ticket until none are left, and the call returns
+// when every chunk is done. Claiming (rather than a fixed range per thread) matters on a busy
+// machine: a worker the OS has not scheduled yet simply claims nothing, and the caller does its
+// share instead of waiting a scheduler quantum for it.
+//
+// The ticket holds (generation << 32 | next chunk), so a worker that wakes up late, from an
+// earlier call, fails its compare-and-swap and never runs a stale job. Workers spin briefly on
+// the generation after each job (a decode step makes hundreds of calls) and then sleep on a
+// condition variable, so an idle pool burns no CPU.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -32,16 +37,19 @@ class ThreadPool {
 
  private:
   void worker(int index);
+  // Claims and runs chunks of generation `gen` until none are left.
+  void run_chunks(uint32_t gen, int thread_index);
 
   int n_threads_;
   std::vector<std::thread> threads_;
-  // The job, published by the release increment of generation_.
-  const std::function<void(int64_t, int64_t, int)>* job_ = nullptr;
-  int64_t job_n_ = 0, job_grain_ = 1;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> pending_{0};
+  // The job of the current generation, written before the ticket is published (release).
+  const std::function<void(int64_t, int64_t, int)>* fn_ = nullptr;
+  int64_t n_ = 0, chunk_ = 1;
+  uint32_t n_chunks_ = 0;
+  std::atomic<uint64_t> ticket_{0};   // generation << 32 | next chunk
+  std::atomic<uint32_t> done_{0};     // chunks finished in the current generation
+  std::atomic<uint32_t> generation_{0};
   std::atomic<bool> stop_{false};
-  // Sleeping workers.
   std::mutex mu_;
   std::condition_variable wake_;
   int sleeping_ = 0;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <functional>
 #include <string>
 
 #include "model/error.h"
@@ -105,6 +106,51 @@ void Engine::decode(State& st, int32_t token, float* logits) {
   check_tokens(st, &token, 1);
   forward_chunk(*backend_, *weights_, st, &token, 1, logits ? LogitRows::Last : LogitRows::None, logits);
   st.position_ += 1;
+}
+
+std::vector<int32_t> Engine::generate_greedy(State& st, int32_t token, int max_tokens,
+                                             const std::function<bool(int32_t)>& keep_going) {
+  std::vector<int32_t> out;
+  if (max_tokens <= 0) return out;
+  check_tokens(st, &token, 1);
+  if (int64_t(st.position()) + max_tokens > st.max_context())
+    throw RequestError("[engine] " + std::to_string(st.position()) + " cached + " + std::to_string(max_tokens) +
+                       " greedy steps exceed the context of " + std::to_string(st.max_context()));
+  const int vocab = config().vocab;
+  if (!backend_->begin_device_greedy(st, token, max_tokens)) {
+    std::vector<float> logits(vocab);
+    for (int i = 0; i < max_tokens; ++i) {
+      decode(st, token, logits.data());
+      token = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+      out.push_back(token);
+      if (!keep_going(token)) break;
+    }
+    return out;
+  }
+  // Depth 2: step i + 1 is encoded and committed before step i's token is read back.
+  struct End {
+    Backend& be;
+    ~End() { be.end_device_greedy(); }
+  } end{*backend_};
+  auto step = [&] {
+    forward_chunk(*backend_, *weights_, st, nullptr, 1, LogitRows::Last, nullptr);
+    st.position_ += 1;
+  };
+  step();
+  for (int i = 0; i < max_tokens; ++i) {
+    const bool more = i + 1 < max_tokens;
+    if (more) step();
+    token = backend_->wait_device_token();
+    out.push_back(token);
+    if (!keep_going(token)) {
+      if (more) {  // step i + 1 consumed a token past the stop: undo it
+        backend_->discard_last_step(st);
+        st.position_ -= 1;
+      }
+      break;
+    }
+  }
+  return out;
 }
 
 }  // namespace lily

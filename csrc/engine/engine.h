@@ -3,7 +3,9 @@
 // the prompt (a 128K prompt needs the same scratch as a 512 one).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <vector>
 
 #include "model/backend.h"
 #include "model/schedule.h"
@@ -34,6 +36,15 @@ class Engine {
   void prefill(State& st, const int32_t* tokens, int n, float* logits, bool all_logits);
   // One token; logits [vocab].
   void decode(State& st, int32_t token, float* logits);
+
+  // Greedy decoding from `token` (not yet in the state): up to max_tokens tokens, each the
+  // argmax (lowest id among ties) of the previous step's logits; stops after a token for which
+  // keep_going returns false (that token is returned but not fed back). The state ends holding
+  // token and every returned token but the last, as max_tokens decode() calls would leave it.
+  // On a backend with device greedy support the token never leaves the device before the next
+  // step is committed (depth-2 pipelining; a step made past the stop is discarded).
+  std::vector<int32_t> generate_greedy(State& st, int32_t token, int max_tokens,
+                                       const std::function<bool(int32_t)>& keep_going);
 
  private:
   void check_tokens(const State& st, const int32_t* tokens, int n) const;

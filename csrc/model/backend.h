@@ -84,6 +84,19 @@ class Backend {
   virtual void moe(const MoeWeights& w) = 0;
   // logits[n, vocab] = head(h[first .. first + n))
   virtual void lm_head(const Linear& head, int first, int n, float* logits) = 0;
+
+  // Device-side greedy decoding (GPU backends; Engine::generate_greedy drives it). Between
+  // begin and end, each forward pass gets tokens == nullptr (its input is the previous step's
+  // argmax, already on the device) and logits == nullptr (lm_head writes the argmax and commits
+  // without waiting), so step N+1 is encoded and committed before step N's token is read.
+  // Backends without it return false from begin and the engine loops on the host.
+  virtual bool begin_device_greedy(State& st, int32_t first_token, int max_steps) { return false; }
+  // Waits for the oldest step in flight and returns the token it chose.
+  virtual int32_t wait_device_token() { return -1; }
+  // Waits for every step in flight, then undoes the newest one's recurrent-state update (the
+  // engine rolls the position back; its KV entry is simply overwritten later).
+  virtual void discard_last_step(State& st) {}
+  virtual void end_device_greedy() {}
 };
 
 }  // namespace lily

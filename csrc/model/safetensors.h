@@ -44,6 +44,8 @@ class SafetensorsFile {
   // nullptr when absent.
   const TensorInfo* find(const std::string& name) const;
   const uint8_t* data(const TensorInfo& t) const { return data_ + t.begin; }
+  // The whole page-aligned read-only mapping (GPU backends wrap it as one zero-copy buffer).
+  const void* mapping() const { return map_; }
 
   // Throws CheckpointError if the file on disk is no longer the one that was mapped
   // (size, inode or modification time changed): reading a truncated mapping would SIGBUS.

@@ -245,9 +245,12 @@ Snapshot take(const std::vector<gpu::Buffer*>& bufs) {
   }
   return s;
 }
+// Only buffers that changed are written back: a zero-copy wrap of read-only memory (the
+// mmapped weights) is never written, so it must not be touched.
 void restore(const Snapshot& s) {
   for (const auto& [b, bytes] : s)
-    if (!bytes.empty()) std::memcpy(b->contents(), bytes.data(), bytes.size());
+    if (!bytes.empty() && std::memcmp(b->contents(), bytes.data(), bytes.size()) != 0)
+      std::memcpy(b->contents(), bytes.data(), bytes.size());
 }
 // The first buffer that differs, described by the bindings that name it; "" if none.
 std::string first_difference(const Snapshot& a, const Snapshot& b,

@@ -6,12 +6,19 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "cpu/backend.h"
 #include "cpu/linear.h"
 #include "engine/engine.h"
+#include "gpu/backend.h"
+#include "gpu/plan.h"
 #include "model/error.h"
+#include "msl_cpu/device.h"
+#if defined(LILY_HAVE_METAL)
+#include "metal/device.h"
+#endif
 #include "python/bindings.h"
 
 namespace lily::python {
@@ -48,6 +55,34 @@ std::vector<Ffn> parse_ffns(const std::vector<std::string>& names) {
     else throw ConfigError("[config] unknown feed-forward type '" + n + "'");
   }
   return out;
+}
+
+// "cpu", "msl-cpu" (the Metal backend's dispatches run by the MSL-on-CPU runtime) or "metal".
+// The GPU options are for tests (route thresholds, the runtime's checking modes).
+std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weights, const std::string& name,
+                                      int threads, int split_threshold, int split_len,
+                                      bool check_dependencies, int interleavings, const std::string& kv_dtype) {
+  if (name == "cpu") return std::make_unique<cpu::CpuBackend>(weights, threads);
+  gpu::GpuOptions opt;
+  if (split_threshold >= 0) opt.split_threshold = split_threshold;
+  if (split_len > 0) opt.split_len = split_len;
+  if (kv_dtype != "float32" && kv_dtype != "float16")
+    throw ConfigError("[engine] kv_dtype must be 'float32' or 'float16', not '" + kv_dtype + "'");
+  opt.kv_half = kv_dtype == "float16";
+  if (name == "msl-cpu") {
+    msl_cpu::DeviceOptions dev;
+    dev.check_dependencies = check_dependencies;
+    dev.interleavings = interleavings;
+    return std::make_unique<gpu::GpuBackend>(weights, msl_cpu::make_device(dev), "msl-cpu", opt);
+  }
+#if defined(LILY_HAVE_METAL)
+  if (name == "metal") return std::make_unique<gpu::GpuBackend>(weights, metal::make_device(), "metal", opt);
+#else
+  if (name == "metal")
+    throw ConfigError("[engine] backend 'metal' needs a build on macOS with Metal (this one has none); "
+                      "'msl-cpu' runs the same kernels on the CPU");
+#endif
+  throw ConfigError("[engine] unknown backend '" + name + "'");
 }
 
 TensorSlice slice(int file, const std::string& name, int index, int row_begin, int row_end) {
@@ -175,11 +210,22 @@ void init_model(nb::module_& m) {
       .def(
           "__init__",
           [](Engine* self, std::shared_ptr<ModelWeights> weights, const std::string& backend, int threads,
-             int prefill_chunk) {
-            if (backend != "cpu") throw ConfigError("[engine] unknown backend '" + backend + "'");
-            new (self) Engine(weights, std::make_unique<cpu::CpuBackend>(weights, threads), prefill_chunk);
+             int prefill_chunk, int split_threshold, int split_len, bool check_dependencies, int interleavings,
+             const std::string& kv_dtype) {
+            new (self) Engine(weights,
+                              make_backend(weights, backend, threads, split_threshold, split_len,
+                                           check_dependencies, interleavings, kv_dtype),
+                              prefill_chunk);
           },
-          nb::arg("weights"), nb::arg("backend") = "cpu", nb::arg("threads") = 0, nb::arg("prefill_chunk") = 512)
+          nb::arg("weights"), nb::arg("backend") = "cpu", nb::arg("threads") = 0, nb::arg("prefill_chunk") = 512,
+          nb::arg("split_threshold") = -1, nb::arg("split_len") = -1, nb::arg("check_dependencies") = false,
+          nb::arg("interleavings") = 0, nb::arg("kv_dtype") = "float32")
+      .def_prop_ro("gpu_stats", [](Engine& e) {
+        auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
+        if (!g) throw Error("[engine] gpu_stats: the backend is not a GPU backend");
+        const gpu::GpuStats& s = g->stats();
+        return std::make_tuple(s.dispatches, s.barriers, s.command_buffers, s.waits, s.max_in_flight);
+      }, "(dispatches, barriers, command buffers, CPU waits, most greedy steps in flight) so far")
       .def_prop_ro("backend", [](Engine& e) { return std::string(e.backend().name()); })
       .def_prop_ro("threads", [](Engine& e) {
         auto* cpu = dynamic_cast<cpu::CpuBackend*>(&e.backend());
@@ -215,7 +261,41 @@ void init_model(nb::module_& m) {
             }
             return out;
           },
-          nb::arg("state"), nb::arg("token"));
+          nb::arg("state"), nb::arg("token"))
+      .def(
+          "generate_greedy",
+          [](Engine& e, State& st, int32_t token, int max_tokens, const std::vector<int32_t>& stop_tokens) {
+            nb::gil_scoped_release release;
+            return e.generate_greedy(st, token, max_tokens, [&](int32_t t) {
+              return std::find(stop_tokens.begin(), stop_tokens.end(), t) == stop_tokens.end();
+            });
+          },
+          nb::arg("state"), nb::arg("token"), nb::arg("max_tokens"), nb::arg("stop_tokens") = std::vector<int32_t>{},
+          "Greedy tokens after `token` (argmax, ties to the lowest id), stopping after a stop token; on a GPU "
+          "backend the token is fed back on the device with depth-2 pipelining.");
+
+  m.def(
+      "gpu_plan",
+      [](const ModelConfig& c, int context, int bits, int group, int gate_bits, int split_threshold,
+         int split_len, bool kv_half) {
+        gpu::PlanQuantization q{bits, group, gate_bits};
+        gpu::GpuOptions opt;
+        opt.kv_half = kv_half;
+        if (split_threshold >= 0) opt.split_threshold = split_threshold;
+        if (split_len > 0) opt.split_len = split_len;
+        gpu::DecodePlan p = gpu::plan_decode_step(c, q, opt, context);
+        std::vector<std::tuple<std::string, int, uint64_t, uint64_t, uint64_t>> rows;
+        for (const auto& d : p.dispatches)
+          rows.emplace_back(d.kernel, d.stage, d.weight_bytes, d.state_bytes, d.other_bytes);
+        return std::make_tuple(rows, std::make_tuple(p.stats.dispatches, p.stats.barriers,
+                                                     p.stats.command_buffers, p.stats.waits));
+      },
+      nb::arg("config"), nb::arg("context"), nb::arg("bits") = 4, nb::arg("group_size") = 64,
+      nb::arg("gate_bits") = 8, nb::arg("split_threshold") = -1, nb::arg("split_len") = -1,
+      nb::arg("kv_half") = false,
+      "The GPU backend's dispatch sequence for one decode step, recorded without running it: "
+      "([(kernel, stage, weight bytes, state bytes, other bytes)], (dispatches, barriers, "
+      "command buffers, CPU waits)).");
 
   m.def(
       "dequantize",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -27,15 +28,24 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 EOT_ID, IM_END_ID = 4087, 4089
 
-SHIPPED = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-           "chat_template.jinja", "generation_config.json"]
+SHIPPED = [
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+]
 
 
 def tokenizer_config() -> dict:
     tok = json.loads((HERE / "data" / "tokenizer.json").read_text())
-    added = {str(t["id"]): {k: t[k] for k in ("content", "lstrip", "rstrip", "normalized",
-                                              "single_word", "special")}
-             for t in tok["added_tokens"]}
+    added = {
+        str(t["id"]): {
+            k: t[k] for k in ("content", "lstrip", "rstrip", "normalized", "single_word", "special")
+        }
+        for t in tok["added_tokens"]
+    }
     return {
         "tokenizer_class": "TokenizersBackend",
         "add_bos_token": False,
@@ -54,8 +64,15 @@ def tokenizer_config() -> dict:
 
 def generation_config() -> dict:
     # Qwen's non-thinking defaults; lily's greedy path ignores the sampling fields.
-    return {"bos_token_id": None, "eos_token_id": [IM_END_ID, EOT_ID], "pad_token_id": EOT_ID,
-            "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    return {
+        "bos_token_id": None,
+        "eos_token_id": [IM_END_ID, EOT_ID],
+        "pad_token_id": EOT_ID,
+        "do_sample": True,
+        "temperature": 0.7,
+        "top_p": 0.8,
+        "top_k": 20,
+    }
 
 
 def write_side_files(dst: Path) -> None:
@@ -70,15 +87,16 @@ def random_twin(hf: Path, dst: Path, seed: int = 1234) -> None:
     import torch
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-    sys_path = str(HERE)
-    import sys
-    if sys_path not in sys.path:
-        sys.path.insert(0, sys_path)
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
     from train import export
 
     cfg = json.loads((hf / "config.json").read_text())["text_config"]
-    tcfg = {k: v for k, v in cfg.items() if k not in ("model_type", "layer_types", "dtype",
-                                                        "decoder_sparse_step", "norm_topk_prob")}
+    tcfg = {
+        k: v
+        for k, v in cfg.items()
+        if k not in ("model_type", "layer_types", "dtype", "decoder_sparse_step", "norm_topk_prob")
+    }
     torch.manual_seed(seed)
     model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**tcfg))
     export(model, tcfg, dst)
@@ -95,13 +113,16 @@ def convert(hf: Path, out: Path) -> None:
                 shutil.copy(f, stage / f.name)
         write_side_files(stage)
         mlx_out = Path(tmp) / "mlx"
-        mlx_convert(str(stage), str(mlx_out), quantize=True, q_group_size=64, q_bits=4,
-                    dtype="bfloat16")
+        mlx_convert(
+            str(stage), str(mlx_out), quantize=True, q_group_size=64, q_bits=4, dtype="bfloat16"
+        )
         out.mkdir(parents=True, exist_ok=True)
         for name in SHIPPED:
             src = mlx_out / name
             if name == "model.safetensors" and not src.exists():
-                raise SystemExit(f"mlx_lm.convert wrote no single {name}: {sorted(mlx_out.iterdir())}")
+                raise SystemExit(
+                    f"mlx_lm.convert wrote no single {name}: {sorted(mlx_out.iterdir())}"
+                )
             if src.exists():
                 shutil.copy(src, out / name)
         write_side_files(out)
@@ -113,8 +134,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hf", required=True, help="checkpoint folder written by train.py")
     ap.add_argument("--out", default=str(REPO / "src" / "lily" / "demo"))
-    ap.add_argument("--random-twin", action="store_true",
-                    help="convert a randomly initialized model of the same config instead")
+    ap.add_argument(
+        "--random-twin",
+        action="store_true",
+        help="convert a randomly initialized model of the same config instead",
+    )
     args = ap.parse_args()
     hf = Path(args.hf)
     if args.random_twin:

@@ -26,9 +26,12 @@ def main() -> None:
         rows = list(csv.DictReader(open(path)))
         tokens = [int(r["tokens"]) / 1e6 for r in rows]
         label = {"loss": "shipped run (185 s)", "loss_run1_330s": "first run (330 s)"}.get(
-            Path(path).stem, Path(path).stem)
+            Path(path).stem, Path(path).stem
+        )
         ax.plot(tokens, [float(r["train_loss"]) for r in rows], f"C{i}--", label=f"{label}: train")
-        ax.plot(tokens, [float(r["val_loss"]) for r in rows], f"C{i}-", label=f"{label}: validation")
+        ax.plot(
+            tokens, [float(r["val_loss"]) for r in rows], f"C{i}-", label=f"{label}: validation"
+        )
     ax.set_xlabel("training tokens (millions); one epoch = 4.16M")
     ax.set_ylabel("cross-entropy (nats / token)")
     ax.set_title("lily demo model (13.4M params, Qwen3.5 MoE hybrid)")

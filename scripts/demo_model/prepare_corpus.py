@@ -38,23 +38,71 @@ EOT = "<|endoftext|>"
 
 # Directives whose whole block (the directive line and its indented body) carries no prose.
 DROP_BLOCK = {
-    "index", "toctree", "moduleauthor", "sectionauthor", "highlight", "include", "literalinclude",
-    "tabularcolumns", "currentmodule", "testsetup", "testcleanup", "only", "raw", "image", "figure",
-    "productionlist", "csv-table", "program", "audit-event", "audit-event-table", "impl-detail",
-    "availability", "opcode", "pdbcommand", "cmdoption", "option", "envvar", "describe",
+    "index",
+    "toctree",
+    "moduleauthor",
+    "sectionauthor",
+    "highlight",
+    "include",
+    "literalinclude",
+    "tabularcolumns",
+    "currentmodule",
+    "testsetup",
+    "testcleanup",
+    "only",
+    "raw",
+    "image",
+    "figure",
+    "productionlist",
+    "csv-table",
+    "program",
+    "audit-event",
+    "audit-event-table",
+    "impl-detail",
+    "availability",
+    "opcode",
+    "pdbcommand",
+    "cmdoption",
+    "option",
+    "envvar",
+    "describe",
 }
 # Directives that become a short English lead-in; their body stays.
 LEAD_IN = {
-    "note": "Note:", "warning": "Warning:", "seealso": "See also:", "important": "Important:",
-    "caution": "Caution:", "tip": "Tip:", "hint": "Hint:", "attention": "Attention:",
-    "versionadded": "New in version {}.", "versionchanged": "Changed in version {}:",
-    "deprecated": "Deprecated since version {}:", "deprecated-removed": "Deprecated since version {}:",
+    "note": "Note:",
+    "warning": "Warning:",
+    "seealso": "See also:",
+    "important": "Important:",
+    "caution": "Caution:",
+    "tip": "Tip:",
+    "hint": "Hint:",
+    "attention": "Attention:",
+    "versionadded": "New in version {}.",
+    "versionchanged": "Changed in version {}:",
+    "deprecated": "Deprecated since version {}:",
+    "deprecated-removed": "Deprecated since version {}:",
 }
 # Object descriptions: the signature is kept as a line of its own.
 SIGNATURE = {
-    "function", "method", "class", "data", "attribute", "exception", "decorator", "classmethod",
-    "staticmethod", "coroutinemethod", "coroutinefunction", "abstractmethod", "module",
-    "c:function", "c:member", "c:type", "c:var", "c:macro", "decoratormethod",
+    "function",
+    "method",
+    "class",
+    "data",
+    "attribute",
+    "exception",
+    "decorator",
+    "classmethod",
+    "staticmethod",
+    "coroutinemethod",
+    "coroutinefunction",
+    "abstractmethod",
+    "module",
+    "c:function",
+    "c:member",
+    "c:type",
+    "c:var",
+    "c:macro",
+    "decoratormethod",
 }
 
 DIRECTIVE = re.compile(r"^(\s*)\.\.\s+([\w:-]+)::\s*(.*)$")
@@ -120,8 +168,14 @@ def rst_to_text(src: str) -> str:
                 continue
             if name in LEAD_IN:
                 text = LEAD_IN[name]
-                out.append(" " * ind + (text.format(arg.split()[0] if arg else "") if "{}" in text
-                                        else (text + " " + inline(arg)).rstrip()))
+                out.append(
+                    " " * ind
+                    + (
+                        text.format(arg.split()[0] if arg else "")
+                        if "{}" in text
+                        else (text + " " + inline(arg)).rstrip()
+                    )
+                )
             elif name in SIGNATURE:
                 if arg:
                     out.append(" " * ind + inline(arg))
@@ -142,6 +196,7 @@ def rst_to_text(src: str) -> str:
 
 
 # --- chat examples -------------------------------------------------------------------------------
+
 
 def chat(user: str, answer: str, system: str | None = None) -> str:
     parts = []
@@ -178,8 +233,15 @@ def doc_chats(src: str) -> list[str]:
         body = first_paragraph(lines, i + 1, len(m.group(1)))
         if len(body) < 40 or not name:
             continue
-        q = random.choice([f"What does {name} do?", f"Explain {name}.", f"What is {name}?",
-                           f"How do I use {name}?", f"Tell me about {name}."])
+        q = random.choice(
+            [
+                f"What does {name} do?",
+                f"Explain {name}.",
+                f"What is {name}?",
+                f"How do I use {name}?",
+                f"Tell me about {name}.",
+            ]
+        )
         chats.append(chat(q, f"{sig}\n\n{body}"))
     return chats
 
@@ -192,17 +254,25 @@ def glossary_chats(src: str) -> list[str]:
             term = inline(line.strip())
             body = first_paragraph(lines, i + 1, 3)
             if len(body) > 40:
-                q = random.choice([f"What is {term}?", f"What does {term} mean in Python?",
-                                   f"Define {term}."])
+                q = random.choice(
+                    [f"What is {term}?", f"What does {term} mean in Python?", f"Define {term}."]
+                )
                 chats.append(chat(q, body))
     return chats
 
 
-FORTUNE_ASKS = ["Tell me a fortune.", "Say something wise.", "Give me a quote.",
-                "Tell me something funny.", "Do you have a saying for today?", "Cheer me up."]
+FORTUNE_ASKS = [
+    "Tell me a fortune.",
+    "Say something wise.",
+    "Give me a quote.",
+    "Tell me something funny.",
+    "Do you have a saying for today?",
+    "Cheer me up.",
+]
 
 
 # --- main ----------------------------------------------------------------------------------------
+
 
 def stable_bucket(key: str, n: int) -> int:
     return int(hashlib.sha1(key.encode()).hexdigest(), 16) % n
@@ -234,12 +304,20 @@ def main() -> None:
         if is_val:
             # Prose paragraphs (no code, no indented blocks) for the test's held-out file.
             for para in text.split("\n\n"):
-                if (para[:1].isupper() and "\n " not in para and ">>>" not in para
-                        and len(para) > 200 and para.rstrip().endswith(".")):
+                if (
+                    para[:1].isupper()
+                    and "\n " not in para
+                    and ">>>" not in para
+                    and len(para) > 200
+                    and para.rstrip().endswith(".")
+                ):
                     heldout_prose.append(para.strip())
 
-    files = sorted(p for p in FORTUNE_ROOT.iterdir()
-                   if p.is_file() and "." not in p.name and p.name not in FORTUNE_SKIP)
+    files = sorted(
+        p
+        for p in FORTUNE_ROOT.iterdir()
+        if p.is_file() and "." not in p.name and p.name not in FORTUNE_SKIP
+    )
     if not files:
         raise SystemExit(f"no fortunes under {FORTUNE_ROOT}: apt-get install fortunes fortunes-min")
     n_fortunes = 0
@@ -251,7 +329,9 @@ def main() -> None:
             n_fortunes += 1
             (val if k % 40 == 7 else train).append(f.strip() + "\n")
             if random.random() < 0.15:
-                (val_chats if k % 40 == 7 else train_chats).append(chat(random.choice(FORTUNE_ASKS), f))
+                (val_chats if k % 40 == 7 else train_chats).append(
+                    chat(random.choice(FORTUNE_ASKS), f)
+                )
 
     # Some two-turn chats and a system prompt now and then, so both shapes are seen.
     def with_extras(chats: list[str]) -> list[str]:

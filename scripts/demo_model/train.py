@@ -44,9 +44,9 @@ def text_config(smoke: bool = False) -> dict:
     cfg = dict(
         vocab_size=VOCAB,
         hidden_size=256,
-        num_hidden_layers=8,            # 6 Gated DeltaNet + 2 full attention (layers 3 and 7)
+        num_hidden_layers=8,  # 6 Gated DeltaNet + 2 full attention (layers 3 and 7)
         full_attention_interval=4,
-        num_attention_heads=2,          # gated attention: q_proj gives [query 256 | gate 256] per head
+        num_attention_heads=2,  # gated attention: q_proj gives [query 256 | gate 256] per head
         num_key_value_heads=1,
         head_dim=256,
         linear_num_key_heads=2,
@@ -61,29 +61,55 @@ def text_config(smoke: bool = False) -> dict:
         router_aux_loss_coef=0.001,
         rms_norm_eps=1e-6,
         max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
-                         "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
-                         "mrope_interleaved": True},
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
         tie_word_embeddings=False,
         eos_token_id=IM_END_ID,
         pad_token_id=EOT_ID,
         bos_token_id=None,
     )
     if smoke:
-        cfg.update(num_hidden_layers=4, hidden_size=128, moe_intermediate_size=64,
-                   shared_expert_intermediate_size=64)
+        cfg.update(
+            num_hidden_layers=4,
+            hidden_size=128,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+        )
     return cfg
 
 
 def composite_config(tcfg: dict) -> dict:
     """config.json of the released layout: mlx_lm.convert only takes model_type `qwen3_5_moe`."""
     cfg = Qwen3_5MoeTextConfig(**tcfg).to_dict()
-    for k in ("architectures", "transformers_version", "dtype", "torch_dtype", "output_attentions",
-              "output_hidden_states", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder",
-              "problem_type", "id2label", "label2id", "tokenizer_class", "prefix", "sep_token_id",
-              "decoder_start_token_id", "task_specific_params", "add_cross_attention",
-              "cross_attention_hidden_size", "tie_encoder_decoder", "finetuning_task",
-              "use_cache"):
+    for k in (
+        "architectures",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "problem_type",
+        "id2label",
+        "label2id",
+        "tokenizer_class",
+        "prefix",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "task_specific_params",
+        "add_cross_attention",
+        "cross_attention_hidden_size",
+        "tie_encoder_decoder",
+        "finetuning_task",
+        "use_cache",
+    ):
         cfg.pop(k, None)
     cfg.pop("_name_or_path", None)
     cfg["model_type"] = "qwen3_5_moe_text"
@@ -101,7 +127,9 @@ def composite_config(tcfg: dict) -> dict:
     }
 
 
-def export(model: Qwen3_5MoeForCausalLM, tcfg: dict, out: Path, state=None, shard_mb: float = 15.0) -> None:
+def export(
+    model: Qwen3_5MoeForCausalLM, tcfg: dict, out: Path, state=None, shard_mb: float = 15.0
+) -> None:
     """Write the checkpoint in the released composite layout (fused experts): matrices in bf16 like
     the released checkpoints, 1-D tensors (norms, A_log, dt_bias) in fp32; sharded under shard_mb
     (the device returns files of at most 16 MB) with the usual model.safetensors.index.json."""
@@ -110,9 +138,14 @@ def export(model: Qwen3_5MoeForCausalLM, tcfg: dict, out: Path, state=None, shar
     tensors = {}
     for k, v in state.items():
         if k.startswith("model."):
-            k = "model.language_model." + k[len("model."):]
-        tensors[k] = v.detach().to("cpu", torch.bfloat16 if v.ndim >= 2 else torch.float32).contiguous()
-    assert "lm_head.weight" in tensors and "model.language_model.layers.0.mlp.experts.gate_up_proj" in tensors
+            k = "model.language_model." + k[len("model.") :]
+        tensors[k] = (
+            v.detach().to("cpu", torch.bfloat16 if v.ndim >= 2 else torch.float32).contiguous()
+        )
+    assert (
+        "lm_head.weight" in tensors
+        and "model.language_model.layers.0.mlp.experts.gate_up_proj" in tensors
+    )
     shards, cur, size = [], {}, 0
     for k in sorted(tensors):
         nbytes = tensors[k].numel() * tensors[k].element_size()
@@ -129,7 +162,8 @@ def export(model: Qwen3_5MoeForCausalLM, tcfg: dict, out: Path, state=None, shar
         weight_map.update({k: name for k in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n"
+    )
     (out / "config.json").write_text(json.dumps(composite_config(tcfg), indent=2) + "\n")
 
 
@@ -137,7 +171,7 @@ def batches(tokens: np.ndarray, batch: int, seq: int, gen: np.random.Generator, 
     """Random windows of seq+1 tokens: inputs are [:-1], labels [1:] (HF shifts labels itself)."""
     while True:
         starts = gen.integers(0, tokens.size - seq - 1, size=batch)
-        x = np.stack([tokens[s:s + seq] for s in starts]).astype(np.int64)
+        x = np.stack([tokens[s : s + seq] for s in starts]).astype(np.int64)
         yield torch.from_numpy(x).to(device, non_blocking=True)
 
 
@@ -148,7 +182,9 @@ def evaluate(model, val: np.ndarray, seq: int, n_windows: int, device, amp) -> f
     starts = np.linspace(0, val.size - seq - 1, n_windows).astype(np.int64)
     total, count = 0.0, 0
     for i in range(0, n_windows, 16):
-        x = torch.from_numpy(np.stack([val[s:s + seq] for s in starts[i:i + 16]]).astype(np.int64)).to(device)
+        x = torch.from_numpy(
+            np.stack([val[s : s + seq] for s in starts[i : i + 16]]).astype(np.int64)
+        ).to(device)
         with amp():
             out = model(input_ids=x, labels=x)
         total += out.loss.item() * x.numel()
@@ -167,7 +203,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument("--smoke", action="store_true", help="tiny model, few steps, CPU: proves the script")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny model, few steps, CPU: proves the script"
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -175,7 +213,11 @@ def main() -> None:
     data, out = Path(args.data), Path(args.out)
     tok = json.loads((data / "tokenizer.json").read_text())
     ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
-    assert (ids["<|endoftext|>"], ids["<|im_start|>"], ids["<|im_end|>"]) == (EOT_ID, IM_START_ID, IM_END_ID)
+    assert (ids["<|endoftext|>"], ids["<|im_start|>"], ids["<|im_end|>"]) == (
+        EOT_ID,
+        IM_START_ID,
+        IM_END_ID,
+    )
     train = np.fromfile(data / "train.bin", dtype=np.uint16)
     val = np.fromfile(data / "val.bin", dtype=np.uint16)
 
@@ -187,15 +229,21 @@ def main() -> None:
     config.output_router_logits = True  # adds router_aux_loss_coef * load-balancing loss
     model = Qwen3_5MoeForCausalLM._from_config(config, attn_implementation="sdpa").to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"params {n_params / 1e6:.2f}M  device {device}  train {train.size} val {val.size} tokens",
-          flush=True)
+    print(
+        f"params {n_params / 1e6:.2f}M  device {device}  train {train.size} val {val.size} tokens",
+        flush=True,
+    )
 
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         (decay if p.ndim >= 2 and "conv1d" not in n else no_decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=(device == "cuda"))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=(device == "cuda"),
+    )
 
     def amp():
         if device == "cuda":
@@ -214,7 +262,11 @@ def main() -> None:
         frac = min(elapsed / args.seconds, 1.0)
         if frac >= 1.0:
             break
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        lr = (
+            args.lr
+            * min(1.0, (step + 1) / args.warmup)
+            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        )
         for g in opt.param_groups:
             g["lr"] = lr
         x = next(stream)
@@ -226,16 +278,26 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        ce = (loss - config.router_aux_loss_coef * res.aux_loss).item() if step % 10 == 0 or args.smoke else None
+        ce = (
+            (loss - config.router_aux_loss_coef * res.aux_loss).item()
+            if step % 10 == 0 or args.smoke
+            else None
+        )
         if ce is not None:
             smooth = ce if smooth is None else 0.8 * smooth + 0.2 * ce
         if step % args.eval_every == 0:
             v = evaluate(model, val, args.seq, 8 if args.smoke else 128, device, amp)
             el = time.time() - t0
-            log.append(f"{step},{step * args.batch * args.seq},{el:.1f},{lr:.6f},{smooth:.4f},{v:.4f}")
+            log.append(
+                f"{step},{step * args.batch * args.seq},{el:.1f},{lr:.6f},{smooth:.4f},{v:.4f}"
+            )
             print(log[-1], flush=True)
             if v < best[0]:
-                best = (v, {k: t.detach().to("cpu", copy=True) for k, t in model.state_dict().items()}, step)
+                best = (
+                    v,
+                    {k: t.detach().to("cpu", copy=True) for k, t in model.state_dict().items()},
+                    step,
+                )
     v = evaluate(model, val, args.seq, 8 if args.smoke else 128, device, amp)
     el = time.time() - t0
     log.append(f"{step},{step * args.batch * args.seq},{el:.1f},{lr:.6f},{smooth:.4f},{v:.4f}")
@@ -245,12 +307,22 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "loss.csv").write_text("\n".join(log) + "\n")
     export(model, tcfg, out, state=best[1])
-    summary = dict(steps=step, seconds=round(el, 1), tokens=step * args.batch * args.seq,
-                   epochs=round(step * args.batch * args.seq / train.size, 2), params=n_params,
-                   best_val_loss=round(best[0], 4), best_step=best[2], batch=args.batch, seq=args.seq,
-                   lr=args.lr, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                   torch=torch.__version__)
+    summary = dict(
+        steps=step,
+        seconds=round(el, 1),
+        tokens=step * args.batch * args.seq,
+        epochs=round(step * args.batch * args.seq / train.size, 2),
+        params=n_params,
+        best_val_loss=round(best[0], 4),
+        best_step=best[2],
+        batch=args.batch,
+        seq=args.seq,
+        lr=args.lr,
+        device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        torch=torch.__version__,
+    )
     import transformers
+
     summary["transformers"] = transformers.__version__
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary), flush=True)

@@ -25,9 +25,18 @@ from tokenizers.trainers import BpeTrainer
 
 VOCAB_SIZE = 4096
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
-SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-         r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+ADDED = [
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]
+SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 EOT = "<|endoftext|>"
 
 
@@ -38,12 +47,15 @@ def documents(path: Path) -> list[str]:
 def build(train_docs: list[str]) -> Tokenizer:
     tok = Tokenizer(models.BPE(byte_fallback=False))
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     n_added = len(SPECIAL) + len(ADDED)
+
     # The chat markup must not leak into BPE merges: train on the text with the markup tokens cut
     # out (they are added whole afterwards).
     def plain(docs):
@@ -51,8 +63,13 @@ def build(train_docs: list[str]) -> Tokenizer:
             for t in SPECIAL + ADDED:
                 d = d.replace(t, "\n")
             yield d
-    trainer = BpeTrainer(vocab_size=VOCAB_SIZE - n_added, min_frequency=2, show_progress=False,
-                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+
+    trainer = BpeTrainer(
+        vocab_size=VOCAB_SIZE - n_added,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(plain(train_docs), trainer=trainer, length=len(train_docs))
     assert tok.get_vocab_size() == VOCAB_SIZE - n_added, tok.get_vocab_size()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "seed")
@@ -87,12 +88,15 @@ def cmd_generate(args) -> int:
     else:
         target = prompt
     kw = _sampling(args)
-    stream = model.generate(target, stream=True, enable_thinking=args.think, **kw)
+    bar = PrefillProgress()
+    stream = model.generate(target, stream=True, enable_thinking=args.think, on_prefill_progress=bar, **kw)
     out = sys.stdout
     with stream:
         for chunk in stream:
+            bar.close()
             out.write(chunk.text)
             out.flush()
+    bar.close()
     if not stream.result or not stream.result.text.endswith("\n"):
         out.write("\n")
     if args.verbose and stream.result is not None:
@@ -101,6 +105,31 @@ def cmd_generate(args) -> int:
               f"prefill {r.prefill_tokens_per_s:.1f} tok/s, decode {r.decode_tokens_per_s:.1f} tok/s, "
               f"finish {r.finish_reason}]", file=sys.stderr)
     return 0
+
+
+class PrefillProgress:
+    """A prefill progress bar on stderr, for prompts of several chunks when stderr is a terminal."""
+
+    def __init__(self, min_tokens: int = 2048):
+        self.min_tokens = min_tokens
+        self.shown = False
+        self.t0 = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        if total < self.min_tokens or not sys.stderr.isatty():
+            return
+        rate = done / max(time.perf_counter() - self.t0, 1e-9)
+        width = 30
+        fill = width * done // total
+        sys.stderr.write(f"\rprefill [{'#' * fill}{'.' * (width - fill)}] {done}/{total} tokens {rate:.0f} tok/s")
+        sys.stderr.flush()
+        self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+            self.shown = False
 
 
 # -- chat --------------------------------------------------------------------------------------

@@ -138,6 +138,7 @@ def token_loop(
     history: Sequence[int],
     stats: GenerationStats,
     on_prefilled: Callable[[], None] | None = None,
+    on_prefill_progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[GenerationChunk]:
     """Prefills ``prompt_ids`` (in chunks, so Ctrl-C is honoured) and generates.
 
@@ -157,6 +158,8 @@ def token_loop(
     logits = None
     for i in range(0, len(prompt_ids), chunk):
         logits = prefill(prompt_ids[i : i + chunk])
+        if on_prefill_progress is not None:  # (tokens done, total): progress bars
+            on_prefill_progress(min(i + chunk, len(prompt_ids)), len(prompt_ids))
     stats.prefill_s = time.perf_counter() - t0
     if on_prefilled is not None:
         on_prefilled()

@@ -30,7 +30,8 @@ from lily.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from lily.chat import Chat
 
-BACKENDS = ("cpu",)  # "metal" and "msl-cpu" arrive with the Metal backend
+# "msl-cpu" runs the Metal backend's dispatch sequence on the MSL-on-CPU runtime (tests; slow).
+BACKENDS = ("cpu", "metal", "msl-cpu")
 
 
 def _token_array(tokens: Sequence[int] | np.ndarray, what: str = "token_ids") -> np.ndarray:
@@ -115,15 +116,19 @@ class Model:
         threads: int | None = None,
         prefill_chunk: int = 512,
         max_context: int | None = None,
+        backend_options: dict | None = None,
     ) -> Model:
         """Loads a checkpoint: a local folder, or a Hugging Face repo id (downloaded into the
         standard HF cache, only the files lily needs; offline when cached). With no argument,
         the small demo model shipped inside the package.
 
-        backend: "auto" (Metal where it exists, else CPU) or "cpu". threads: CPU worker threads
+        backend: "auto" (Metal where it exists, else CPU), "cpu", "metal" (macOS builds) or
+        "msl-cpu" (the Metal kernels run on the CPU, for tests). threads: CPU worker threads
         (default: all cores). prefill_chunk: tokens per prefill step (bounds scratch memory).
         max_context: default context of new sequences (default: the model's
-        max_position_embeddings).
+        max_position_embeddings). backend_options: GPU backends' test knobs (split_threshold,
+        split_len: the attention route thresholds; check_dependencies, interleavings: the
+        MSL-on-CPU runtime's checking modes).
         """
         if backend == "auto":
             backend = "cpu"  # the Metal backend is not built yet
@@ -143,7 +148,7 @@ class Model:
                 raise ConfigError(f"[load] {e}") from None
         config = load_config(root)
         weights = load_weights(root, config)
-        engine = _core.Engine(weights, backend, threads or 0, prefill_chunk)
+        engine = _core.Engine(weights, backend, threads or 0, prefill_chunk, **(backend_options or {}))
         tokenizer = Tokenizer.from_dir(root) if (root / "tokenizer.json").is_file() else None
         defaults = load_generation_config(root)
         ctx = max_context or config.max_position_embeddings
@@ -229,6 +234,7 @@ class Model:
         stream: bool = False,
         tools: Sequence[dict] | None = None,
         enable_thinking: bool | None = None,
+        on_prefill_progress=None,
     ) -> GenerationResult | GenerationStream:
         """Generates a continuation of ``prompt``: a string, a list of OpenAI-format chat
         messages (rendered with the checkpoint's chat template), or token ids.
@@ -236,6 +242,7 @@ class Model:
         Sampling defaults come from the checkpoint's generation_config.json, else greedy.
         ``logprobs``: True for the sampled token's logprob, an int N for the top N as well.
         ``stream=True`` returns a :class:`GenerationStream` of chunks instead of a result.
+        ``on_prefill_progress(done, total)`` is called after each prefill chunk (progress bars).
         """
         ids = self.encode_prompt(prompt, tools=tools, enable_thinking=enable_thinking)
         max_tokens = self._max_tokens(max_tokens)
@@ -258,7 +265,8 @@ class Model:
         self._generation.acquire()
         chunks = token_loop(session.prefill, session.decode, ids, chunk=self._engine.prefill_chunk,
                             params=params, max_tokens=max_tokens, eos_ids=self.eos_token_ids,
-                            detokenizer=detok, stop=stop, want_logprobs=want_lp, history=(), stats=stats)
+                            detokenizer=detok, stop=stop, want_logprobs=want_lp, history=(), stats=stats,
+                            on_prefill_progress=on_prefill_progress)
         stream_obj = GenerationStream(chunks, stats, want_lp, lambda _result: self._generation.release())
         if stream:
             return stream_obj

@@ -52,6 +52,7 @@ except ImportError as e:  # pragma: no cover - depends on the install
 
 MAX_BODY_BYTES = 16 << 20
 MAX_STOP = 16
+MAX_STOP_CHARS = 1024  # a stop string holds back that much streamed text
 MAX_TOP_LOGPROBS = 20
 
 
@@ -104,8 +105,9 @@ def _stop(body: dict) -> list[str] | None:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise APIError(400, "'stop' must be a string or an array of strings", param="stop", code="invalid_type")
-    if len(stop) > MAX_STOP:
-        raise APIError(400, f"'stop' takes at most {MAX_STOP} strings", param="stop", code="invalid_value")
+    if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"'stop' takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters",
+                       param="stop", code="invalid_value")
     return [s for s in stop if s] or None
 
 

@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""The decode roofline: memory read bandwidth x bytes a decode step must read.
+
+    python benchmarks/roofline.py MLX_DIR [--gguf FILE ...] [--threads 2] [--context 512]
+
+Batch-1 decode of a MoE model does ~2 flops per weight byte-ish and reads each needed weight
+once per token, so its ceiling is  tokens/s <= bandwidth / bytes_per_token.
+
+bytes_per_token, from the checkpoint's own tensor sizes (safetensors / GGUF headers: the bytes
+actually stored, scales and biases included) and the config:
+    every dense tensor (attention and DeltaNet projections, norms, conv, router, shared expert,
+    final norm, lm_head)                                   in full
+  + the embedding table                                    one row (bytes / vocab)
+  + the routed experts (switch_mlp.* / *_exps)             top_k / num_experts of their bytes
+  + recurrent state read per step: DeltaNet S [Hv, Dv, Dk] fp32 and the conv window
+    [K-1, C] fp32 per DeltaNet layer, and the KV cache of each attention layer at the mean
+    context of the decode (prompt + n/2 tokens; lily keeps K/V in fp32, llama.cpp in f16).
+State writes are not counted (the written state is the state just read, mostly still in
+cache); counting fewer bytes makes the roofline higher, i.e. the percentage a harder target.
+
+Bandwidth: benchmarks/membw.c (a streaming AVX-512 / vector-extension sum over 2 GiB, best of
+10 passes), built here with the system C compiler, run at 1 and N threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MEMBW_BIN = ROOT / "build" / "bench" / "membw"
+
+
+def _build_membw() -> Path:
+    src = HERE / "membw.c"
+    if MEMBW_BIN.is_file() and MEMBW_BIN.stat().st_mtime > src.stat().st_mtime:
+        return MEMBW_BIN
+    MEMBW_BIN.parent.mkdir(parents=True, exist_ok=True)
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc/gcc/clang) to build benchmarks/membw.c")
+    for arch in (["-march=native"], []):
+        r = subprocess.run([cc, "-O3", *arch, "-pthread", str(src), "-o", str(MEMBW_BIN)],
+                           capture_output=True, text=True)
+        if r.returncode == 0:
+            return MEMBW_BIN
+    raise RuntimeError(f"building membw failed: {r.stderr}")
+
+
+def bandwidth(threads: int, mib: int = 2048, passes: int = 10) -> dict:
+    """{'threads', 'best_GBps', 'median_GBps'} of a streaming read."""
+    out = subprocess.run([str(_build_membw()), str(threads), str(mib), str(passes)],
+                         capture_output=True, text=True, check=True).stdout
+    fields = dict(kv.split("=") for kv in out.split())
+    return {"threads": threads, "best_GBps": float(fields["best_GBps"]),
+            "median_GBps": float(fields["median_GBps"])}
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes per decode token
+# ---------------------------------------------------------------------------------------------
+
+def _text_config(cfg: dict) -> dict:
+    return cfg.get("text_config", cfg)
+
+
+def state_bytes(tc: dict, context: float, kv_elem_bytes: int) -> dict:
+    """Recurrent state + KV cache read by one decode step at `context` tokens."""
+    n = tc["num_hidden_layers"]
+    types = tc.get("layer_types") or [
+        "full_attention" if (i + 1) % tc["full_attention_interval"] == 0 else "linear_attention"
+        for i in range(n)]
+    n_attn = sum(t == "full_attention" for t in types)
+    n_gdn = n - n_attn
+    hv, dv, dk = tc["linear_num_value_heads"], tc["linear_value_head_dim"], tc["linear_key_head_dim"]
+    conv_c = 2 * tc["linear_num_key_heads"] * dk + hv * dv
+    gdn = n_gdn * (hv * dv * dk * 4 + (tc["linear_conv_kernel_dim"] - 1) * conv_c * 4)
+    kv = n_attn * 2 * tc["num_key_value_heads"] * tc["head_dim"] * context * kv_elem_bytes
+    return {"deltanet_state": gdn, "kv_cache": int(kv)}
+
+
+def _safetensors_sizes(path: Path) -> dict[str, tuple[int, list[int]]]:
+    """{name: (bytes, shape)} from the headers of every *.safetensors file in `path`."""
+    sizes = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            for k, v in json.loads(fh.read(n)).items():
+                if k != "__metadata__":
+                    b, e = v["data_offsets"]
+                    sizes[k] = (e - b, v["shape"])
+    if not sizes:
+        raise RuntimeError(f"no safetensors tensors in {path}")
+    return sizes
+
+
+def _weight_bytes(sizes: dict, is_embedding, is_expert, vocab: int, k: int, e: int) -> dict:
+    out = {"embedding_row": 0.0, "experts_topk": 0.0, "lm_head": 0.0, "dense": 0.0,
+           "all_weights": 0.0}
+    for name, nbytes in sizes.items():
+        out["all_weights"] += nbytes
+        if is_embedding(name):
+            out["embedding_row"] += nbytes / vocab
+        elif is_expert(name):
+            out["experts_topk"] += nbytes * k / e
+        elif "lm_head" in name or name.startswith("output."):
+            out["lm_head"] += nbytes
+        else:
+            out["dense"] += nbytes
+    return out
+
+
+def decode_bytes_mlx(path: Path, context: float, kv_elem_bytes: int = 4) -> dict:
+    """Bytes one decode step reads, for lily / mlx-lm on an MLX checkpoint folder."""
+    path = Path(path)
+    tc = _text_config(json.loads((path / "config.json").read_text()))
+    sizes = {k: v[0] for k, v in _safetensors_sizes(path).items()}
+    w = _weight_bytes(sizes, lambda n: "embed_tokens" in n,
+                      lambda n: ".switch_mlp." in n or ".experts." in n,
+                      tc["vocab_size"], tc["num_experts_per_tok"], tc["num_experts"])
+    w.update(state_bytes(tc, context, kv_elem_bytes))
+    return _total(w)
+
+
+def decode_bytes_gguf(path: Path, config_dir: Path, context: float, kv_elem_bytes: int = 2) -> dict:
+    """Bytes one decode step reads, for llama.cpp on a GGUF file (types as stored)."""
+    import llamacpp
+
+    sys.path.insert(0, str(llamacpp.SRC / "gguf-py"))
+    from gguf import GGUFReader
+
+    tc = _text_config(json.loads((Path(config_dir) / "config.json").read_text()))
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    w = _weight_bytes(sizes, lambda n: n.startswith("token_embd"),
+                      lambda n: re.search(r"_exps\b", n) is not None,
+                      tc["vocab_size"], tc["num_experts_per_tok"], tc["num_experts"])
+    w.update(state_bytes(tc, context, kv_elem_bytes))
+    return _total(w)
+
+
+def _total(w: dict) -> dict:
+    w["per_token"] = (w["embedding_row"] + w["experts_topk"] + w["lm_head"] + w["dense"]
+                      + w["deltanet_state"] + w["kv_cache"])
+    return w
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mlx_dir", type=Path)
+    ap.add_argument("--gguf", type=Path, nargs="*", default=[])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=float, default=512 + 64)
+    a = ap.parse_args(argv)
+    bw = {t: bandwidth(t) for t in sorted({1, a.threads})}
+    for t, b in bw.items():
+        print(f"bandwidth {t} thread(s): best {b['best_GBps']:.2f} GB/s, median {b['median_GBps']:.2f}")
+    rows = [("lily (MLX 4-bit)", decode_bytes_mlx(a.mlx_dir, a.context))]
+    rows += [(g.name, decode_bytes_gguf(g, a.mlx_dir, a.context)) for g in a.gguf]
+    for name, w in rows:
+        parts = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in w.items() if k != "all_weights")
+        print(f"{name}: {parts}; roofline at {a.threads} threads "
+              f"{bw[a.threads]['best_GBps'] * 1e9 / w['per_token']:.1f} tok/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

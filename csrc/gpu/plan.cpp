@@ -1,0 +1,176 @@
+#include "gpu/plan.h"
+
+#include <cstdint>
+
+#include "model/error.h"
+#include "model/schedule.h"
+
+namespace lily::gpu {
+
+namespace {
+
+class RecBuffer final : public Buffer {
+ public:
+  explicit RecBuffer(size_t n) : n_(n) {}
+  void* contents() override { return nullptr; }  // nothing behind it: the host skips copies
+  size_t length() const override { return n_; }
+
+ private:
+  size_t n_;
+};
+
+class RecPipeline final : public Pipeline {
+ public:
+  explicit RecPipeline(std::string n) : name_(std::move(n)) {}
+  const std::string& name() const override { return name_; }
+  uint32_t max_total_threads_per_threadgroup() const override { return 1024; }
+  uint32_t thread_execution_width() const override { return 32; }
+
+ private:
+  std::string name_;
+};
+
+class RecLibrary final : public Library {
+ public:
+  std::shared_ptr<Pipeline> pipeline(const std::string& f, const FunctionConstants&) override {
+    return std::make_shared<RecPipeline>(f);
+  }
+};
+
+class RecEncoder final : public ComputeEncoder {
+ public:
+  void set_pipeline(const std::shared_ptr<Pipeline>&) override {}
+  void set_buffer(uint32_t, const std::shared_ptr<Buffer>&, size_t) override {}
+  void set_bytes(uint32_t, const void*, size_t) override {}
+  void set_threadgroup_memory_length(uint32_t, size_t) override {}
+  void dispatch_threadgroups(Size3, Size3) override {}
+  void memory_barrier() override {}
+  void end_encoding() override {}
+};
+
+class RecCommandBuffer final : public CommandBuffer {
+ public:
+  std::shared_ptr<ComputeEncoder> compute_encoder(DispatchType) override { return std::make_shared<RecEncoder>(); }
+  void commit() override {}
+  void wait_until_completed() override {}
+};
+
+class RecDevice final : public Device {
+ public:
+  std::string name() const override { return "recording"; }
+  std::shared_ptr<Buffer> new_buffer(size_t n) override { return std::make_shared<RecBuffer>(n); }
+  std::shared_ptr<Buffer> wrap_buffer(void*, size_t n) override { return std::make_shared<RecBuffer>(n); }
+  std::shared_ptr<Library> new_library(const std::string&, const std::string&) override {
+    return std::make_shared<RecLibrary>();
+  }
+  std::shared_ptr<CommandBuffer> new_command_buffer() override { return std::make_shared<RecCommandBuffer>(); }
+};
+
+// Hands out address ranges of the sizes an MLX checkpoint's tensors have.
+struct Layout {
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(uintptr_t(1) << 44);
+  size_t used = 0;
+  const uint8_t* take(size_t n) {
+    const uint8_t* p = base + used;
+    used += (n + 63) / 64 * 64;
+    return p;
+  }
+  Linear affine(int out, int in, int bits, int group) {
+    Linear L;
+    L.format = Linear::Format::Affine;
+    L.out = out;
+    L.in = in;
+    L.dtype = DType::BF16;
+    L.bits = bits;
+    L.group = group;
+    L.w = take(size_t(out) * in * bits / 8);
+    L.scales = take(size_t(out) * (in / group) * 2);
+    L.biases = take(size_t(out) * (in / group) * 2);
+    return L;
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<Device> make_recording_device() { return std::make_shared<RecDevice>(); }
+
+DecodePlan plan_decode_step(const ModelConfig& c, const PlanQuantization& q, const GpuOptions& options,
+                            int context) {
+  c.validate();
+  if (context < 1) throw Error("[plan] context must be at least 1");
+  Layout lay;
+  auto w = std::make_shared<ModelWeights>();
+  w->config = c;
+  const int H = c.hidden, b = q.bits, g = q.group;
+  auto mlp = [&](int inter) {
+    MlpWeights m;
+    m.gate = lay.affine(inter, H, b, g);
+    m.up = lay.affine(inter, H, b, g);
+    m.down = lay.affine(H, inter, b, g);
+    return m;
+  };
+  w->embed = lay.affine(c.vocab, H, b, g);
+  w->lm_head = lay.affine(c.vocab, H, b, g);
+  w->final_norm.assign(H, 1.0f);
+  for (int l = 0; l < c.n_layers(); ++l) {
+    LayerWeights L;
+    L.input_norm.assign(H, 1.0f);
+    L.post_norm.assign(H, 1.0f);
+    if (c.mixers[l] == Mixer::Attention) {
+      const int D = c.head_dim;
+      L.attn.q_proj = lay.affine(c.n_heads * D * 2, H, b, g);
+      L.attn.k_proj = lay.affine(c.n_kv_heads * D, H, b, g);
+      L.attn.v_proj = lay.affine(c.n_kv_heads * D, H, b, g);
+      L.attn.o_proj = lay.affine(H, c.n_heads * D, b, g);
+      L.attn.q_norm.assign(D, 1.0f);
+      L.attn.k_norm.assign(D, 1.0f);
+    } else {
+      const int C = c.gdn_qkv_dim(), V = c.gdn_value_dim(), Hv = c.gdn_v_heads;
+      if (c.gdn_fused_qkvz) {
+        L.gdn.in_qkvz = lay.affine(C + V, H, b, g);
+        L.gdn.in_ba = lay.affine(2 * Hv, H, b, g);
+      } else {
+        L.gdn.in_qkv = lay.affine(C, H, b, g);
+        L.gdn.in_z = lay.affine(V, H, b, g);
+        L.gdn.in_b = lay.affine(Hv, H, b, g);
+        L.gdn.in_a = lay.affine(Hv, H, b, g);
+      }
+      L.gdn.out_proj = lay.affine(H, V, b, g);
+      L.gdn.conv1d.assign(size_t(C) * c.conv_kernel, 0.0f);
+      L.gdn.dt_bias.assign(Hv, 0.0f);
+      L.gdn.a_neg.assign(Hv, -1.0f);
+      L.gdn.norm.assign(c.gdn_v_dim, 1.0f);
+    }
+    if (c.ffns[l] == Ffn::Moe) {
+      L.moe.router = lay.affine(c.n_experts, H, q.gate_bits, g);
+      for (int e = 0; e < c.n_experts; ++e) L.moe.experts.push_back(mlp(c.moe_intermediate));
+      if (c.shared_intermediate > 0) {
+        L.moe.shared = mlp(c.shared_intermediate);
+        L.moe.shared_gate = lay.affine(1, H, q.gate_bits, g);
+      }
+    } else {
+      L.mlp = mlp(c.intermediate);
+    }
+    w->layers.push_back(std::move(L));
+  }
+
+  GpuBackend be(w, make_recording_device(), "plan", options, {GpuBackend::Region{lay.base, lay.used}});
+  auto st = be.new_state(context);
+  auto& gs = static_cast<GpuState&>(*st);
+  gs.seek(context - 1);
+  const GpuStats before = be.stats();
+  be.set_recording(true);
+  const int32_t token = 0;
+  float logits_unused = 0;
+  forward_chunk(be, *w, *st, &token, 1, LogitRows::Last, &logits_unused);
+  DecodePlan plan;
+  plan.dispatches = be.records();
+  plan.stats = be.stats();
+  plan.stats.dispatches -= before.dispatches;
+  plan.stats.barriers -= before.barriers;
+  plan.stats.command_buffers -= before.command_buffers;
+  plan.stats.waits -= before.waits;
+  return plan;
+}
+
+}  // namespace lily::gpu

@@ -1,0 +1,32 @@
+// Plan reports: the Metal backend's dispatch sequence for one decode step at any model shape and
+// context, counted without running it (benchmarks/metal_plan.py, docs/metal.md).
+//
+// A RecordingDevice implements gpu::Device with buffers that have a length and no memory and
+// command buffers that execute nothing, so GpuBackend encodes exactly what it would encode for
+// Metal; synthetic weights give every Linear the size it has in an MLX affine checkpoint
+// (addresses in a reserved range that is never dereferenced).
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "gpu/backend.h"
+
+namespace lily::gpu {
+
+std::shared_ptr<Device> make_recording_device();
+
+struct PlanQuantization {
+  int bits = 4, group = 64;
+  int gate_bits = 8;  // router and shared_expert_gate (the released 4-bit checkpoints' overrides)
+};
+
+struct DecodePlan {
+  std::vector<DispatchRecord> dispatches;
+  GpuStats stats;  // of this one decode step
+};
+
+// One decode step (the token at position context - 1) of a model with config `c`.
+DecodePlan plan_decode_step(const ModelConfig& c, const PlanQuantization& q, const GpuOptions& options,
+                            int context);
+
+}  // namespace lily::gpu

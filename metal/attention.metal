@@ -1,0 +1,199 @@
+// Attention family for the gated full-attention layers.
+//
+//   attn_prepare  q/k zero-centred RMSNorm + partial rotate-half RoPE in place, k and v written
+//                 into the cache at their positions.   grid (Hq + Hkv, T), 128 threads
+//   attn_decode   causal softmax(q k^T * scale) v for one KV head and one split of the cache,
+//                 GQA-packed: the query heads sharing a KV head are all in this threadgroup, so
+//                 each K/V row is loaded once for all of them. Single pass (n_splits == 1)
+//                 applies the sigmoid output gate and writes o; split-K (n_splits > 1) writes
+//                 unnormalised partials and (max, sum).   grid (Hkv, n_splits, T), 128 threads
+//   attn_combine  merges the split partials and applies the gate.  grid (Hq, T), 128 threads
+//
+// Within attn_decode each simdgroup takes every 4th position with its own online softmax; the
+// 4 running states are merged at the end through threadgroup memory. A lane holds D/32
+// elements of each vector (strided by 32, so a simdgroup reads each row as one coalesced run).
+// Softmax in f32 with the running max subtracted, as the CPU backend computes it.
+//
+// KV is the cache's element type: float (the CPU backend's precision, the default) or half
+// (half the bytes per token at long contexts; scores and sums stay f32).
+#include <metal_stdlib>
+#include "lily_msl.h"
+#include "attention_args.h"
+#include "reduce.h"
+using namespace metal;
+
+template <typename KV>
+kernel void attn_prepare(device float* qg [[buffer(0)]],            // [T, Hq, 2D]
+                         device const float* k [[buffer(1)]],       // [T, Hkv, D]
+                         device const float* v [[buffer(2)]],       // [T, Hkv, D]
+                         device const float* q_norm [[buffer(3)]],  // [D]
+                         device const float* k_norm [[buffer(4)]],  // [D]
+                         device const float* inv_freq [[buffer(5)]],  // [rot / 2]
+                         device KV* k_cache [[buffer(6)]],          // [Hkv, cap, D]
+                         device KV* v_cache [[buffer(7)]],          // [Hkv, cap, D]
+                         constant AttnPrepareArgs& args [[buffer(8)]],
+                         uint2 tg [[threadgroup_position_in_grid]],
+                         uint tid [[thread_index_in_threadgroup]],
+                         uint threads [[threads_per_threadgroup]],
+                         uint simd_id [[simdgroup_index_in_threadgroup]],
+                         uint lane [[thread_index_in_simdgroup]],
+                         uint n_simd [[simdgroups_per_threadgroup]]) {
+  LILY_THREADGROUP(float, scratch, [32]);
+  LILY_THREADGROUP(float, normed, [LILY_ATTN_MAX_HEAD_DIM]);
+  const uint D = args.D, t = tg.y, head = tg.x;
+  const bool is_q = head < args.Hq;
+  const uint hk = head - args.Hq;
+  device const float* src = is_q ? qg + (ulong(t) * args.Hq + head) * 2 * D
+                                 : k + (ulong(t) * args.Hkv + hk) * D;
+  device const float* gain = is_q ? q_norm : k_norm;
+
+  float ss = 0.0f;
+  for (uint i = tid; i < D; i += threads) ss += src[i] * src[i];
+  const float r = 1.0f / sqrt(threadgroup_sum(ss, scratch, simd_id, lane, n_simd) / float(D) +
+                              args.eps);
+  for (uint i = tid; i < D; i += threads) normed[i] = (src[i] * r) * gain[i];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  const uint pos = args.pos0 + t, half_rot = args.rot / 2;
+  device float* q_dst = qg + (ulong(t) * args.Hq + head) * 2 * D;
+  device KV* k_dst = k_cache + (is_q ? 0 : (ulong(hk) * args.cap + pos) * D);
+  for (uint i = tid; i < D; i += threads) {
+    float out = normed[i];
+    if (i < args.rot) {
+      const uint f = i < half_rot ? i : i - half_rot;
+      const float angle = float(pos) * inv_freq[f];
+      const float c = cos(angle), s = sin(angle);
+      out = i < half_rot ? normed[i] * c - normed[i + half_rot] * s
+                         : normed[i] * c + normed[i - half_rot] * s;
+    }
+    if (is_q) q_dst[i] = out;
+    else k_dst[i] = KV(out);
+  }
+  if (!is_q) {
+    device const float* vs = v + (ulong(t) * args.Hkv + hk) * D;
+    device KV* vd = v_cache + (ulong(hk) * args.cap + pos) * D;
+    for (uint i = tid; i < D; i += threads) vd[i] = KV(vs[i]);
+  }
+}
+
+LILY_KERNEL_INSTANTIATE("attn_prepare_float", attn_prepare, float)
+LILY_KERNEL_INSTANTIATE("attn_prepare_half", attn_prepare, half)
+
+template <typename KV>
+kernel void attn_decode(device const float* qg [[buffer(0)]],       // [T, Hq, 2D]
+                        device const KV* k_cache [[buffer(1)]],     // [Hkv, cap, D]
+                        device const KV* v_cache [[buffer(2)]],     // [Hkv, cap, D]
+                        device float* o [[buffer(3)]],              // [T, Hq, D]
+                        device float* part_o [[buffer(4)]],         // [T, Hq, n_splits, D]
+                        device float* part_ml [[buffer(5)]],        // [T, Hq, n_splits, 2]
+                        constant AttnArgs& args [[buffer(6)]],
+                        uint3 tg [[threadgroup_position_in_grid]],
+                        uint tid [[thread_index_in_threadgroup]],
+                        uint simd_id [[simdgroup_index_in_threadgroup]],
+                        uint lane [[thread_index_in_simdgroup]]) {
+  constexpr uint per_lane_max = LILY_ATTN_MAX_HEAD_DIM / 32;
+  LILY_THREADGROUP(float, merge_o, [LILY_ATTN_SIMDGROUPS][LILY_ATTN_MAX_HEAD_DIM]);
+  LILY_THREADGROUP(float, merge_m, [LILY_ATTN_SIMDGROUPS]);
+  LILY_THREADGROUP(float, merge_l, [LILY_ATTN_SIMDGROUPS]);
+  const uint D = args.D, per_lane = D / 32, group = args.Hq / args.Hkv;
+  const uint hk = tg.x, split = tg.y, t = tg.z;
+  const uint len = args.pos0 + t + 1;  // causal: positions [0, pos0 + t]
+  const uint begin = split * args.split_len;
+  const uint end = min(len, begin + args.split_len);
+
+  float q[LILY_ATTN_MAX_GROUP][per_lane_max];
+  float acc[LILY_ATTN_MAX_GROUP][per_lane_max];
+  float m[LILY_ATTN_MAX_GROUP], l[LILY_ATTN_MAX_GROUP];
+  for (uint g = 0; g < group; ++g) {
+    device const float* qh = qg + (ulong(t) * args.Hq + hk * group + g) * 2 * D;
+    for (uint i = 0; i < per_lane; ++i) {
+      q[g][i] = qh[lane + 32 * i];
+      acc[g][i] = 0.0f;
+    }
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+  }
+
+  device const KV* kh = k_cache + ulong(hk) * args.cap * D;
+  device const KV* vh = v_cache + ulong(hk) * args.cap * D;
+  for (uint p = begin + simd_id; p < end; p += LILY_ATTN_SIMDGROUPS) {
+    float kr[per_lane_max], vr[per_lane_max];
+    for (uint i = 0; i < per_lane; ++i) {
+      kr[i] = float(kh[ulong(p) * D + lane + 32 * i]);
+      vr[i] = float(vh[ulong(p) * D + lane + 32 * i]);
+    }
+    for (uint g = 0; g < group; ++g) {
+      float d = 0.0f;
+      for (uint i = 0; i < per_lane; ++i) d += q[g][i] * kr[i];
+      const float s = simd_sum(d) * args.scale;
+      const float mn = max(m[g], s);
+      const float c = exp(m[g] - mn), e = exp(s - mn);
+      l[g] = l[g] * c + e;
+      for (uint i = 0; i < per_lane; ++i) acc[g][i] = acc[g][i] * c + e * vr[i];
+      m[g] = mn;
+    }
+  }
+
+  // Merge the simdgroups' running states, one query head at a time.
+  for (uint g = 0; g < group; ++g) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint i = 0; i < per_lane; ++i) merge_o[simd_id][lane + 32 * i] = acc[g][i];
+    if (lane == 0) {
+      merge_m[simd_id] = m[g];
+      merge_l[simd_id] = l[g];
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    float mx = -INFINITY;
+    for (uint s = 0; s < LILY_ATTN_SIMDGROUPS; ++s) mx = max(mx, merge_m[s]);
+    float wts[LILY_ATTN_SIMDGROUPS];
+    float total = 0.0f;
+    for (uint s = 0; s < LILY_ATTN_SIMDGROUPS; ++s) {
+      wts[s] = merge_m[s] == -INFINITY ? 0.0f : exp(merge_m[s] - mx);
+      total += merge_l[s] * wts[s];
+    }
+    const uint hq = hk * group + g;
+    device const float* gate = qg + (ulong(t) * args.Hq + hq) * 2 * D + D;
+    const ulong head_row = ulong(t) * args.Hq + hq;
+    for (uint d = tid; d < D; d += 32 * LILY_ATTN_SIMDGROUPS) {
+      float num = 0.0f;
+      for (uint s = 0; s < LILY_ATTN_SIMDGROUPS; ++s) num += merge_o[s][d] * wts[s];
+      if (args.n_splits == 1) {
+        o[head_row * D + d] = num / total * sigmoid_f(gate[d]);
+      } else {
+        part_o[(head_row * args.n_splits + split) * D + d] = num;
+      }
+    }
+    if (args.n_splits > 1 && tid == 0) {
+      part_ml[(head_row * args.n_splits + split) * 2 + 0] = mx;
+      part_ml[(head_row * args.n_splits + split) * 2 + 1] = total;
+    }
+  }
+}
+
+LILY_KERNEL_INSTANTIATE("attn_decode_float", attn_decode, float)
+LILY_KERNEL_INSTANTIATE("attn_decode_half", attn_decode, half)
+
+kernel void attn_combine(device const float* qg [[buffer(0)]],       // [T, Hq, 2D] (gate)
+                         device const float* part_o [[buffer(1)]],   // [T, Hq, n_splits, D]
+                         device const float* part_ml [[buffer(2)]],  // [T, Hq, n_splits, 2]
+                         device float* o [[buffer(3)]],              // [T, Hq, D]
+                         constant AttnArgs& args [[buffer(4)]],
+                         uint2 tg [[threadgroup_position_in_grid]],
+                         uint tid [[thread_index_in_threadgroup]],
+                         uint threads [[threads_per_threadgroup]]) {
+  const uint D = args.D, hq = tg.x, t = tg.y, n = args.n_splits;
+  const ulong head_row = ulong(t) * args.Hq + hq;
+  device const float* ml = part_ml + head_row * n * 2;
+  float mx = -INFINITY;
+  for (uint s = 0; s < n; ++s) mx = max(mx, ml[2 * s]);
+  float total = 0.0f;
+  for (uint s = 0; s < n; ++s)
+    if (ml[2 * s] != -INFINITY) total += ml[2 * s + 1] * exp(ml[2 * s] - mx);
+  device const float* gate = qg + head_row * 2 * D + D;
+  for (uint d = tid; d < D; d += threads) {
+    float num = 0.0f;
+    for (uint s = 0; s < n; ++s)
+      if (ml[2 * s] != -INFINITY) num += part_o[(head_row * n + s) * D + d] * exp(ml[2 * s] - mx);
+    o[head_row * D + d] = num / total * sigmoid_f(gate[d]);
+  }
+}

@@ -1,0 +1,28 @@
+// Arguments of the attention family (metal/attention.metal), shared by host and kernels.
+//
+// Layouts: qg [T, Hq, 2D] = per head [query | output gate];  k, v [T, Hkv, D];
+// cache K, V [Hkv, cap, D] f32 (one contiguous run of positions per KV head);
+// o [T, Hq, D];  split partials o [T, Hq, n_splits, D] and (max, sum) [T, Hq, n_splits, 2].
+#pragma once
+
+#define LILY_ATTN_SIMDGROUPS 4   // simdgroups of an attn_decode threadgroup
+#define LILY_ATTN_MAX_GROUP 16   // query heads per KV head (GQA packing)
+#define LILY_ATTN_MAX_HEAD_DIM 256
+
+// q, k <- RMSNorm(.) * gain, then rotate-half RoPE on the first `rot` dims; k, v -> cache.
+struct AttnPrepareArgs {
+  uint32_t D, rot, Hq, Hkv;
+  uint32_t pos0;  // position of token 0 of the chunk
+  uint32_t cap;   // cache capacity (positions)
+  float eps;
+};
+
+// Causal attention of T query tokens over the cache (positions [0, pos0 + t]).
+struct AttnArgs {
+  uint32_t D, Hq, Hkv;
+  uint32_t cap;
+  uint32_t pos0;
+  uint32_t n_splits;   // 1: single pass, writes o; > 1: writes partials for attn_combine
+  uint32_t split_len;  // positions per split
+  float scale;         // 1 / sqrt(D)
+};

@@ -1,0 +1,155 @@
+// Gated DeltaNet family (the linear-attention layers), decode-first.
+//
+//   gdn_ungroup     Qwen3-Next only: scatter the per-key-head grouped [q k v z] / [b a]
+//                   projections into the plain layouts.      grid (ceil(n / 256), T), 256 threads
+//   gdn_conv        causal depthwise conv1d over [carried K-1 inputs ; chunk] + SiLU, one
+//                   thread per channel walking the chunk's tokens; the new window is written to
+//                   window_out.                               grid (ceil(C / 256)), 256 threads
+//   gdn_recurrence  one threadgroup per value head, one thread per value column j: the
+//                   column S[:, j] (Dk floats) stays in registers for the whole chunk. Per token:
+//                   l2-norm q and k (threadgroup reductions), beta = sigmoid(b),
+//                   decay = exp(-exp(A_log) * softplus(a + dt_bias)),
+//                   S <- S * decay; delta = (v - S^T k) * beta; S <- S + k delta^T; o = S^T q,
+//                   then the gated RMSNorm  (w * (o * r)) * silu(z)  fused.   grid (Hv), Dv threads
+// f32 throughout, in the CPU backend's order of operations.
+// State in and out are separate bindings (they may be the same buffer): the host ping-pongs two
+// copies, so the state before a pass survives it and a pass made past the end of a generation
+// can be discarded (depth-2 pipelining) without a copy.
+#include <metal_stdlib>
+#include "lily_msl.h"
+#include "gdn_args.h"
+#include "reduce.h"
+using namespace metal;
+
+kernel void gdn_ungroup(device const float* qkvz [[buffer(0)]],  // [T, C + Hv*Dv]
+                        device const float* ba [[buffer(1)]],    // [T, 2*Hv]
+                        device float* qkv [[buffer(2)]],         // [T, C]
+                        device float* z [[buffer(3)]],           // [T, Hv*Dv]
+                        device float* b [[buffer(4)]],           // [T, Hv]
+                        device float* a [[buffer(5)]],           // [T, Hv]
+                        constant GdnArgs& args [[buffer(6)]],
+                        uint2 gid [[thread_position_in_grid]]) {
+  const uint Dk = args.Dk, Dv = args.Dv, r = args.Hv / args.Hk;
+  const uint key_dim = args.Hk * Dk, vdim = args.Hv * Dv, C = args.C;
+  const uint block = 2 * Dk + 2 * r * Dv;  // one key head's [q | k | v | z] rows
+  const uint j = gid.x, t = gid.y;
+  device const float* src = qkvz + ulong(t) * (C + vdim);
+  if (j < key_dim) {
+    qkv[ulong(t) * C + j] = src[(j / Dk) * block + j % Dk];
+  } else if (j < 2 * key_dim) {
+    const uint i = j - key_dim;
+    qkv[ulong(t) * C + j] = src[(i / Dk) * block + Dk + i % Dk];
+  } else if (j < C) {
+    const uint i = j - 2 * key_dim;
+    qkv[ulong(t) * C + j] = src[(i / (r * Dv)) * block + 2 * Dk + i % (r * Dv)];
+  } else if (j < C + vdim) {
+    const uint i = j - C;
+    z[ulong(t) * vdim + i] = src[(i / (r * Dv)) * block + 2 * Dk + r * Dv + i % (r * Dv)];
+  } else if (j < C + vdim + 2 * args.Hv) {
+    const uint i = j - C - vdim;
+    const uint head = i % args.Hv, g = head / r;
+    const float value = ba[ulong(t) * 2 * args.Hv + g * 2 * r + (i < args.Hv ? 0 : r) + head % r];
+    if (i < args.Hv) b[ulong(t) * args.Hv + head] = value;
+    else a[ulong(t) * args.Hv + head] = value;
+  }
+}
+
+kernel void gdn_conv(device const float* qkv [[buffer(0)]],        // [T, C]
+                     device const float* taps [[buffer(1)]],       // [C, K]
+                     device const float* window [[buffer(2)]],     // [K-1, C] carried inputs
+                     device float* out [[buffer(3)]],              // [T, C]
+                     constant GdnArgs& args [[buffer(4)]],
+                     device float* window_out [[buffer(5)]],       // [K-1, C] for the next pass
+                     uint ch [[thread_position_in_grid]]) {
+  const uint C = args.C, K = args.K, T = args.T;
+  if (ch >= C) return;
+  device const float* tap = taps + ulong(ch) * K;
+  for (uint t = 0; t < T; ++t) {
+    float acc = 0.0f;
+    for (uint j = 0; j < K; ++j) {
+      const int src = int(t + j) - int(K - 1);  // < 0: from the carried window
+      const float x = src >= 0 ? qkv[ulong(src) * C + ch] : window[ulong(int(K - 1) + src) * C + ch];
+      acc += tap[j] * x;
+    }
+    out[ulong(t) * C + ch] = silu_f(acc);
+  }
+  // Carry the last K-1 inputs. window_out may be window itself: slot j takes old slot j + T,
+  // which is later in the loop order, so no old value is overwritten before it is read.
+  for (uint j = 0; j + 1 < K; ++j) {
+    const int src = int(T) - int(K - 1) + int(j);
+    window_out[ulong(j) * C + ch] = src >= 0 ? qkv[ulong(src) * C + ch] : window[ulong(j + T) * C + ch];
+  }
+}
+
+kernel void gdn_recurrence(device const float* conv_out [[buffer(0)]],  // [T, C]
+                           device const float* b [[buffer(1)]],         // [T, Hv]
+                           device const float* a [[buffer(2)]],         // [T, Hv]
+                           device const float* z [[buffer(3)]],         // [T, Hv*Dv]
+                           device const float* a_neg [[buffer(4)]],     // [Hv] -exp(A_log)
+                           device const float* dt_bias [[buffer(5)]],   // [Hv]
+                           device const float* norm_w [[buffer(6)]],    // [Dv]
+                           device const float* S [[buffer(7)]],         // [Hv, Dk, Dv] in
+                           device float* o [[buffer(8)]],               // [T, Hv*Dv]
+                           constant GdnArgs& args [[buffer(9)]],
+                           device float* S_out [[buffer(10)]],          // [Hv, Dk, Dv] out
+                           uint hv [[threadgroup_position_in_grid]],
+                           uint j [[thread_index_in_threadgroup]],
+                           uint threads [[threads_per_threadgroup]],
+                           uint simd_id [[simdgroup_index_in_threadgroup]],
+                           uint lane [[thread_index_in_simdgroup]],
+                           uint n_simd [[simdgroups_per_threadgroup]]) {
+  LILY_THREADGROUP(float, scratch, [32]);
+  LILY_THREADGROUP(float, qs, [LILY_GDN_MAX_DK]);
+  LILY_THREADGROUP(float, ks, [LILY_GDN_MAX_DK]);
+  const uint Dk = args.Dk, Dv = args.Dv, Hv = args.Hv, C = args.C;
+  const uint hk = hv / (Hv / args.Hk), key_dim = args.Hk * Dk, vdim = Hv * Dv;
+  const bool owner = j < Dv;  // threads is Dv rounded up to the simdgroup width
+
+  float col[LILY_GDN_MAX_DK];  // S[:, j] of this head
+  device const float* Sh = S + ulong(hv) * Dk * Dv;
+  for (uint i = 0; i < Dk; ++i) col[i] = owner ? Sh[ulong(i) * Dv + j] : 0.0f;
+
+  for (uint t = 0; t < args.T; ++t) {
+    device const float* row = conv_out + ulong(t) * C;
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // last token's qs / ks fully read
+    float sq = 0.0f, sk = 0.0f;
+    for (uint i = j; i < Dk; i += threads) {
+      const float qv = row[hk * Dk + i], kv = row[key_dim + hk * Dk + i];
+      qs[i] = qv;
+      ks[i] = kv;
+      sq += qv * qv;
+      sk += kv * kv;
+    }
+    const float rq = 1.0f / sqrt(threadgroup_sum(sq, scratch, simd_id, lane, n_simd) + 1e-6f);
+    const float rk = 1.0f / sqrt(threadgroup_sum(sk, scratch, simd_id, lane, n_simd) + 1e-6f);
+
+    const float beta = sigmoid_f(b[ulong(t) * Hv + hv]);
+    const float x = a[ulong(t) * Hv + hv] + dt_bias[hv];
+    const float softplus = x > 20.0f ? x : log(1.0f + exp(x));
+    const float decay = exp(a_neg[hv] * softplus);
+
+    float kv_mem = 0.0f;
+    for (uint i = 0; i < Dk; ++i) {
+      col[i] *= decay;
+      kv_mem += (ks[i] * rk) * col[i];
+    }
+    const float v = owner ? row[2 * key_dim + hv * Dv + j] : 0.0f;
+    const float delta = (v - kv_mem) * beta;
+    float out = 0.0f;
+    for (uint i = 0; i < Dk; ++i) {
+      col[i] += (ks[i] * rk) * delta;
+      out += ((qs[i] * rq) * args.q_scale) * col[i];
+    }
+    if (!owner) out = 0.0f;
+
+    const float ss = threadgroup_sum(out * out, scratch, simd_id, lane, n_simd);
+    const float r = 1.0f / sqrt(ss / float(Dv) + args.eps);
+    if (owner) {
+      const float zj = z[ulong(t) * vdim + hv * Dv + j];
+      o[ulong(t) * vdim + hv * Dv + j] = (norm_w[j] * (out * r)) * silu_f(zj);
+    }
+  }
+  device float* So = S_out + ulong(hv) * Dk * Dv;  // may be S itself: each thread owns its column
+  if (owner)
+    for (uint i = 0; i < Dk; ++i) So[ulong(i) * Dv + j] = col[i];
+}

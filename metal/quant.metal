@@ -1,0 +1,56 @@
+// Quant family: GEMV with fused dequantization (decode, and the simple prefill path) and the
+// embedding gather. Algorithms in quant.h; this file holds the kernels and instantiations.
+//
+//   gemv_<S>   y[t, r] = W[r] . x[t]          grid (ceil(out / 8), T), 64 threads
+//   embed_<S>  x[t, :] = W[tokens[t], :]      grid (ceil(in / 256), T), 256 threads
+// S is the scale type of affine weights, or the element type of dense ones (float, half,
+// bfloat). The bit width is a uniform runtime argument (0 = dense, 2, 4, 8).
+#include <metal_stdlib>
+#include "lily_msl.h"
+#include "quant.h"
+using namespace metal;
+
+// Each simdgroup owns LILY_GEMV_ROWS_PER_SIMDGROUP rows and walks them one after another, so a
+// threadgroup covers 8 consecutive rows; f32 partials per lane, one simd_sum per row.
+template <typename S>
+kernel void gemv(device const uchar* w [[buffer(0)]],       // packed or dense W
+                 device const uchar* scales [[buffer(1)]],  // [out, in/group] (affine)
+                 device const uchar* biases [[buffer(2)]],  // [out, in/group] (affine)
+                 device const float* x [[buffer(3)]],       // [T, ldx]
+                 device float* y [[buffer(4)]],             // [T, ldy]
+                 constant GemvArgs& args [[buffer(5)]],
+                 uint2 tg [[threadgroup_position_in_grid]],
+                 uint simd_id [[simdgroup_index_in_threadgroup]],
+                 uint lane [[thread_index_in_simdgroup]]) {
+  const uint t = tg.y;
+  device const float* xt = x + ulong(t) * args.ldx;
+  const uint row0 = (tg.x * LILY_GEMV_SIMDGROUPS + simd_id) * LILY_GEMV_ROWS_PER_SIMDGROUP;
+  for (uint r = 0; r < LILY_GEMV_ROWS_PER_SIMDGROUP; ++r) {
+    const uint row = row0 + r;
+    if (row >= args.w.out) break;  // uniform across the simdgroup
+    const float dot = simd_sum(row_partial<S>(w, scales, biases, args.w, row, xt, lane));
+    if (lane == 0) y[ulong(t) * args.ldy + row] = dot;
+  }
+}
+
+LILY_KERNEL_INSTANTIATE("gemv_float", gemv, float)
+LILY_KERNEL_INSTANTIATE("gemv_half", gemv, half)
+LILY_KERNEL_INSTANTIATE("gemv_bfloat", gemv, bfloat)
+
+template <typename S>
+kernel void embed(device const uchar* w [[buffer(0)]],
+                  device const uchar* scales [[buffer(1)]],
+                  device const uchar* biases [[buffer(2)]],
+                  device const int* tokens [[buffer(3)]],  // [T], range-checked by the engine
+                  device float* x [[buffer(4)]],           // [T, in]
+                  constant EmbedArgs& args [[buffer(5)]],
+                  uint2 gid [[thread_position_in_grid]]) {
+  const uint j = gid.x, t = gid.y;
+  if (j >= args.w.in) return;
+  const uint row = uint(tokens[t]);
+  x[ulong(t) * args.w.in + j] = dequantize_element<S>(w, scales, biases, args.w, row, j);
+}
+
+LILY_KERNEL_INSTANTIATE("embed_float", embed, float)
+LILY_KERNEL_INSTANTIATE("embed_half", embed, half)
+LILY_KERNEL_INSTANTIATE("embed_bfloat", embed, bfloat)

@@ -1,0 +1,29 @@
+// Arguments of the quant family (metal/quant.metal), shared by the host (csrc/gpu/) and the
+// kernels: plain 32-bit fields only, so the layout is the same in C++ and MSL.
+#pragma once
+
+// A weight matrix W [out, in] as the kernels read it. bits == 0: dense, elements of the
+// kernel's type; else MLX affine: [out, in*bits/32] uint32 words, scales and biases of the
+// kernel's type [out, in/group].
+struct QuantMatrix {
+  uint32_t in, out;
+  uint32_t bits;
+  uint32_t group;
+};
+
+// y[t, 0..out) = x[t, 0..in) . W^T     (gemv_*; decode T = 1, prefill runs T rows of the grid)
+struct GemvArgs {
+  QuantMatrix w;
+  uint32_t ldx;  // floats between rows of x
+  uint32_t ldy;  // floats between rows of y
+};
+
+// x[t, :] = W[tokens[t], :]     (embed_*)
+struct EmbedArgs {
+  QuantMatrix w;
+  uint32_t vocab;
+};
+
+// Rows of a GEMV threadgroup: 2 simdgroups x 4 rows (a uniform tile the host sizes grids by).
+#define LILY_GEMV_SIMDGROUPS 2
+#define LILY_GEMV_ROWS_PER_SIMDGROUP 4

@@ -1,0 +1,167 @@
+"""Whole-model decode through the Metal backend's dispatch sequence, run by the MSL-on-CPU
+runtime (backend="msl-cpu"), on tiny 4-bit checkpoints of each model type converted by mlx-lm.
+
+- Logits of prefill and of every decode step against mlx-lm on the same bytes (TOL_MLX, top-1
+  at every position) and against lily's CPU backend; greedy generation equals mlx-lm's.
+- The attention route thresholds are lowered (backend_options) so one sequence crosses them:
+  prefill and the first decode steps take the single pass, later steps split-K + combine.
+- A decode step under the runtime's dependency-checking mode (every group of dispatches that
+  the hazard tracker left without a barrier also runs in reverse) and randomized thread
+  interleavings: no missing edge, no missing barrier.
+- One command buffer and one CPU wait per decode step; snapshots and forks of the GPU state.
+
+The fiber runtime is slow: the tiny models and few tokens keep this file near a minute.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from fixtures import cases
+from fixtures.references import rel_err
+
+TOL = cases.TOL_MLX
+# Decode contexts 15..23 (prefill 14): single pass up to 18 positions, split-K (splits of 4
+# positions, the last one partial) beyond.
+ROUTES = dict(split_threshold=18, split_len=4)
+MODELS = [("qwen3_5_moe", 4, 64, "bfloat16"), ("qwen3_5", 4, 64, None), ("qwen3_next", 4, 64, None)]
+
+
+def _check(got, want, what, tol=TOL):
+    got = np.asarray(got)
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, expected {want.shape}"
+    err = rel_err(got, want)
+    assert err <= tol, f"{what}: rel err {err:.3e} > {tol:.0e}"
+    bad = np.nonzero(got.reshape(-1, got.shape[-1]).argmax(-1) != want.reshape(-1, want.shape[-1]).argmax(-1))[0]
+    assert bad.size == 0, f"{what}: top-1 differs at rows {bad.tolist()}"
+
+
+@pytest.fixture(scope="module", params=[pytest.param(m, id=cases.case_id(m)) for m in MODELS])
+def case(request, store, lily):
+    path = store.mlx(*request.param)
+    gpu = lily.Model.load(path, backend="msl-cpu", backend_options=ROUTES)
+    cpu = lily.Model.load(path, backend="cpu")
+    return gpu, cpu, store.mlx_reference(path)
+
+
+def test_prefill_then_decode(case):
+    gpu, cpu, ref = case
+    s, c = gpu.session(), cpu.session()
+    n = cases.DECODE_SPLIT
+    got = s.prefill(cases.PROMPT[:n], all_logits=True)
+    _check(got, ref.prompt[:n], "prefill vs mlx-lm")
+    _check(got, c.prefill(cases.PROMPT[:n], all_logits=True), "prefill vs cpu backend")
+    for i in range(n, len(cases.PROMPT)):
+        route = "split-K" if i + 1 > ROUTES["split_threshold"] else "single pass"
+        got = s.decode(cases.PROMPT[i])
+        _check(got, ref.prompt[i], f"decode at position {i} ({route}) vs mlx-lm")
+        _check(got, c.decode(cases.PROMPT[i]), f"decode at position {i} ({route}) vs cpu backend")
+
+
+def test_greedy_generation(case):
+    gpu, cpu, ref = case
+    got = gpu.generate(cases.GEN_PROMPT, max_tokens=cases.GEN_TOKENS).tokens
+    assert got == ref.gen_tokens, "greedy tokens differ from mlx-lm's"
+    assert got == cpu.generate(cases.GEN_PROMPT, max_tokens=cases.GEN_TOKENS).tokens
+
+
+def test_one_pass_and_one_wait_per_decode_step(case):
+    gpu, _, _ = case
+    s = gpu.session()
+    s.prefill(cases.PROMPT[:3])
+    d0, b0, cb0, w0, _ = gpu._engine.gpu_stats
+    for tok in cases.PROMPT[3:6]:
+        s.decode(tok)
+    d1, b1, cb1, w1, _ = gpu._engine.gpu_stats
+    assert (cb1 - cb0, w1 - w0) == (3, 3), "a decode step must be one command buffer and one CPU wait"
+    assert b1 - b0 < d1 - d0, "the hazard tracker placed a barrier before every dispatch"
+
+
+def test_device_greedy_pipelined(case):
+    """Engine.generate_greedy on a GPU backend: the argmax is written on the device into the
+    next step's input slot and step N+1 is committed before step N's token is read (two steps
+    in flight). Tokens equal mlx-lm's greedy ones; stopping early discards the step made past
+    the stop, so the state continues exactly as if decoded token by token."""
+    gpu, cpu, ref = case
+    eng = gpu._engine
+    s = gpu.session()
+    s.prefill(cases.GEN_PROMPT[:-1])
+    cb0, w0 = eng.gpu_stats[2:4]
+    got = eng.generate_greedy(s._state, cases.GEN_PROMPT[-1], cases.GEN_TOKENS)
+    _, _, cb1, w1, in_flight = eng.gpu_stats
+    assert got == ref.gen_tokens
+    assert s.position == len(cases.GEN_PROMPT) + cases.GEN_TOKENS - 1
+    assert (cb1 - cb0, w1 - w0, in_flight) == (cases.GEN_TOKENS, cases.GEN_TOKENS, 2)
+
+    stop = 4  # stop after the 5th token: the 6th step was already committed and must be undone
+    s = gpu.session()
+    s.prefill(cases.GEN_PROMPT[:-1])
+    got = eng.generate_greedy(s._state, cases.GEN_PROMPT[-1], cases.GEN_TOKENS, [ref.gen_tokens[stop]])
+    assert got == ref.gen_tokens[:stop + 1]
+    assert s.position == len(cases.GEN_PROMPT) + stop
+    want = cpu.session().prefill(cases.GEN_PROMPT + ref.gen_tokens[:stop + 1])
+    _check(s.decode(got[-1]), want, "decode after a discarded pipelined step vs cpu backend")
+
+
+def test_state_fork_and_snapshot(case):
+    gpu, _, ref = case
+    s = gpu.session()
+    n = cases.DECODE_SPLIT
+    s.prefill(cases.PROMPT[:n])
+    twin = s.fork()
+    snap = s._state.snapshot()
+    first = s.decode(cases.PROMPT[n])
+    _check(twin.decode(cases.PROMPT[n]), first, "forked state")
+    s.decode(cases.PROMPT[n + 1])
+    s._state.restore(snap)
+    _check(s.decode(cases.PROMPT[n]), ref.prompt[n], "decode after restoring a snapshot")
+
+
+def test_decode_step_has_no_missing_dependency(store, lily):
+    """check_dependencies reruns every barrier-free group of dispatches in reverse; the
+    interleaving mode reruns each dispatch with random thread orders. Any undeclared data edge
+    or missing threadgroup barrier raises LilyError naming the kernels."""
+    path = store.mlx("qwen3_next", 4)  # grouped projections + a dense MLP layer + MoE layers
+    model = lily.Model.load(path, backend="msl-cpu",
+                            backend_options=dict(split_threshold=4, split_len=2, check_dependencies=True,
+                                                 interleavings=1))
+    s = model.session()
+    s.prefill(cases.PROMPT[:4])
+    for tok in cases.PROMPT[4:6]:  # contexts 5 and 6: split-K route
+        got = s.decode(tok)
+    _check(got, store.mlx_reference(path).prompt[5], "checked decode step vs mlx-lm")
+
+
+def test_qwen3_5_moe_dependency_check(store, lily):
+    path = store.mlx("qwen3_5_moe", 4, 64, "bfloat16")
+    model = lily.Model.load(path, backend="msl-cpu", backend_options=dict(check_dependencies=True))
+    s = model.session()
+    s.prefill(cases.PROMPT[:2])
+    _check(s.decode(cases.PROMPT[2]), store.mlx_reference(path).prompt[2], "checked decode step vs mlx-lm")
+
+
+def test_half_precision_kv_cache(store, lily):
+    """kv_dtype="float16" halves the cache's bytes per token; k and v are rounded to f16 once
+    (relative 2^-11), scores and sums stay f32, so logits stay within 1e-3 of mlx-lm's f32."""
+    path = store.mlx("qwen3_5_moe", 4, 64, "bfloat16")
+    ref = store.mlx_reference(path)
+    model = lily.Model.load(path, backend="msl-cpu", backend_options=dict(kv_dtype="float16", **ROUTES))
+    s = model.session()
+    n = cases.DECODE_SPLIT
+    errs = [rel_err(s.prefill(cases.PROMPT[:n], all_logits=True), ref.prompt[:n])]
+    errs += [rel_err(s.decode(cases.PROMPT[i]), ref.prompt[i]) for i in range(n, len(cases.PROMPT))]
+    assert max(errs) <= 1e-3, f"rel err {max(errs):.2e} with a half-precision KV cache"
+    with pytest.raises(lily.ConfigError, match="kv_dtype"):
+        lily.Model.load(path, backend="msl-cpu", backend_options=dict(kv_dtype="int8"))
+
+
+def test_backend_errors(store, lily):
+    path = store.mlx("qwen3_5", 4)
+    if sys.platform != "darwin":
+        with pytest.raises(lily.ConfigError, match="msl-cpu"):
+            lily.Model.load(path, backend="metal")  # Linux builds have no Metal
+    with pytest.raises(lily.ConfigError, match="unknown backend"):
+        lily.Model.load(path, backend="cuda")

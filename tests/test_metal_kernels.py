@@ -1,0 +1,400 @@
+"""The Metal backend's kernels (metal/*.metal) run on the MSL-on-CPU runtime, one family at a
+time, against references nobody here wrote: mlx (quantize / dequantize), NumPy, PyTorch
+(scaled_dot_product_attention with GQA) and transformers' own Qwen3-Next pieces (rotate_half,
+the recurrent gated delta rule, the gated RMSNorm).
+
+Shapes: the real Qwen3.6-35B-A3B dims where the fiber runtime affords them (hidden 2048, expert
+intermediate 512, attention 16 x 256 over 2 KV heads with 64 rotary dims, DeltaNet 16 key /
+32 value heads of 128, 256 experts top-8, vocab 248320), plus odd sizes that straddle the
+simdgroup width. Odd-size cases also run under randomized thread interleavings
+(msl_cpu.device(interleavings=2)), which fails on a missing threadgroup barrier.
+
+Argument structs are packed here field by field from metal/*_args.h (all 32-bit fields).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+from msl_cpu_harness import ROOT, dispatch, msl_cpu, read
+
+RNG = np.random.default_rng(0)
+
+
+def kernels(dev, name):
+    return dev.library((ROOT / "metal" / name).read_text(), f"metal/{name}")
+
+
+def qm(in_, out, bits, group):  # struct QuantMatrix
+    return struct.pack("4I", in_, out, bits, group)
+
+
+def quantize(w: np.ndarray, bits: int, group: int, scale_dtype: str):
+    """mlx's affine quantization; returns packed, scales, biases (NumPy) and mlx's dequantized
+    f32 matrix, the reference weights."""
+    wq, s, b = mx.quantize(mx.array(w), group_size=group, bits=bits)
+    if scale_dtype != "float32":
+        s, b = s.astype(getattr(mx, scale_dtype)), b.astype(getattr(mx, scale_dtype))
+    deq = np.array(mx.dequantize(wq, s.astype(mx.float32), b.astype(mx.float32), group_size=group, bits=bits))
+
+    def raw(a):
+        if a.dtype == mx.bfloat16:
+            return np.array(a.view(mx.uint16))
+        return np.array(a)
+
+    return np.array(wq), raw(s), raw(b), deq
+
+
+MSL_TYPE = {"float32": "float", "float16": "half", "bfloat16": "bfloat"}
+
+
+def dense(w: np.ndarray, dtype: str):
+    """Raw bytes of w in dtype and the f32 values they hold."""
+    if dtype == "bfloat16":
+        t = torch.from_numpy(w).to(torch.bfloat16)
+        return t.view(torch.uint16).numpy(), t.float().numpy()
+    a = w.astype(dtype)
+    return a, a.astype(np.float32)
+
+
+# ---- quant.metal: GEMV and embedding ------------------------------------------------------------
+
+GEMV_AFFINE = [
+    # (out, in, bits, group, scale dtype, T)
+    (512, 2048, 4, 64, "bfloat16", 1),    # expert gate/up at the real shape, released scale dtype
+    (2048, 512, 4, 64, "float32", 1),     # expert down
+    (8192, 2048, 4, 64, "bfloat16", 1),   # attention q_proj (query | gate) of the 35B
+    (256, 2048, 8, 64, "bfloat16", 1),    # router (8-bit in the release)
+    (37, 192, 4, 64, "float32", 3),       # odd rows, T > 1 (the simple prefill path)
+    (33, 320, 8, 32, "float16", 2),
+    (31, 256, 2, 64, "float32", 1),
+]
+
+
+@pytest.mark.parametrize("out,in_,bits,group,sdt,T", GEMV_AFFINE)
+def test_gemv_affine(out, in_, bits, group, sdt, T):
+    dev = msl_cpu.device(interleavings=2 if out < 64 else 0)
+    w = RNG.standard_normal((out, in_), dtype=np.float32)
+    wq, s, b, deq = quantize(w, bits, group, sdt)
+    x = RNG.standard_normal((T, in_), dtype=np.float32)
+    y = dev.buffer_empty(4 * T * out)
+    lib = kernels(dev, "quant.metal")
+    dispatch(dev, lib.pipeline(f"gemv_{MSL_TYPE[sdt]}"), ((out + 7) // 8, T), (64,),
+             {0: dev.buffer(wq), 1: dev.buffer(s), 2: dev.buffer(b), 3: dev.buffer(x), 4: y,
+              5: qm(in_, out, bits, group) + struct.pack("2I", in_, out)})
+    want = x.astype(np.float64) @ deq.T.astype(np.float64)
+    np.testing.assert_allclose(read(y, np.float32, (T, out)), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_gemv_dense(dtype):
+    out, in_, T = 45, 100, 2  # in not a multiple of 32
+    dev = msl_cpu.device(interleavings=2)
+    raw, w = dense(RNG.standard_normal((out, in_), dtype=np.float32), dtype)
+    x = RNG.standard_normal((T, in_), dtype=np.float32)
+    y = dev.buffer_empty(4 * T * out)
+    lib = kernels(dev, "quant.metal")
+    dummy = dev.buffer_empty(16)
+    dispatch(dev, lib.pipeline(f"gemv_{MSL_TYPE[dtype]}"), ((out + 7) // 8, T), (64,),
+             {0: dev.buffer(raw), 1: dummy, 2: dummy, 3: dev.buffer(x), 4: y,
+              5: qm(in_, out, 0, 0) + struct.pack("2I", in_, out)})
+    np.testing.assert_allclose(read(y, np.float32, (T, out)), x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits,sdt", [(4, "bfloat16"), (8, "float32")])
+def test_embed_gather(bits, sdt):
+    vocab, hidden = 503, 192
+    dev = msl_cpu.device()
+    wq, s, b, deq = quantize(RNG.standard_normal((vocab, hidden), dtype=np.float32), bits, 64, sdt)
+    tokens = np.array([0, 502, 17, 17, 250], dtype=np.int32)
+    x = dev.buffer_empty(4 * len(tokens) * hidden)
+    lib = kernels(dev, "quant.metal")
+    dispatch(dev, lib.pipeline(f"embed_{MSL_TYPE[sdt]}"), ((hidden + 255) // 256, len(tokens)), (256,),
+             {0: dev.buffer(wq), 1: dev.buffer(s), 2: dev.buffer(b), 3: dev.buffer(tokens), 4: x,
+              5: qm(hidden, vocab, bits, 64) + struct.pack("I", vocab)})
+    np.testing.assert_allclose(read(x, np.float32, (len(tokens), hidden)), deq[tokens], rtol=1e-6, atol=1e-6)
+
+
+# ---- norm.metal ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,T,add", [(2048, 2, True), (192, 3, False), (33, 1, True)])
+def test_add_rms_norm(n, T, add):
+    dev = msl_cpu.device(interleavings=2 if n < 100 else 0)
+    x = RNG.standard_normal((T, n), dtype=np.float32)
+    y = RNG.standard_normal((T, n), dtype=np.float32)
+    w = RNG.standard_normal(n, dtype=np.float32)
+    xb, hb = dev.buffer(x), dev.buffer_empty(4 * T * n)
+    eps = 1e-6
+    dispatch(dev, kernels(dev, "norm.metal").pipeline("add_rms_norm"), (T,), (256,),
+             {0: xb, 1: dev.buffer(y), 2: dev.buffer(w), 3: hb, 4: struct.pack("IIf", n, int(add), eps)})
+    xs = (x + y if add else x).astype(np.float64)
+    want = xs / np.sqrt((xs * xs).mean(-1, keepdims=True) + eps) * w
+    np.testing.assert_allclose(read(xb, np.float32, (T, n)), xs, rtol=1e-6)
+    np.testing.assert_allclose(read(hb, np.float32, (T, n)), want, rtol=1e-5, atol=1e-5)
+
+
+# ---- attention.metal --------------------------------------------------------------------------------
+
+def _torch_attention(q, k_cache, v_cache, gate, pos0, scale):
+    """q [T, Hq, D] (normed, rotated), caches [Hkv, P, D]: causal GQA attention by PyTorch's
+    scaled_dot_product_attention, then the sigmoid gate."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    T, P = q.shape[0], pos0 + q.shape[0]
+    qt = torch.from_numpy(q).double().transpose(0, 1)[None]            # [1, Hq, T, D]
+    kt = torch.from_numpy(k_cache[:, :P]).double()[None]               # [1, Hkv, P, D]
+    vt = torch.from_numpy(v_cache[:, :P]).double()[None]
+    mask = torch.arange(P)[None, :] <= (pos0 + torch.arange(T))[:, None]
+    o = sdpa(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+    return (o * torch.sigmoid(torch.from_numpy(gate).double())).numpy()
+
+
+def _torch_norm_rope(x, w, eps, pos, inv_freq, rot):
+    """x [..., D] -> RMSNorm(x) * w, then transformers' rotate_half RoPE on the first rot dims."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import rotate_half
+
+    t = torch.from_numpy(x).double()
+    t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * torch.from_numpy(w).double()
+    freqs = torch.from_numpy(pos).double()[:, None] * torch.from_numpy(inv_freq).double()[None]
+    emb = torch.cat([freqs, freqs], -1)                                 # [T, rot]
+    shape = (len(pos),) + (1,) * (t.dim() - 2) + (rot,)
+    cos, sin = emb.cos().reshape(shape), emb.sin().reshape(shape)
+    r = t[..., :rot]
+    return torch.cat([r * cos + rotate_half(r) * sin, t[..., rot:]], -1).numpy()
+
+
+ATTN_CASES = [
+    # (D, Hq, Hkv, rot, pos0, T, n_splits, split_len, KV cache type)
+    (256, 16, 2, 64, 40, 1, 1, 41, "float"),   # 35B decode, single pass
+    (256, 16, 2, 64, 90, 1, 4, 24, "float"),   # 35B decode, split-K (last split partial) + combine
+    (256, 16, 2, 64, 90, 1, 4, 24, "half"),    # the same with a half-precision cache
+    (96, 6, 2, 24, 5, 3, 1, 8, "float"),       # odd: GQA 3, prefill of 3 tokens (causal)
+    (64, 3, 3, 64, 70, 1, 5, 16, "half"),      # no GQA, whole head rotated, split-K
+]
+
+
+@pytest.mark.parametrize("D,Hq,Hkv,rot,pos0,T,n_splits,split_len,kv", ATTN_CASES)
+def test_attention(D, Hq, Hkv, rot, pos0, T, n_splits, split_len, kv):
+    dev = msl_cpu.device(interleavings=2 if D < 256 else 0)
+    lib = kernels(dev, "attention.metal")
+    cap, eps, theta = pos0 + T + 3, 1e-6, 10_000_000.0
+    qg = RNG.standard_normal((T, Hq, 2 * D), dtype=np.float32)
+    k = RNG.standard_normal((T, Hkv, D), dtype=np.float32)
+    v = RNG.standard_normal((T, Hkv, D), dtype=np.float32)
+    qn, kn = (1 + 0.3 * RNG.standard_normal(D)).astype(np.float32), (1 + 0.3 * RNG.standard_normal(D)).astype(np.float32)
+    inv_freq = (1.0 / theta ** (np.arange(0, rot, 2, dtype=np.float32) / rot)).astype(np.float32)
+    kv_np = np.float32 if kv == "float" else np.float16
+    kc = RNG.standard_normal((Hkv, cap, D), dtype=np.float32).astype(kv_np)  # earlier positions: any values
+    vc = RNG.standard_normal((Hkv, cap, D), dtype=np.float32).astype(kv_np)
+    qgb, kcb, vcb = dev.buffer(qg), dev.buffer(kc), dev.buffer(vc)
+    dispatch(dev, lib.pipeline(f"attn_prepare_{kv}"), (Hq + Hkv, T), (128,),
+             {0: qgb, 1: dev.buffer(k), 2: dev.buffer(v), 3: dev.buffer(qn), 4: dev.buffer(kn),
+              5: dev.buffer(inv_freq), 6: kcb, 7: vcb, 8: struct.pack("6If", D, rot, Hq, Hkv, pos0, cap, eps)})
+
+    pos = np.arange(pos0, pos0 + T)
+    q_want = _torch_norm_rope(qg[..., :D], qn, eps, pos, inv_freq, rot)
+    k_want = _torch_norm_rope(k, kn, eps, pos, inv_freq, rot)
+    got_qg = read(qgb, np.float32, (T, Hq, 2 * D))
+    np.testing.assert_allclose(got_qg[..., :D], q_want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got_qg[..., D:], qg[..., D:])  # the gate half is untouched
+    kc_got, vc_got = read(kcb, kv_np, (Hkv, cap, D)), read(vcb, kv_np, (Hkv, cap, D))
+    k_tol = 1e-4 if kv == "float" else 1e-3  # f16 rounding of the stored key
+    np.testing.assert_allclose(kc_got[:, pos0:pos0 + T], k_want.transpose(1, 0, 2), rtol=k_tol, atol=k_tol)
+    np.testing.assert_array_equal(vc_got[:, pos0:pos0 + T], v.transpose(1, 0, 2).astype(kv_np))
+    np.testing.assert_array_equal(kc_got[:, :pos0], kc[:, :pos0])  # nothing else written
+
+    scale = 1.0 / np.sqrt(D)
+    o = dev.buffer_empty(4 * T * Hq * D)
+    part_o, part_ml = dev.buffer_empty(4 * T * Hq * n_splits * D), dev.buffer_empty(4 * T * Hq * n_splits * 2)
+    args = struct.pack("7If", D, Hq, Hkv, cap, pos0, n_splits, split_len, scale)
+    dispatch(dev, lib.pipeline(f"attn_decode_{kv}"), (Hkv, n_splits, T), (128,),
+             {0: qgb, 1: kcb, 2: vcb, 3: o, 4: part_o, 5: part_ml, 6: args})
+    if n_splits > 1:
+        dispatch(dev, lib.pipeline("attn_combine"), (Hq, T), (128,),
+                 {0: qgb, 1: part_o, 2: part_ml, 3: o, 4: args})
+    # Attention over the cache as stored (f16 values are exact in f64).
+    want = _torch_attention(got_qg[..., :D], kc_got.astype(np.float32), vc_got.astype(np.float32), qg[..., D:],
+                            pos0, scale)
+    np.testing.assert_allclose(read(o, np.float32, (T, Hq, D)), want, rtol=1e-4, atol=1e-5)
+
+
+# ---- gdn.metal ----------------------------------------------------------------------------------
+
+GDN_CASES = [
+    # (Hk, Hv, Dk, Dv, K, T)
+    (16, 32, 128, 128, 4, 1),  # 35B decode
+    (3, 6, 48, 96, 4, 4),      # odd dims, a chunk longer than the conv window
+    (2, 2, 32, 40, 4, 2),      # T < K-1: the window keeps part of the old one; Dv not a multiple of 32
+]
+
+
+@pytest.mark.parametrize("Hk,Hv,Dk,Dv,K,T", GDN_CASES)
+def test_gated_deltanet_step(Hk, Hv, Dk, Dv, K, T):
+    from transformers.models.qwen3_next.modeling_qwen3_next import (
+        Qwen3NextRMSNormGated, torch_recurrent_gated_delta_rule)
+
+    dev = msl_cpu.device(interleavings=2 if Hv < 32 else 0)
+    lib = kernels(dev, "gdn.metal")
+    C, vdim, eps = 2 * Hk * Dk + Hv * Dv, Hv * Dv, 1e-6
+    qkv = RNG.standard_normal((T, C), dtype=np.float32)
+    taps = (0.5 * RNG.standard_normal((C, K))).astype(np.float32)
+    window = RNG.standard_normal((K - 1, C), dtype=np.float32)
+    z = RNG.standard_normal((T, vdim), dtype=np.float32)
+    b = RNG.standard_normal((T, Hv), dtype=np.float32)
+    a = RNG.standard_normal((T, Hv), dtype=np.float32)
+    A_log = RNG.uniform(-1, 1, Hv).astype(np.float32)
+    a_neg = -np.exp(A_log).astype(np.float32)
+    dt_bias = RNG.standard_normal(Hv, dtype=np.float32)
+    norm_w = RNG.uniform(0.5, 1.5, Dv).astype(np.float32)
+    S0 = (0.1 * RNG.standard_normal((Hv, Dk, Dv))).astype(np.float32)
+    args = struct.pack("7I2f", T, Hk, Hv, Dk, Dv, K, C, eps, 1.0 / np.sqrt(Dk))
+
+    # State in place for the conv window, ping-ponged (separate out buffer) for S.
+    winb, conv_out = dev.buffer(window), dev.buffer_empty(4 * T * C)
+    dispatch(dev, lib.pipeline("gdn_conv"), ((C + 255) // 256,), (256,),
+             {0: dev.buffer(qkv), 1: dev.buffer(taps), 2: winb, 3: conv_out, 4: args, 5: winb})
+    S_in, Sb, o = dev.buffer(S0), dev.buffer_empty(S0.nbytes), dev.buffer_empty(4 * T * vdim)
+    dispatch(dev, lib.pipeline("gdn_recurrence"), (Hv,), (32 * ((Dv + 31) // 32),),
+             {0: conv_out, 1: dev.buffer(b), 2: dev.buffer(a), 3: dev.buffer(z), 4: dev.buffer(a_neg),
+              5: dev.buffer(dt_bias), 6: dev.buffer(norm_w), 7: S_in, 8: o, 9: args, 10: Sb})
+    np.testing.assert_array_equal(read(S_in, np.float32, S0.shape), S0)  # the input state survives
+
+    # Reference: PyTorch's depthwise conv1d over [window ; qkv], transformers' recurrence and norm.
+    full = torch.from_numpy(np.concatenate([window, qkv])).double().T[None]  # [1, C, K-1+T]
+    conv = torch.nn.functional.conv1d(full, torch.from_numpy(taps).double()[:, None], groups=C)[0].T
+    conv = torch.nn.functional.silu(conv)                                     # [T, C]
+    np.testing.assert_allclose(read(conv_out, np.float32, (T, C)), conv.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(read(winb, np.float32, (K - 1, C)),
+                                  np.concatenate([window, qkv])[-(K - 1):])
+    kd = Hk * Dk
+    q = conv[:, :kd].reshape(1, T, Hk, Dk)
+    k = conv[:, kd:2 * kd].reshape(1, T, Hk, Dk)
+    v = conv[:, 2 * kd:].reshape(1, T, Hv, Dv)
+    beta = torch.sigmoid(torch.from_numpy(b).double())[None]
+    g = torch.from_numpy(a_neg).double() * torch.nn.functional.softplus(
+        torch.from_numpy(a).double() + torch.from_numpy(dt_bias).double())
+    out, S = torch_recurrent_gated_delta_rule(q, k, v, g[None], beta, initial_state=torch.from_numpy(S0).double()[None],
+                                              output_final_state=True, use_qk_l2norm_in_kernel=True)
+    norm = Qwen3NextRMSNormGated(Dv, eps=eps).double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.from_numpy(norm_w))
+        want = norm(out[0], torch.from_numpy(z).double().reshape(T, Hv, Dv)).reshape(T, vdim)
+    np.testing.assert_allclose(read(Sb, np.float32, (Hv, Dk, Dv)), S[0].numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(read(o, np.float32, (T, vdim)), want.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_gdn_ungroup():
+    """Qwen3-Next's grouped in_proj_qkvz / in_proj_ba, scattered as transformers'
+    fix_query_key_value_ordering does (reimplemented by its reshape/split recipe with NumPy)."""
+    Hk, Hv, Dk, Dv, T = 3, 6, 48, 96, 2
+    r, C, vdim = Hv // Hk, 2 * Hk * Dk + Hv * Dv, Hv * Dv
+    dev = msl_cpu.device(interleavings=2)
+    qkvz = RNG.standard_normal((T, C + vdim), dtype=np.float32)
+    ba = RNG.standard_normal((T, 2 * Hv), dtype=np.float32)
+    outs = [dev.buffer_empty(4 * T * n) for n in (C, vdim, Hv, Hv)]
+    dispatch(dev, kernels(dev, "gdn.metal").pipeline("gdn_ungroup"), ((C + vdim + 2 * Hv + 255) // 256, T), (256,),
+             {0: dev.buffer(qkvz), 1: dev.buffer(ba), 2: outs[0], 3: outs[1], 4: outs[2], 5: outs[3],
+              6: struct.pack("7I2f", T, Hk, Hv, Dk, Dv, 4, C, 1e-6, 1.0)})
+    g = qkvz.reshape(T, Hk, 2 * Dk + 2 * r * Dv)
+    q, k, v, z = np.split(g, [Dk, 2 * Dk, 2 * Dk + r * Dv], axis=-1)
+    bag = ba.reshape(T, Hk, 2 * r)
+    want = [np.concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], -1), z.reshape(T, -1),
+            bag[..., :r].reshape(T, -1), bag[..., r:].reshape(T, -1)]
+    for buf, w in zip(outs, want):
+        np.testing.assert_array_equal(read(buf, np.float32, w.shape), w)
+
+
+# ---- moe.metal ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("E,k,T,ties", [(256, 8, 2, True), (7, 3, 1, False), (512, 10, 1, False)])
+def test_moe_route(E, k, T, ties):
+    dev = msl_cpu.device()
+    logits = RNG.standard_normal((T, E), dtype=np.float32)
+    if ties:  # equal logits inside the top-k and across its boundary: the lowest id wins
+        top = np.argsort(-logits[0], kind="stable")
+        logits[0, top[1:4]] = logits[0, top[1]]
+        logits[0, top[k - 1:k + 2]] = logits[0, top[k - 1]]
+    ids, wts = dev.buffer_empty(4 * T * k), dev.buffer_empty(4 * T * k)
+    dispatch(dev, kernels(dev, "moe.metal").pipeline("moe_route"), (T,), (32 * ((E + 31) // 32),),
+             {0: dev.buffer(logits), 1: ids, 2: wts, 3: struct.pack("3I", E, k, 1)})
+    order = np.argsort(-logits, axis=-1, kind="stable")[:, :k]  # ties: lower id first
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    w = np.take_along_axis(p, order, -1)
+    np.testing.assert_array_equal(read(ids, np.uint32, (T, k)), order)
+    np.testing.assert_allclose(read(wts, np.float32, (T, k)), w / w.sum(-1, keepdims=True), rtol=1e-5)
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+@pytest.mark.parametrize("E,k,H,I,Is,T,bits", [(12, 8, 2048, 512, 512, 1, 4), (5, 2, 192, 64, 128, 3, 8)])
+def test_moe_experts(E, k, H, I, Is, T, bits):
+    """Gather-GEMV gate+up with SwiGLU, then down + weighted combine + sigmoid-gated shared
+    expert, against NumPy on mlx-dequantized weights. Experts live in one stacked tensor per
+    matrix (MLX switch_mlp), addressed through offset tables as the host builds them."""
+    dev = msl_cpu.device(interleavings=2 if H < 1000 else 0)
+    lib = kernels(dev, "moe.metal")
+    sdt, group = "bfloat16", 64
+
+    def stacked(n, rows, cols):
+        parts = [quantize(RNG.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(cols), bits, group, sdt)
+                 for _ in range(n)]
+        w, s, b = (np.stack([p[i] for p in parts]) for i in range(3))
+        table = np.array([[e * w[0].nbytes, e * s[0].nbytes, e * b[0].nbytes] for e in range(n)], np.uint64)
+        return [dev.buffer(w), dev.buffer(s), dev.buffer(b), dev.buffer(table)], [p[3] for p in parts]
+
+    gate, gate_f = stacked(E, I, H)
+    up, up_f = stacked(E, I, H)
+    down, down_f = stacked(E, H, I)
+    sgate, sgate_f = stacked(1, Is, H)
+    sup, sup_f = stacked(1, Is, H)
+    sdown, sdown_f = stacked(1, H, Is)
+    h = RNG.standard_normal((T, H), dtype=np.float32)
+    ids = np.stack([RNG.choice(E, k, replace=False) for _ in range(T)]).astype(np.uint32)
+    wts = RNG.uniform(0.05, 1, (T, k)).astype(np.float32)
+    sg = RNG.standard_normal(T, dtype=np.float32)
+    hb, act, act_s, y = dev.buffer(h), dev.buffer_empty(4 * T * k * I), dev.buffer_empty(4 * T * Is), dev.buffer_empty(4 * T * H)
+    zeros = dev.buffer(np.zeros(T, np.uint32))
+
+    def gate_up(g, u, idb, kk, inter, out):
+        dispatch(dev, lib.pipeline("moe_gate_up_bfloat"), ((inter + 7) // 8, kk, T), (64,),
+                 {**{i: g[i] for i in range(4)}, **{4 + i: u[i] for i in range(4)}, 8: idb, 9: hb, 10: out,
+                  11: qm(H, inter, bits, group) + qm(H, inter, bits, group) + struct.pack("I", kk)})
+
+    gate_up(gate, up, dev.buffer(ids), k, I, act)
+    gate_up(sgate, sup, zeros, 1, Is, act_s)
+    dispatch(dev, lib.pipeline("moe_down_bfloat"), ((H + 7) // 8, T), (64,),
+             {**{i: down[i] for i in range(4)}, 4: dev.buffer(ids), 5: dev.buffer(wts), 6: act,
+              **{7 + i: sdown[i] for i in range(4)}, 11: act_s, 12: dev.buffer(sg), 13: y,
+              14: qm(I, H, bits, group) + qm(Is, H, bits, group) + struct.pack("3I", k, 1, 1)})
+
+    h64 = h.astype(np.float64)
+    want_act = np.stack([np.stack([_silu(h64[t] @ gate_f[e].T) * (h64[t] @ up_f[e].T) for e in ids[t]])
+                         for t in range(T)])
+    np.testing.assert_allclose(read(act, np.float32, (T, k, I)), want_act, rtol=1e-4, atol=1e-5)
+    want_s = _silu(h64 @ sgate_f[0].T) * (h64 @ sup_f[0].T)
+    want = np.stack([sum(wts[t, j] * (want_act[t, j] @ down_f[e].T) for j, e in enumerate(ids[t]))
+                     + (want_s[t] @ sdown_f[0].T) / (1 + np.exp(-sg[t])) for t in range(T)])
+    np.testing.assert_allclose(read(y, np.float32, (T, H)), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+# ---- sampling.metal ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [248320, 503, 31])
+def test_argmax(n):
+    dev = msl_cpu.device(interleavings=2 if n < 1000 else 0)
+    x = RNG.standard_normal(n, dtype=np.float32)
+    top = int(np.argmax(x))
+    x[min(n - 1, top + 7)] = x[top]          # a tie after the first maximum: the lower id wins
+    x[RNG.integers(0, n, 3)] = np.nan         # NaN is never picked
+    tok = dev.buffer_empty(4)
+    dispatch(dev, kernels(dev, "sampling.metal").pipeline("argmax"), (1,), (1024,),
+             {0: dev.buffer(x), 1: tok, 2: struct.pack("I", n)})
+    assert read(tok, np.int32)[0] == int(np.nanargmax(x))
