@@ -119,7 +119,8 @@ def _check_format_widths(fmt: str) -> None:
                 raise ChatTemplateError(f"chat template format width {g} is over the value limit {limit}")
 
 
-def _loop_tick(_value):
+@jinja2.pass_context  # also keeps Jinja's optimizer from folding the call away at compile time
+def _loop_tick(_context, _value):
     """A filter applied at the top of every loop body (see _BoundedSandbox._parse): one step
     per iteration. A filter, not a global function: filters compile to a direct call, without
     the sandbox's per-call checks, so the tick stays cheap."""
