@@ -13,7 +13,6 @@ if command -v apt-get >/dev/null; then
   fi
 fi
 
-python -m pip install -q --upgrade pip
 # torch first: the pinned version is a local CPU wheel on these machines (a plain `torch`
 # would pull a multi-GB CUDA build).
 python -m pip install -q "torch==2.13.0"

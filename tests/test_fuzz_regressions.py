@@ -130,3 +130,10 @@ def test_server_answers_400_to_unpaired_surrogates(app, path, body):
     status, resp = asyncio.new_event_loop().run_until_complete(post(app, path, body))
     assert status == 400, resp
     assert json.loads(resp)["error"]["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize("model_type", [["qwen3_5_moe"], {"a": 1}, 7, None])
+def test_non_string_model_type_is_a_config_error(model_type):
+    # Found by the config fuzz target (input AQgJACQGByQ=): a list model_type raised TypeError.
+    with pytest.raises(lily.ConfigError, match="model_type"):
+        parse_config({"model_type": model_type})

@@ -236,7 +236,9 @@ GDN_CASES = [
 @pytest.mark.parametrize("Hk,Hv,Dk,Dv,K,T", GDN_CASES)
 def test_gated_deltanet_step(Hk, Hv, Dk, Dv, K, T):
     from transformers.models.qwen3_next.modeling_qwen3_next import (
-        Qwen3NextRMSNormGated, torch_recurrent_gated_delta_rule)
+        Qwen3NextRMSNormGated,
+        torch_recurrent_gated_delta_rule,
+    )
 
     dev = msl_cpu.device(interleavings=2 if Hv < 32 else 0)
     lib = kernels(dev, "gdn.metal")
@@ -305,7 +307,7 @@ def test_gdn_ungroup():
     bag = ba.reshape(T, Hk, 2 * r)
     want = [np.concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], -1), z.reshape(T, -1),
             bag[..., :r].reshape(T, -1), bag[..., r:].reshape(T, -1)]
-    for buf, w in zip(outs, want):
+    for buf, w in zip(outs, want, strict=True):
         np.testing.assert_array_equal(read(buf, np.float32, w.shape), w)
 
 

@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 
@@ -217,6 +218,20 @@ def test_tool_call_request(client, model):
     assert r_none.usage.prompt_tokens == len(model.encode_prompt(messages[:1]))
     with pytest.raises(openai.BadRequestError):
         _chat(client, messages[:1], tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+
+    # A named function (or "required") starts the assistant turn with the opening of a call in
+    # the model's format; the answer is the parse of that prefix plus the greedy continuation.
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r_named = _chat(client, messages[:1], tools=TOOLS, tool_choice=named, max_tokens=24)
+    forced = "<tool_call>\n<function=get_weather>\n"
+    prompt = np.concatenate([model.encode_prompt(messages[:1], tools=TOOLS),
+                             np.asarray(model.tokenizer.encode(forced), dtype=np.int32)])
+    ref_named = model.generate(prompt, max_tokens=24, temperature=0)
+    assert r_named.usage.prompt_tokens == len(prompt)
+    parsed_named = parse_output(forced + ref_named.text, tools=TOOLS)
+    msg_named = r_named.choices[0].message
+    assert [c.function.name for c in msg_named.tool_calls or []] == [c["function"]["name"] for c in parsed_named.tool_calls]
+    assert (msg_named.content or "") == parsed_named.content
 
 
 def test_stream_splitter_matches_parse_output():

@@ -112,6 +112,7 @@ std::vector<int32_t> Engine::generate_greedy(State& st, int32_t token, int max_t
                                              const std::function<bool(int32_t)>& keep_going) {
   std::vector<int32_t> out;
   if (max_tokens <= 0) return out;
+  weights_->check_files_unchanged();
   check_tokens(st, &token, 1);
   if (int64_t(st.position()) + max_tokens > st.max_context())
     throw RequestError("[engine] " + std::to_string(st.position()) + " cached + " + std::to_string(max_tokens) +

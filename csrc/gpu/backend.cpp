@@ -115,7 +115,8 @@ class GpuBackend::Dispatch {
   Dispatch(GpuBackend& be, const std::string& file, const std::string& kernel) : be_(be) {
     be_.begin();
     rec_.kernel = kernel;
-    be_.enc_->set_pipeline(be_.pipeline(file, kernel));
+    pipeline_ = be_.pipeline(file, kernel);
+    be_.enc_->set_pipeline(pipeline_);
   }
   Dispatch& buf(uint32_t index, const Ref& r) {
     be_.enc_->set_buffer(index, r.buf, r.off);
@@ -151,6 +152,13 @@ class GpuBackend::Dispatch {
     return *this;
   }
   void run(Size3 grid, Size3 threads) {
+    // A compiled pipeline may allow fewer threads than the kernel asks for (register pressure
+    // on a real GPU): say so instead of letting Metal reject the dispatch.
+    const uint64_t n = uint64_t(threads.width) * threads.height * threads.depth;
+    if (n > pipeline_->max_total_threads_per_threadgroup())
+      throw Error("[gpu] kernel '" + rec_.kernel + "' needs " + std::to_string(n) +
+                  " threads per threadgroup; its pipeline allows " +
+                  std::to_string(pipeline_->max_total_threads_per_threadgroup()));
     if (be_.hazards_.dispatch(*be_.enc_, grid, threads, reads_, writes_)) {
       ++be_.stage_;
       ++be_.stats_.barriers;
@@ -162,6 +170,7 @@ class GpuBackend::Dispatch {
 
  private:
   GpuBackend& be_;
+  std::shared_ptr<Pipeline> pipeline_;
   DispatchRecord rec_;
   std::vector<Access> reads_, writes_;
 };

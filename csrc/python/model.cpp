@@ -61,7 +61,8 @@ std::vector<Ffn> parse_ffns(const std::vector<std::string>& names) {
 // The GPU options are for tests (route thresholds, the runtime's checking modes).
 std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weights, const std::string& name,
                                       int threads, int split_threshold, int split_len,
-                                      bool check_dependencies, int interleavings, const std::string& kv_dtype) {
+                                      bool check_dependencies, int interleavings, const std::string& kv_dtype,
+                                      bool asan) {
   if (name == "cpu") return std::make_unique<cpu::CpuBackend>(weights, threads);
   gpu::GpuOptions opt;
   if (split_threshold >= 0) opt.split_threshold = split_threshold;
@@ -73,6 +74,7 @@ std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weigh
     msl_cpu::DeviceOptions dev;
     dev.check_dependencies = check_dependencies;
     dev.interleavings = interleavings;
+    dev.asan = asan;
     return std::make_unique<gpu::GpuBackend>(weights, msl_cpu::make_device(dev), "msl-cpu", opt);
   }
 #if defined(LILY_HAVE_METAL)
@@ -211,15 +213,15 @@ void init_model(nb::module_& m) {
           "__init__",
           [](Engine* self, std::shared_ptr<ModelWeights> weights, const std::string& backend, int threads,
              int prefill_chunk, int split_threshold, int split_len, bool check_dependencies, int interleavings,
-             const std::string& kv_dtype) {
+             const std::string& kv_dtype, bool asan) {
             new (self) Engine(weights,
                               make_backend(weights, backend, threads, split_threshold, split_len,
-                                           check_dependencies, interleavings, kv_dtype),
+                                           check_dependencies, interleavings, kv_dtype, asan),
                               prefill_chunk);
           },
           nb::arg("weights"), nb::arg("backend") = "cpu", nb::arg("threads") = 0, nb::arg("prefill_chunk") = 512,
           nb::arg("split_threshold") = -1, nb::arg("split_len") = -1, nb::arg("check_dependencies") = false,
-          nb::arg("interleavings") = 0, nb::arg("kv_dtype") = "float32")
+          nb::arg("interleavings") = 0, nb::arg("kv_dtype") = "float32", nb::arg("asan") = false)
       .def_prop_ro("gpu_stats", [](Engine& e) {
         auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
         if (!g) throw Error("[engine] gpu_stats: the backend is not a GPU backend");

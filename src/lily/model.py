@@ -127,8 +127,8 @@ class Model:
         (default: all cores). prefill_chunk: tokens per prefill step (bounds scratch memory).
         max_context: default context of new sequences (default: the model's
         max_position_embeddings). backend_options: GPU backends' test knobs (split_threshold,
-        split_len: the attention route thresholds; check_dependencies, interleavings: the
-        MSL-on-CPU runtime's checking modes).
+        split_len: the attention route thresholds; kv_dtype: "float32" or "float16" KV cache;
+        check_dependencies, interleavings, asan: the MSL-on-CPU runtime's checking modes).
         """
         if backend == "auto":
             backend = "cpu"  # the Metal backend is not built yet

@@ -306,8 +306,14 @@ class Server:
         text, ids = await run_in_threadpool(render)
         if ids.size == 0:
             raise APIError(400, "the rendered prompt is empty", param="messages")
-        max_tokens = self._fit(ids, max_tokens)
         reasoning_started = text.rstrip().endswith(THINK_OPEN)
+        # tool_choice "required" / a named function: the assistant turn is started with the
+        # opening of a call in the model's own format, so what it generates is that call's body.
+        # (Prefix forcing, not constrained decoding; with thinking on, the model reasons first.)
+        forced = _forced_call_prefix(tool_choice, tools) if not reasoning_started else ""
+        if forced:
+            ids = np.concatenate([ids, np.asarray(self.model.tokenizer.encode(forced), dtype=np.int32)])
+        max_tokens = self._fit(ids, max_tokens)
         job, events = await self._run(request, dict(ids=ids, params=params, max_tokens=max_tokens, stop=stop,
                                                     want_logprobs=bool(want_lp)))
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
@@ -315,10 +321,10 @@ class Server:
         call_tools = tools if tool_choice != "none" else None
         if stream:
             return EventSourceResponse(
-                self._chat_stream(job, events, rid, created, call_tools, reasoning_started, include_usage),
+                self._chat_stream(job, events, rid, created, call_tools, reasoning_started, include_usage, forced),
                 ping=15, sep="\n")
         _chunks, result = await self._collect(request, job, events)
-        parsed = parse_output(result.text, tools=call_tools, reasoning_started=reasoning_started)
+        parsed = parse_output(forced + result.text, tools=call_tools, reasoning_started=reasoning_started)
         msg = parsed.to_message()
         if msg.get("content") is None and not parsed.tool_calls:
             msg["content"] = ""
@@ -470,7 +476,7 @@ class Server:
             if not chosen:
                 raise APIError(400, f"'tool_choice' names function {name!r}, which is not in 'tools'",
                                param="tool_choice")
-            return chosen, "required"
+            return chosen, "function"
         raise APIError(400, "'tool_choice' must be 'none', 'auto', 'required' or "
                             "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
 
@@ -527,7 +533,7 @@ class Server:
     def _sse(self, obj: dict) -> str:
         return json.dumps(obj, ensure_ascii=False)
 
-    async def _chat_stream(self, job, events, rid, created, tools, reasoning_started, include_usage):
+    async def _chat_stream(self, job, events, rid, created, tools, reasoning_started, include_usage, forced=""):
         def chunk(delta: dict, finish=None, logprobs=None):
             c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             return self._sse({"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -535,6 +541,8 @@ class Server:
 
         splitter = StreamSplitter(reasoning_started)
         yield chunk({"role": "assistant", "content": ""})
+        for d in splitter.feed(forced):  # the forced start of a tool call (tool_choice)
+            yield chunk(d)
         try:
             async for kind, value in self._events(job, events):
                 if kind == "chunk":
@@ -550,7 +558,7 @@ class Server:
                         yield chunk({}, logprobs=lp)
                 else:
                     result = value
-                    parsed = parse_output(result.text, tools=tools, reasoning_started=reasoning_started)
+                    parsed = parse_output(forced + result.text, tools=tools, reasoning_started=reasoning_started)
                     for d in splitter.finish(parsed):
                         yield chunk(d)
                     if parsed.tool_calls:
@@ -589,6 +597,16 @@ class Server:
         except Exception as e:  # the response has started: report in-stream, then end it
             yield self._stream_error(e)
         yield "[DONE]"
+
+
+def _forced_call_prefix(tool_choice: str, tools: list | None) -> str:
+    """The text that opens the assistant turn for tool_choice "required" (a call) or a named
+    function (a call to it), in the Qwen3.5 / Qwen3.6 tool-call format."""
+    if not tools or tool_choice not in ("required", "function"):
+        return ""
+    if tool_choice == "function":
+        return f"{CALL_OPEN}\n<function={tools[0]['function']['name']}>\n"
+    return f"{CALL_OPEN}\n"
 
 
 class StreamSplitter:
