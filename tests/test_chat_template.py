@@ -181,6 +181,18 @@ def test_attribute_walking_is_refused(template):
         ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "deeper than"),
         ("{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}", "output exceeded"),
         ("{% for m in messages %}", "syntax error"),
+        # Found by the hardening review (docs/reliability.md): loops that make no calls, widths
+        # passed to methods / filters / format strings, and nesting that overflows the parser.
+        ("{% for a in 'x' * 100000 %}{% for b in 'x' * 100000 %}{% endfor %}{% endfor %}", "step budget|longer than"),
+        ("{% for a in messages * 1000 %}{% for b in messages * 1000 %}{% for c in messages * 1000 %}"
+         "{% endfor %}{% endfor %}{% endfor %}", "step budget|longer than"),
+        ("{{ 'a'.ljust(2000000000) }}", "value limit"),
+        ("{{ 'x' | center(2000000000) }}", "value limit"),
+        ("{{ messages | tojson(indent=100000000) }}", "value limit"),
+        ("{{ '%0999999999d' % 1 }}", "format width"),
+        ("{{ '{:>999999999}'.format(1) }}", "format width"),
+        ("{{ '%s' | format('x') }}{{ '%0999999999d' | format(1) }}", "format width"),
+        ("{{ " + "(" * 400 + "1" + ")" * 400 + " }}", "nested too deeply"),
     ],
 )
 def test_resource_bombs_are_bounded(template, match):
@@ -188,6 +200,12 @@ def test_resource_bombs_are_bounded(template, match):
     with pytest.raises(ChatTemplateError, match=match):
         render(template, MSGS)
     assert time.monotonic() - t0 < 10
+
+
+def test_ordinary_widths_and_loops_still_render():
+    t = ("{% for m in messages %}{{ loop.index }}:{{ m.role.ljust(6) }}|{% endfor %}"
+         "{{ '%05d' % 42 }} {{ '{:>4}'.format('ab') }} {{ 'x' | center(5) }} {{ '%s!' | format('hi') }}")
+    assert render(t, MSGS) == "1:user  |00042   ab   x   hi!"
 
 
 def test_limits_are_adjustable_and_validated():

@@ -29,7 +29,9 @@ mapping, since templates iterate the arguments.
 from __future__ import annotations
 
 import contextvars
+import functools
 import json
+import re
 import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -91,12 +93,75 @@ def _counted_range(*args):
         yield i
 
 
+def _value_limit() -> int:
+    b = _budget.get()
+    return int(b.limits["max_value_len"] if b else DEFAULT_LIMITS["max_value_len"])
+
+
+def _check_size_args(what: str, args, kwargs) -> None:
+    """Integer arguments are widths and counts ('x'.ljust(n), center(n), tojson(indent=n),
+    truncate(n)): one past the value-length budget would build a string that large."""
+    limit = _value_limit()
+    for a in (*args, *kwargs.values()):
+        if type(a) is int and abs(a) > limit:
+            raise ChatTemplateError(f"chat template passed {a} to {what}, more than the value limit {limit}")
+
+
+# printf-style and str.format width / precision fields: '%0999999999d', '{:>999999999}'.
+_FORMAT_WIDTHS = re.compile(r"%[-#0 +]*(\d*)(?:\.(\d+))?|\{[^{}]*:[^{}]*?(\d+)(?:\.(\d+))?[^{}]*\}")
+
+
+def _check_format_widths(fmt: str) -> None:
+    limit = _value_limit()
+    for m in _FORMAT_WIDTHS.finditer(fmt):
+        for g in m.groups():
+            if g and (len(g) > 9 or int(g) > limit):
+                raise ChatTemplateError(f"chat template format width {g} is over the value limit {limit}")
+
+
+@jinja2.pass_context  # also keeps Jinja's optimizer from folding the call away at compile time
+def _loop_tick(_context, _value):
+    """A filter applied at the top of every loop body (see _BoundedSandbox._parse): one step
+    per iteration. A filter, not a global function: filters compile to a direct call, without
+    the sandbox's per-call checks, so the tick stays cheap."""
+    _step()
+
+
+def _bounded_filter(name: str, fn):
+    @functools.wraps(fn)  # keeps jinja's pass_context / pass_environment markers
+    def wrapper(*args, **kwargs):
+        _check_size_args(f"the {name!r} filter", args[1:], kwargs)
+        if name == "format":
+            fmt = next((a for a in args if isinstance(a, str)), None)
+            if fmt is not None:
+                _check_format_widths(fmt)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
 class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
-    intercepted_binops = frozenset(["*", "**", "+"])
+    intercepted_binops = frozenset(["*", "**", "+", "%"])
+
+    def _parse(self, source, name, filename):
+        # Loops over strings, lists or dicts make no calls, so nothing else would count their
+        # iterations (nested loops over two 100,000-char strings ran unbounded, past the time
+        # budget, which is only checked when steps are taken). A call at the top of every loop
+        # body costs one step per iteration and lets the time budget fire.
+        tree = super()._parse(source, name, filename)
+        for loop in tree.find_all(jinja2.nodes.For):
+            tick = jinja2.nodes.ExprStmt(
+                jinja2.nodes.Filter(jinja2.nodes.Const(None), "_lily_loop_tick", [], [], None, None))
+            tick.set_lineno(loop.lineno)
+            loop.body.insert(0, tick)
+        return tree
 
     def call_binop(self, context, operator, left, right):
-        limit = _budget.get().limits["max_value_len"] if _budget.get() else DEFAULT_LIMITS["max_value_len"]
-        if operator == "**":
+        limit = _value_limit()
+        if operator == "%":
+            if isinstance(left, str):
+                _check_format_widths(left)
+        elif operator == "**":
             if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
                 if right * max(abs(left).bit_length(), 1) > 4096:
                     raise ChatTemplateError("chat template built a number too large (** on big operands)")
@@ -115,6 +180,12 @@ class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         if b is None:
             return super().call(__context, __obj, *args, **kwargs)
         b.step()
+        _check_size_args(getattr(__obj, "__name__", "a call"), args, kwargs)
+        # str.format reaches here wrapped by the sandbox (jinja >= 3.1.5): look through it.
+        method = getattr(__obj, "__wrapped__", __obj)
+        if isinstance(getattr(method, "__self__", None), str) and getattr(method, "__name__", "") in (
+                "format", "format_map"):
+            _check_format_widths(method.__self__)
         b.depth += 1
         try:
             if b.depth > b.limits["max_depth"]:
@@ -195,6 +266,9 @@ def _compile(template: str) -> jinja2.Template:
         extensions=[jinja2.ext.loopcontrols, _GenerationTag],
     )
     env.filters["tojson"] = _tojson
+    for name, fn in list(env.filters.items()):
+        env.filters[name] = _bounded_filter(name, fn)
+    env.filters["_lily_loop_tick"] = _loop_tick
     env.globals.update(
         raise_exception=_raise_exception,
         strftime_now=_strftime_now,
@@ -206,6 +280,10 @@ def _compile(template: str) -> jinja2.Template:
         return env.from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise ChatTemplateError(f"chat template syntax error at line {e.lineno}: {e.message}") from None
+    except RecursionError:
+        # Jinja's parser and compiler recurse per nesting level: '((((...1...))))' 300 deep
+        # overflowed the Python stack at compile time.
+        raise ChatTemplateError("chat template is nested too deeply to compile") from None
 
 
 def _plain(value: Any, path: str = "messages") -> Any:

@@ -166,6 +166,8 @@ def parse_config(raw: dict) -> ModelConfig:
     # the text model's fields under text_config.
     model_type = raw.get("model_type")
     t = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    # A non-string model_type (a dict or list is unhashable) must not reach the set lookup
+    # (found by the tests/fuzz config target).
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"[config] model_type {model_type!r} is not supported; lily runs "

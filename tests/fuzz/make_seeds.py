@@ -120,6 +120,9 @@ def main() -> None:
     q = json.loads(json.dumps(cfg))
     q["quantization"]["bits"] = 2**40
     _write("config", "regress_bits_2_40", b"\0" + _pair(json.dumps(q).encode(), b"{}"))
+    mt = json.loads(json.dumps(cfg))
+    mt["model_type"] = {"a": 1}
+    _write("config", "regress_model_type_dict", b"\0" + _pair(json.dumps(mt).encode(), b"{}"))
     _write("server", "regress_surrogate_model", b"\0\0" + b'{"model": "\\ud800", "messages": []}')
     _write("server", "regress_surrogate_prompt", b"\1\0" + b'{"prompt": "x\\ud83d", "max_tokens": 1}')
     header = {"a": {"dtype": "F32", "shape": [16], "data_offsets": [0, 64]},
