@@ -20,7 +20,8 @@ case "$target" in
     "$root/tests/fuzz/build.sh"
     exec "$root/build/fuzz/${target}_fuzz" "${flags[@]}" ;;
   config|tokenizer|template|server)
-    export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}"
+    # The lily under test is whatever python imports (installed, or src/ via PYTHONPATH in a
+    # dev tree): prepending src/ here would shadow an installed build with one lacking _core.
     exec python "$root/tests/fuzz/py_targets.py" "$target" "${flags[@]}" ;;
   *) echo "unknown fuzz target '$target'" >&2; exit 2 ;;
 esac
