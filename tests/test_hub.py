@@ -132,3 +132,24 @@ def test_local_folders(tmp_path):
         resolve_model_path("./nope")
     with pytest.raises(ValueError, match="valid Hugging Face repo id"):
         resolve_model_path("bad id!!")
+
+
+def test_model_load_from_a_cached_repo_id_offline(tmp_path):
+    """lily.Model.load("org/demo") resolves through a Hugging Face cache layout (blobs, refs,
+    snapshot symlinks) with the network off, and generates like the folder it came from."""
+    demo = Path(lily.__file__).resolve().parent / "demo"
+    files = {p.name: p.read_bytes() for p in demo.iterdir() if p.is_file()}
+    make_cache(tmp_path / "hf" / "hub", "org/demo", files)
+    out = run_isolated(
+        tmp_path,
+        """
+        import lily
+        m = lily.Model.load("org/demo")
+        r = m.generate("The json module", max_tokens=8, temperature=0)
+        print(json.dumps({"path": str(m.path), "tokens": r.tokens}))
+        """,
+        HF_HUB_OFFLINE="1",
+    )
+    assert "models--org--demo" in out["path"]
+    ref = lily.Model.load().generate("The json module", max_tokens=8, temperature=0)
+    assert out["tokens"] == ref.tokens
