@@ -318,6 +318,41 @@ def test_disconnect_mid_stream_frees_the_engine(server, client):
     assert _chat(client, [{"role": "user", "content": "What is a list?"}], max_tokens=4).usage.completion_tokens >= 1
 
 
+def test_disconnect_during_prefill_frees_the_engine(server, client, model):
+    """A client that leaves while its long prompt is being prefilled: the job stops at the next
+    prefill chunk (max_tokens=1, so a job that got past its prefill would have completed), and
+    the server keeps serving."""
+    before = _health(server)
+    rng = np.random.default_rng(7)  # fresh words: nothing of it is in the prompt cache
+    words = [model.tokenizer.decode([int(t)]) for t in rng.integers(1000, 4000, 3400)]
+    prompt = "".join(words)
+    n_prompt = len(model.encode_prompt([{"role": "user", "content": prompt}]))
+    assert 3000 < n_prompt < model.max_context - 16, n_prompt
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "temperature": 0}
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    host, port = server.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
+    t0 = time.perf_counter()
+    while not _health(server)["running"]:
+        assert time.perf_counter() - t0 < 30, "the job never started"
+        time.sleep(0.005)
+    conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away during the prefill
+    conn.close()
+    t0 = time.perf_counter()
+    while _health(server)["running"]:
+        assert time.perf_counter() - t0 < 10, "the engine kept prefilling after the client left"
+        time.sleep(0.02)
+    after = _health(server)
+    assert after["completed"] == before["completed"], "the prefill finished before the disconnect landed"
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["last_cancel_steps"] is not None and after["last_cancel_steps"] <= 1
+    print(f"\n[disconnect in prefill of {n_prompt} tokens] engine free "
+          f"{after['last_cancel_release_s'] * 1e3:.1f} ms after the cancel, "
+          f"{after['last_cancel_steps']} chunk(s) ran after it")
+    assert _chat(client, [{"role": "user", "content": "What is a list?"}], max_tokens=4).usage.completion_tokens >= 1
+
+
 def test_follow_up_reports_cached_tokens_and_equals_uncached(client, model):
     first = [{"role": "system", "content": "You are a Python tutor."}, {"role": "user", "content": "What is a list?"}]
     r1 = _chat(client, first, max_tokens=16)
