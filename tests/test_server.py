@@ -353,6 +353,45 @@ def test_disconnect_during_prefill_frees_the_engine(server, client, model):
     assert _chat(client, [{"role": "user", "content": "What is a list?"}], max_tokens=4).usage.completion_tokens >= 1
 
 
+def test_disconnect_while_queued_drops_the_job(server, client):
+    """A client that leaves while its request waits behind another never gets engine time: the
+    job is dropped when its turn comes (neither completed nor run), and the server serves on."""
+    before = _health(server)
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    host, port = server.removeprefix("http://").split(":")
+
+    def open_request(prompt: str, max_tokens: int) -> http.client.HTTPConnection:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers=headers)
+        return conn
+
+    # A plain completion the demo model continues greedily well past 1,500 tokens (no EOS).
+    running = open_request("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", 3000)
+    resp = running.getresponse()
+    assert resp.status == 200
+    while not resp.fp.readline().startswith(b"data:"):  # (raw chunked lines) until it generates
+        pass
+    waiting = open_request("The json module", 8)
+    t0 = time.perf_counter()
+    while _health(server)["queued"] < 1:
+        assert time.perf_counter() - t0 < 10, "the second request was never queued"
+        time.sleep(0.01)
+    waiting.sock.shutdown(socket.SHUT_RDWR)  # a streamed request's disconnect is seen at once
+    waiting.close()
+    time.sleep(0.1)
+    assert _health(server)["running"], "the first job ended on its own: no queue to leave"
+    running.sock.shutdown(socket.SHUT_RDWR)
+    running.close()
+    t0 = time.perf_counter()
+    while (h := _health(server))["running"] or h["queued"]:
+        assert time.perf_counter() - t0 < 10, "the engine kept working after both clients left"
+        time.sleep(0.02)
+    assert h["completed"] == before["completed"] and h["failed"] == before["failed"]
+    assert h["cancelled"] == before["cancelled"] + 2
+    assert _chat(client, [{"role": "user", "content": "What is a list?"}], max_tokens=4).usage.completion_tokens >= 1
+
+
 def test_follow_up_reports_cached_tokens_and_equals_uncached(client, model):
     first = [{"role": "system", "content": "You are a Python tutor."}, {"role": "user", "content": "What is a list?"}]
     r1 = _chat(client, first, max_tokens=16)
