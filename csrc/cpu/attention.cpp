@@ -39,12 +39,136 @@ void rope(float* x, int rot, const float* cos, const float* sin) {
   }
 }
 
+// ---- causal GQA attention of a chunk over the cache, flash-style -------------------------------
+//
+// The naive loop (one task per token and query head, each streaming its KV head's whole cache)
+// reads K and V from DRAM Hq * T times per chunk: at 32K positions that is 64 MB per (token,
+// head) and made long prompts crawl. Here a work item is (KV head, tile of kQTile tokens, span of
+// cache positions); its rows are the tile's tokens x the query heads sharing the KV head (GQA
+// packing), so each K/V block, once in L2, serves group x kQTile rows. Blocks of kBlock
+// positions are folded into each row's online-softmax state (running max m, running sum l,
+// unnormalised o), in fp32, so the result is softmax(qK^T)V up to summation order.
+// Decode and short chunks have too few (head, tile) items to feed every thread, so the positions
+// are split into spans whose partial (m, l, o) a second pass merges (split-K).
+//
+//   qg [T, Hq, 2D] (q, then the output gate)   K, V [Hkv, capacity, D]   o [T, Hq, D]
+//   item rows r = (t - t0) * group + g  <->  query head hq = hk * group + g
+constexpr int kBlock = 32;  // positions per K/V block: 32 KB of K + 32 KB of V at D = 256
+constexpr int kQTile = 16;  // chunk tokens per work item
+
+// Folds positions [p0, p1) of KV head hk into rows' state; row r sees positions < lim[r].
+void attend_span(KvCache& cache, int hk, const float* const* q, const int* lim, int R, int p0, int p1,
+                 float scale_qk, float* m, float* l, float* o, float* scores) {
+  const int D = cache.head_dim;
+  for (int b = p0; b < p1; b += kBlock) {
+    const int bend = std::min(b + kBlock, p1);
+    for (int r = 0; r < R; ++r) {
+      const int n = std::min(bend, lim[r]) - b;
+      if (n <= 0) continue;
+      float* sr = scores + size_t(r) * kBlock;
+      float mx = m[r];
+      for (int j = 0; j < n; ++j) {
+        sr[j] = dot(q[r], cache.k_at(hk, b + j), D) * scale_qk;
+        mx = std::max(mx, sr[j]);
+      }
+      const float alpha = std::exp(m[r] - mx);  // 0 on the first block (m = -inf)
+      const float sum = exp_shift_sum(sr, n, mx);
+      float* orow = o + size_t(r) * D;
+      if (alpha != 1.0f) scale(alpha, orow, D);
+      for (int j = 0; j < n; ++j) axpy(sr[j], cache.v_at(hk, b + j), orow, D);
+      l[r] = l[r] * alpha + sum;
+      m[r] = mx;
+    }
+  }
+}
+
+void attend(KvCache& cache, const float* qg, int pos0, int T, int Hq, int D, AttentionScratch& s, ThreadPool& pool) {
+  const int Hkv = cache.kv_heads, group = Hq / Hkv;
+  const int n_ctx = pos0 + T;
+  const int n_tiles = (T + kQTile - 1) / kQTile;
+  // Split the positions only when (head, tile) items cannot keep every thread busy, and never
+  // into spans shorter than 4 blocks (the merge would cost more than it saves).
+  const int base_items = Hkv * n_tiles;
+  const int want = (2 * pool.size() + base_items - 1) / base_items;
+  const int n_split = std::max(1, std::min(want, n_ctx / (4 * kBlock)));
+  const int span = ((n_ctx + n_split - 1) / n_split + kBlock - 1) / kBlock * kBlock;
+  const float scale_qk = 1.0f / std::sqrt(float(D));
+  // Partial state per split: [n_split, T, Hq] (m, l) and [n_split, T, Hq, D] o. With one split
+  // the item normalises straight into s.o.
+  if (n_split > 1) {
+    s.part_ml.resize(size_t(n_split) * T * Hq * 2);
+    s.part_o.resize(size_t(n_split) * T * Hq * D);
+  }
+  float* out = s.o.data();
+
+  pool.parallel_for(int64_t(base_items) * n_split, [&](int64_t i0, int64_t i1, int) {
+    thread_local std::vector<float> m, l, o, scores;
+    thread_local std::vector<const float*> q;
+    thread_local std::vector<int> lim;
+    for (int64_t item = i0; item < i1; ++item) {
+      const int split = int(item % n_split), tile = int(item / n_split % n_tiles);
+      const int hk = int(item / n_split / n_tiles);
+      const int t0 = tile * kQTile, t1 = std::min(T, t0 + kQTile), R = (t1 - t0) * group;
+      m.assign(R, -INFINITY);
+      l.assign(R, 0.0f);
+      o.assign(size_t(R) * D, 0.0f);
+      scores.resize(size_t(R) * kBlock);
+      q.resize(R);
+      lim.resize(R);
+      for (int t = t0; t < t1; ++t)
+        for (int g = 0; g < group; ++g) {
+          const int r = (t - t0) * group + g;
+          q[r] = qg + (size_t(t) * Hq + hk * group + g) * 2 * D;
+          lim[r] = pos0 + t + 1;  // causal: this token and everything before it
+        }
+      const int p0 = split * span, p1 = std::min(n_ctx, p0 + span);
+      attend_span(cache, hk, q.data(), lim.data(), R, p0, std::min(p1, pos0 + t1), scale_qk, m.data(), l.data(),
+                  o.data(), scores.data());
+      for (int t = t0; t < t1; ++t)
+        for (int g = 0; g < group; ++g) {
+          const int r = (t - t0) * group + g;
+          const size_t row = size_t(t) * Hq + hk * group + g;
+          if (n_split == 1) {
+            const float inv = 1.0f / l[r];
+            for (int d = 0; d < D; ++d) out[row * D + d] = o[size_t(r) * D + d] * inv;
+          } else {
+            const size_t prow = size_t(split) * T * Hq + row;
+            s.part_ml[prow * 2] = m[r];
+            s.part_ml[prow * 2 + 1] = l[r];
+            std::memcpy(s.part_o.data() + prow * D, o.data() + size_t(r) * D, D * sizeof(float));
+          }
+        }
+    }
+  });
+  if (n_split == 1) return;
+
+  // Merge the splits: o = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, M = max_s m_s. A split
+  // entirely after a row's causal limit has m = -inf and weighs 0.
+  pool.parallel_for(int64_t(T) * Hq, [&](int64_t r0, int64_t r1, int) {
+    for (int64_t row = r0; row < r1; ++row) {
+      float M = -INFINITY;
+      for (int sp = 0; sp < n_split; ++sp) M = std::max(M, s.part_ml[(size_t(sp) * T * Hq + row) * 2]);
+      float L = 0;
+      float* orow = out + size_t(row) * D;
+      std::fill(orow, orow + D, 0.0f);
+      for (int sp = 0; sp < n_split; ++sp) {
+        const size_t prow = size_t(sp) * T * Hq + row;
+        const float ms = s.part_ml[prow * 2];
+        if (ms == -INFINITY) continue;
+        const float w = std::exp(ms - M);
+        L += w * s.part_ml[prow * 2 + 1];
+        axpy(w, s.part_o.data() + prow * D, orow, D);
+      }
+      scale(1.0f / L, orow, D);
+    }
+  });
+}
+
 }  // namespace
 
 void attention_mixer(const ModelConfig& c, const AttentionWeights& w, KvCache& cache, int pos0, int max_context,
                      const float* h, int T, float* y, AttentionScratch& s, ThreadPool& pool) {
   const int Hq = c.n_heads, Hkv = c.n_kv_heads, D = c.head_dim, rot = c.rotary_dim, half = rot / 2;
-  const int group = Hq / Hkv;
   s.qg.resize(size_t(T) * Hq * 2 * D);
   s.k.resize(size_t(T) * Hkv * D);
   s.v.resize(size_t(T) * Hkv * D);
@@ -87,31 +211,12 @@ void attention_mixer(const ModelConfig& c, const AttentionWeights& w, KvCache& c
     }
   });
 
-  // One task per (token, query head): causal softmax over positions [0, pos0 + t].
-  const float scale = 1.0f / std::sqrt(float(D));
-  const int n_ctx = pos0 + T;
+  attend(cache, s.qg.data(), pos0, T, Hq, D, s, pool);
+  // o *= sigmoid(gate), per query head
   pool.parallel_for(int64_t(T) * Hq, [&](int64_t i0, int64_t i1, int) {
-    thread_local std::vector<float> scores;
-    scores.resize(n_ctx);
     for (int64_t i = i0; i < i1; ++i) {
-      const int t = int(i / Hq), hq = int(i % Hq), hk = hq / group;
-      const int len = pos0 + t + 1;
-      const float* q = s.qg.data() + (size_t(t) * Hq + hq) * 2 * D;
-      const float* gate = q + D;
-      float mx = -INFINITY;
-      for (int p = 0; p < len; ++p) {
-        scores[p] = dot(q, cache.k_at(hk, p), D) * scale;
-        mx = std::max(mx, scores[p]);
-      }
-      float sum = 0;
-      for (int p = 0; p < len; ++p) {
-        scores[p] = std::exp(scores[p] - mx);
-        sum += scores[p];
-      }
-      float* o = s.o.data() + (size_t(t) * Hq + hq) * D;
-      std::fill(o, o + D, 0.0f);
-      const float inv = 1.0f / sum;
-      for (int p = 0; p < len; ++p) axpy(scores[p] * inv, cache.v_at(hk, p), o, D);
+      const float* gate = s.qg.data() + size_t(i) * 2 * D + D;
+      float* o = s.o.data() + size_t(i) * D;
       for (int d = 0; d < D; ++d) o[d] *= sigmoid(gate[d]);
     }
   });
