@@ -21,6 +21,9 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 build="$root/build/asan"
 pkg="$build/py"
 cc=${CC_SANITIZE:-clang-19} cxx=${CXX_SANITIZE:-clang++-19}
+# The build runs outside pip's isolated build environment (the `test` extra installs these).
+command -v cmake >/dev/null && python -m nanobind --cmake_dir >/dev/null 2>&1 ||
+  { echo "sanitize.sh needs cmake and nanobind: pip install '.[test]'" >&2; exit 1; }
 gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
 cmake -S "$root" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLILY_SANITIZE=ON \
   -DCMAKE_C_COMPILER="$cc" -DCMAKE_CXX_COMPILER="$cxx" >/dev/null
