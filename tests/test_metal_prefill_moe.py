@@ -22,6 +22,8 @@ import struct
 import numpy as np
 import pytest
 
+from fixtures import cases
+from fixtures.references import rel_err
 from msl_cpu_harness import ROOT, msl_cpu, read
 from test_metal_kernels import MSL_TYPE, dense, qm, quantize
 
@@ -282,3 +284,67 @@ def test_moe_block_adversarial(kind, T, E, k, bm):
     got = moe_block(dev, T=T, H=160, E=E, k=k, I=64, Is=96, bits=8, group=32, sdt="float16",
                     logits=_logits_for(ids, E), bm=bm)
     np.testing.assert_array_equal(got, ids)
+
+
+# ---- whole prefill on tiny 4-bit checkpoints -----------------------------------------------------
+
+def _close(got, want, what, tol=cases.TOL_MLX):
+    got = np.asarray(got)
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, expected {want.shape}"
+    err = rel_err(got, want)
+    assert err <= tol, f"{what}: rel err {err:.3e} > {tol:.0e}"
+    rows = got.reshape(-1, got.shape[-1]).argmax(-1) != want.reshape(-1, want.shape[-1]).argmax(-1)
+    assert not rows.any(), f"{what}: top-1 differs at rows {np.nonzero(rows)[0].tolist()}"
+
+
+PREFILL_CASES = [
+    # (model, bits, group, scale dtype, prefill_chunk, gemm_min_rows, prompt)
+    # 67 tokens in chunks of 40 + 27: BM = 32 tiles for projections and the shared expert in
+    # the first chunk, BM = 8 for the routed experts (7 experts top-3: ~17 rows each).
+    (("qwen3_5_moe", 4, 64, "bfloat16"), 40, 8, cases.LONG_PROMPT[:-cases.LONG_DECODE]),
+    # grouped projections, a dense MLP layer and MoE layers; chunks 16 + 4 through GEMMs too.
+    (("qwen3_next", 4, 64, None), 16, 2, cases.PROMPT[:20]),
+]
+
+
+@pytest.mark.parametrize("ckpt,chunk,min_rows,prompt", PREFILL_CASES, ids=lambda v: cases.case_id(v) if isinstance(v, tuple) else None)
+def test_prefill_then_decode_matches_cpu(store, lily, ckpt, chunk, min_rows, prompt):
+    """Chunked prefill through the prefill kernels, then decode: logits of every prompt
+    position and of each decode step within TOL_MLX of the CPU backend (same top-1), and the
+    same greedy continuation. Each chunk is one command buffer and one CPU wait (at its end):
+    the routing never goes back to the CPU."""
+    path = store.mlx(*ckpt)
+    gpu = lily.Model.load(path, backend="msl-cpu", prefill_chunk=chunk, backend_options=dict(gemm_min_rows=min_rows))
+    cpu = lily.Model.load(path, backend="cpu", prefill_chunk=chunk)
+    eng = gpu._engine
+    eng.gpu_records(True)
+    s, c = gpu.session(), cpu.session()
+    _, _, cb0, w0, _ = eng.gpu_stats
+    got = s.prefill(prompt, all_logits=True)
+    _, _, cb1, w1, _ = eng.gpu_stats
+    kernels_used = {name for name, _, _ in eng.gpu_records(False)}
+    n_chunks = -(-len(prompt) // chunk)
+    assert (cb1 - cb0, w1 - w0) == (n_chunks, n_chunks), "a prefill chunk is one command buffer and one CPU wait"
+    assert {"moe_plan", "moe_combine"} <= kernels_used
+    assert any(k.startswith("moe_gemm_gate_up_") for k in kernels_used)
+    assert any(k.startswith("gemm_") for k in kernels_used)
+    assert not any(k.startswith(("gemv_", "moe_gate_up_", "moe_down_")) for k in kernels_used), kernels_used
+    _close(got, c.prefill(prompt, all_logits=True), "prefill vs cpu backend")
+    tail = cases.LONG_PROMPT[-cases.LONG_DECODE:]
+    for i, tok in enumerate(tail):
+        _close(s.decode(tok), c.decode(tok), f"decode step {i} after prefill vs cpu backend")
+    gen = cases.PROMPT[: min_rows + 8]
+    assert gpu.generate(gen, max_tokens=6).tokens == cpu.generate(gen, max_tokens=6).tokens
+
+
+def test_prefill_chunk_has_no_missing_dependency(store, lily):
+    """A prefill chunk (routing, plan, grouped GEMMs, combine, projections as GEMMs) under the
+    dependency-checking mode (every barrier-free group of dispatches also runs in reverse) and
+    randomized thread interleavings: no undeclared data edge, no missing threadgroup barrier."""
+    path = store.mlx("qwen3_5_moe", 4, 64, "bfloat16")
+    gpu = lily.Model.load(path, backend="msl-cpu",
+                          backend_options=dict(check_dependencies=True, interleavings=1, gemm_min_rows=4))
+    prompt = cases.PROMPT[:9]
+    got = gpu.session().prefill(prompt, all_logits=True)
+    _close(got, lily.Model.load(path, backend="cpu").session().prefill(prompt, all_logits=True),
+           "checked prefill chunk vs cpu backend")

@@ -230,6 +230,17 @@ void init_model(nb::module_& m) {
         const gpu::GpuStats& s = g->stats();
         return std::make_tuple(s.dispatches, s.barriers, s.command_buffers, s.waits, s.max_in_flight);
       }, "(dispatches, barriers, command buffers, CPU waits, most greedy steps in flight) so far")
+      .def("gpu_records", [](Engine& e, bool recording) {
+        auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
+        if (!g) throw Error("[engine] gpu_records: the backend is not a GPU backend");
+        std::vector<std::tuple<std::string, int, uint64_t>> rows;
+        for (const auto& d : g->records()) rows.emplace_back(d.kernel, d.stage, d.weight_bytes);
+        g->records().clear();
+        g->set_recording(recording);
+        return rows;
+      }, nb::arg("recording"),
+      "[(kernel, stage, weight bytes)] of the dispatches encoded since the last call (while "
+      "recording), then clears them and turns recording on or off.")
       .def_prop_ro("backend", [](Engine& e) { return std::string(e.backend().name()); })
       .def_prop_ro("threads", [](Engine& e) {
         auto* cpu = dynamic_cast<cpu::CpuBackend*>(&e.backend());
