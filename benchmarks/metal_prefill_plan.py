@@ -22,9 +22,8 @@ from __future__ import annotations
 import argparse
 from collections import Counter, defaultdict
 
-from metal_plan import BITS, GATE_BITS, GROUP, config_35b
-
 from lily import _core
+from metal_plan import BITS, GATE_BITS, GROUP, config_35b
 
 
 def chunk_plan(c, prompt: int, chunk: int):

@@ -24,7 +24,7 @@ import pytest
 
 from fixtures import cases
 from fixtures.references import rel_err
-from msl_cpu_harness import ROOT, msl_cpu, read
+from msl_cpu_harness import ROOT, msl_cpu, read, run
 from test_metal_kernels import MSL_TYPE, dense, qm, quantize
 
 RNG = np.random.default_rng(6)
@@ -32,24 +32,6 @@ RNG = np.random.default_rng(6)
 
 def kernels(dev, name):
     return dev.library((ROOT / "metal" / name).read_text(), f"metal/{name}")
-
-
-def run(dev, steps):
-    """Encodes every (pipeline, grid, threads, {index: buffer | bytes}) into one serial
-    encoder of one command buffer: the chunk's dispatches with no CPU wait between them."""
-    cb = dev.command_buffer()
-    enc = cb.compute_encoder()
-    for pso, grid, threads, buffers in steps:
-        enc.set_pipeline(pso)
-        for index, b in buffers.items():
-            if isinstance(b, bytes):
-                enc.set_bytes(index, b)
-            else:
-                enc.set_buffer(index, b, 0)
-        enc.dispatch_threadgroups(grid, threads)
-    enc.end_encoding()
-    cb.commit()
-    cb.wait_until_completed()
 
 
 def _silu(x):

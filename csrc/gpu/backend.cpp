@@ -377,13 +377,7 @@ void GpuBackend::gemv(const Linear& W, const Ref& x, int ldx, const Ref& y, int 
   args.ldx = uint32_t(ldx);
   args.ldy = uint32_t(ldy);
   Dispatch d(*this, "quant.metal", "gemv_" + std::string(scalar_name(W.dtype)));
-  d.linear(0, W)
-      .buf(3, x)
-      .buf(4, y)
-      .args(5, args)
-      .reads(x.buf, size_t(T) * ldx * 4, x.off)
-      .writes(y.buf, (size_t(T - 1) * ldy + W.out) * 4, y.off)
-      .weight_bytes(W.nbytes());
+  d.projection(W, x, ldx, y, ldy, T).args(5, args);
   d.run({div_up(W.out, kGemvRows), uint32_t(T), 1}, {kGemvThreads, 1, 1});
 }
 

@@ -84,6 +84,16 @@ class GpuBackend::Dispatch {
     buf(index + 1, W.quantized() ? be_.weight(W.scales, "scales") : Ref{be_.dummy_, 0});
     return buf(index + 2, W.quantized() ? be_.weight(W.biases, "biases") : Ref{be_.dummy_, 0});
   }
+  // A projection y[t, :out) = W x[t, :in) for t < T: W at bindings 0-2, x at 3, y at 4 (the
+  // layout of gemv_* and gemm_*), with its accesses declared.
+  Dispatch& projection(const Linear& W, const Ref& x, int ldx, const Ref& y, int ldy, int T) {
+    return linear(0, W)
+        .buf(3, x)
+        .buf(4, y)
+        .reads(x.buf, size_t(T) * ldx * 4, x.off)
+        .writes(y.buf, (size_t(T - 1) * ldy + W.out) * 4, y.off)
+        .weight_bytes(W.nbytes());
+  }
   template <typename A>
   Dispatch& args(uint32_t index, const A& a) {
     be_.enc_->set_bytes(index, &a, sizeof a);

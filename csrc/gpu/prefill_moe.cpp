@@ -57,13 +57,7 @@ void GpuBackend::gemm(const Linear& W, const Ref& x, int ldx, const Ref& y, int 
   args.ldy = uint32_t(ldy);
   const int bm = block_rows(uint64_t(T));
   Dispatch d(*this, "quant.metal", gemm_name("gemm", W.dtype, bm));
-  d.linear(0, W)
-      .buf(3, x)
-      .buf(4, y)
-      .args(5, args)
-      .reads(x.buf, size_t(T) * ldx * 4, x.off)
-      .writes(y.buf, (size_t(T - 1) * ldy + W.out) * 4, y.off)
-      .weight_bytes(W.nbytes());
+  d.projection(W, x, ldx, y, ldy, T).args(5, args);
   d.run({div_up(W.out, LILY_GEMM_BN), div_up(T, bm), 1}, {kGemmThreads, 1, 1});
 }
 
