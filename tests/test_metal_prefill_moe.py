@@ -336,3 +336,19 @@ def test_prefill_chunk_has_no_missing_dependency(store, lily):
     got = gpu.session().prefill(prompt, all_logits=True)
     _close(got, lily.Model.load(path, backend="cpu").session().prefill(prompt, all_logits=True),
            "checked prefill chunk vs cpu backend")
+
+
+def test_prefill_chunk_plan_matches_execution(store, lily):
+    """gpu_plan(tokens=T) (benchmarks/metal_prefill_plan.py) encodes exactly the dispatches and
+    barriers an executed prefill chunk does, in one command buffer with one CPU wait."""
+    from lily import _core
+
+    path = store.mlx("qwen3_5_moe", 4, 64, "bfloat16")
+    gpu = lily.Model.load(path, backend="msl-cpu")
+    d0, b0 = gpu._engine.gpu_stats[:2]
+    gpu.session().prefill(cases.PROMPT[:9])
+    d1, b1 = gpu._engine.gpu_stats[:2]
+    rows, (dispatches, barriers, cbs, waits), scratch = _core.gpu_plan(gpu.config.to_native(), 9, 4, 64, 8, tokens=9)
+    assert (dispatches, barriers) == (d1 - d0, b1 - b0)
+    assert (cbs, waits) == (1, 1)
+    assert "moe_plan" in {r[0] for r in rows} and scratch > 0
