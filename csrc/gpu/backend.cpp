@@ -591,7 +591,7 @@ void GpuBackend::down_gemv(const ExpertMatrix& down, const ExpertMatrix* shared,
 
 void GpuBackend::mlp(const MlpWeights& w) {
   const ExpertTables& tb = tables(nullptr, &w);
-  if (T_ >= options_.gemm_min_rows) return mlp_prefill(tb);
+  if (T_ >= options_.gemm_min_rows && grouped_fits(tb)) return mlp_prefill(tb);
   gate_up_gemv(tb.gate, tb.up, {zeros_, 0}, 1, act_);
   down_gemv(tb.down, nullptr, {zeros_, 0}, 1, false);
 }
@@ -611,7 +611,7 @@ void GpuBackend::moe(const MoeWeights& w) {
         .reads(router_, f * E).writes(ids_, f * k).writes(wts_, f * k);
     d.run({uint32_t(T), 1, 1}, {32 * div_up(E, 32), 1, 1});
   }
-  if (T >= options_.gemm_min_rows) return moe_prefill(tb);  // grouped GEMMs (prefill_moe.cpp)
+  if (T >= options_.gemm_min_rows && grouped_fits(tb)) return moe_prefill(tb);  // prefill_moe.cpp
   if (shared) gate_up_gemv(tb.shared_gate, tb.shared_up, {zeros_, 0}, 1, act_s_);  // beside the routing
   gate_up_gemv(tb.gate, tb.up, {ids_, 0}, k, act_);
   down_gemv(tb.down, shared ? &tb.shared_down : nullptr, {ids_, 0}, k, true);

@@ -31,6 +31,10 @@ struct GpuBackend::ExpertTables {
   ExpertMatrix gate, up, down, shared_gate, shared_up, shared_down;
 };
 
+// Whether the prefill tiles (metal/gemm.h) read matrix m: affine widths must be whole K steps
+// (every MLX group size is a multiple of 32); dense ones any width.
+inline bool tiles_fit(const QuantMatrix& m) { return m.bits == 0 || m.in % LILY_GEMM_BK == 0; }
+
 inline const char* scalar_name(DType t) {
   switch (t) {
     case DType::F32: return "float";
