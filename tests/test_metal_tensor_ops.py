@@ -5,7 +5,7 @@
   transpose combination, multiply and multiply_accumulate, strided views, half operands,
   slices over edge tiles, a K loop staged through threadgroup memory; and its errors for
   misuse (shape mismatch, slices past the tensor, a scope that does not match the threadgroup,
-  lanes skipping run(), a missing barrier before run()).
+  a missing barrier before run()).
 - The prefill GEMM kernels' tensor-op variants (gemm_tensor_*, moe_gemm_*_tensor_*) against
   NumPy at the real Qwen3.6-35B-A3B dims and odd sizes (via the same checks as the
   simdgroup_matrix kernels in test_metal_prefill_moe.py).
@@ -127,7 +127,6 @@ def test_matmul2d_misuse_is_reported(dev4, ops):
     _fails(dev4, ops, "bad_slice", 32, r"tensor slice: origin 33 in dimension 1 is outside the extent 32")
     _fails(dev4, ops, "bad_static_slice", 32, r"static_slice: extent 32 in dimension 1 runs past the tensor \(24 remain")
     _fails(dev4, ops, "bad_scope", 64, r"execution_simdgroups<4> but the threadgroup has 2 simdgroups")
-    _fails(dev4, ops, "divergent_run", 128, r"matmul2d::run")
 
 
 def test_matmul2d_missing_barrier_found_by_interleavings():

@@ -140,14 +140,3 @@ kernel void bad_scope(device float* a [[buffer(0)]], device float* b [[buffer(1)
   auto tc = tensor<device float, E2, tensor_inline>(c, E2(p.N, p.M));
   op.run(ta, tb, tc);
 }
-
-// Misuse: lanes 16.. of each simdgroup skip run() (it is a collective of the whole scope).
-kernel void divergent_run(device float* a [[buffer(0)]], device float* b [[buffer(1)]], device float* c [[buffer(2)]],
-                          constant MmArgs& p [[buffer(3)]], uint lane [[thread_index_in_simdgroup]]) {
-  constexpr auto desc = matmul2d_descriptor(32, 16);
-  matmul2d<desc, execution_simdgroups<4>> op;
-  auto ta = tensor<device float, E2, tensor_inline>(a, E2(p.K, p.M));
-  auto tb = tensor<device float, E2, tensor_inline>(b, E2(p.N, p.K));
-  auto tc = tensor<device float, E2, tensor_inline>(c, E2(p.N, p.M));
-  if (lane < 16) op.run(ta, tb, tc);
-}

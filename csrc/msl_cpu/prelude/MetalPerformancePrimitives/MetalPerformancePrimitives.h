@@ -21,11 +21,13 @@
 //
 // How it runs here: each calling thread computes its own share of C (element i of the M x N
 // tile belongs to thread i mod threads-in-scope), reading A, B (and C when accumulating)
-// straight from their memory, with f32 accumulation in k order. So the op is not a barrier:
-// as on the GPU, the kernel must put a threadgroup_barrier between writing A / B and run(),
-// and between run() and reading C written by other threads; the randomized-interleaving mode
-// finds a missing one. Each lane of a simdgroup meets the others at run()'s entry (a
-// simdgroup collective), so a lane that skips run() is reported.
+// straight from their memory, with f32 accumulation in k order, without waiting for anyone.
+// So the op is not a barrier: as on the GPU, the kernel must put a threadgroup_barrier between
+// writing A / B and run(), and between run() and reading C written by other threads, and a
+// missing one shows (the runtime switches threads only at barriers and collectives, so a thread
+// computing its share right after its own staging writes reads the others' unwritten, NaN-filled
+// operands). For the same reason run() is not a collective here: a lane that skips it leaves
+// its share of C unwritten (wrong numbers, not a named error).
 //
 // Not emulated (a kernel using them fails to compile): cooperative tensors
 // (get_destination_cooperative_tensor, ...), reduce_rows / reduce_columns, convolution2d,
@@ -148,8 +150,6 @@ class matmul2d {
     const lily_msl_thread* t = lily_msl_current;
     uint32_t me = 0, threads = 1;
     if constexpr (kScopeSimdgroups > 0) {
-      const int lane = int(t->thread_index_in_simdgroup);
-      ::lily_msl::host_api->simd_exchange(&lane, sizeof lane, "matmul2d::run", file, line);
       if constexpr (kScopeSimdgroups == 1) {
         me = t->thread_index_in_simdgroup;
         threads = t->active_lanes;
