@@ -227,9 +227,9 @@ def test_prefill_on_tensor_ops_matches_cpu(store, lily):
     assert gemms and all("_tensor_" in k for k in gemms), gemms
     assert any(k.startswith("moe_gemm_gate_up_tensor_") for k in gemms) and any(k.startswith("gemm_tensor_") for k in gemms)
     _close(got, c.prefill(prompt, all_logits=True), "prefill on tensor ops vs cpu backend")
-    for i, tok in enumerate(cases.LONG_PROMPT[40:43]):
+    for i, tok in enumerate(cases.LONG_PROMPT[40:42]):
         _close(s.decode(tok), c.decode(tok), f"decode step {i} after a tensor-op prefill")
-    gen = cases.LONG_PROMPT[:24]
+    gen = cases.LONG_PROMPT[:16]  # 16 tokens: a GEMM chunk, then greedy decoding
     assert gpu.generate(gen, max_tokens=3).tokens == cpu.generate(gen, max_tokens=3).tokens
 
 
