@@ -1,4 +1,5 @@
 #include "gpu/backend.h"
+#include "gpu/dispatch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -103,77 +104,10 @@ QuantMatrix matrix(const Linear& W, const char* what) {
   return m;
 }
 
-uint32_t div_up(uint64_t a, uint64_t b) { return uint32_t((a + b - 1) / b); }
 constexpr uint32_t kGemvRows = LILY_GEMV_SIMDGROUPS * LILY_GEMV_ROWS_PER_SIMDGROUP;
 constexpr uint32_t kGemvThreads = 32 * LILY_GEMV_SIMDGROUPS;
 
 }  // namespace
-
-// Encodes one dispatch: bindings, then the barrier the hazard tracker asks for, then the grid.
-class GpuBackend::Dispatch {
- public:
-  Dispatch(GpuBackend& be, const std::string& file, const std::string& kernel) : be_(be) {
-    be_.begin();
-    rec_.kernel = kernel;
-    pipeline_ = be_.pipeline(file, kernel);
-    be_.enc_->set_pipeline(pipeline_);
-  }
-  Dispatch& buf(uint32_t index, const Ref& r) {
-    be_.enc_->set_buffer(index, r.buf, r.off);
-    return *this;
-  }
-  Dispatch& buf(uint32_t index, const std::shared_ptr<Buffer>& b) { return buf(index, Ref{b, 0}); }
-  template <typename A>
-  Dispatch& args(uint32_t index, const A& a) {
-    be_.enc_->set_bytes(index, &a, sizeof a);
-    return *this;
-  }
-  // Declared accesses (bytes [off, off + n) of a buffer).
-  Dispatch& reads(const std::shared_ptr<Buffer>& b, size_t n, size_t off = 0) {
-    reads_.push_back({b.get(), off, off + n});
-    rec_.other_bytes += n;
-    return *this;
-  }
-  Dispatch& writes(const std::shared_ptr<Buffer>& b, size_t n, size_t off = 0) {
-    writes_.push_back({b.get(), off, off + n});
-    rec_.other_bytes += n;
-    return *this;
-  }
-  // Accesses of state (KV, DeltaNet) whose traffic is counted separately.
-  Dispatch& state(const std::shared_ptr<Buffer>& b, bool write, uint64_t traffic) {
-    Access a{b.get(), 0, b->length()};
-    (write ? writes_ : reads_).push_back(a);
-    if (write) reads_.push_back(a);
-    rec_.state_bytes += traffic;
-    return *this;
-  }
-  Dispatch& weight_bytes(uint64_t n) {
-    rec_.weight_bytes += n;
-    return *this;
-  }
-  void run(Size3 grid, Size3 threads) {
-    // A compiled pipeline may allow fewer threads than the kernel asks for (register pressure
-    // on a real GPU): say so instead of letting Metal reject the dispatch.
-    const uint64_t n = uint64_t(threads.width) * threads.height * threads.depth;
-    if (n > pipeline_->max_total_threads_per_threadgroup())
-      throw Error("[gpu] kernel '" + rec_.kernel + "' needs " + std::to_string(n) +
-                  " threads per threadgroup; its pipeline allows " +
-                  std::to_string(pipeline_->max_total_threads_per_threadgroup()));
-    if (be_.hazards_.dispatch(*be_.enc_, grid, threads, reads_, writes_)) {
-      ++be_.stage_;
-      ++be_.stats_.barriers;
-    }
-    ++be_.stats_.dispatches;
-    rec_.stage = be_.stage_;
-    if (be_.recording_) be_.records_.push_back(rec_);
-  }
-
- private:
-  GpuBackend& be_;
-  std::shared_ptr<Pipeline> pipeline_;
-  DispatchRecord rec_;
-  std::vector<Access> reads_, writes_;
-};
 
 // ---- state -----------------------------------------------------------------------------------
 
@@ -409,6 +343,7 @@ void GpuBackend::size_activations(int T) {
   grow(ba_, f * 2 * Hv);
   grow(conv_out_, f * C);
   grow(go_, f * vdim);
+  grow(gdn_gates_, f * Hv * 2);
   grow(router_, f * std::max(c_.n_experts, 1));
   grow(ids_, f * k);
   grow(wts_, f * k);
@@ -433,8 +368,13 @@ void GpuBackend::embed(State& state, const int32_t* tokens, int T) {
     size_activations(T);
     if (tokens_->contents()) std::memcpy(tokens_->contents(), tokens, f);
     token_src = Ref{tokens_, 0};
+  } else if (tokens) {  // the first greedy step: a prompt's last chunk, from the host
+    if (step_ != 0 || !inflight_.empty()) throw Error("[gpu] only the first device greedy step takes host tokens");
+    size_activations(T);  // nothing in flight: buffers may be replaced
+    if (tokens_->contents()) std::memcpy(tokens_->contents(), tokens, f);
+    token_src = Ref{tokens_, 0};
   } else {  // the previous step's argmax (sized and reserved by begin_device_greedy)
-    if (tokens || T != 1) throw Error("[gpu] device greedy steps take their token from the device");
+    if (T != 1) throw Error("[gpu] device greedy steps take their token from the device");
     token_src = Ref{ring_, size_t((step_ + 1) % 2) * 4};
   }
   in_ = st.parity;
@@ -524,6 +464,10 @@ void GpuBackend::attention(State& state, int layer, const AttentionWeights& w) {
       splits = div_up(n_ctx, split_len);
     }
   }
+  if (prefill_attention(st, layer)) {  // chunks of T > 1: csrc/gpu/prefill_mixers.cpp
+    gemv(w.o_proj, {o_, 0}, Hq * D, {y_, 0}, H, T);
+    return;
+  }
   AttnArgs a{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), uint32_t(st.capacity), uint32_t(pos0_),
              uint32_t(splits), uint32_t(split_len), 1.0f / std::sqrt(float(D))};
   const size_t part_o = size_t(Hq) * splits * D * 4, part_ml = size_t(Hq) * splits * 2 * 4;
@@ -572,6 +516,10 @@ void GpuBackend::gated_deltanet(State& state, int layer, const GdnWeights& w) {
     gemv(w.in_a, {h_, 0}, H, {a_, 0}, Hv, T);
   }
   const int out = in_ ^ 1;
+  if (prefill_gated_deltanet(st, layer, w)) {  // chunks of T > 1: csrc/gpu/prefill_mixers.cpp
+    gemv(w.out_proj, {go_, 0}, vdim, {y_, 0}, H, T);
+    return;
+  }
   {
     Dispatch d(*this, "gdn.metal", "gdn_conv");
     d.buf(0, qkv_).buf(1, vec(w.conv1d)).buf(2, st.conv[in_][layer]).buf(3, conv_out_).args(4, args)

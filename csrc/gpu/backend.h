@@ -19,8 +19,8 @@
 // - Activations and state are f32 (the CPU backend's precision): KV cache [Hkv, cap, D] per
 //   attention layer grows geometrically like the CPU one; DeltaNet S [Hv, Dk, Dv] and the conv
 //   window [K-1, C] per layer.
-// - Decode is the target (T = 1); prefill runs the same kernels with T rows in the grid
-//   (correct, not fast: issue 6 gives prefill its own kernels).
+// - Decode kernels serve T = 1; chunks of T > 1 take the prefill mixers of
+//   csrc/gpu/prefill_mixers.cpp (flash attention over query tiles, DeltaNet prepare + scan).
 #pragma once
 #include <cstdint>
 #include <map>
@@ -140,6 +140,12 @@ class GpuBackend : public Backend {
   void gemv(const Linear& W, const Ref& x, int ldx, const Ref& y, int ldy, int T);
   void norm(const std::vector<float>& w, bool add);
   const ExpertTables& tables(const MoeWeights* moe, const MlpWeights* mlp);
+  // Prefill mixers (csrc/gpu/prefill_mixers.cpp): encode the chunk's attention core (after
+  // attn_prepare, before o_proj) / DeltaNet conv + scan (after the input projections, before
+  // out_proj) with the prefill kernels and return true, or return false (T == 1 or a shape
+  // they do not take) for the decode kernels.
+  bool prefill_attention(GpuState& st, int layer);
+  bool prefill_gated_deltanet(GpuState& st, int layer, const GdnWeights& w);
 
   std::shared_ptr<const ModelWeights> weights_;
   const ModelConfig& c_;
@@ -173,7 +179,7 @@ class GpuBackend : public Backend {
   // Activations [T, ...] (see metal/*_args.h for the layouts).
   std::shared_ptr<Buffer> tokens_, x_, h_, y_, qg_, k_, v_, o_, part_o_, part_ml_, qkv_, qkvz_, z_,
       b_, a_, ba_, conv_out_, go_, logits_, router_, ids_, wts_, act_, act_s_, sgate_, zeros_,
-      dummy_, inv_freq_;
+      dummy_, inv_freq_, gdn_gates_;
 };
 
 // Reads metal/<file> from the source tree (LILY_SOURCE_DIR, or the checkout the extension was
