@@ -16,7 +16,7 @@
 //                        grid (Hkv, ceil(T / tile_tokens)), 32 * LILY_ATTN_PF_SIMDGROUPS threads
 //
 // Scores, maxima, sums and accumulators are f32; KV is the cache's element type (float or half).
-// Registers per lane: rows_per_simdgroup (4) x (D/32 query + D/32 accumulator) floats.
+// Registers per lane: rows_per_simdgroup (8) x D/32 accumulator floats, plus one row's query.
 #include <metal_stdlib>
 #include "lily_msl.h"
 #include "attention_prefill_args.h"
@@ -46,18 +46,15 @@ kernel void attn_prefill(device const float* qg [[buffer(0)]],     // [T, Hq, 2D
 
   // Row r of the tile = (token t0 + r / group, query head hk * group + r % group); this
   // simdgroup owns rows simd_id, simd_id + NSG, ...
-  float q[rows_max][per_lane_max], acc[rows_max][per_lane_max];
+  // Only the accumulators live in registers; a row's query is re-read (from cache) once per
+  // K/V tile, which is what lets a threadgroup hold 64 rows.
+  float acc[rows_max][per_lane_max];
   float m[rows_max], l[rows_max];
   uint len[rows_max];  // causal length of the row: positions [0, len)
   for (uint i = 0; i < rows_max; ++i) {
     const uint r = simd_id + NSG * i;
-    const uint t = t0 + r / group, hq = hk * group + r % group;
-    len[i] = r < n_rows ? args.pos0 + t + 1 : 0;
-    device const float* qh = qg + (ulong(t) * args.Hq + hq) * 2 * D;
-    for (uint e = 0; e < per_lane; ++e) {
-      q[i][e] = r < n_rows ? qh[lane + 32 * e] : 0.0f;
-      acc[i][e] = 0.0f;
-    }
+    len[i] = r < n_rows ? args.pos0 + t0 + r / group + 1 : 0;
+    for (uint e = 0; e < per_lane; ++e) acc[i][e] = 0.0f;
     m[i] = -INFINITY;
     l[i] = 0.0f;
   }
@@ -75,12 +72,16 @@ kernel void attn_prefill(device const float* qg [[buffer(0)]],     // [T, Hq, 2D
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint i = 0; i < rows_max; ++i) {
       if (len[i] <= p0) continue;  // uniform across the simdgroup (a row is one simdgroup's)
+      const uint r = simd_id + NSG * i;
+      device const float* qh = qg + (ulong(t0 + r / group) * args.Hq + hk * group + r % group) * 2 * D;
+      float q[per_lane_max];
+      for (uint e = 0; e < per_lane; ++e) q[e] = qh[lane + 32 * e];
       const uint valid = min(n, len[i] - p0);
       float s[KT];
       float mt = -INFINITY;
       for (uint c = 0; c < valid; ++c) {
         float d = 0.0f;
-        for (uint e = 0; e < per_lane; ++e) d += q[i][e] * ktile[c][lane + 32 * e];
+        for (uint e = 0; e < per_lane; ++e) d += q[e] * ktile[c][lane + 32 * e];
         s[c] = simd_sum(d) * args.scale;
         mt = max(mt, s[c]);
       }

@@ -4,7 +4,7 @@
 #pragma once
 
 #define LILY_ATTN_PF_SIMDGROUPS 8   // simdgroups of an attn_prefill threadgroup
-#define LILY_ATTN_PF_ROWS 32        // query rows (token, head) per threadgroup
+#define LILY_ATTN_PF_ROWS 64        // query rows (token, head) per threadgroup
 #define LILY_ATTN_PF_KV_TILE 8      // cache positions per K/V tile in threadgroup memory
 #define LILY_ATTN_PF_MAX_HEAD_DIM 256
 

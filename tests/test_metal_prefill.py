@@ -37,7 +37,7 @@ def kernels(dev, name):
 
 # ---- attention_prefill.metal ------------------------------------------------------------------
 
-ROWS = 32  # LILY_ATTN_PF_ROWS
+ROWS = 64  # LILY_ATTN_PF_ROWS
 
 
 def _reference_attention(q, kc, vc, gate, pos0, scale):
@@ -56,10 +56,10 @@ def _reference_attention(q, kc, vc, gate, pos0, scale):
 
 ATTN_CASES = [
     # (D, Hq, Hkv, pos0, T, KV cache type)
-    (256, 16, 2, 0, 6, "float"),   # 35B, first chunk: tiles of 4 tokens, the second partial
+    (256, 16, 2, 0, 10, "float"),  # 35B, first chunk: tiles of 8 tokens, the second partial
     (256, 16, 2, 9, 5, "half"),    # 35B, a later chunk over cached positions, half cache
-    (64, 6, 2, 3, 13, "float"),    # odd: GQA 3 (tiles of 10 tokens), cache spans KV tiles
-    (96, 4, 4, 5, 1, "float"),     # T = 1, no GQA (tile of 32 tokens, one used)
+    (64, 6, 2, 3, 25, "float"),    # odd: GQA 3 (tiles of 21 tokens), cache spans KV tiles
+    (96, 4, 4, 5, 1, "float"),     # T = 1, no GQA (tile of 64 tokens, one used)
 ]
 
 
@@ -128,7 +128,7 @@ def _gdn_reference(Hk, Hv, Dk, Dv, taps, window, S0, a_neg, dt_bias, norm_w, eps
 
 GDN_CASES = [
     # (Hk, Hv, Dk, Dv, K, chunk lengths)
-    (16, 32, 128, 128, 4, (3,)),     # 35B, one chunk
+    (16, 32, 128, 128, 4, (2,)),     # 35B, one chunk
     (3, 6, 48, 40, 4, (2, 5, 1)),    # odd: T < K-1, T > K-1, T = 1, state carried across chunks
 ]
 
