@@ -20,7 +20,7 @@
 #include <cstdint>
 
 #include "gpu/backend.h"
-#include "gpu/dispatch.h"
+#include "gpu/encode.h"
 #include "metal/attention_prefill_args.h"
 #include "metal/gdn_prefill_args.h"
 

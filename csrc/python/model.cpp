@@ -62,11 +62,12 @@ std::vector<Ffn> parse_ffns(const std::vector<std::string>& names) {
 std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weights, const std::string& name,
                                       int threads, int split_threshold, int split_len,
                                       bool check_dependencies, int interleavings, const std::string& kv_dtype,
-                                      bool asan) {
+                                      bool asan, int gemm_min_rows) {
   if (name == "cpu") return std::make_unique<cpu::CpuBackend>(weights, threads);
   gpu::GpuOptions opt;
   if (split_threshold >= 0) opt.split_threshold = split_threshold;
   if (split_len > 0) opt.split_len = split_len;
+  if (gemm_min_rows > 0) opt.gemm_min_rows = gemm_min_rows;
   if (kv_dtype != "float32" && kv_dtype != "float16")
     throw ConfigError("[engine] kv_dtype must be 'float32' or 'float16', not '" + kv_dtype + "'");
   opt.kv_half = kv_dtype == "float16";
@@ -213,21 +214,33 @@ void init_model(nb::module_& m) {
           "__init__",
           [](Engine* self, std::shared_ptr<ModelWeights> weights, const std::string& backend, int threads,
              int prefill_chunk, int split_threshold, int split_len, bool check_dependencies, int interleavings,
-             const std::string& kv_dtype, bool asan) {
+             const std::string& kv_dtype, bool asan, int gemm_min_rows) {
             new (self) Engine(weights,
                               make_backend(weights, backend, threads, split_threshold, split_len,
-                                           check_dependencies, interleavings, kv_dtype, asan),
+                                           check_dependencies, interleavings, kv_dtype, asan, gemm_min_rows),
                               prefill_chunk);
           },
           nb::arg("weights"), nb::arg("backend") = "cpu", nb::arg("threads") = 0, nb::arg("prefill_chunk") = 512,
           nb::arg("split_threshold") = -1, nb::arg("split_len") = -1, nb::arg("check_dependencies") = false,
-          nb::arg("interleavings") = 0, nb::arg("kv_dtype") = "float32", nb::arg("asan") = false)
+          nb::arg("interleavings") = 0, nb::arg("kv_dtype") = "float32", nb::arg("asan") = false,
+          nb::arg("gemm_min_rows") = -1)
       .def_prop_ro("gpu_stats", [](Engine& e) {
         auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
         if (!g) throw Error("[engine] gpu_stats: the backend is not a GPU backend");
         const gpu::GpuStats& s = g->stats();
         return std::make_tuple(s.dispatches, s.barriers, s.command_buffers, s.waits, s.max_in_flight);
       }, "(dispatches, barriers, command buffers, CPU waits, most greedy steps in flight) so far")
+      .def("gpu_records", [](Engine& e, bool recording) {
+        auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
+        if (!g) throw Error("[engine] gpu_records: the backend is not a GPU backend");
+        std::vector<std::tuple<std::string, int, uint64_t>> rows;
+        for (const auto& d : g->records()) rows.emplace_back(d.kernel, d.stage, d.weight_bytes);
+        g->records().clear();
+        g->set_recording(recording);
+        return rows;
+      }, nb::arg("recording"),
+      "[(kernel, stage, weight bytes)] of the dispatches encoded since the last call (while "
+      "recording), then clears them and turns recording on or off.")
       .def_prop_ro("backend", [](Engine& e) { return std::string(e.backend().name()); })
       .def_prop_ro("threads", [](Engine& e) {
         auto* cpu = dynamic_cast<cpu::CpuBackend*>(&e.backend());

@@ -127,7 +127,8 @@ class Model:
         (default: all cores). prefill_chunk: tokens per prefill step (bounds scratch memory).
         max_context: default context of new sequences (default: the model's
         max_position_embeddings). backend_options: GPU backends' test knobs (split_threshold,
-        split_len: the attention route thresholds; kv_dtype: "float32" or "float16" KV cache;
+        split_len: the attention route thresholds; gemm_min_rows: the shortest chunk that runs
+        prefill GEMMs rather than GEMVs; kv_dtype: "float32" or "float16" KV cache;
         check_dependencies, interleavings, asan: the MSL-on-CPU runtime's checking modes).
         """
         if backend == "auto":
