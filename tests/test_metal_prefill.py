@@ -181,7 +181,7 @@ def models(request, store, lily):
     path = store.mlx(*request.param)
     gpu = lily.Model.load(path, backend="msl-cpu", prefill_chunk=CHUNK)
     cpu = lily.Model.load(path, backend="cpu", prefill_chunk=CHUNK)
-    return gpu, cpu
+    return gpu, cpu, store.mlx_reference(path)
 
 
 def _check(got, want, what, tol=cases.TOL_MLX):
@@ -193,7 +193,7 @@ def _check(got, want, what, tol=cases.TOL_MLX):
 
 @pytest.mark.parametrize("n", [3, 14])
 def test_chunked_prefill_then_decode(models, n):
-    gpu, cpu = models
+    gpu, cpu, _ = models
     s, c = gpu.session(), cpu.session()
     _check(s.prefill(cases.PROMPT[:n], all_logits=True), c.prefill(cases.PROMPT[:n], all_logits=True),
            f"prefill of {n} tokens in chunks of {CHUNK} vs cpu backend")
@@ -201,14 +201,17 @@ def test_chunked_prefill_then_decode(models, n):
         _check(s.decode(cases.PROMPT[i]), c.decode(cases.PROMPT[i]), f"decode at position {i} vs cpu backend")
 
 
-def test_generate_greedy_from_prompt(models):
+def test_generate_greedy_from_prompt(models, lily):
     """The prompt's last chunk is device greedy step 0: its argmax is fed to step 1 on the
     device. Same tokens as the CPU backend; the only CPU waits are one between prefill chunks
     and one per generated token (none inside a chunk)."""
-    gpu, cpu = models
+    gpu, cpu, ref = models
     prompt = list(cases.GEN_PROMPT)
     n_tok = cases.GEN_TOKENS
     want = cpu._engine.generate_greedy(cpu.session()._state, prompt, n_tok)
+    assert want == ref.gen_tokens, "host greedy from a prompt differs from mlx-lm's tokens"
+    with pytest.raises(lily.RequestError, match="at least one prompt token"):
+        gpu._engine.generate_greedy(gpu.session()._state, [], n_tok)
     eng = gpu._engine
     s = gpu.session()
     _, _, cb0, w0, _ = eng.gpu_stats
