@@ -27,13 +27,16 @@ using namespace metal;
 #define LILY_GEMM_LD (LILY_GEMM_BK + 4)
 #define LILY_GEMM_NO_ROW 0xFFFFFFFFu
 
-// The simdgroup layout of a BM-row tile.
+// The simdgroup layout of a BM-row tile. (An enum, not static constexpr members: MSL would
+// want those in the constant address space, which C++ does not have.)
 template <int BM>
 struct GemmTile {
-  static constexpr int SN = BM == 32 ? 2 : 4;           // simdgroups across the columns
-  static constexpr int SM = 4 / SN;                     // simdgroups across the rows
-  static constexpr int FM = BM / (8 * SM);              // 8x8 fragments per simdgroup, rows
-  static constexpr int FN = LILY_GEMM_BN / (8 * SN);    // and columns
+  enum {
+    SN = BM == 32 ? 2 : 4,          // simdgroups across the columns
+    SM = 4 / SN,                    // simdgroups across the rows
+    FM = BM / (8 * SM),             // 8x8 fragments per simdgroup, rows
+    FN = LILY_GEMM_BN / (8 * SN),   // and columns
+  };
 };
 
 // X tile [BM, BK] from k0: row r of the tile is x + src_row[r] * ldx (LILY_GEMM_NO_ROW: zeros).

@@ -24,7 +24,7 @@ import pytest
 
 from fixtures import cases
 from fixtures.references import rel_err
-from msl_cpu_harness import ROOT, msl_cpu, read
+from msl_cpu_harness import ROOT, msl_cpu, read, run
 from test_metal_kernels import MSL_TYPE, dense, qm, quantize
 
 RNG = np.random.default_rng(6)
@@ -32,24 +32,6 @@ RNG = np.random.default_rng(6)
 
 def kernels(dev, name):
     return dev.library((ROOT / "metal" / name).read_text(), f"metal/{name}")
-
-
-def run(dev, steps):
-    """Encodes every (pipeline, grid, threads, {index: buffer | bytes}) into one serial
-    encoder of one command buffer: the chunk's dispatches with no CPU wait between them."""
-    cb = dev.command_buffer()
-    enc = cb.compute_encoder()
-    for pso, grid, threads, buffers in steps:
-        enc.set_pipeline(pso)
-        for index, b in buffers.items():
-            if isinstance(b, bytes):
-                enc.set_bytes(index, b)
-            else:
-                enc.set_buffer(index, b, 0)
-        enc.dispatch_threadgroups(grid, threads)
-    enc.end_encoding()
-    cb.commit()
-    cb.wait_until_completed()
 
 
 def _silu(x):
@@ -354,3 +336,19 @@ def test_prefill_chunk_has_no_missing_dependency(store, lily):
     got = gpu.session().prefill(prompt, all_logits=True)
     _close(got, lily.Model.load(path, backend="cpu").session().prefill(prompt, all_logits=True),
            "checked prefill chunk vs cpu backend")
+
+
+def test_prefill_chunk_plan_matches_execution(store, lily):
+    """gpu_plan(tokens=T) (benchmarks/metal_prefill_plan.py) encodes exactly the dispatches and
+    barriers an executed prefill chunk does, in one command buffer with one CPU wait."""
+    from lily import _core
+
+    path = store.mlx("qwen3_5_moe", 4, 64, "bfloat16")
+    gpu = lily.Model.load(path, backend="msl-cpu")
+    d0, b0 = gpu._engine.gpu_stats[:2]
+    gpu.session().prefill(cases.PROMPT[:9])
+    d1, b1 = gpu._engine.gpu_stats[:2]
+    rows, (dispatches, barriers, cbs, waits), scratch = _core.gpu_plan(gpu.config.to_native(), 9, 4, 64, 8, tokens=9)
+    assert (dispatches, barriers) == (d1 - d0, b1 - b0)
+    assert (cbs, waits) == (1, 1)
+    assert "moe_plan" in {r[0] for r in rows} and scratch > 0

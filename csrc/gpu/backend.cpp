@@ -383,13 +383,7 @@ void GpuBackend::gemv(const Linear& W, const Ref& x, int ldx, const Ref& y, int 
   args.ldx = uint32_t(ldx);
   args.ldy = uint32_t(ldy);
   Dispatch d(*this, "quant.metal", "gemv_" + std::string(scalar_name(W.dtype)));
-  d.linear(0, W)
-      .buf(3, x)
-      .buf(4, y)
-      .args(5, args)
-      .reads(x.buf, size_t(T) * ldx * 4, x.off)
-      .writes(y.buf, (size_t(T - 1) * ldy + W.out) * 4, y.off)
-      .weight_bytes(W.nbytes());
+  d.projection(W, x, ldx, y, ldy, T).args(5, args);
   d.run({div_up(W.out, kGemvRows), uint32_t(T), 1}, {kGemvThreads, 1, 1});
 }
 
@@ -611,7 +605,7 @@ void GpuBackend::down_gemv(const ExpertMatrix& down, const ExpertMatrix* shared,
 
 void GpuBackend::mlp(const MlpWeights& w) {
   const ExpertTables& tb = tables(nullptr, &w);
-  if (T_ >= options_.gemm_min_rows) return mlp_prefill(tb);
+  if (T_ >= options_.gemm_min_rows && grouped_fits(tb)) return mlp_prefill(tb);
   gate_up_gemv(tb.gate, tb.up, {zeros_, 0}, 1, act_);
   down_gemv(tb.down, nullptr, {zeros_, 0}, 1, false);
 }
@@ -631,7 +625,7 @@ void GpuBackend::moe(const MoeWeights& w) {
         .reads(router_, f * E).writes(ids_, f * k).writes(wts_, f * k);
     d.run({uint32_t(T), 1, 1}, {32 * div_up(E, 32), 1, 1});
   }
-  if (T >= options_.gemm_min_rows) return moe_prefill(tb);  // grouped GEMMs (prefill_moe.cpp)
+  if (T >= options_.gemm_min_rows && grouped_fits(tb)) return moe_prefill(tb);  // prefill_moe.cpp
   if (shared) gate_up_gemv(tb.shared_gate, tb.shared_up, {zeros_, 0}, 1, act_s_);  // beside the routing
   gate_up_gemv(tb.gate, tb.up, {ids_, 0}, k, act_);
   down_gemv(tb.down, shared ? &tb.shared_down : nullptr, {ids_, 0}, k, true);

@@ -157,6 +157,7 @@ class GpuBackend : public Backend {
                  bool weighted);
   // Prefill (prefill_moe.cpp): tiled GEMM for a chunk's projection, grouped-GEMM feed-forward.
   bool gemm_fits(const Linear& W) const;
+  bool grouped_fits(const ExpertTables& tb) const;
   void gemm(const Linear& W, const Ref& x, int ldx, const Ref& y, int ldy, int T);
   void moe_prefill(const ExpertTables& tb);  // after moe() has routed the chunk
   void mlp_prefill(const ExpertTables& tb);

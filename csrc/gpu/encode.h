@@ -31,6 +31,10 @@ struct GpuBackend::ExpertTables {
   ExpertMatrix gate, up, down, shared_gate, shared_up, shared_down;
 };
 
+// Whether the prefill tiles (metal/gemm.h) read matrix m: affine widths must be whole K steps
+// (every MLX group size is a multiple of 32); dense ones any width.
+inline bool tiles_fit(const QuantMatrix& m) { return m.bits == 0 || m.in % LILY_GEMM_BK == 0; }
+
 inline const char* scalar_name(DType t) {
   switch (t) {
     case DType::F32: return "float";
@@ -83,6 +87,16 @@ class GpuBackend::Dispatch {
     buf(index, be_.weight(W.w, "weight"));
     buf(index + 1, W.quantized() ? be_.weight(W.scales, "scales") : Ref{be_.dummy_, 0});
     return buf(index + 2, W.quantized() ? be_.weight(W.biases, "biases") : Ref{be_.dummy_, 0});
+  }
+  // A projection y[t, :out) = W x[t, :in) for t < T: W at bindings 0-2, x at 3, y at 4 (the
+  // layout of gemv_* and gemm_*), with its accesses declared.
+  Dispatch& projection(const Linear& W, const Ref& x, int ldx, const Ref& y, int ldy, int T) {
+    return linear(0, W)
+        .buf(3, x)
+        .buf(4, y)
+        .reads(x.buf, size_t(T) * ldx * 4, x.off)
+        .writes(y.buf, (size_t(T - 1) * ldy + W.out) * 4, y.off)
+        .weight_bytes(W.nbytes());
   }
   template <typename A>
   Dispatch& args(uint32_t index, const A& a) {

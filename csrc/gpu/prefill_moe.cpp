@@ -25,6 +25,7 @@
 // Shapes: h [T, H]; ids, wts [T, k] (slot s = t*k + j); act [T*k, I] in sorted order; yr
 // [T*k, H] by slot; act_s [T, Is]; ys [T, H]; y [T, H].
 #include <algorithm>
+#include <initializer_list>
 #include <string>
 
 #include "gpu/encode.h"
@@ -44,9 +45,12 @@ std::string gemm_name(const char* family, DType t, int bm) {
 
 }  // namespace
 
-bool GpuBackend::gemm_fits(const Linear& W) const {
-  // The K step of a tile (32) divides every MLX group size; an odd quantized width keeps GEMV.
-  return !W.quantized() || W.in % LILY_GEMM_BK == 0;
+bool GpuBackend::gemm_fits(const Linear& W) const { return tiles_fit(matrix(W, "a projection")); }
+
+bool GpuBackend::grouped_fits(const ExpertTables& tb) const {
+  for (const auto* m : {&tb.gate, &tb.up, &tb.down, &tb.shared_gate, &tb.shared_up, &tb.shared_down})
+    if (!tiles_fit(m->m)) return false;  // (absent shared matrices are zero: dense, fit)
+  return c_.n_experts <= LILY_MOE_PLAN_THREADS;  // else the GEMV route
 }
 
 void GpuBackend::gemm(const Linear& W, const Ref& x, int ldx, const Ref& y, int ldy, int T) {
@@ -57,13 +61,7 @@ void GpuBackend::gemm(const Linear& W, const Ref& x, int ldx, const Ref& y, int 
   args.ldy = uint32_t(ldy);
   const int bm = block_rows(uint64_t(T));
   Dispatch d(*this, "quant.metal", gemm_name("gemm", W.dtype, bm));
-  d.linear(0, W)
-      .buf(3, x)
-      .buf(4, y)
-      .args(5, args)
-      .reads(x.buf, size_t(T) * ldx * 4, x.off)
-      .writes(y.buf, (size_t(T - 1) * ldy + W.out) * 4, y.off)
-      .weight_bytes(W.nbytes());
+  d.projection(W, x, ldx, y, ldy, T).args(5, args);
   d.run({div_up(W.out, LILY_GEMM_BN), div_up(T, bm), 1}, {kGemmThreads, 1, 1});
 }
 
@@ -110,9 +108,7 @@ void GpuBackend::mlp_prefill(const ExpertTables& tb) {
 void GpuBackend::moe_prefill(const ExpertTables& tb) {
   const int T = T_, H = c_.hidden, E = c_.n_experts, k = c_.top_k;
   const bool shared = c_.shared_intermediate > 0;
-  if (E > LILY_MOE_PLAN_THREADS)
-    throw ConfigError("[gpu] moe_plan handles at most " + std::to_string(LILY_MOE_PLAN_THREADS) +
-                      " experts; the model has " + std::to_string(E));
+  if (!grouped_fits(tb)) throw Error("[gpu] moe_prefill: the experts do not suit the grouped GEMMs");
   const uint32_t n = uint32_t(T) * uint32_t(k);
   const int bm = block_rows(n / uint32_t(E));  // rows per expert on average
   const uint32_t max_blocks = std::min<uint32_t>(uint32_t(E), n) + n / uint32_t(bm);

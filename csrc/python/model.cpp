@@ -304,25 +304,28 @@ void init_model(nb::module_& m) {
   m.def(
       "gpu_plan",
       [](const ModelConfig& c, int context, int bits, int group, int gate_bits, int split_threshold,
-         int split_len, bool kv_half) {
+         int split_len, bool kv_half, int tokens, int gemm_min_rows) {
         gpu::PlanQuantization q{bits, group, gate_bits};
         gpu::GpuOptions opt;
         opt.kv_half = kv_half;
         if (split_threshold >= 0) opt.split_threshold = split_threshold;
         if (split_len > 0) opt.split_len = split_len;
-        gpu::DecodePlan p = gpu::plan_decode_step(c, q, opt, context);
+        if (gemm_min_rows > 0) opt.gemm_min_rows = gemm_min_rows;
+        gpu::DecodePlan p = gpu::plan_chunk(c, q, opt, context, tokens);
         std::vector<std::tuple<std::string, int, uint64_t, uint64_t, uint64_t>> rows;
         for (const auto& d : p.dispatches)
           rows.emplace_back(d.kernel, d.stage, d.weight_bytes, d.state_bytes, d.other_bytes);
         return std::make_tuple(rows, std::make_tuple(p.stats.dispatches, p.stats.barriers,
-                                                     p.stats.command_buffers, p.stats.waits));
+                                                     p.stats.command_buffers, p.stats.waits),
+                               p.scratch_bytes);
       },
       nb::arg("config"), nb::arg("context"), nb::arg("bits") = 4, nb::arg("group_size") = 64,
       nb::arg("gate_bits") = 8, nb::arg("split_threshold") = -1, nb::arg("split_len") = -1,
-      nb::arg("kv_half") = false,
-      "The GPU backend's dispatch sequence for one decode step, recorded without running it: "
+      nb::arg("kv_half") = false, nb::arg("tokens") = 1, nb::arg("gemm_min_rows") = -1,
+      "The GPU backend's dispatch sequence for one decode step (or a prefill chunk of `tokens` "
+      "tokens ending at `context`), recorded without running it: "
       "([(kernel, stage, weight bytes, state bytes, other bytes)], (dispatches, barriers, "
-      "command buffers, CPU waits)).");
+      "command buffers, CPU waits), scratch bytes allocated while encoding it).");
 
   m.def(
       "gpu_plan_prefill",
