@@ -162,12 +162,14 @@ class Experts:
         return self.deq[self.phys[e]]
 
 
-def moe_block(dev, *, T, H, E, k, I, Is, bits, group, sdt, logits=None, bm=8):
+def moe_block(dev, *, T, H, E, k, I, Is, bits, group, sdt, logits=None, bm=8, repeat=0):
     """Encodes the chunk's MoE block and checks y, the routing and the activations.
-    logits None: the router GEMM (8-bit, as released) computes them from h."""
+    logits None: the router GEMM (8-bit, as released) computes them from h. repeat: that many
+    tokens copy token 0, so its k experts get several rows each."""
     moe, quant = kernels(dev, "moe.metal"), kernels(dev, "quant.metal")
     S = MSL_TYPE[sdt]
     h = RNG.standard_normal((T, H), dtype=np.float32)
+    h[1:1 + repeat] = h[0]
     sg = RNG.standard_normal(T, dtype=np.float32)
     h64 = h.astype(np.float64)
     if logits is None:
@@ -242,8 +244,11 @@ def moe_block(dev, *, T, H, E, k, I, Is, bits, group, sdt, logits=None, bm=8):
 
 def test_moe_block_real_dims():
     """Qwen3.6-35B-A3B: hidden 2048, 256 experts top-8, expert and shared intermediate 512,
-    4-bit group 64 with bf16 scales, 8-bit router; two tokens through the router GEMM."""
-    moe_block(msl_cpu.device(), T=2, H=2048, E=256, k=8, I=512, Is=512, bits=4, group=64, sdt="bfloat16")
+    4-bit group 64 with bf16 scales, 8-bit router; three tokens through the router GEMM, two of
+    them equal: 8 experts with two rows, up to 8 with one, 240 or more with none."""
+    ids = moe_block(msl_cpu.device(), T=3, H=2048, E=256, k=8, I=512, Is=512, bits=4, group=64, sdt="bfloat16",
+                    repeat=1)
+    np.testing.assert_array_equal(ids[0], ids[1])
 
 
 def _logits_for(ids, E):
