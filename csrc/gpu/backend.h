@@ -205,8 +205,8 @@ class GpuBackend : public Backend {
   std::shared_ptr<Buffer> tokens_, x_, h_, y_, qg_, k_, v_, o_, part_o_, part_ml_, qkv_, qkvz_, z_,
       b_, a_, ba_, conv_out_, go_, logits_, router_, ids_, wts_, act_, act_s_, sgate_, zeros_,
       dummy_, inv_freq_;
+  std::shared_ptr<Buffer> gdn_gates_;  // [T, Hv, 2] (beta, decay) of the DeltaNet prefill scan
   // Prefill MoE scratch (prefill_moe.cpp): the routing plan, weighted expert rows, shared output.
-  std::shared_ptr<Buffer> gdn_gates_;  // [T, Hv, 2] (beta, decay) of the prefill scan
   std::shared_ptr<Buffer> plan_rows_, plan_blocks_, plan_header_, yr_, ys_;
 };
 
