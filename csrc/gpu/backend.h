@@ -19,8 +19,12 @@
 // - Activations and state are f32 (the CPU backend's precision): KV cache [Hkv, cap, D] per
 //   attention layer grows geometrically like the CPU one; DeltaNet S [Hv, Dk, Dv] and the conv
 //   window [K-1, C] per layer.
-// - Decode is the target (T = 1); prefill runs the same kernels with T rows in the grid
-//   (correct, not fast: issue 6 gives prefill its own kernels).
+// - Decode is the target (T = 1). Chunks of at least GpuOptions::gemm_min_rows tokens take
+//   prefill kernels for projections and feed-forward (prefill_moe.cpp: tiled GEMMs with fused
+//   dequantization, MoE routing and grouped expert GEMMs on the GPU); shorter ones run the
+//   decode kernels with T rows in the grid.
+// - Attention and DeltaNet cores of chunks of T > 1 take the prefill mixers of
+//   csrc/gpu/prefill_mixers.cpp (flash attention over query tiles, DeltaNet prepare + scan).
 #pragma once
 #include <cstdint>
 #include <map>
@@ -43,6 +47,14 @@ struct GpuOptions {
   // KV cache elements in half precision: half the bytes per token at long contexts, at the cost
   // of f16 rounding of k and v (default f32: the CPU backend's precision).
   bool kv_half = false;
+  // Chunks of at least this many tokens run projections and the feed-forward as tiled GEMMs
+  // (and MoE as grouped GEMMs); shorter ones take the "skinny" GEMV route (decode kernels with
+  // T rows), which wins while a weight tile would be mostly padding.
+  int gemm_min_rows = 8;
+  // The prefill GEMMs' inner product: "simdgroup" (simdgroup_matrix, every Apple GPU from M1),
+  // "tensor" (Metal 4 MetalPerformancePrimitives matmul2d; the device must support tensor ops)
+  // or "auto" (tensor where Device::supports_tensor_ops(), else simdgroup), chosen at load time.
+  std::string gemm = "auto";
 };
 
 // One encoded dispatch, for plan reports (benchmarks/metal_plan.py) and tests.
@@ -115,6 +127,8 @@ class GpuBackend : public Backend {
   void finish();
 
   const GpuOptions& options() const { return options_; }
+  // Whether the prefill GEMMs run on Metal 4 tensor ops (GpuOptions::gemm, resolved at load).
+  bool tensor_gemm() const { return tensor_gemm_; }
   const GpuStats& stats() const { return stats_; }
   // Recording of every dispatch (off by default).
   void set_recording(bool on) { recording_ = on; }
@@ -129,6 +143,7 @@ class GpuBackend : public Backend {
     size_t off = 0;
   };
   struct ExpertTables;
+  struct ExpertMatrix;  // one matrix kind of an ExpertTables (encode.h)
   class Dispatch;
 
   Ref weight(const uint8_t* p, const char* what) const;
@@ -140,12 +155,35 @@ class GpuBackend : public Backend {
   void gemv(const Linear& W, const Ref& x, int ldx, const Ref& y, int ldy, int T);
   void norm(const std::vector<float>& w, bool add);
   const ExpertTables& tables(const MoeWeights* moe, const MlpWeights* mlp);
+  // The gather-GEMV feed-forward (decode): gate/up + SwiGLU for k jobs per token, then down +
+  // weighted combine (+ the sigmoid-gated shared expert when `shared` is given).
+  void gate_up_gemv(const ExpertMatrix& gate, const ExpertMatrix& up, const Ref& ids, int k,
+                    const std::shared_ptr<Buffer>& act);
+  void down_gemv(const ExpertMatrix& down, const ExpertMatrix* shared, const Ref& ids, int k,
+                 bool weighted);
+  // Prefill (prefill_moe.cpp): tiled GEMM for a chunk's projection, grouped-GEMM feed-forward.
+  bool gemm_fits(const Linear& W) const;
+  bool grouped_fits(const ExpertTables& tb) const;
+  void gemm(const Linear& W, const Ref& x, int ldx, const Ref& y, int ldy, int T);
+  void moe_prefill(const ExpertTables& tb);  // after moe() has routed the chunk
+  void mlp_prefill(const ExpertTables& tb);
+  void gate_up_gemm(const ExpertMatrix& gate, const ExpertMatrix& up, bool routed, int k, int bm,
+                    uint32_t blocks, const std::shared_ptr<Buffer>& act);
+  void down_gemm(const ExpertMatrix& down, bool routed, int k, int bm, uint32_t blocks,
+                 const std::shared_ptr<Buffer>& act, const std::shared_ptr<Buffer>& out);
+  // Prefill mixers (csrc/gpu/prefill_mixers.cpp): encode the chunk's attention core (after
+  // attn_prepare, before o_proj) / DeltaNet conv + scan (after the input projections, before
+  // out_proj) with the prefill kernels and return true, or return false (T == 1 or a shape
+  // they do not take) for the decode kernels.
+  bool prefill_attention(GpuState& st, int layer);
+  bool prefill_gated_deltanet(GpuState& st, int layer, const GdnWeights& w);
 
   std::shared_ptr<const ModelWeights> weights_;
   const ModelConfig& c_;
   std::shared_ptr<Device> device_;
   std::string name_;
   GpuOptions options_;
+  bool tensor_gemm_ = false;
   std::vector<std::pair<Region, std::shared_ptr<Buffer>>> regions_;
 
   std::map<std::string, std::shared_ptr<Library>> libraries_;
@@ -174,6 +212,9 @@ class GpuBackend : public Backend {
   std::shared_ptr<Buffer> tokens_, x_, h_, y_, qg_, k_, v_, o_, part_o_, part_ml_, qkv_, qkvz_, z_,
       b_, a_, ba_, conv_out_, go_, logits_, router_, ids_, wts_, act_, act_s_, sgate_, zeros_,
       dummy_, inv_freq_;
+  std::shared_ptr<Buffer> gdn_gates_;  // [T, Hv, 2] (beta, decay) of the DeltaNet prefill scan
+  // Prefill MoE scratch (prefill_moe.cpp): the routing plan, weighted expert rows, shared output.
+  std::shared_ptr<Buffer> plan_rows_, plan_blocks_, plan_header_, yr_, ys_;
 };
 
 // Reads metal/<file> from the source tree (LILY_SOURCE_DIR, or the checkout the extension was
