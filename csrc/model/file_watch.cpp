@@ -1,3 +1,4 @@
+// FileWatch (see file_watch.h for why): inotify on Linux, "always maybe changed" elsewhere.
 #include "model/file_watch.h"
 
 #include <unistd.h>
