@@ -49,14 +49,14 @@ void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, GdnState& s
   if (c.gdn_fused_qkvz) {
     s.qkvz.resize(size_t(T) * (C + vdim));
     s.ba.resize(size_t(T) * 2 * Hv);
-    linear(w.in_qkvz, h, T, s.qkvz.data(), pool);
-    linear(w.in_ba, h, T, s.ba.data(), pool);
+    linear(w.in_qkvz, h, T, s.qkvz.data(), pool, s.matmul);
+    linear(w.in_ba, h, T, s.ba.data(), pool, s.matmul);
     ungroup_qkvz(c, s.qkvz.data(), s.ba.data(), T, s.qkv.data(), s.z.data(), s.b.data(), s.a.data());
   } else {
-    linear(w.in_qkv, h, T, s.qkv.data(), pool);
-    linear(w.in_z, h, T, s.z.data(), pool);
-    linear(w.in_b, h, T, s.b.data(), pool);
-    linear(w.in_a, h, T, s.a.data(), pool);
+    linear(w.in_qkv, h, T, s.qkv.data(), pool, s.matmul);
+    linear(w.in_z, h, T, s.z.data(), pool, s.matmul);
+    linear(w.in_b, h, T, s.b.data(), pool, s.matmul);
+    linear(w.in_a, h, T, s.a.data(), pool, s.matmul);
   }
 
   // Causal depthwise conv over [carried K-1 inputs ; this chunk], then SiLU. Channels are
@@ -128,7 +128,7 @@ void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, GdnState& s
     }
   });
 
-  linear(w.out_proj, s.o.data(), T, y, pool);
+  linear(w.out_proj, s.o.data(), T, y, pool, s.matmul);
 }
 
 }  // namespace lily::cpu

@@ -13,6 +13,7 @@
 #pragma once
 #include <vector>
 
+#include "cpu/linear.h"
 #include "cpu/thread_pool.h"
 #include "model/weights.h"
 
@@ -24,6 +25,7 @@ struct GdnState {
 };
 
 struct GdnScratch {
+  Matmul matmul = Matmul::F32;  // the backend's choice for the projections
   std::vector<float> qkv, qkvz, z, b, a, ba, conv_out, o;
 };
 

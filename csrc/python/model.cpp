@@ -62,8 +62,12 @@ std::vector<Ffn> parse_ffns(const std::vector<std::string>& names) {
 std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weights, const std::string& name,
                                       int threads, int split_threshold, int split_len,
                                       bool check_dependencies, int interleavings, const std::string& kv_dtype,
-                                      bool asan) {
-  if (name == "cpu") return std::make_unique<cpu::CpuBackend>(weights, threads);
+                                      bool asan, const std::string& cpu_matmul) {
+  cpu::Matmul matmul;
+  if (cpu_matmul == "f32") matmul = cpu::Matmul::F32;
+  else if (cpu_matmul == "int8") matmul = cpu::Matmul::Int8;
+  else throw ConfigError("[engine] cpu_matmul must be 'int8' or 'f32', not '" + cpu_matmul + "'");
+  if (name == "cpu") return std::make_unique<cpu::CpuBackend>(weights, threads, matmul);
   gpu::GpuOptions opt;
   if (split_threshold >= 0) opt.split_threshold = split_threshold;
   if (split_len > 0) opt.split_len = split_len;
@@ -213,15 +217,16 @@ void init_model(nb::module_& m) {
           "__init__",
           [](Engine* self, std::shared_ptr<ModelWeights> weights, const std::string& backend, int threads,
              int prefill_chunk, int split_threshold, int split_len, bool check_dependencies, int interleavings,
-             const std::string& kv_dtype, bool asan) {
+             const std::string& kv_dtype, bool asan, const std::string& cpu_matmul) {
             new (self) Engine(weights,
                               make_backend(weights, backend, threads, split_threshold, split_len,
-                                           check_dependencies, interleavings, kv_dtype, asan),
+                                           check_dependencies, interleavings, kv_dtype, asan, cpu_matmul),
                               prefill_chunk);
           },
           nb::arg("weights"), nb::arg("backend") = "cpu", nb::arg("threads") = 0, nb::arg("prefill_chunk") = 512,
           nb::arg("split_threshold") = -1, nb::arg("split_len") = -1, nb::arg("check_dependencies") = false,
-          nb::arg("interleavings") = 0, nb::arg("kv_dtype") = "float32", nb::arg("asan") = false)
+          nb::arg("interleavings") = 0, nb::arg("kv_dtype") = "float32", nb::arg("asan") = false,
+          nb::arg("cpu_matmul") = "f32")
       .def_prop_ro("gpu_stats", [](Engine& e) {
         auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
         if (!g) throw Error("[engine] gpu_stats: the backend is not a GPU backend");
@@ -232,6 +237,11 @@ void init_model(nb::module_& m) {
       .def_prop_ro("threads", [](Engine& e) {
         auto* cpu = dynamic_cast<cpu::CpuBackend*>(&e.backend());
         return cpu ? cpu->threads() : 0;
+      })
+      .def_prop_ro("cpu_matmul", [](Engine& e) {
+        auto* cpu = dynamic_cast<cpu::CpuBackend*>(&e.backend());
+        if (!cpu) return std::string();
+        return std::string(cpu->matmul() == cpu::Matmul::Int8 ? "int8" : "f32");
       })
       .def_prop_ro("prefill_chunk", &Engine::prefill_chunk)
       .def("new_state", &Engine::new_state, nb::arg("max_context"))
