@@ -385,6 +385,10 @@ void linear(const Linear& W, const float* x, int T, float* y, ThreadPool& pool, 
   // Large chunks: expand each panel of weights once and sweep it with a register-blocked
   // micro-kernel. Small ones (decode, small expert groups): fused kernels off the packed bytes.
   if (T > kPanelMinT) {
+    if (mode == Matmul::Int8 && int8_gemm_supported(W)) {
+      int8_gemm(W, x, T, y, &pool);
+      return;
+    }
     pool.parallel_for(panel_count(W), [&](int64_t p0, int64_t p1, int) { panel_rows(W, x, T, y, p0, p1); });
     return;
   }
@@ -400,6 +404,10 @@ void linear(const Linear& W, const float* x, int T, float* y, ThreadPool& pool, 
 void linear_serial(const Linear& W, const float* x, int T, float* y, Matmul mode) {
 #if defined(__AVX512F__)
   if (T > kPanelMinT) {
+    if (mode == Matmul::Int8 && int8_gemm_supported(W)) {
+      int8_gemm(W, x, T, y, nullptr);
+      return;
+    }
     panel_rows(W, x, T, y, 0, panel_count(W));
     return;
   }

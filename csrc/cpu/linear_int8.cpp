@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "model/dtype.h"
 
@@ -266,6 +267,187 @@ void int8_rows(const Linear& W, const int8_t* xq, const float* dx, const float* 
 
 bool int8_supported(const Linear&) { return false; }
 void int8_rows(const Linear&, const int8_t*, const float*, const float*, int, int, float*, int, int64_t, int64_t) {}
+
+#endif
+
+}  // namespace lily::cpu
+
+// ---- Larger chunks: tokens in vectors ---------------------------------------------------------
+//
+// For T > 32 the row kernels would re-read (and re-unpack) each weight row once per 8 tokens.
+// Here the roles turn: a 512-bit vector holds one 4-byte slice of x for 16 tokens (x is
+// transposed once per call into Xp[token group][dword][16]), and each weight dword is broadcast
+// against it, so one VPDPBUSD does 4 values x 16 tokens. Weight rows are unpacked to u8 codes
+// once per call (16 rows at a time, into L1) and then swept by every token group:
+//   per 4 rows x 32 values x 16 tokens: 8 x loads, 32 broadcasts, 32 VPDPBUSD, 12 scale ops.
+// Block scales and group sums are transposed the same way (dxT, gsT), so the per-block scale is
+// one vector multiply per row and the bias term one FMA per group.
+namespace lily::cpu {
+
+#if defined(LILY_INT8_AVX512)
+
+namespace {
+
+constexpr int kGemmRows = 16;  // rows unpacked per step (16 x in bytes in L1)
+constexpr int kGemmR = 4;      // rows per register block
+
+struct GemmInput {
+  int T = 0, in = 0, G = 0, nb = 0, groups16 = 0;
+  std::vector<int8_t> xq;
+  std::vector<float> dx, gsum;
+  std::vector<int32_t> Xp;  // [groups16][in / 4][16]
+  std::vector<float> dxT;   // [groups16][nb][16]
+  std::vector<float> gsT;   // [groups16][G][16]
+};
+
+// Dword offsets (in the xq layout) of block b's first evens and first odds for 4-bit rows; for
+// 8-bit rows the block is 8 consecutive dwords.
+inline void block_dwords(int b, int in, int bits, int& e0, int& o0) {
+  if (bits == 8) {
+    e0 = b * 8;
+    o0 = b * 8 + 4;
+    return;
+  }
+  const int c0 = b * kInt8Block / kChunk4 * kChunk4, wc = std::min(kChunk4, in - c0);
+  const int h = (b * kInt8Block - c0) / 32;
+  e0 = (c0 + 16 * h) / 4;
+  o0 = (c0 + wc / 2 + 16 * h) / 4;
+}
+
+void prepare_gemm(const Linear& W, const float* x, int T, GemmInput& g) {
+  const int in = W.in, G = in / W.group, nb = in / kInt8Block, ndx = int8_dx_per_token(in, W.bits);
+  g.T = T;
+  g.in = in;
+  g.G = G;
+  g.nb = nb;
+  g.groups16 = (T + 15) / 16;
+  g.xq.resize(size_t(T) * in);
+  g.dx.resize(size_t(T) * ndx);
+  quantize_activations(x, T, in, W.bits, g.xq.data(), g.dx.data());
+  g.Xp.assign(size_t(g.groups16) * (in / 4) * 16, 0);
+  g.dxT.assign(size_t(g.groups16) * nb * 16, 0.0f);
+  g.gsT.assign(size_t(g.groups16) * G * 16, 0.0f);
+  for (int t = 0; t < T; ++t) {
+    const int tg = t / 16, l = t % 16;
+    const int32_t* q = reinterpret_cast<const int32_t*>(g.xq.data() + size_t(t) * in);
+    int32_t* xp = g.Xp.data() + size_t(tg) * (in / 4) * 16 + l;
+    for (int k = 0; k < in / 4; ++k) xp[size_t(k) * 16] = q[k];
+    // dx: 4-bit keeps one scale per lane of 8 values (4 per block), 8-bit one per block.
+    const float* d = g.dx.data() + size_t(t) * ndx;
+    float* dt = g.dxT.data() + size_t(tg) * nb * 16 + l;
+    for (int b = 0; b < nb; ++b) dt[size_t(b) * 16] = W.bits == 4 ? d[b * 4] : d[b];
+    float* gs = g.gsT.data() + size_t(tg) * G * 16 + l;
+    for (int gi = 0; gi < G; ++gi) {
+      float s = 0;
+      for (int j = 0; j < W.group; ++j) s += x[size_t(t) * in + gi * W.group + j];
+      gs[size_t(gi) * 16] = s;
+    }
+  }
+}
+
+// Rows [r0, r1) of y for every token, by the calling thread.
+void gemm_rows(const Linear& W, const GemmInput& g, float* y, int64_t r0, int64_t r1) {
+  const int in = W.in, G = g.G, nb = g.nb, bits = W.bits, dw = in / 4;
+  const size_t esz = dtype_size(W.dtype), wbytes = size_t(in) * bits / 8;
+  thread_local std::vector<uint8_t> codes_store;
+  thread_local std::vector<float> sf_store, bf_store;
+  codes_store.resize(size_t(kGemmRows) * in);
+  sf_store.resize(size_t(kGemmRows) * G);
+  bf_store.resize(size_t(kGemmRows) * G);
+  uint8_t* codes = codes_store.data();
+  float* sf = sf_store.data();
+  float* bf = bf_store.data();
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (int64_t rb = r0; rb < r1; rb += kGemmRows) {
+    const int nr = int(std::min<int64_t>(kGemmRows, r1 - rb));
+    // Unpack: 4-bit rows to u8 codes in the xq layout (per chunk: low nibbles, then high).
+    for (int i = 0; i < nr; ++i) {
+      const uint8_t* wrow = W.w + size_t(rb + i) * wbytes;
+      uint8_t* cr = codes + size_t(i) * in;
+      if (bits == 8) {
+        std::memcpy(cr, wrow, in);
+      } else {
+        int v = 0;
+        for (; v + 128 <= in; v += 128) {
+          const __m512i w = _mm512_loadu_si512(wrow + v / 2);
+          _mm512_storeu_si512(cr + v, _mm512_and_si512(w, m4));
+          _mm512_storeu_si512(cr + v + 64, _mm512_and_si512(_mm512_srli_epi16(w, 4), m4));
+        }
+        for (; v < in; v += 64) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + v / 2));
+          const __m256i m = _mm256_set1_epi8(0x0F);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(cr + v), _mm256_and_si256(w, m));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(cr + v + 32), _mm256_and_si256(_mm256_srli_epi16(w, 4), m));
+        }
+      }
+      row_params(W.scales + size_t(rb + i) * G * esz, W.dtype, G, sf + size_t(i) * G);
+      row_params(W.biases + size_t(rb + i) * G * esz, W.dtype, G, bf + size_t(i) * G);
+    }
+    for (int tg = 0; tg < g.groups16; ++tg) {
+      const int32_t* xp = g.Xp.data() + size_t(tg) * dw * 16;
+      const float* dxT = g.dxT.data() + size_t(tg) * nb * 16;
+      const float* gsT = g.gsT.data() + size_t(tg) * G * 16;
+      const int nt = std::min(16, g.T - tg * 16);
+      for (int i0 = 0; i0 < nr; i0 += kGemmR) {
+        const int R = std::min(kGemmR, nr - i0);
+        const int32_t* cw[kGemmR];
+        for (int r = 0; r < kGemmR; ++r) cw[r] = reinterpret_cast<const int32_t*>(codes + size_t(i0 + std::min(r, R - 1)) * in);
+        __m512 facc[kGemmR];
+        for (int r = 0; r < kGemmR; ++r) facc[r] = _mm512_setzero_ps();
+        for (int b = 0; b < nb; ++b) {
+          int e0, o0;
+          block_dwords(b, in, bits, e0, o0);
+          __m512i ia[kGemmR];
+          for (int r = 0; r < kGemmR; ++r) ia[r] = _mm512_setzero_si512();
+          for (int k = 0; k < 4; ++k) {
+            const __m512i xe = _mm512_loadu_si512(xp + size_t(e0 + k) * 16);
+            const __m512i xo = _mm512_loadu_si512(xp + size_t(o0 + k) * 16);
+            for (int r = 0; r < kGemmR; ++r) {
+              ia[r] = _mm512_dpbusd_epi32(ia[r], _mm512_set1_epi32(cw[r][e0 + k]), xe);
+              ia[r] = _mm512_dpbusd_epi32(ia[r], _mm512_set1_epi32(cw[r][o0 + k]), xo);
+            }
+          }
+          const __m512 d = _mm512_loadu_ps(dxT + size_t(b) * 16);
+          const int gi = b * kInt8Block / W.group;
+          for (int r = 0; r < kGemmR; ++r)
+            facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]),
+                                      _mm512_mul_ps(_mm512_set1_ps(sf[size_t(i0 + std::min(r, R - 1)) * G + gi]), d),
+                                      facc[r]);
+        }
+        for (int gi = 0; gi < G; ++gi) {
+          const __m512 gs = _mm512_loadu_ps(gsT + size_t(gi) * 16);
+          for (int r = 0; r < kGemmR; ++r)
+            facc[r] = _mm512_fmadd_ps(_mm512_set1_ps(bf[size_t(i0 + std::min(r, R - 1)) * G + gi]), gs, facc[r]);
+        }
+        for (int r = 0; r < R; ++r) {
+          alignas(64) float lanes[16];
+          _mm512_store_ps(lanes, facc[r]);
+          for (int l = 0; l < nt; ++l) y[size_t(tg * 16 + l) * W.out + rb + i0 + r] = lanes[l];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool int8_gemm_supported(const Linear& W) { return int8_supported(W); }
+
+void int8_gemm(const Linear& W, const float* x, int T, float* y, ThreadPool* pool) {
+  thread_local GemmInput prepared;
+  GemmInput& g = prepared;
+  prepare_gemm(W, x, T, g);
+  if (!pool) {
+    gemm_rows(W, g, y, 0, W.out);
+    return;
+  }
+  pool->parallel_for(W.out, [&](int64_t r0, int64_t r1, int) { gemm_rows(W, g, y, r0, r1); }, kGemmRows);
+}
+
+#else
+
+bool int8_gemm_supported(const Linear&) { return false; }
+void int8_gemm(const Linear&, const float*, int, float*, ThreadPool*) {}
 
 #endif
 

@@ -6,6 +6,7 @@
 #pragma once
 #include <cstdint>
 
+#include "cpu/thread_pool.h"
 #include "model/weights.h"
 
 namespace lily::cpu {
@@ -28,5 +29,13 @@ inline int int8_dx_per_token(int in, int bits) { return bits == 4 ? in / 8 : in 
 // holds the exact f32 sums of x per weight group (the affine bias term).
 void int8_rows(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int t0, int nt, float* y,
                int ldy, int64_t r0, int64_t r1);
+
+// Whether int8_gemm runs W in this build (AVX-512 VNNI hosts; elsewhere large chunks use the
+// f32 panel GEMM).
+bool int8_gemm_supported(const Linear& W);
+
+// y[T, out] = x[T, in] · Wᵀ for larger chunks (prefill): tokens in vectors of 16, each weight
+// row unpacked once per call. pool == nullptr: computed by the calling thread.
+void int8_gemm(const Linear& W, const float* x, int T, float* y, ThreadPool* pool);
 
 }  // namespace lily::cpu

@@ -337,6 +337,42 @@ void init_model(nb::module_& m) {
         return out;
       },
       nb::arg("packed"), nb::arg("scales"), nb::arg("biases"), nb::arg("bits"), nb::arg("group_size"));
+
+  m.def(
+      "quantized_matmul",
+      [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig> x, nb::ndarray<const uint32_t, nb::ndim<2>, nb::c_contig> packed,
+         nb::ndarray<const float, nb::ndim<2>, nb::c_contig> scales,
+         nb::ndarray<const float, nb::ndim<2>, nb::c_contig> biases, int bits, int group_size,
+         const std::string& mode, int threads) {
+        const size_t rows = packed.shape(0), words = packed.shape(1), T = x.shape(0);
+        if (bits < 2 || bits > 8 || bits == 7) throw Error("[quantized_matmul] unsupported bits " + std::to_string(bits));
+        if (group_size <= 0) throw Error("[quantized_matmul] group_size must be positive");
+        const size_t cols = words * 32 / bits;
+        if (words * 32 % bits || cols % group_size || scales.shape(0) != rows || biases.shape(0) != rows ||
+            scales.shape(1) != cols / group_size || biases.shape(1) != cols / group_size || x.shape(1) != cols)
+          throw Error("[quantized_matmul] x, packed, scales and biases shapes disagree");
+        if (mode != "f32" && mode != "int8") throw Error("[quantized_matmul] mode must be 'int8' or 'f32'");
+        Linear W;
+        W.format = Linear::Format::Affine;
+        W.out = int(rows);
+        W.in = int(cols);
+        W.dtype = DType::F32;
+        W.bits = bits;
+        W.group = group_size;
+        W.w = reinterpret_cast<const uint8_t*>(packed.data());
+        W.scales = reinterpret_cast<const uint8_t*>(scales.data());
+        W.biases = reinterpret_cast<const uint8_t*>(biases.data());
+        float* p;
+        F32Array out = new_f32({T, rows}, &p);
+        if (T > 0) {
+          cpu::ThreadPool pool(threads);
+          cpu::linear(W, x.data(), int(T), p, pool, mode == "int8" ? cpu::Matmul::Int8 : cpu::Matmul::F32);
+        }
+        return out;
+      },
+      nb::arg("x"), nb::arg("packed"), nb::arg("scales"), nb::arg("biases"), nb::arg("bits"), nb::arg("group_size"),
+      nb::arg("mode") = "f32", nb::arg("threads") = 1,
+      "y[T, out] = x[T, in] @ dequantize(W).T by the CPU backend's kernels (mode 'f32' or 'int8'), for tests.");
 }
 
 }  // namespace lily::python
