@@ -144,7 +144,8 @@ def test_qwen3_5_moe_dependency_check(store, lily):
 
 
 def test_decode_under_address_sanitizer(store, lily):
-    """Every kernel of a prefill and of decode steps on both attention routes, built with
+    """Every kernel of a prefill (its 4 tokens on the GEMM route: gemm_min_rows = 3) and of
+    decode steps on both attention routes, built with
     AddressSanitizer (activation, state and KV buffers are exact-size allocations): no
     out-of-bounds access, and the same logits as the CPU backend."""
     import os
@@ -160,7 +161,7 @@ def test_decode_under_address_sanitizer(store, lily):
         from fixtures import cases
         from fixtures.references import rel_err
         gpu = lily.Model.load({str(path)!r}, backend="msl-cpu",
-                              backend_options=dict(asan=True, split_threshold=4, split_len=2))
+                              backend_options=dict(asan=True, split_threshold=4, split_len=2, gemm_min_rows=3))
         cpu = lily.Model.load({str(path)!r}, backend="cpu")
         s, c = gpu.session(), cpu.session()
         errs = [rel_err(s.prefill(cases.PROMPT[:4]), c.prefill(cases.PROMPT[:4]))]

@@ -128,7 +128,8 @@ class Model:
         (default: all cores). prefill_chunk: tokens per prefill step (bounds scratch memory).
         max_context: default context of new sequences (default: the model's
         max_position_embeddings). backend_options: GPU backends' test knobs (split_threshold,
-        split_len: the attention route thresholds; kv_dtype: "float32" or "float16" KV cache;
+        split_len: the attention route thresholds; gemm_min_rows: the shortest chunk that runs
+        prefill GEMMs rather than GEMVs; kv_dtype: "float32" or "float16" KV cache;
         check_dependencies, interleavings, asan: the MSL-on-CPU runtime's checking modes).
         cpu_matmul: how the CPU backend multiplies quantized (4/8-bit) weights: "f32" expands
         them to f32 (matches mlx-lm to ~1e-6), "int8" rounds activations to int8 per block of
