@@ -10,8 +10,8 @@ Tests, each against a reference nobody here wrote:
   of that formula on weights made by `mlx.core.quantize` (relative error <= 1e-5: only the f32
   summation order differs; a wrong nibble order, block scale or group bias is >= 1e-2), for 4-bit
   (groups 64/128) and 8-bit (groups 32/64) weights, rows of 192 (a 64-value tail after 128-value
-  steps), 256 and 2048 values, 1..32 tokens (the row kernels, every register-blocked token
-  count) and 33 and 70 tokens (the token-vector GEMM, with a partial vector of 16).
+  steps), 256 and 2048 values, 1/3/8 tokens (the row kernels, 1-8 tokens per weight pass)
+  and 13/32/33/70 tokens (the token-vector GEMM, from 12 tokens, with partial vectors of 16).
 - Kernel, error bound: int8 vs the exact product with `mx.dequantize`d weights. Rounding x to
   q moves each x_j by at most d / 2, so |error| <= sum_j |w_j| d_j / 2, asserted elementwise.
   The errors are unbiased and independent, so typically the relative error is ~0.5-1% of

@@ -30,6 +30,9 @@ inline int int8_dx_per_token(int in, int bits) { return bits == 4 ? in / 8 : in 
 void int8_rows(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int t0, int nt, float* y,
                int ldy, int64_t r0, int64_t r1);
 
+// Chunks of at least this many tokens go to int8_gemm rather than the row kernels.
+constexpr int kInt8GemmMinT = 12;
+
 // Whether int8_gemm runs W in this build (AVX-512 VNNI hosts; elsewhere large chunks use the
 // f32 panel GEMM).
 bool int8_gemm_supported(const Linear& W);
