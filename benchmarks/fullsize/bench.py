@@ -124,6 +124,8 @@ def main() -> None:
     ap.add_argument("--contexts", default="512,4096,32768")
     ap.add_argument("--decode", type=int, default=16, help="decode steps after each prefill")
     ap.add_argument("--chunk", type=int, default=512, help="prefill_chunk")
+    ap.add_argument("--cpu-matmul", default="f32", choices=("f32", "int8"),
+                    help="Model.load cpu_matmul: f32, or int8 activations with integer dot products")
     ap.add_argument("--deadline", type=float, default=0, help="unix time by which to stop (0: none)")
     a = ap.parse_args()
 
@@ -132,12 +134,14 @@ def main() -> None:
     rep = Report(a.out)
     rep.data["threads"] = a.threads
     rep.data["prefill_chunk"] = a.chunk
+    rep.data["cpu_matmul"] = a.cpu_matmul
     rep.data["lily_version"] = getattr(lily, "__version__", "?")
     ck_bytes = sum(f.stat().st_size for f in a.checkpoint.glob("*.safetensors"))
 
     before = proc_status()
     t0 = time.perf_counter()
-    model = lily.Model.load(a.checkpoint, backend="cpu", threads=a.threads, prefill_chunk=a.chunk)
+    model = lily.Model.load(a.checkpoint, backend="cpu", threads=a.threads, prefill_chunk=a.chunk,
+                            cpu_matmul=a.cpu_matmul)
     load_s = time.perf_counter() - t0
     s = proc_status()
     rep.data["load"] = {

@@ -44,6 +44,8 @@ if ! wait "$build_pid"; then
 fi
 [ -f "$OUT/build.log" ] && tail -1 "$OUT/build.log"
 
+# CPU_MATMUL=f32|int8 (default int8: activations in int8 with integer dot products, as
+# llama.cpp's Q4_0 x Q8_0; f32 is the exact mode, see docs/performance.md).
 PYTHONPATH="$root/src" "$PY" benchmarks/fullsize/bench.py "$CKPT" --threads "$THREADS" --out "$OUT" \
-  --contexts "$CONTEXTS" --deadline $(( start + BUDGET_S )) 2>&1 | tee "$OUT/bench.log"
+  --cpu-matmul "${CPU_MATMUL:-int8}" --contexts "$CONTEXTS" --deadline $(( start + BUDGET_S )) 2>&1 | tee "$OUT/bench.log"
 echo "total_s=$(( $(date +%s) - start ))" | tee -a "$OUT/bench.log"
