@@ -10,7 +10,7 @@
 # Env: CKPT (checkpoint dir, default /tmp/qwen36-35b-a3b-random), TOKENIZER (folder with
 # tokenizer.json from scripts/make_tokenizer.py; default build/fullsize-tokenizer if present),
 # CONTEXTS (default 512,4096,32768), BUDGET_S (seconds for the whole script, default 480),
-# BUILD=0 to skip the build.
+# BUILD=0 to skip the build, CPU_MATMUL (f32 or int8; default f32).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -44,8 +44,6 @@ if ! wait "$build_pid"; then
 fi
 [ -f "$OUT/build.log" ] && tail -1 "$OUT/build.log"
 
-# CPU_MATMUL=f32|int8 (default int8: activations in int8 with integer dot products, as
-# llama.cpp's Q4_0 x Q8_0; f32 is the exact mode, see docs/performance.md).
 PYTHONPATH="$root/src" "$PY" benchmarks/fullsize/bench.py "$CKPT" --threads "$THREADS" --out "$OUT" \
-  --cpu-matmul "${CPU_MATMUL:-int8}" --contexts "$CONTEXTS" --deadline $(( start + BUDGET_S )) 2>&1 | tee "$OUT/bench.log"
+  --contexts "$CONTEXTS" --cpu-matmul "${CPU_MATMUL:-f32}" --deadline $(( start + BUDGET_S )) 2>&1 | tee "$OUT/bench.log"
 echo "total_s=$(( $(date +%s) - start ))" | tee -a "$OUT/bench.log"

@@ -110,15 +110,29 @@ void Engine::decode(State& st, int32_t token, float* logits) {
 
 std::vector<int32_t> Engine::generate_greedy(State& st, int32_t token, int max_tokens,
                                              const std::function<bool(int32_t)>& keep_going) {
+  return generate_greedy(st, &token, 1, max_tokens, keep_going);
+}
+
+std::vector<int32_t> Engine::generate_greedy(State& st, const int32_t* prompt, int n, int max_tokens,
+                                             const std::function<bool(int32_t)>& keep_going) {
   std::vector<int32_t> out;
   if (max_tokens <= 0) return out;
+  if (n < 1) throw RequestError("[engine] greedy generation needs at least one prompt token");
   weights_->check_files_unchanged();
-  check_tokens(st, &token, 1);
-  if (int64_t(st.position()) + max_tokens > st.max_context())
-    throw RequestError("[engine] " + std::to_string(st.position()) + " cached + " + std::to_string(max_tokens) +
+  check_tokens(st, prompt, n);
+  if (int64_t(st.position()) + n - 1 + max_tokens > st.max_context())
+    throw RequestError("[engine] " + std::to_string(st.position()) + " cached + " + std::to_string(n) +
+                       " prompt tokens + " + std::to_string(max_tokens) +
                        " greedy steps exceed the context of " + std::to_string(st.max_context()));
   const int vocab = config().vocab;
-  if (!backend_->begin_device_greedy(st, token, max_tokens)) {
+  // The prompt's chunks as prefill() cuts them; the last one is the first greedy step, so on a
+  // device backend its argmax (the first generated token) never leaves the device.
+  const int last = n - (n - 1) / prefill_chunk_ * prefill_chunk_;
+  if (n > last) prefill(st, prompt, n - last, nullptr, false);
+  const int32_t* first = prompt + (n - last);
+  if (!backend_->begin_device_greedy(st, first[last - 1], last - 1 + max_tokens)) {
+    if (last > 1) prefill(st, first, last - 1, nullptr, false);
+    int32_t token = first[last - 1];
     std::vector<float> logits(vocab);
     for (int i = 0; i < max_tokens; ++i) {
       decode(st, token, logits.data());
@@ -137,11 +151,12 @@ std::vector<int32_t> Engine::generate_greedy(State& st, int32_t token, int max_t
     forward_chunk(*backend_, *weights_, st, nullptr, 1, LogitRows::Last, nullptr);
     st.position_ += 1;
   };
-  step();
+  forward_chunk(*backend_, *weights_, st, first, last, LogitRows::Last, nullptr);  // step 0
+  st.position_ += last;
   for (int i = 0; i < max_tokens; ++i) {
     const bool more = i + 1 < max_tokens;
     if (more) step();
-    token = backend_->wait_device_token();
+    const int32_t token = backend_->wait_device_token();
     out.push_back(token);
     if (!keep_going(token)) {
       if (more) {  // step i + 1 consumed a token past the stop: undo it

@@ -45,6 +45,11 @@ class Engine {
   // step is committed (depth-2 pipelining; a step made past the stop is discarded).
   std::vector<int32_t> generate_greedy(State& st, int32_t token, int max_tokens,
                                        const std::function<bool(int32_t)>& keep_going);
+  // The same from a prompt of n tokens (none in the state yet): the prompt is prefilled in
+  // chunks and its last chunk is the first greedy step, so on a device backend the first
+  // generated token is chosen on the device and fed to the next step without a CPU round trip.
+  std::vector<int32_t> generate_greedy(State& st, const int32_t* prompt, int n, int max_tokens,
+                                       const std::function<bool(int32_t)>& keep_going);
 
  private:
   void check_tokens(const State& st, const int32_t* tokens, int n) const;

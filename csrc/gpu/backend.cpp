@@ -150,6 +150,11 @@ GpuBackend::GpuBackend(std::shared_ptr<const ModelWeights> weights, std::shared_
                        std::string name, GpuOptions options, std::vector<Region> regions)
     : weights_(std::move(weights)), c_(weights_->config), device_(std::move(device)), name_(std::move(name)),
       options_(options) {
+  if (options_.gemm != "auto" && options_.gemm != "simdgroup" && options_.gemm != "tensor")
+    throw ConfigError("[gpu] gemm must be 'auto', 'simdgroup' or 'tensor', not '" + options_.gemm + "'");
+  if (options_.gemm == "tensor" && !device_->supports_tensor_ops())
+    throw ConfigError("[gpu] gemm='tensor' needs Metal 4 tensor ops, which '" + device_->name() + "' lacks");
+  tensor_gemm_ = options_.gemm == "tensor" || (options_.gemm == "auto" && device_->supports_tensor_ops());
   // A file's mapping covers whole pages, so the wrapped length is rounded up to the page size
   // (Metal's newBufferWithBytesNoCopy wants a page-aligned pointer and length).
   const size_t page = size_t(sysconf(_SC_PAGESIZE));
@@ -309,6 +314,7 @@ void GpuBackend::size_activations(int T) {
   grow(ba_, f * 2 * Hv);
   grow(conv_out_, f * C);
   grow(go_, f * vdim);
+  grow(gdn_gates_, f * Hv * 2);
   grow(router_, f * std::max(c_.n_experts, 1));
   grow(ids_, f * k);
   grow(wts_, f * k);
@@ -333,8 +339,13 @@ void GpuBackend::embed(State& state, const int32_t* tokens, int T) {
     size_activations(T);
     if (tokens_->contents()) std::memcpy(tokens_->contents(), tokens, f);
     token_src = Ref{tokens_, 0};
+  } else if (tokens) {  // the first greedy step: a prompt's last chunk, from the host
+    if (step_ != 0 || !inflight_.empty()) throw Error("[gpu] only the first device greedy step takes host tokens");
+    size_activations(T);  // nothing in flight: buffers may be replaced
+    if (tokens_->contents()) std::memcpy(tokens_->contents(), tokens, f);
+    token_src = Ref{tokens_, 0};
   } else {  // the previous step's argmax (sized and reserved by begin_device_greedy)
-    if (tokens || T != 1) throw Error("[gpu] device greedy steps take their token from the device");
+    if (T != 1) throw Error("[gpu] device greedy steps take their token from the device");
     token_src = Ref{ring_, size_t((step_ + 1) % 2) * 4};
   }
   in_ = st.parity;
@@ -417,6 +428,10 @@ void GpuBackend::attention(State& state, int layer, const AttentionWeights& w) {
       splits = div_up(n_ctx, split_len);
     }
   }
+  if (prefill_attention(st, layer)) {  // chunks of T > 1: csrc/gpu/prefill_mixers.cpp
+    gemv(w.o_proj, {o_, 0}, Hq * D, {y_, 0}, H, T);
+    return;
+  }
   AttnArgs a{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), uint32_t(st.capacity), uint32_t(pos0_),
              uint32_t(splits), uint32_t(split_len), 1.0f / std::sqrt(float(D))};
   const size_t part_o = size_t(Hq) * splits * D * 4, part_ml = size_t(Hq) * splits * 2 * 4;
@@ -465,6 +480,10 @@ void GpuBackend::gated_deltanet(State& state, int layer, const GdnWeights& w) {
     gemv(w.in_a, {h_, 0}, H, {a_, 0}, Hv, T);
   }
   const int out = in_ ^ 1;
+  if (prefill_gated_deltanet(st, layer, w)) {  // chunks of T > 1: csrc/gpu/prefill_mixers.cpp
+    gemv(w.out_proj, {go_, 0}, vdim, {y_, 0}, H, T);
+    return;
+  }
   {
     Dispatch d(*this, "gdn.metal", "gdn_conv");
     d.buf(0, qkv_).buf(1, vec(w.conv1d)).buf(2, st.conv[in_][layer]).buf(3, conv_out_).args(4, args)

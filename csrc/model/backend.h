@@ -89,6 +89,8 @@ class Backend {
   // begin and end, each forward pass gets tokens == nullptr (its input is the previous step's
   // argmax, already on the device) and logits == nullptr (lm_head writes the argmax and commits
   // without waiting), so step N+1 is encoded and committed before step N's token is read.
+  // The first pass may instead bring its own tokens (a prompt's last chunk, T >= 1): its argmax
+  // is then the first generated token. max_steps counts positions (that chunk's and 1 per step).
   // Backends without it return false from begin and the engine loops on the host.
   virtual bool begin_device_greedy(State& st, int32_t first_token, int max_steps) { return false; }
   // Waits for the oldest step in flight and returns the token it chose.

@@ -62,7 +62,8 @@ std::vector<Ffn> parse_ffns(const std::vector<std::string>& names) {
 std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weights, const std::string& name,
                                       int threads, int split_threshold, int split_len,
                                       bool check_dependencies, int interleavings, const std::string& kv_dtype,
-                                      bool asan, int gemm_min_rows, const std::string& cpu_matmul) {
+                                      bool asan, int gemm_min_rows, bool metal4, const std::string& gemm,
+                                      const std::string& cpu_matmul) {
   cpu::Matmul matmul;
   if (cpu_matmul == "f32") matmul = cpu::Matmul::F32;
   else if (cpu_matmul == "int8") matmul = cpu::Matmul::Int8;
@@ -72,6 +73,9 @@ std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weigh
   if (split_threshold >= 0) opt.split_threshold = split_threshold;
   if (split_len > 0) opt.split_len = split_len;
   if (gemm_min_rows > 0) opt.gemm_min_rows = gemm_min_rows;
+  opt.gemm = gemm;
+  if (metal4 && name != "msl-cpu")
+    throw ConfigError("[engine] metal4 is an option of the msl-cpu backend (a real device reports its own family)");
   if (kv_dtype != "float32" && kv_dtype != "float16")
     throw ConfigError("[engine] kv_dtype must be 'float32' or 'float16', not '" + kv_dtype + "'");
   opt.kv_half = kv_dtype == "float16";
@@ -80,6 +84,7 @@ std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weigh
     dev.check_dependencies = check_dependencies;
     dev.interleavings = interleavings;
     dev.asan = asan;
+    dev.metal4 = metal4;
     return std::make_unique<gpu::GpuBackend>(weights, msl_cpu::make_device(dev), "msl-cpu", opt);
   }
 #if defined(LILY_HAVE_METAL)
@@ -218,17 +223,19 @@ void init_model(nb::module_& m) {
           "__init__",
           [](Engine* self, std::shared_ptr<ModelWeights> weights, const std::string& backend, int threads,
              int prefill_chunk, int split_threshold, int split_len, bool check_dependencies, int interleavings,
-             const std::string& kv_dtype, bool asan, int gemm_min_rows, const std::string& cpu_matmul) {
+             const std::string& kv_dtype, bool asan, int gemm_min_rows, bool metal4, const std::string& gemm,
+             const std::string& cpu_matmul) {
             new (self) Engine(weights,
                               make_backend(weights, backend, threads, split_threshold, split_len,
-                                           check_dependencies, interleavings, kv_dtype, asan, gemm_min_rows,
-                                           cpu_matmul),
+                                           check_dependencies, interleavings, kv_dtype, asan, gemm_min_rows, metal4,
+                                           gemm, cpu_matmul),
                               prefill_chunk);
           },
           nb::arg("weights"), nb::arg("backend") = "cpu", nb::arg("threads") = 0, nb::arg("prefill_chunk") = 512,
           nb::arg("split_threshold") = -1, nb::arg("split_len") = -1, nb::arg("check_dependencies") = false,
           nb::arg("interleavings") = 0, nb::arg("kv_dtype") = "float32", nb::arg("asan") = false,
-          nb::arg("gemm_min_rows") = -1, nb::arg("cpu_matmul") = "f32")
+          nb::arg("gemm_min_rows") = -1, nb::arg("metal4") = false, nb::arg("gemm") = "auto",
+          nb::arg("cpu_matmul") = "f32")
       .def_prop_ro("gpu_stats", [](Engine& e) {
         auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
         if (!g) throw Error("[engine] gpu_stats: the backend is not a GPU backend");
@@ -297,7 +304,19 @@ void init_model(nb::module_& m) {
           },
           nb::arg("state"), nb::arg("token"), nb::arg("max_tokens"), nb::arg("stop_tokens") = std::vector<int32_t>{},
           "Greedy tokens after `token` (argmax, ties to the lowest id), stopping after a stop token; on a GPU "
-          "backend the token is fed back on the device with depth-2 pipelining.");
+          "backend the token is fed back on the device with depth-2 pipelining.")
+      .def(
+          "generate_greedy",
+          [](Engine& e, State& st, const std::vector<int32_t>& prompt, int max_tokens,
+             const std::vector<int32_t>& stop_tokens) {
+            nb::gil_scoped_release release;
+            return e.generate_greedy(st, prompt.data(), int(prompt.size()), max_tokens, [&](int32_t t) {
+              return std::find(stop_tokens.begin(), stop_tokens.end(), t) == stop_tokens.end();
+            });
+          },
+          nb::arg("state"), nb::arg("prompt"), nb::arg("max_tokens"), nb::arg("stop_tokens") = std::vector<int32_t>{},
+          "The same after a prompt (a list of token ids, none in the state yet), prefilled in chunks; on a GPU "
+          "backend the last chunk's argmax is the first token and never leaves the device before step 2.");
 
   m.def(
       "gpu_plan",
@@ -324,6 +343,36 @@ void init_model(nb::module_& m) {
       "tokens ending at `context`), recorded without running it: "
       "([(kernel, stage, weight bytes, state bytes, other bytes)], (dispatches, barriers, "
       "command buffers, CPU waits), scratch bytes allocated while encoding it).");
+
+  m.def(
+      "gpu_plan_prefill",
+      [](const ModelConfig& c, int prompt, int chunk, int bits, int group, int gate_bits, bool kv_half) {
+        gpu::PlanQuantization q{bits, group, gate_bits};
+        gpu::GpuOptions opt;
+        opt.kv_half = kv_half;
+        gpu::PrefillPlan p = gpu::plan_prefill(c, q, opt, prompt, chunk);
+        std::vector<std::tuple<std::string, int, uint64_t, uint64_t, uint64_t>> rows;
+        for (const auto& d : p.last_chunk)
+          rows.emplace_back(d.kernel, d.stage, d.weight_bytes, d.state_bytes, d.other_bytes);
+        nb::dict out;
+        out["last_chunk"] = rows;
+        out["last_tokens"] = p.last_tokens;
+        out["chunks"] = p.chunks;
+        out["last_stats"] = std::make_tuple(p.last_stats.dispatches, p.last_stats.barriers,
+                                            p.last_stats.command_buffers, p.last_stats.waits);
+        out["total"] = std::make_tuple(p.total.dispatches, p.total.barriers, p.total.command_buffers,
+                                       p.total.waits);
+        out["waits_inside_chunks"] = p.waits_inside_chunks;
+        out["device_bytes"] = p.device_bytes;
+        out["state_bytes"] = p.state_bytes;
+        return out;
+      },
+      nb::arg("config"), nb::arg("prompt"), nb::arg("chunk") = 512, nb::arg("bits") = 4, nb::arg("group_size") = 64,
+      nb::arg("gate_bits") = 8, nb::arg("kv_half") = false,
+      "The GPU backend's dispatch sequence for a prompt prefilled in chunks (the last chunk as device greedy "
+      "step 0), recorded without running it: a dict with the last chunk's dispatches [(kernel, stage, weight "
+      "bytes, state bytes, other bytes)], last_stats / total (dispatches, barriers, command buffers, CPU "
+      "waits), waits_inside_chunks, device_bytes (backend buffers, no weights) and state_bytes.");
 
   m.def(
       "dequantize",

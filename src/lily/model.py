@@ -129,8 +129,10 @@ class Model:
         max_context: default context of new sequences (default: the model's
         max_position_embeddings). backend_options: GPU backends' test knobs (split_threshold,
         split_len: the attention route thresholds; gemm_min_rows: the shortest chunk that runs
-        prefill GEMMs rather than GEMVs; kv_dtype: "float32" or "float16" KV cache;
-        check_dependencies, interleavings, asan: the MSL-on-CPU runtime's checking modes).
+        prefill GEMMs rather than GEMVs; gemm: "auto", "simdgroup" or "tensor", the prefill
+        GEMMs' inner product (simdgroup_matrix, or Metal 4 tensor ops where the GPU has them);
+        kv_dtype: "float32" or "float16" KV cache; check_dependencies, interleavings, asan: the
+        MSL-on-CPU runtime's checking modes; metal4: the MSL-on-CPU device claims Metal 4).
         cpu_matmul: how the CPU backend multiplies quantized (4/8-bit) weights: "f32" expands
         them to f32 (matches mlx-lm to ~1e-6), "int8" rounds activations to int8 per block of
         32 and uses integer dot products (faster; logits within ~1% of f32, see
