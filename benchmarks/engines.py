@@ -53,11 +53,13 @@ def prompt_ids(n: int, vocab: int, seed: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 
 class LilyTimer:
+    cpu_matmul = "f32"
+
     def __init__(self, path: str, threads: int):
         sys.path.insert(0, str(ROOT / "src"))
         import lily
 
-        self.model = lily.Model.load(path, threads=threads)
+        self.model = lily.Model.load(path, threads=threads, cpu_matmul=self.cpu_matmul)
         self.vocab = self.model.config.vocab_size
         self.info = repr(self.model)
 
@@ -131,7 +133,14 @@ class TransformersTimer:
         return {"prefill_s": t1 - t0, "decode_s": t2 - t1}
 
 
-TIMERS = {"lily": LilyTimer, "mlx-lm": MlxTimer, "transformers": TransformersTimer}
+class LilyInt8Timer(LilyTimer):
+    """lily with int8 activations and integer dot products (`cpu_matmul="int8"`), the scheme of
+    llama.cpp's Q4_0 x Q8_0 product."""
+
+    cpu_matmul = "int8"
+
+
+TIMERS = {"lily": LilyTimer, "lily int8": LilyInt8Timer, "mlx-lm": MlxTimer, "transformers": TransformersTimer}
 
 
 def serve(engine: str, path: str, threads: int) -> None:

@@ -52,7 +52,7 @@ import checkpoints  # noqa: E402
 import engines  # noqa: E402
 import roofline  # noqa: E402
 
-ALL_ENGINES = ("lily", "llama.cpp Q4_0", "llama.cpp Q8_0", "mlx-lm", "transformers")
+ALL_ENGINES = ("lily", "lily int8", "llama.cpp Q4_0", "llama.cpp Q8_0", "mlx-lm", "transformers")
 SLOW = {"mlx-lm", "transformers"}
 ALIASES = {"llama-q4_0": "llama.cpp Q4_0", "llama-q8_0": "llama.cpp Q8_0", "q4_0": "llama.cpp Q4_0",
            "q8_0": "llama.cpp Q8_0", "mlx": "mlx-lm", "hf": "transformers"}

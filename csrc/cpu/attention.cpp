@@ -278,9 +278,9 @@ void attention_mixer(const ModelConfig& c, const AttentionWeights& w, KvCache& c
   s.k.resize(size_t(T) * Hkv * D);
   s.v.resize(size_t(T) * Hkv * D);
   s.o.resize(size_t(T) * Hq * D);
-  linear(w.q_proj, h, T, s.qg.data(), pool);
-  linear(w.k_proj, h, T, s.k.data(), pool);
-  linear(w.v_proj, h, T, s.v.data(), pool);
+  linear(w.q_proj, h, T, s.qg.data(), pool, s.matmul);
+  linear(w.k_proj, h, T, s.k.data(), pool, s.matmul);
+  linear(w.v_proj, h, T, s.v.data(), pool, s.matmul);
 
   // RoPE tables for this chunk's positions. inv_freq and the angle are rounded to f32 the way
   // the reference computes them, so long-context angles agree.
@@ -326,7 +326,7 @@ void attention_mixer(const ModelConfig& c, const AttentionWeights& w, KvCache& c
     }
   });
 
-  linear(w.o_proj, s.o.data(), T, y, pool);
+  linear(w.o_proj, s.o.data(), T, y, pool, s.matmul);
 }
 
 }  // namespace lily::cpu

@@ -10,6 +10,7 @@
 #pragma once
 #include <vector>
 
+#include "cpu/linear.h"
 #include "cpu/thread_pool.h"
 #include "model/weights.h"
 
@@ -28,6 +29,7 @@ struct KvCache {
 };
 
 struct AttentionScratch {
+  Matmul matmul = Matmul::F32;  // the backend's choice for the projections
   std::vector<float> qg, k, v, o, rope_cos, rope_sin;
   std::vector<float> part_ml, part_o;  // split-K partials: [splits, T, Hq] (m, l) and [splits, T, Hq, D]
 };

@@ -35,8 +35,10 @@ void CpuState::apply(const Snapshot& snap) {
   gdn = s->gdn;
 }
 
-CpuBackend::CpuBackend(std::shared_ptr<const ModelWeights> weights, int n_threads)
-    : weights_(std::move(weights)), c_(weights_->config), pool_(n_threads) {}
+CpuBackend::CpuBackend(std::shared_ptr<const ModelWeights> weights, int n_threads, Matmul matmul)
+    : weights_(std::move(weights)), c_(weights_->config), pool_(n_threads), matmul_(matmul) {
+  attn_.matmul = gdn_.matmul = ffn_.matmul = matmul;
+}
 
 std::unique_ptr<State> CpuBackend::new_state(int max_context) {
   auto st = std::make_unique<CpuState>();
@@ -107,7 +109,7 @@ void CpuBackend::mlp(const MlpWeights& w) { mlp_block(w, h_.data(), T_, y_.data(
 void CpuBackend::moe(const MoeWeights& w) { moe_block(c_, w, h_.data(), T_, y_.data(), ffn_, pool_); }
 
 void CpuBackend::lm_head(const Linear& head, int first, int n, float* logits) {
-  linear(head, h_.data() + size_t(first) * c_.hidden, n, logits, pool_);
+  linear(head, h_.data() + size_t(first) * c_.hidden, n, logits, pool_, matmul_);
 }
 
 }  // namespace lily::cpu

@@ -34,10 +34,13 @@ class CpuState : public State {
 
 class CpuBackend : public Backend {
  public:
-  CpuBackend(std::shared_ptr<const ModelWeights> weights, int n_threads);
+  // matmul: how quantized weights meet activations (linear.h); Int8 where the host has the
+  // integer kernels, F32 elsewhere.
+  CpuBackend(std::shared_ptr<const ModelWeights> weights, int n_threads, Matmul matmul = Matmul::F32);
 
   const char* name() const override { return "cpu"; }
   int threads() const { return pool_.size(); }
+  Matmul matmul() const { return matmul_; }
   std::unique_ptr<State> new_state(int max_context) override;
 
   void embed(State& st, const int32_t* tokens, int T) override;
@@ -55,6 +58,7 @@ class CpuBackend : public Backend {
   std::shared_ptr<const ModelWeights> weights_;
   const ModelConfig& c_;
   ThreadPool pool_;
+  Matmul matmul_;
   int T_ = 0;                   // tokens in the current chunk
   std::vector<float> x_, h_, y_;  // [T, hidden]
   AttentionScratch attn_;

@@ -49,38 +49,46 @@ void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, GdnState& s
   if (c.gdn_fused_qkvz) {
     s.qkvz.resize(size_t(T) * (C + vdim));
     s.ba.resize(size_t(T) * 2 * Hv);
-    linear(w.in_qkvz, h, T, s.qkvz.data(), pool);
-    linear(w.in_ba, h, T, s.ba.data(), pool);
+    linear(w.in_qkvz, h, T, s.qkvz.data(), pool, s.matmul);
+    linear(w.in_ba, h, T, s.ba.data(), pool, s.matmul);
     ungroup_qkvz(c, s.qkvz.data(), s.ba.data(), T, s.qkv.data(), s.z.data(), s.b.data(), s.a.data());
   } else {
-    linear(w.in_qkv, h, T, s.qkv.data(), pool);
-    linear(w.in_z, h, T, s.z.data(), pool);
-    linear(w.in_b, h, T, s.b.data(), pool);
-    linear(w.in_a, h, T, s.a.data(), pool);
+    linear(w.in_qkv, h, T, s.qkv.data(), pool, s.matmul);
+    linear(w.in_z, h, T, s.z.data(), pool, s.matmul);
+    linear(w.in_b, h, T, s.b.data(), pool, s.matmul);
+    linear(w.in_a, h, T, s.a.data(), pool, s.matmul);
   }
 
   // Causal depthwise conv over [carried K-1 inputs ; this chunk], then SiLU. Channels are
-  // independent, so threads split the channel axis.
+  // independent, so threads split the channel axis; each thread walks its channel range row by
+  // row (token-major, as qkv is laid out), so every load is contiguous and vectorises. The taps
+  // are transposed once to [K, C] for the same reason. Per channel the sum runs over taps in
+  // order from 0, exactly as a per-channel loop would.
   s.conv_out.resize(size_t(T) * C);
+  s.taps.resize(size_t(K) * C);
   pool.parallel_for(
       C,
       [&](int64_t c0, int64_t c1, int) {
-        for (int64_t ch = c0; ch < c1; ++ch) {
-          const float* tap = w.conv1d.data() + size_t(ch) * K;
-          for (int t = 0; t < T; ++t) {
-            float acc = 0;
-            for (int j = 0; j < K; ++j) {
-              const int src = t + j - (K - 1);  // < 0: from the carried state
-              const float xin = src >= 0 ? s.qkv[size_t(src) * C + ch] : st.conv[size_t(K - 1 + src) * C + ch];
-              acc += tap[j] * xin;
-            }
-            s.conv_out[size_t(t) * C + ch] = silu(acc);
+        const int64_t n = c1 - c0;
+        for (int64_t ch = c0; ch < c1; ++ch)
+          for (int j = 0; j < K; ++j) s.taps[size_t(j) * C + ch] = w.conv1d[size_t(ch) * K + j];
+        for (int t = 0; t < T; ++t) {
+          float* out = s.conv_out.data() + size_t(t) * C + c0;
+          std::fill(out, out + n, 0.0f);
+          for (int j = 0; j < K; ++j) {
+            const int src = t + j - (K - 1);  // < 0: from the carried state
+            const float* xin = (src >= 0 ? s.qkv.data() + size_t(src) * C : st.conv.data() + size_t(K - 1 + src) * C) + c0;
+            const float* tap = s.taps.data() + size_t(j) * C + c0;
+            for (int64_t i = 0; i < n; ++i) out[i] += tap[i] * xin[i];
           }
-          // Carry the last K-1 inputs.
-          for (int j = 0; j < K - 1; ++j) {
-            const int src = T - (K - 1) + j;
-            st.conv[size_t(j) * C + ch] = src >= 0 ? s.qkv[size_t(src) * C + ch] : st.conv[size_t(j + T) * C + ch];
-          }
+          for (int64_t i = 0; i < n; ++i) out[i] = silu(out[i]);
+        }
+        // Carry the last K-1 inputs (rows in increasing order: a row is read before it is
+        // overwritten, as j + T > j).
+        for (int j = 0; j < K - 1; ++j) {
+          const int src = T - (K - 1) + j;
+          const float* from = (src >= 0 ? s.qkv.data() + size_t(src) * C : st.conv.data() + size_t(j + T) * C) + c0;
+          std::copy(from, from + n, st.conv.data() + size_t(j) * C + c0);
         }
       },
       16);
@@ -128,7 +136,7 @@ void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, GdnState& s
     }
   });
 
-  linear(w.out_proj, s.o.data(), T, y, pool);
+  linear(w.out_proj, s.o.data(), T, y, pool, s.matmul);
 }
 
 }  // namespace lily::cpu

@@ -13,6 +13,7 @@
 #pragma once
 #include <vector>
 
+#include "cpu/linear.h"
 #include "cpu/thread_pool.h"
 #include "model/weights.h"
 
@@ -24,7 +25,9 @@ struct GdnState {
 };
 
 struct GdnScratch {
+  Matmul matmul = Matmul::F32;  // the backend's choice for the projections
   std::vector<float> qkv, qkvz, z, b, a, ba, conv_out, o;
+  std::vector<float> taps;  // conv1d weights transposed to [K, C]
 };
 
 void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, GdnState& st, const float* h, int T, float* y,

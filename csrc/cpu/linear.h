@@ -12,16 +12,23 @@
 
 namespace lily::cpu {
 
+// How quantized weights meet the activations. F32: weights are expanded to f32 and multiplied
+// into f32 activations (matches mlx.core.dequantize followed by an f32 matmul to ~1e-6).
+// Int8: activations are rounded to int8 per block of 32 and multiplied by the integer codes with
+// integer dot products (faster; see linear_int8.cpp for the error it adds). Dense weights and
+// hosts without the integer kernels use F32 in both modes.
+enum class Matmul { F32, Int8 };
+
 // out[in] = W[row, :] as f32. For affine weights: scale[g] * q + bias[g], exactly as
 // mlx.core.dequantize computes it in f32.
 void dequantize_row(const Linear& W, int row, float* out);
 
 // y[T, out] = x[T, in] · Wᵀ
-void linear(const Linear& W, const float* x, int T, float* y, ThreadPool& pool);
+void linear(const Linear& W, const float* x, int T, float* y, ThreadPool& pool, Matmul mode);
 
 // The same product computed entirely by the calling thread (for callers that parallelise
 // over something else, e.g. MoE prefill over experts).
-void linear_serial(const Linear& W, const float* x, int T, float* y);
+void linear_serial(const Linear& W, const float* x, int T, float* y, Matmul mode);
 
 // Activations prepared once for the fused small-batch kernels (decode, small expert groups):
 // group sums for the affine bias term and, for 4-bit rows, x de-interleaved to match the
@@ -31,10 +38,13 @@ struct MatvecInput {
   const float* x = nullptr;  // [T, in], not owned
   int T = 0, in = 0, bits = 0, group = 0;
   bool deinterleaved = false;
-  std::vector<float> xd;    // [T, in] (4-bit only)
+  bool int8 = false;        // prepared for the integer kernels (Matmul::Int8 and W supports it)
+  std::vector<float> xd;    // [T, in] (4-bit f32 kernels only)
   std::vector<float> gsum;  // [T, in / group]
+  std::vector<int8_t> xq;   // [T, in] (int8 only)
+  std::vector<float> dx;    // [T, int8_dx_per_token] (int8 only)
 
-  void prepare(const Linear& W, const float* x, int T);
+  void prepare(const Linear& W, const float* x, int T, Matmul mode);
   bool matches(const Linear& W) const;
 };
 

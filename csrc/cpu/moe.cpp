@@ -21,10 +21,10 @@ void swiglu_mlp(const MlpWeights& w, const float* x, int T, float* y, FfnScratch
   const int I = w.gate.out;
   s.gate.resize(size_t(T) * I);
   s.up.resize(size_t(T) * I);
-  linear(w.gate, x, T, s.gate.data(), pool);
-  linear(w.up, x, T, s.up.data(), pool);
+  linear(w.gate, x, T, s.gate.data(), pool, s.matmul);
+  linear(w.up, x, T, s.up.data(), pool, s.matmul);
   swiglu(s.gate.data(), s.up.data(), size_t(T) * I);
-  linear(w.down, s.gate.data(), T, y, pool);
+  linear(w.down, s.gate.data(), T, y, pool, s.matmul);
 }
 
 }  // namespace
@@ -72,7 +72,8 @@ void moe_single_token(const ModelConfig& c, const MoeWeights& w, const float* x,
   s.logits.resize(E);
   s.route_id.resize(k);
   s.route_w.resize(k);
-  linear(w.router, x, 1, s.logits.data(), pool);
+  // The router stays f32 in every mode: a rounding of x must not flip an expert choice.
+  linear(w.router, x, 1, s.logits.data(), pool, Matmul::F32);
   route_token(s.logits.data(), E, k, c.norm_topk_prob, s.route_id.data(), s.route_w.data());
 
   // Jobs: routed experts in id order (the reference sums them so), then the shared expert.
@@ -95,7 +96,7 @@ void moe_single_token(const ModelConfig& c, const MoeWeights& w, const float* x,
   }
   if (c.shared_intermediate > 0) {
     float g;
-    linear(w.shared_gate, x, 1, &g, pool);
+    linear(w.shared_gate, x, 1, &g, pool, Matmul::F32);
     jobs.push_back({&w.shared, sigmoid(g), w.shared.gate.out, rows});
     rows += 2 * size_t(w.shared.gate.out);
   }
@@ -104,7 +105,7 @@ void moe_single_token(const ModelConfig& c, const MoeWeights& w, const float* x,
   // Phase 1: [gate | up] of every job. Rows of all jobs form one index space.
   thread_local MatvecInput xin_store;
   MatvecInput& xin = xin_store;
-  xin.prepare(jobs[0].mlp->gate, x, 1);
+  xin.prepare(jobs[0].mlp->gate, x, 1, s.matmul);
   s.gate.resize(rows);
   pool.parallel_for(
       int64_t(rows),
@@ -121,7 +122,7 @@ void moe_single_token(const ModelConfig& c, const MoeWeights& w, const float* x,
               matvec_rows(W, xin, out, m, lo - b - part * m, hi - b - part * m);
             } else {  // a job with another quantization (e.g. a bf16 shared expert)
               MatvecInput own;
-              own.prepare(W, x, 1);
+              own.prepare(W, x, 1, s.matmul);
               matvec_rows(W, own, out, m, lo - b - part * m, hi - b - part * m);
             }
           }
@@ -136,7 +137,7 @@ void moe_single_token(const ModelConfig& c, const MoeWeights& w, const float* x,
   for (int i = 0; i < n_jobs; ++i) {
     float* g = s.gate.data() + jobs[i].act_at;
     swiglu(g, g + jobs[i].inter, size_t(jobs[i].inter));
-    act_in[i].prepare(jobs[i].mlp->down, g, 1);
+    act_in[i].prepare(jobs[i].mlp->down, g, 1, s.matmul);
   }
 
   // Phase 2: every job's down rows, [n_jobs, H].
@@ -167,7 +168,7 @@ void moe_block(const ModelConfig& c, const MoeWeights& w, const float* x, int T,
   s.logits.resize(size_t(T) * E);
   s.route_id.resize(size_t(T) * k);
   s.route_w.resize(size_t(T) * k);
-  linear(w.router, x, T, s.logits.data(), pool);
+  linear(w.router, x, T, s.logits.data(), pool, Matmul::F32);
   for (int t = 0; t < T; ++t)
     route_token(s.logits.data() + size_t(t) * E, E, k, c.norm_topk_prob, s.route_id.data() + size_t(t) * k,
                 s.route_w.data() + size_t(t) * k);
@@ -202,10 +203,10 @@ void moe_block(const ModelConfig& c, const MoeWeights& w, const float* x, int T,
       down.resize(size_t(n) * H);
       for (int j = 0; j < n; ++j)
         std::memcpy(xe.data() + size_t(j) * H, x + size_t(s.by_expert[b + j] / k) * H, H * sizeof(float));
-      linear_serial(ew.gate, xe.data(), n, gate.data());
-      linear_serial(ew.up, xe.data(), n, up.data());
+      linear_serial(ew.gate, xe.data(), n, gate.data(), s.matmul);
+      linear_serial(ew.up, xe.data(), n, up.data(), s.matmul);
       swiglu(gate.data(), up.data(), size_t(n) * I);
-      linear_serial(ew.down, gate.data(), n, down.data());
+      linear_serial(ew.down, gate.data(), n, down.data(), s.matmul);
       for (int j = 0; j < n; ++j)
         std::memcpy(s.slot_out.data() + size_t(s.by_expert[b + j]) * H, down.data() + size_t(j) * H,
                     H * sizeof(float));
@@ -224,7 +225,7 @@ void moe_block(const ModelConfig& c, const MoeWeights& w, const float* x, int T,
 
   if (c.shared_intermediate > 0) {
     s.shared_gate.resize(T);
-    linear(w.shared_gate, x, T, s.shared_gate.data(), pool);
+    linear(w.shared_gate, x, T, s.shared_gate.data(), pool, Matmul::F32);
     s.ye.resize(size_t(T) * H);
     swiglu_mlp(w.shared, x, T, s.ye.data(), s, pool);
     for (int t = 0; t < T; ++t) axpy(sigmoid(s.shared_gate[t]), s.ye.data() + size_t(t) * H, y + size_t(t) * H, H);

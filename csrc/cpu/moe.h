@@ -12,12 +12,14 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu/linear.h"
 #include "cpu/thread_pool.h"
 #include "model/weights.h"
 
 namespace lily::cpu {
 
 struct FfnScratch {
+  Matmul matmul = Matmul::F32;  // the backend's choice, read by every product below
   std::vector<float> gate, up, down, logits, route_w, ye, shared_gate;
   std::vector<float> slot_out;  // [T * top_k, H]: each (token, slot)'s expert output
   std::vector<int32_t> route_id, by_expert, expert_start, active;

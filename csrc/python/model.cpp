@@ -62,8 +62,13 @@ std::vector<Ffn> parse_ffns(const std::vector<std::string>& names) {
 std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weights, const std::string& name,
                                       int threads, int split_threshold, int split_len,
                                       bool check_dependencies, int interleavings, const std::string& kv_dtype,
-                                      bool asan, int gemm_min_rows, bool metal4, const std::string& gemm) {
-  if (name == "cpu") return std::make_unique<cpu::CpuBackend>(weights, threads);
+                                      bool asan, int gemm_min_rows, bool metal4, const std::string& gemm,
+                                      const std::string& cpu_matmul) {
+  cpu::Matmul matmul;
+  if (cpu_matmul == "f32") matmul = cpu::Matmul::F32;
+  else if (cpu_matmul == "int8") matmul = cpu::Matmul::Int8;
+  else throw ConfigError("[engine] cpu_matmul must be 'int8' or 'f32', not '" + cpu_matmul + "'");
+  if (name == "cpu") return std::make_unique<cpu::CpuBackend>(weights, threads, matmul);
   gpu::GpuOptions opt;
   if (split_threshold >= 0) opt.split_threshold = split_threshold;
   if (split_len > 0) opt.split_len = split_len;
@@ -220,17 +225,19 @@ void init_model(nb::module_& m) {
           "__init__",
           [](Engine* self, std::shared_ptr<ModelWeights> weights, const std::string& backend, int threads,
              int prefill_chunk, int split_threshold, int split_len, bool check_dependencies, int interleavings,
-             const std::string& kv_dtype, bool asan, int gemm_min_rows, bool metal4, const std::string& gemm) {
+             const std::string& kv_dtype, bool asan, int gemm_min_rows, bool metal4, const std::string& gemm,
+             const std::string& cpu_matmul) {
             new (self) Engine(weights,
                               make_backend(weights, backend, threads, split_threshold, split_len,
                                            check_dependencies, interleavings, kv_dtype, asan, gemm_min_rows, metal4,
-                                           gemm),
+                                           gemm, cpu_matmul),
                               prefill_chunk);
           },
           nb::arg("weights"), nb::arg("backend") = "cpu", nb::arg("threads") = 0, nb::arg("prefill_chunk") = 512,
           nb::arg("split_threshold") = -1, nb::arg("split_len") = -1, nb::arg("check_dependencies") = false,
           nb::arg("interleavings") = 0, nb::arg("kv_dtype") = "float32", nb::arg("asan") = false,
-          nb::arg("gemm_min_rows") = -1, nb::arg("metal4") = false, nb::arg("gemm") = "auto")
+          nb::arg("gemm_min_rows") = -1, nb::arg("metal4") = false, nb::arg("gemm") = "auto",
+          nb::arg("cpu_matmul") = "f32")
       .def_prop_ro("gpu_stats", [](Engine& e) {
         auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
         if (!g) throw Error("[engine] gpu_stats: the backend is not a GPU backend");
@@ -252,6 +259,11 @@ void init_model(nb::module_& m) {
       .def_prop_ro("threads", [](Engine& e) {
         auto* cpu = dynamic_cast<cpu::CpuBackend*>(&e.backend());
         return cpu ? cpu->threads() : 0;
+      })
+      .def_prop_ro("cpu_matmul", [](Engine& e) {
+        auto* cpu = dynamic_cast<cpu::CpuBackend*>(&e.backend());
+        if (!cpu) return std::string();
+        return std::string(cpu->matmul() == cpu::Matmul::Int8 ? "int8" : "f32");
       })
       .def_prop_ro("prefill_chunk", &Engine::prefill_chunk)
       .def("new_state", &Engine::new_state, nb::arg("max_context"))
@@ -392,6 +404,42 @@ void init_model(nb::module_& m) {
         return out;
       },
       nb::arg("packed"), nb::arg("scales"), nb::arg("biases"), nb::arg("bits"), nb::arg("group_size"));
+
+  m.def(
+      "quantized_matmul",
+      [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig> x, nb::ndarray<const uint32_t, nb::ndim<2>, nb::c_contig> packed,
+         nb::ndarray<const float, nb::ndim<2>, nb::c_contig> scales,
+         nb::ndarray<const float, nb::ndim<2>, nb::c_contig> biases, int bits, int group_size,
+         const std::string& mode, int threads) {
+        const size_t rows = packed.shape(0), words = packed.shape(1), T = x.shape(0);
+        if (bits < 2 || bits > 8 || bits == 7) throw Error("[quantized_matmul] unsupported bits " + std::to_string(bits));
+        if (group_size <= 0) throw Error("[quantized_matmul] group_size must be positive");
+        const size_t cols = words * 32 / bits;
+        if (words * 32 % bits || cols % group_size || scales.shape(0) != rows || biases.shape(0) != rows ||
+            scales.shape(1) != cols / group_size || biases.shape(1) != cols / group_size || x.shape(1) != cols)
+          throw Error("[quantized_matmul] x, packed, scales and biases shapes disagree");
+        if (mode != "f32" && mode != "int8") throw Error("[quantized_matmul] mode must be 'int8' or 'f32'");
+        Linear W;
+        W.format = Linear::Format::Affine;
+        W.out = int(rows);
+        W.in = int(cols);
+        W.dtype = DType::F32;
+        W.bits = bits;
+        W.group = group_size;
+        W.w = reinterpret_cast<const uint8_t*>(packed.data());
+        W.scales = reinterpret_cast<const uint8_t*>(scales.data());
+        W.biases = reinterpret_cast<const uint8_t*>(biases.data());
+        float* p;
+        F32Array out = new_f32({T, rows}, &p);
+        if (T > 0) {
+          cpu::ThreadPool pool(threads);
+          cpu::linear(W, x.data(), int(T), p, pool, mode == "int8" ? cpu::Matmul::Int8 : cpu::Matmul::F32);
+        }
+        return out;
+      },
+      nb::arg("x"), nb::arg("packed"), nb::arg("scales"), nb::arg("biases"), nb::arg("bits"), nb::arg("group_size"),
+      nb::arg("mode") = "f32", nb::arg("threads") = 1,
+      "y[T, out] = x[T, in] @ dequantize(W).T by the CPU backend's kernels (mode 'f32' or 'int8'), for tests.");
 }
 
 }  // namespace lily::python

@@ -117,6 +117,7 @@ class Model:
         prefill_chunk: int = 512,
         max_context: int | None = None,
         backend_options: dict | None = None,
+        cpu_matmul: str = "f32",
     ) -> Model:
         """Loads a checkpoint: a local folder, or a Hugging Face repo id (downloaded into the
         standard HF cache, only the files lily needs; offline when cached). With no argument,
@@ -132,6 +133,10 @@ class Model:
         GEMMs' inner product (simdgroup_matrix, or Metal 4 tensor ops where the GPU has them);
         kv_dtype: "float32" or "float16" KV cache; check_dependencies, interleavings, asan: the
         MSL-on-CPU runtime's checking modes; metal4: the MSL-on-CPU device claims Metal 4).
+        cpu_matmul: how the CPU backend multiplies quantized (4/8-bit) weights: "f32" expands
+        them to f32 (matches mlx-lm to ~1e-6), "int8" rounds activations to int8 per block of
+        32 and uses integer dot products (faster; logits within ~1% of f32, see
+        docs/performance.md). Hosts without the integer kernels run "f32" either way.
         """
         if backend == "auto":
             backend = "cpu"  # the Metal backend is not built yet
@@ -139,6 +144,8 @@ class Model:
             raise ConfigError(f"[load] unknown backend {backend!r}; available: auto, {', '.join(BACKENDS)}")
         if prefill_chunk < 1:
             raise ConfigError("[load] prefill_chunk must be at least 1")
+        if cpu_matmul not in ("f32", "int8"):
+            raise ConfigError(f"[load] cpu_matmul must be 'int8' or 'f32', not {cpu_matmul!r}")
         if path_or_repo_id is None:
             root = demo_model_path()
         elif Path(path_or_repo_id).expanduser().is_dir():
@@ -151,7 +158,8 @@ class Model:
                 raise ConfigError(f"[load] {e}") from None
         config = load_config(root)
         weights = load_weights(root, config)
-        engine = _core.Engine(weights, backend, threads or 0, prefill_chunk, **(backend_options or {}))
+        engine = _core.Engine(weights, backend, threads or 0, prefill_chunk, cpu_matmul=cpu_matmul,
+                              **(backend_options or {}))
         tokenizer = Tokenizer.from_dir(root) if (root / "tokenizer.json").is_file() else None
         defaults = load_generation_config(root)
         ctx = max_context or config.max_position_embeddings
