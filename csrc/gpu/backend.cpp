@@ -433,8 +433,8 @@ void GpuBackend::embed(State& state, const int32_t* tokens, int T) {
     size_activations(T);
     if (tokens_->contents()) std::memcpy(tokens_->contents(), tokens, f);
     token_src = Ref{tokens_, 0};
-  } else {  // the previous step's argmax (sized and reserved by begin_device_greedy)
-    if (tokens || T != 1) throw Error("[gpu] device greedy steps take their token from the device");
+  } else {  // the previous step's token (sized and reserved by begin_device_decode)
+    if (tokens || T != 1) throw Error("[gpu] device-loop steps take their token from the device");
     token_src = Ref{ring_, size_t((step_ + 1) % 2) * 4};
   }
   in_ = st.parity;
@@ -761,13 +761,9 @@ void GpuBackend::lm_head(const Linear& head, int first, int n, float* logits) {
     if (logits && logits_->contents()) std::memcpy(logits, logits_->contents(), bytes);
     return;
   }
-  // Greedy step: the argmax goes into this step's ring slot (the next step's input); commit
-  // and return without waiting.
-  const uint32_t vocab = uint32_t(head.out);
-  const Ref slot{ring_, size_t(step_ % 2) * 4};
-  Dispatch d(*this, "sampling.metal", "argmax");
-  d.buf(0, logits_).buf(1, slot).args(2, vocab).reads(logits_, bytes).writes(slot.buf, 4, slot.off);
-  d.run({1, 1, 1}, {1024, 1, 1});
+  // Device-loop step: the chosen token goes into this step's ring slot (the next step's input);
+  // commit and return without waiting.
+  encode_sample(head.out);
   auto cb = std::move(cb_);
   auto enc = std::move(enc_);
   enc->end_encoding();
@@ -777,49 +773,16 @@ void GpuBackend::lm_head(const Linear& head, int first, int n, float* logits) {
   ++step_;
 }
 
-// ---- device greedy decoding ------------------------------------------------------------------
-
-bool GpuBackend::begin_device_greedy(State& state, int32_t first_token, int max_steps) {
-  auto& st = static_cast<GpuState&>(state);
-  finish();
-  reserve_kv(st, st.position() + max_steps);
-  size_activations(1);
-  grow(logits_, size_t(c_.vocab) * 4);
-  grow(ring_, 8);
-  step_ = read_step_ = 0;
-  inflight_.clear();
-  if (auto* r = static_cast<int32_t*>(ring_->contents())) r[1] = first_token;  // "step -1"'s token
-  greedy_ = true;
-  return true;
-}
-
-int32_t GpuBackend::wait_device_token() {
-  if (inflight_.empty()) throw Error("[gpu] no greedy step in flight");
-  auto cb = inflight_.front();
-  inflight_.erase(inflight_.begin());
-  ++stats_.waits;
-  cb->wait_until_completed();
-  const int64_t i = read_step_++;
-  const auto* r = static_cast<const int32_t*>(ring_->contents());
-  return r ? r[i % 2] : 0;
-}
-
-void GpuBackend::discard_last_step(State& state) {
-  for (auto& cb : inflight_) {
-    ++stats_.waits;
-    cb->wait_until_completed();
-  }
-  inflight_.clear();
-  auto& st = static_cast<GpuState&>(state);
-  st.parity ^= 1;  // back to the copies the discarded step read
-  --step_;
-  read_step_ = step_;
-}
-
-void GpuBackend::end_device_greedy() {
-  for (auto& cb : inflight_) cb->wait_until_completed();
-  inflight_.clear();
-  greedy_ = false;
+// The token of device-loop step step_ from logits_ (metal/sampling.metal): into ring slot
+// step_ % 2, with its status beside it; advances the generator state in rng_.
+void GpuBackend::encode_sample(int vocab) {
+  const Ref slot{ring_, size_t(step_ % 2) * 4}, status{status_, size_t(step_ % 2) * 16};
+  Dispatch d(*this, "sampling.metal", "sample");
+  d.buf(0, logits_).buf(1, sample_w_).buf(2, rng_).buf(3, slot).buf(4, status)
+      .args(5, sample_args_)
+      .reads(logits_, size_t(vocab) * 4).writes(sample_w_, size_t(vocab) * 4)
+      .reads(rng_, 32).writes(rng_, 32).writes(slot.buf, 4, slot.off).writes(status.buf, 12, status.off);
+  d.run({1, 1, 1}, {LILY_SAMPLE_THREADS, 1, 1});
 }
 
 }  // namespace lily::gpu

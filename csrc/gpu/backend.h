@@ -30,6 +30,7 @@
 
 #include "gpu/device.h"
 #include "gpu/hazards.h"
+#include "metal/sampling_args.h"
 #include "model/backend.h"
 
 namespace lily::gpu {
@@ -56,7 +57,7 @@ struct DispatchRecord {
 
 struct GpuStats {
   uint64_t dispatches = 0, barriers = 0, command_buffers = 0, waits = 0;
-  uint64_t max_in_flight = 0;  // most greedy steps committed and not yet read back at once
+  uint64_t max_in_flight = 0;  // most device-loop steps committed and not yet read back at once
 };
 
 class GpuBackend;
@@ -106,10 +107,11 @@ class GpuBackend : public Backend {
   void moe(const MoeWeights& w) override;
   void lm_head(const Linear& head, int first, int n, float* logits) override;
 
-  bool begin_device_greedy(State& st, int32_t first_token, int max_steps) override;
+  // Device decode loop (csrc/gpu/sampling.cpp).
+  bool begin_device_decode(State& st, int32_t first_token, int max_steps, const DeviceSampling& sampling) override;
   int32_t wait_device_token() override;
   void discard_last_step(State& st) override;
-  void end_device_greedy() override;
+  void end_device_decode() override;
 
   // Commits the pass being encoded (if any) and waits for it.
   void finish();
@@ -163,12 +165,15 @@ class GpuBackend : public Backend {
 
   int T_ = 0, pos0_ = 0;
   int in_ = 0;  // the state copy this pass reads (GpuState::parity at embed)
-  // Device greedy mode: step i reads its token from ring slot (i+1)%2 and writes its argmax to
-  // slot i%2; committed steps not yet read back wait in `inflight_`.
+  // Device decode loop: step i reads its token from ring slot (i+1)%2 and writes the token it
+  // chooses (metal/sampling.metal) to slot i%2, with a status word per slot; the generator
+  // state lives in rng_. Committed steps not yet read back wait in `inflight_`.
   bool greedy_ = false;
   int64_t step_ = 0, read_step_ = 0;
   std::vector<std::shared_ptr<CommandBuffer>> inflight_;
-  std::shared_ptr<Buffer> ring_;
+  std::shared_ptr<Buffer> ring_, status_, rng_, sample_w_;
+  SampleArgs sample_args_{};          // this loop's (metal/sampling_args.h)
+  void encode_sample(int vocab);      // the sample dispatch of a device-loop step
   void size_activations(int T);
   // Activations [T, ...] (see metal/*_args.h for the layouts).
   std::shared_ptr<Buffer> tokens_, x_, h_, y_, qg_, k_, v_, o_, part_o_, part_ml_, qkv_, qkvz_, z_,

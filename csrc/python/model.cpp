@@ -274,7 +274,31 @@ void init_model(nb::module_& m) {
           },
           nb::arg("state"), nb::arg("token"), nb::arg("max_tokens"), nb::arg("stop_tokens") = std::vector<int32_t>{},
           "Greedy tokens after `token` (argmax, ties to the lowest id), stopping after a stop token; on a GPU "
-          "backend the token is fed back on the device with depth-2 pipelining.");
+          "backend the token is fed back on the device with depth-2 pipelining.")
+      .def(
+          "begin_device_decode",
+          [](Engine& e, State& st, int32_t token, int max_steps, const Sampler* sampler) {
+            nb::gil_scoped_release release;
+            return e.begin_device_decode(st, token, max_steps, sampler);
+          },
+          nb::arg("state"), nb::arg("token"), nb::arg("max_steps"), nb::arg("sampler").none() = nb::none(),
+          "Starts a decode loop whose tokens stay on the device (GPU backends): feeds `token` and commits "
+          "the first step, choosing each token by argmax (sampler None) or by `sampler`'s draw, continuing "
+          "its random stream. False (nothing changed) on a backend without one.")
+      .def(
+          "next_device_token",
+          [](Engine& e, State& st) {
+            nb::gil_scoped_release release;
+            return e.next_device_token(st);
+          },
+          nb::arg("state"), "Commits the following step (depth 2), waits for the oldest and returns its token.")
+      .def(
+          "end_device_decode",
+          [](Engine& e, State& st) {
+            nb::gil_scoped_release release;
+            e.end_device_decode(st);
+          },
+          nb::arg("state"), "Ends the loop, undoing a step whose token was not read.");
 
   m.def(
       "gpu_plan",

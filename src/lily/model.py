@@ -20,6 +20,8 @@ from lily.generate import (
     GenerationResult,
     GenerationStats,
     GenerationStream,
+    DeviceLoop,
+    device_loop_allowed,
     sampling_params,
     token_loop,
 )
@@ -77,6 +79,11 @@ class Session:
         """Appends one token; returns its logits [vocab]."""
         with self._model._lock:
             return self._model._engine.decode(self._state, int(token_id))
+
+    def device_loop(self, token: int, max_steps: int, sampler) -> DeviceLoop | None:
+        """A decode loop from ``token`` whose tokens are chosen on the device (GPU backends), or
+        None where the backend has none (see :class:`lily.generate.DeviceLoop`)."""
+        return DeviceLoop.start(self._model._engine, self._state, self._model._lock, token, max_steps, sampler)
 
     def fork(self) -> Session:
         """An independent copy of this session's state (a snapshot to branch from)."""
@@ -263,10 +270,14 @@ class Model:
         want_lp = bool(logprobs)
         detok = self.tokenizer.detokenizer(skip_special_tokens=True) if self.tokenizer else None
         self._generation.acquire()
+        # GPU backends choose each token on the device and feed it to the next step there, unless
+        # the request needs the logits on the host (penalties, logprobs).
+        on_device = device_loop_allowed(params, want_lp)
         chunks = token_loop(session.prefill, session.decode, ids, chunk=self._engine.prefill_chunk,
                             params=params, max_tokens=max_tokens, eos_ids=self.eos_token_ids,
                             detokenizer=detok, stop=stop, want_logprobs=want_lp, history=(), stats=stats,
-                            on_prefill_progress=on_prefill_progress)
+                            on_prefill_progress=on_prefill_progress,
+                            device_loop=session.device_loop if on_device else None)
         stream_obj = GenerationStream(chunks, stats, want_lp, lambda _result: self._generation.release())
         if stream:
             return stream_obj
