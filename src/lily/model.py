@@ -16,11 +16,11 @@ from lily.chat_template import render
 from lily.checkpoint import load_weights
 from lily.config import ModelConfig, load_config
 from lily.generate import (
+    DeviceLoop,
     GenerationLock,
     GenerationResult,
     GenerationStats,
     GenerationStream,
-    DeviceLoop,
     device_loop_allowed,
     sampling_params,
     token_loop,
