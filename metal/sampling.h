@@ -29,22 +29,12 @@ typedef uint lily_u32;
 inline float lily_sample_as_float(lily_u32 bits) { return metal::as_type<float>(bits); }
 inline lily_u32 lily_sample_as_bits(float f) { return metal::as_type<lily_u32>(f); }
 #else
-// Host side: plain C++17.
-#include <cstdint>
-#include <cstring>
-typedef uint64_t lily_u64;
-typedef uint32_t lily_u32;
+// Host side: plain C++17 (no includes, so the MSL lint sees no host library here).
+typedef __UINT64_TYPE__ lily_u64;  // = std::uint64_t
+typedef __UINT32_TYPE__ lily_u32;
 #define LILY_SAMPLE_THREAD
-inline float lily_sample_as_float(lily_u32 bits) {
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline lily_u32 lily_sample_as_bits(float f) {
-  lily_u32 b;
-  std::memcpy(&b, &f, sizeof b);
-  return b;
-}
+inline float lily_sample_as_float(lily_u32 bits) { return __builtin_bit_cast(float, bits); }
+inline lily_u32 lily_sample_as_bits(float f) { return __builtin_bit_cast(lily_u32, f); }
 #endif
 
 #if defined(__clang__) || defined(__METAL_VERSION__)

@@ -276,3 +276,39 @@ def test_backend_errors(store, lily):
             lily.Model.load(path, backend="metal")  # Linux builds have no Metal
     with pytest.raises(lily.ConfigError, match="unknown backend"):
         lily.Model.load(path, backend="cuda")
+
+
+def test_kernel_sources_are_embedded(store, lily, tmp_path):
+    """The kernels and the MSL-on-CPU prelude come from the extension itself: a fresh process
+    whose LILY_SOURCE_DIR is an empty folder, whose cwd is elsewhere and whose kernel cache is
+    empty decodes with backend="msl-cpu" and matches the CPU backend."""
+    import os
+    import subprocess
+    import textwrap
+    from pathlib import Path
+
+    path = store.mlx("qwen3_5", 4)
+    script = textwrap.dedent(f"""
+        import numpy as np, lily
+        gpu = lily.Model.load({str(path)!r}, backend="msl-cpu")
+        cpu = lily.Model.load({str(path)!r}, backend="cpu")
+        prompt = {cases.PROMPT[:5]!r}
+        s, c = gpu.session(), cpu.session()
+        got = [s.prefill(prompt)] + [s.decode(t) for t in prompt[:2]]
+        want = [c.prefill(prompt)] + [c.decode(t) for t in prompt[:2]]
+        err = max(float(np.abs(g - w).max() / np.abs(w).max()) for g, w in zip(got, want))
+        print("max rel err", err, flush=True)
+    """)
+    empty, cache, cwd = tmp_path / "empty", tmp_path / "cache", tmp_path / "elsewhere"
+    for d in (empty, cache, cwd):
+        d.mkdir()
+    env = dict(os.environ, LILY_SOURCE_DIR=str(empty), LILY_MSL_CPU_CACHE=str(cache),
+               PYTHONPATH=str(Path(lily.__file__).resolve().parent.parent))
+    r = subprocess.run([sys.executable, "-c", script], env=env, cwd=cwd, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert float(r.stdout.split("max rel err")[1]) <= TOL
+    assert not any(empty.iterdir())
+    trees = list(cache.glob("sources-*"))
+    assert len(trees) == 1 and (trees[0] / "csrc/msl_cpu/prelude/metal_stdlib").is_file()
+    assert (trees[0] / "metal/sampling.metal").is_file()

@@ -10,6 +10,7 @@
 
 #include <unistd.h>
 
+#include "gpu/embedded.h"
 #include "model/error.h"
 
 // The argument structs shared with the kernels (plain 32-bit fields).
@@ -26,24 +27,10 @@ namespace lily::gpu {
 
 namespace {
 
-std::string source_root() {
-  if (const char* e = std::getenv("LILY_SOURCE_DIR"); e && *e) return e;
-  return LILY_SOURCE_DIR;
-}
-
-std::string read_text(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw Error("[gpu] cannot read kernel source " + path + " (set LILY_SOURCE_DIR to a lily checkout)");
-  std::ostringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
-
 // Inlines #include "x.h" (files of metal/) once each; <...> includes stay.
-void inline_includes(const std::string& dir, const std::string& file, std::set<std::string>& seen,
-                     std::string& out) {
+void inline_includes(const std::string& file, std::set<std::string>& seen, std::string& out) {
   if (!seen.insert(file).second) return;
-  std::istringstream in(read_text(dir + "/" + file));
+  std::istringstream in(source_file("metal/" + file));
   // #line keeps compiler diagnostics pointing at the real file and line.
   out += "#line 1 \"metal/" + file + "\"\n";
   int n = 0;
@@ -54,7 +41,7 @@ void inline_includes(const std::string& dir, const std::string& file, std::set<s
       const auto q0 = line.find('"');
       const auto q1 = q0 == std::string::npos ? q0 : line.find('"', q0 + 1);
       if (q1 != std::string::npos) {
-        inline_includes(dir, line.substr(q0 + 1, q1 - q0 - 1), seen, out);
+        inline_includes(line.substr(q0 + 1, q1 - q0 - 1), seen, out);
         out += "#line " + std::to_string(n + 1) + " \"metal/" + file + "\"\n";
         continue;
       }
@@ -70,7 +57,7 @@ void inline_includes(const std::string& dir, const std::string& file, std::set<s
 std::string kernel_source(const std::string& file) {
   std::string out;
   std::set<std::string> seen;
-  inline_includes(source_root() + "/metal", file, seen, out);
+  inline_includes(file, seen, out);
   return out;
 }
 

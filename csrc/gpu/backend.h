@@ -14,8 +14,9 @@
 //   Linear is (file buffer, byte offset). Experts are addressed through per-layer offset
 //   tables, so stacked (MLX) and per-expert (HF) layouts both work without repacking.
 // - One argument struct per kernel family (metal/*_args.h), included here and by the kernels.
-// - Kernel sources are read from metal/ with their local #includes inlined, so the text handed
-//   to Device::new_library is self-contained (what Metal's newLibraryWithSource needs).
+// - Kernel sources come embedded in the extension (gpu/embedded.h; LILY_SOURCE_DIR overrides)
+//   with their local #includes inlined, so the text handed to Device::new_library is
+//   self-contained (what Metal's newLibraryWithSource needs).
 // - Activations and state are f32 (the CPU backend's precision): KV cache [Hkv, cap, D] per
 //   attention layer grows geometrically like the CPU one; DeltaNet S [Hv, Dk, Dv] and the conv
 //   window [K-1, C] per layer.
@@ -181,8 +182,8 @@ class GpuBackend : public Backend {
       dummy_, inv_freq_;
 };
 
-// Reads metal/<file> from the source tree (LILY_SOURCE_DIR, or the checkout the extension was
-// built from) with its local #include "..." lines inlined.
+// metal/<file> (embedded, or from LILY_SOURCE_DIR: gpu/embedded.h) with its local
+// #include "..." lines inlined.
 std::string kernel_source(const std::string& file);
 
 }  // namespace lily::gpu
