@@ -183,6 +183,35 @@ def logits_after(model, tokens):
     return model.session().prefill(tokens)
 
 
+def test_block_kv_layout_across_the_threshold(store, lily):
+    """Prefill in chunks of 3 with block_threshold 5 and blocks of 2 positions: the first chunk
+    stays in the contiguous cache, the second moves it into blocks, the fifth adds a second
+    arena (growth without copying); decode steps past split_threshold take split-K over blocks.
+    Logits of every position and greedy tokens against mlx-lm and the CPU backend."""
+    path = store.mlx("qwen3_5_moe", 4, 64, "bfloat16")
+    ref = store.mlx_reference(path)
+    opts = dict(split_threshold=18, split_len=4, block_threshold=5, block_len=2)
+    gpu = lily.Model.load(path, backend="msl-cpu", prefill_chunk=3, backend_options=opts)
+    cpu = lily.Model.load(path, backend="cpu")
+    s, c = gpu.session(), cpu.session()
+    n = cases.DECODE_SPLIT
+    gpu._engine.gpu_record(True)
+    got = s.prefill(cases.PROMPT[:n], all_logits=True)
+    kernels = gpu._engine.gpu_record(True)
+    assert "attn_prepare_float" in kernels and "attn_prepare_blocks_float" in kernels, "no layout switch"
+    _check(got, ref.prompt[:n], "prefill across the block threshold vs mlx-lm")
+    _check(got, c.prefill(cases.PROMPT[:n], all_logits=True), "prefill across the block threshold vs cpu")
+    for i in range(n, len(cases.PROMPT)):
+        got = s.decode(cases.PROMPT[i])
+        _check(got, ref.prompt[i], f"block decode at position {i} vs mlx-lm")
+        _check(got, c.decode(cases.PROMPT[i]), f"block decode at position {i} vs cpu backend")
+    kernels = gpu._engine.gpu_record(False)
+    assert "attn_decode_blocks_float" in kernels and "attn_combine" in kernels, "split-K over blocks not taken"
+    assert "attn_decode_float" not in kernels
+    got = gpu.generate(cases.GEN_PROMPT, max_tokens=cases.GEN_TOKENS).tokens
+    assert got == ref.gen_tokens == cpu.generate(cases.GEN_PROMPT, max_tokens=cases.GEN_TOKENS).tokens
+
+
 def test_state_fork_and_snapshot(case):
     gpu, _, ref = case
     s = gpu.session()

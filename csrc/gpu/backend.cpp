@@ -199,6 +199,10 @@ std::unique_ptr<State> GpuState::clone() const {
   Device& dev = backend->device();
   for (auto* list : {&s->k, &s->v, &s->conv[0], &s->conv[1], &s->S[0], &s->S[1]})
     for (auto& b : *list) b = copy_buffer(dev, b);
+  for (auto* layers : {&s->k_arenas, &s->v_arenas})
+    for (auto& arenas : *layers)
+      for (auto& b : arenas) b = copy_buffer(dev, b);
+  s->block_table = copy_buffer(dev, s->block_table);
   return s;
 }
 
@@ -207,6 +211,9 @@ size_t GpuState::nbytes() const {
   for (const auto* list : {&k, &v, &conv[0], &conv[1], &S[0], &S[1]})
     for (const auto& b : *list)
       if (b) n += b->length();
+  for (const auto* layers : {&k_arenas, &v_arenas})
+    for (const auto& arenas : *layers)
+      for (const auto& b : arenas) n += b->length();
   return n;
 }
 
@@ -262,6 +269,8 @@ GpuBackend::GpuBackend(std::shared_ptr<const ModelWeights> weights, std::shared_
                       std::to_string(c_.top_k) + " exceeds the kernels' limits");
   if (options_.split_len < 1 || options_.max_splits < 1)
     throw ConfigError("[gpu] split_len and max_splits must be positive");
+  if (options_.block_len < 1 || options_.block_threshold < 0)
+    throw ConfigError("[gpu] block_len must be positive and block_threshold non-negative");
 
   // RoPE inverse frequencies, rounded exactly as the CPU backend computes them.
   const int half = c_.rotary_dim / 2;
@@ -352,6 +361,7 @@ std::unique_ptr<State> GpuBackend::new_state(int max_context) {
 // Grows every attention layer's cache to hold `positions` (geometric, up to max_context).
 // Called between passes, so no command buffer uses the old buffers.
 void GpuBackend::reserve_kv(GpuState& st, int positions) {
+  if (st.block_len || positions > options_.block_threshold) return reserve_blocks(st, positions);
   if (positions <= st.capacity) return;
   int cap = std::max(st.capacity, 256);
   while (cap < positions) cap *= 2;
@@ -477,6 +487,26 @@ void GpuBackend::gemv(const Linear& W, const Ref& x, int ldx, const Ref& y, int 
 
 // ---- attention ---------------------------------------------------------------------------------
 
+// Binds a layer's KV cache to a dispatch and declares the access (traffic bytes, K and V
+// each): contiguous K, V at `index`, index + 1; blocks as the table at 9 and the K and V
+// arenas from 10 (metal/attention.metal), unused arena slots bound to a dummy.
+void GpuBackend::bind_kv(Dispatch& d, GpuState& st, int layer, uint32_t index, bool write, uint64_t traffic) {
+  if (!st.block_len) {
+    d.buf(index, st.k[layer]).buf(index + 1, st.v[layer])
+        .state(st.k[layer], write, traffic).state(st.v[layer], write, traffic);
+    return;
+  }
+  d.buf(9, st.block_table).state(st.block_table, false, 0);
+  for (int kind = 0; kind < 2; ++kind) {
+    const auto& arenas = (kind ? st.v_arenas : st.k_arenas)[layer];
+    for (uint32_t a = 0; a < LILY_ATTN_MAX_ARENAS; ++a) {
+      const uint32_t slot = 10 + kind * LILY_ATTN_MAX_ARENAS + a;
+      if (a < arenas.size()) d.buf(slot, arenas[a]).state(arenas[a], write, a == 0 ? traffic : 0);
+      else d.buf(slot, dummy_);
+    }
+  }
+}
+
 void GpuBackend::attention(State& state, int layer, const AttentionWeights& w) {
   auto& st = static_cast<GpuState&>(state);
   const int T = T_, H = c_.hidden, Hq = c_.n_heads, Hkv = c_.n_kv_heads, D = c_.head_dim;
@@ -484,19 +514,21 @@ void GpuBackend::attention(State& state, int layer, const AttentionWeights& w) {
   gemv(w.k_proj, {h_, 0}, H, {k_, 0}, Hkv * D, T);
   gemv(w.v_proj, {h_, 0}, H, {v_, 0}, Hkv * D, T);
 
-  auto& kc = st.k[layer];
-  auto& vc = st.v[layer];
   const uint64_t row = uint64_t(D) * (options_.kv_half ? 2 : 4);
   const std::string kv = options_.kv_half ? "half" : "float";
+  // Contiguous cache, or fixed blocks for long contexts (csrc/gpu/kv_blocks.cpp).
+  const bool blocks = st.block_len > 0;
+  const std::string layout = blocks ? "blocks_" : "";
+  const uint32_t cap = uint32_t(blocks ? st.block_len : st.capacity);
   {
     AttnPrepareArgs a{uint32_t(D), uint32_t(c_.rotary_dim), uint32_t(Hq), uint32_t(Hkv),
-                      uint32_t(pos0_), uint32_t(st.capacity), c_.rms_eps};
-    Dispatch d(*this, "attention.metal", "attn_prepare_" + kv);
+                      uint32_t(pos0_), cap, c_.rms_eps};
+    Dispatch d(*this, "attention.metal", "attn_prepare_" + layout + kv);
     d.buf(0, qg_).buf(1, k_).buf(2, v_).buf(3, vec(w.q_norm)).buf(4, vec(w.k_norm)).buf(5, inv_freq_)
-        .buf(6, kc).buf(7, vc).args(8, a)
+        .args(8, a)
         .reads(qg_, size_t(T) * Hq * 2 * D * 4).writes(qg_, size_t(T) * Hq * 2 * D * 4)
-        .reads(k_, size_t(T) * Hkv * D * 4).reads(v_, size_t(T) * Hkv * D * 4)
-        .state(kc, true, uint64_t(T) * Hkv * row).state(vc, true, uint64_t(T) * Hkv * row);
+        .reads(k_, size_t(T) * Hkv * D * 4).reads(v_, size_t(T) * Hkv * D * 4);
+    bind_kv(d, st, layer, 6, true, uint64_t(T) * Hkv * row);
     d.run({uint32_t(Hq + Hkv), uint32_t(T), 1}, {128, 1, 1});
   }
 
@@ -504,22 +536,23 @@ void GpuBackend::attention(State& state, int layer, const AttentionWeights& w) {
   const int n_ctx = pos0_ + T;
   int splits = 1, split_len = n_ctx;
   if (T == 1 && n_ctx > options_.split_threshold) {
-    split_len = options_.split_len;
+    // Over blocks a split is whole blocks, so each threadgroup walks its own blocks.
+    const int unit = blocks ? st.block_len : 1;
+    split_len = std::max(unit, options_.split_len / unit * unit);
     splits = div_up(n_ctx, split_len);
     if (splits > options_.max_splits) {
-      split_len = div_up(n_ctx, options_.max_splits);
+      split_len = int(div_up(div_up(n_ctx, options_.max_splits), unit)) * unit;
       splits = div_up(n_ctx, split_len);
     }
   }
-  AttnArgs a{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), uint32_t(st.capacity), uint32_t(pos0_),
+  AttnArgs a{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), cap, uint32_t(pos0_),
              uint32_t(splits), uint32_t(split_len), 1.0f / std::sqrt(float(D))};
   const size_t part_o = size_t(Hq) * splits * D * 4, part_ml = size_t(Hq) * splits * 2 * 4;
   {
-    Dispatch d(*this, "attention.metal", "attn_decode_" + kv);
-    d.buf(0, qg_).buf(1, kc).buf(2, vc).buf(3, o_).buf(4, part_o_).buf(5, part_ml_).args(6, a)
-        .reads(qg_, size_t(T) * Hq * 2 * D * 4)
-        .state(kc, false, uint64_t(Hkv) * n_ctx * row)
-        .state(vc, false, uint64_t(Hkv) * n_ctx * row);
+    Dispatch d(*this, "attention.metal", "attn_decode_" + layout + kv);
+    d.buf(0, qg_).buf(3, o_).buf(4, part_o_).buf(5, part_ml_).args(6, a)
+        .reads(qg_, size_t(T) * Hq * 2 * D * 4);
+    bind_kv(d, st, layer, 1, false, uint64_t(Hkv) * n_ctx * row);
     if (splits == 1) d.writes(o_, size_t(T) * Hq * D * 4);
     else d.writes(part_o_, part_o).writes(part_ml_, part_ml);
     d.run({uint32_t(Hkv), uint32_t(splits), uint32_t(T)}, {32 * LILY_ATTN_SIMDGROUPS, 1, 1});

@@ -45,6 +45,11 @@ struct GpuOptions {
   // KV cache elements in half precision: half the bytes per token at long contexts, at the cost
   // of f16 rounding of k and v (default f32: the CPU backend's precision).
   bool kv_half = false;
+  // A context growing past block_threshold moves its KV cache (once) into fixed blocks of
+  // block_len positions (csrc/gpu/kv_blocks.cpp): later growth adds blocks without copying
+  // the cache, and split-K walks whole blocks.
+  int block_threshold = 32768;
+  int block_len = 256;
 };
 
 // One encoded dispatch, for plan reports (benchmarks/metal_plan.py) and tests.
@@ -68,6 +73,12 @@ class GpuState : public State {
   GpuBackend* backend = nullptr;
   int capacity = 0;                                  // KV positions allocated
   std::vector<std::shared_ptr<Buffer>> k, v;         // per attention layer [Hkv, capacity, D]
+  // Block layout (block_len > 0; k, v then empty): table [max blocks] of (arena << 24 | slot)
+  // shared by all layers; per layer, K and V arenas [slots, Hkv, block_len, D], sizes doubling.
+  int block_len = 0;
+  std::shared_ptr<Buffer> block_table;
+  std::vector<std::vector<std::shared_ptr<Buffer>>> k_arenas, v_arenas;
+  std::vector<int> arena_slots;  // blocks per arena
   // Per DeltaNet layer, two copies each: a pass reads copy `parity` and writes the other, then
   // flips parity, so the state before the latest pass is still there (discard_last_step).
   std::vector<std::shared_ptr<Buffer>> conv[2], S[2];
@@ -140,6 +151,8 @@ class GpuBackend : public Backend {
   void begin();
   void grow(std::shared_ptr<Buffer>& b, size_t bytes);
   void reserve_kv(GpuState& st, int positions);
+  void reserve_blocks(GpuState& st, int positions);  // kv_blocks.cpp
+  void bind_kv(Dispatch& d, GpuState& st, int layer, uint32_t index, bool write, uint64_t traffic);
   void gemv(const Linear& W, const Ref& x, int ldx, const Ref& y, int ldy, int T);
   void norm(const std::vector<float>& w, bool add);
   const ExpertTables& tables(const MoeWeights* moe, const MlpWeights* mlp);
