@@ -23,11 +23,18 @@
 
 #if defined(__METAL_VERSION__) || defined(LILY_MSL_CPU_METAL_STDLIB)
 // Kernel side: MSL, or MSL compiled as C++ by the MSL-on-CPU runtime.
+#if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 320
+// Metal compiles with fast math by default, which may reassociate and contract the float steps
+// below; the bit-exact agreement with the CPU needs IEEE semantics (MSL 3.2 pragmas).
+#pragma METAL fp math_mode(safe)
+#pragma METAL fp contract(off)
+#endif
 typedef ulong lily_u64;
 typedef uint lily_u32;
 #define LILY_SAMPLE_THREAD thread
 inline float lily_sample_as_float(lily_u32 bits) { return metal::as_type<float>(bits); }
 inline lily_u32 lily_sample_as_bits(float f) { return metal::as_type<lily_u32>(f); }
+inline float lily_sample_rint(float x) { return metal::rint(x); }
 #else
 // Host side: plain C++17 (no includes, so the MSL lint sees no host library here).
 typedef __UINT64_TYPE__ lily_u64;  // = std::uint64_t
@@ -35,6 +42,7 @@ typedef __UINT32_TYPE__ lily_u32;
 #define LILY_SAMPLE_THREAD
 inline float lily_sample_as_float(lily_u32 bits) { return __builtin_bit_cast(float, bits); }
 inline lily_u32 lily_sample_as_bits(float f) { return __builtin_bit_cast(lily_u32, f); }
+inline float lily_sample_rint(float x) { return __builtin_rintf(x); }
 #endif
 
 #if defined(__clang__) || defined(__METAL_VERSION__)
@@ -44,10 +52,20 @@ inline lily_u32 lily_sample_as_bits(float f) { return __builtin_bit_cast(lily_u3
 #endif
 
 // Order-preserving key of a float that is not NaN: larger float, larger key. -0 maps to +0's
-// key, so ties between them break by id as the float comparison does.
+// key, so ties between them break by id as the float comparison does. Integer-only, so fast
+// math cannot fold it.
 inline lily_u32 sample_key(float l) {
-  const lily_u32 b = l == 0.0f ? 0u : lily_sample_as_bits(l);
+  lily_u32 b = lily_sample_as_bits(l);
+  b = b == 0x80000000u ? 0u : b;
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+#define LILY_SAMPLE_KEY_NEG_INF 0x007FFFFFu  // sample_key(-inf)
+
+// NaN or +inf (by the bits: a fast-math compiler may assume isnan() false).
+inline bool sample_is_bad(float l) {
+  const lily_u32 b = lily_sample_as_bits(l);
+  return (b & 0x7F800000u) == 0x7F800000u && b != 0xFF800000u;
 }
 
 // The float a key came from (+0 for zero).
@@ -55,16 +73,15 @@ inline float sample_key_value(lily_u32 key) {
   return lily_sample_as_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
 }
 
-// e^x for x <= 0 (below -87 gives 0). n = round(x / ln2) by the 1.5 * 2^23 trick; r = x - n ln2
-// in two parts (Cody-Waite) so |r| <= ln2/2; e^r by its Taylor series to r^7 (truncation < 6e-9
-// relative); 2^n built in the exponent bits. No libm call, so the CPU loop vectorizes.
+// e^x for x <= 0 (below -87, and -inf, give 0). n = rint(x / ln2); r = x - n ln2 in two parts
+// (Cody-Waite) so |r| <= ln2/2; e^r by its Taylor series to r^7 (truncation < 6e-9 relative);
+// 2^n built in the exponent bits. No libm call (rint is one instruction), so the CPU loop
+// vectorizes.
 inline float sample_exp_nonpos(float x) {
   LILY_SAMPLE_NO_CONTRACT
-  const bool under = x < -87.0f;
+  const bool under = !(x >= -87.0f);
   x = under ? -87.0f : x;
-  const float shifter = 12582912.0f;  // 1.5 * 2^23
-  const float t = x * 1.44269504088896341f + shifter;
-  const float n = t - shifter;
+  const float n = lily_sample_rint(x * 1.44269504088896341f);
   const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
   float p = 1.0f / 5040.0f;
   p = p * r + 1.0f / 720.0f;

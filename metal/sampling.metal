@@ -97,7 +97,7 @@ kernel void sample(device const float* logits [[buffer(0)]],  // [vocab]
   uint best_key = 0, best_id = 0xFFFFFFFFu, bad = 0xFFFFFFFFu;
   for (uint i = tid; i < V; i += threads) {  // ascending i: strict > keeps the lowest id
     const float l = logits[i];
-    if (isnan(l) || l == INFINITY) {
+    if (sample_is_bad(l)) {
       bad = min(bad, i);
       continue;
     }
@@ -110,7 +110,7 @@ kernel void sample(device const float* logits [[buffer(0)]],  // [vocab]
   bad = tg_min_u32(bad, su, simd_id, lane, n_simd);
   const uint top = tg_max_u32(best_key, su, simd_id, lane, n_simd);
   const uint best = tg_min_u32(best_key == top ? best_id : 0xFFFFFFFFu, su, simd_id, lane, n_simd);
-  if (bad != 0xFFFFFFFFu || top <= sample_key(-INFINITY)) {
+  if (bad != 0xFFFFFFFFu || top <= LILY_SAMPLE_KEY_NEG_INF) {
     if (tid == 0) {  // token 0 keeps the next step's embedding in bounds; the host raises
       token[0] = 0;
       status[0] = bad != 0xFFFFFFFFu ? LILY_SAMPLE_BAD_LOGIT : LILY_SAMPLE_ALL_NEG_INF;
@@ -131,7 +131,8 @@ kernel void sample(device const float* logits [[buffer(0)]],  // [vocab]
   const float max_logit = logits[best], inv_t = a.inv_t, scale = sample_weight_scale(V);
   ulong z_all = 0;
   for (uint i = tid; i < V; i += threads) {
-    const float e = sample_exp_nonpos((logits[i] - max_logit) * inv_t);
+    const float l = logits[i];  // -inf weighs 0 (tested on the bits: fast math assumes no inf)
+    const float e = sample_key(l) <= LILY_SAMPLE_KEY_NEG_INF ? 0.0f : sample_exp_nonpos((l - max_logit) * inv_t);
     w[i] = e;
     z_all += ulong(e * scale);  // == sample_weight(logits[i], ...)
   }
@@ -195,9 +196,9 @@ kernel void sample(device const float* logits [[buffer(0)]],  // [vocab]
     v = lo;
     n_eq = n;
   }
-  const float floor_logit = a.use_min_p ? max_logit + a.min_p_offset : -INFINITY;
-  const float v_logit = sample_key_value(v);
-  const ulong q_v = v_logit >= floor_logit ? sample_weight(v_logit, max_logit, inv_t, scale) : 0;
+  // min-p: logit >= max + T log(min_p), compared as keys (0: off).
+  const uint floor_key = a.use_min_p ? sample_key(max_logit + a.min_p_offset) : 0u;
+  const ulong q_v = v >= floor_key ? sample_weight(sample_key_value(v), max_logit, inv_t, scale) : 0;
 
   // The draw, over contiguous id ranges so that running sums follow id order.
   threadgroup_barrier(mem_flags::mem_device);  // w[] of every thread is read below
@@ -218,8 +219,8 @@ kernel void sample(device const float* logits [[buffer(0)]],  // [vocab]
   const uint eq_before = eq_scan[tid];
   ulong mine = 0;
   for (uint i = b; i < e; ++i) {
-    const float l = logits[i];
-    if (sample_key(l) > v && l >= floor_logit) mine += ulong(w[i] * scale);
+    const uint k = sample_key(logits[i]);
+    if (k > v && k >= floor_key) mine += ulong(w[i] * scale);
   }
   const uint eq_kept = n_eq > eq_before ? min(n_eq - eq_before, my_eq) : 0u;
   mine += ulong(eq_kept) * q_v;
@@ -251,10 +252,9 @@ kernel void sample(device const float* logits [[buffer(0)]],  // [vocab]
     uint seen_eq = eq_before;
     int chosen = -1;
     for (uint i = b; i < e && chosen < 0; ++i) {
-      const float l = logits[i];
-      const uint k = sample_key(l);
+      const uint k = sample_key(logits[i]);
       ulong q = 0;
-      if (k > v && l >= floor_logit) q = ulong(w[i] * scale);
+      if (k > v && k >= floor_key) q = ulong(w[i] * scale);
       else if (k == v) q = seen_eq++ < n_eq ? q_v : 0;
       if (t < run + q) chosen = int(i);
       run += q;

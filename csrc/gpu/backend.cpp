@@ -361,7 +361,7 @@ std::unique_ptr<State> GpuBackend::new_state(int max_context) {
 // Grows every attention layer's cache to hold `positions` (geometric, up to max_context).
 // Called between passes, so no command buffer uses the old buffers.
 void GpuBackend::reserve_kv(GpuState& st, int positions) {
-  if (st.block_len || positions > options_.block_threshold) return reserve_blocks(st, positions);
+  if (st.block_len || positions >= options_.block_threshold) return reserve_blocks(st, positions);
   if (positions <= st.capacity) return;
   int cap = std::max(st.capacity, 256);
   while (cap < positions) cap *= 2;

@@ -45,7 +45,7 @@ struct GpuOptions {
   // KV cache elements in half precision: half the bytes per token at long contexts, at the cost
   // of f16 rounding of k and v (default f32: the CPU backend's precision).
   bool kv_half = false;
-  // A context growing past block_threshold moves its KV cache (once) into fixed blocks of
+  // A context reaching block_threshold positions moves its KV cache (once) into fixed blocks of
   // block_len positions (csrc/gpu/kv_blocks.cpp): later growth adds blocks without copying
   // the cache, and split-K walks whole blocks.
   int block_threshold = 32768;

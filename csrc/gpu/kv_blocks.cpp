@@ -10,7 +10,7 @@
 // - The block table (logical block -> arena << 24 | slot) is one small buffer shared by every
 //   attention layer (all layers grow alike). It is the indirection a block allocator needs to
 //   share blocks between sequences later; today blocks are handed out in order.
-// - A state switches layout once, when a pass would take it past block_threshold: its
+// - A state switches layout once, when a pass would take it to block_threshold: its
 //   contiguous rows are copied into the first arena (between passes: nothing is in flight).
 //   Short contexts keep the contiguous layout and its simpler addressing.
 #include <algorithm>
