@@ -69,7 +69,8 @@ def minimum_bytes(c: _core.ModelConfig, context: int, kv_bytes: int = 4) -> dict
 
 
 def plan(c, context, kv_half=False):
-    rows, (dispatches, barriers, cbs, waits) = _core.gpu_plan(c, context, BITS, GROUP, GATE_BITS, kv_half=kv_half)
+    rows, (dispatches, barriers, cbs, waits), _scratch = _core.gpu_plan(
+        c, context, BITS, GROUP, GATE_BITS, kv_half=kv_half)
     kernels = Counter(r[0] for r in rows)
     by_kernel = defaultdict(int)
     for name, _stage, wb, sb, ob in rows:

@@ -1,5 +1,7 @@
-// MoE family, decode-first (prefill runs the same kernels with T tokens in the grid).
+// MoE family. Decode (and chunks shorter than GpuOptions::gemm_min_rows) runs the
+// gather-GEMV kernels; prefill routes on the GPU and runs grouped GEMMs over a block map.
 //
+// Decode:
 //   moe_route     softmax over the router logits, top-k by repeated argmax with ties to the
 //                 lowest expert id, renormalisation.          grid (T), E rounded to 32 threads
 //   moe_gate_up   fused gather-GEMV: rows of gate and up of the expert picked for job j, SwiGLU
@@ -7,8 +9,25 @@
 //   moe_down      fused down-projection of every job + weighted combine + sigmoid-gated shared
 //                 expert: each output row sums all experts' partial dots before one
 //                 simd_sum, so y is written once and never re-read.  grid (ceil(H / 8), T), 64
-// Weights stay packed (quant.h reads them); S is the scale (or dense element) type.
+//
+// Prefill (one chunk, no CPU read-back: every size below is bounded by T*k on the host):
+//   moe_route         as above: ids, weights [T, k]
+//   moe_plan          histogram of ids per expert, prefix scans, stable scatter of the (token,
+//                     job) slots sorted by expert, block map (moe_args.h). One threadgroup, a
+//                     thread per expert, so the order is deterministic. grid (1), 1024 threads
+//   moe_gemm_gate_up  grouped GEMM per block of one expert's rows: the token rows of h gathered
+//                     into the X tile, gate and up tiles dequantized in threadgroup memory,
+//                     SwiGLU in the epilogue; act in sorted order.
+//                                        grid (ceil(I / 32), max_blocks), 128 threads
+//   moe_gemm_down     the same over act, scaled by the routing weight, rows scattered back to
+//                     their slot: yr [T*k, H].          grid (ceil(H / 32), max_blocks), 128
+//   moe_combine       y = sum of a token's k slots + sigmoid-gated shared expert; the sum runs
+//                     over j in order, so results do not depend on the scatter.
+// The shared expert and a dense MLP run the two GEMM kernels with routed = 0 (rows 0..T of one
+// expert, blocks of BM). An expert with no tokens has no block: its weights are never read.
+// Weights stay packed (quant.h, gemm.h read them); S is the scale (or dense element) type.
 #include <metal_stdlib>
+#include "gemm.h"
 #include "lily_msl.h"
 #include "moe_args.h"
 #include "quant.h"
@@ -139,3 +158,218 @@ kernel void moe_down(device const uchar* down_w [[buffer(0)]],
 LILY_KERNEL_INSTANTIATE("moe_down_float", moe_down, float)
 LILY_KERNEL_INSTANTIATE("moe_down_half", moe_down, half)
 LILY_KERNEL_INSTANTIATE("moe_down_bfloat", moe_down, bfloat)
+
+// ---- prefill ------------------------------------------------------------------------------------
+
+kernel void moe_plan(device const uint* ids [[buffer(0)]],  // [n] expert of slot s = t*k + j
+                     device uint* rows [[buffer(1)]],       // [n] slots sorted by expert
+                     device uint4* blocks [[buffer(2)]],    // [max_blocks]
+                     device uint* header [[buffer(3)]],     // [4]
+                     constant MoePlanArgs& args [[buffer(4)]],
+                     uint e [[thread_index_in_threadgroup]],
+                     uint simd_id [[simdgroup_index_in_threadgroup]],
+                     uint lane [[thread_index_in_simdgroup]],
+                     uint n_simd [[simdgroups_per_threadgroup]]) {
+  LILY_THREADGROUP(ushort, tile, [LILY_MOE_PLAN_TILE]);
+  LILY_THREADGROUP(uint, rows_before, [32]);
+  LILY_THREADGROUP(uint, blocks_before, [32]);
+  const uint threads = n_simd * 32, bm = args.block_rows;
+
+  // Histogram: thread e counts slots routed to expert e (ids staged through threadgroup memory).
+  uint count = 0;
+  for (uint base = 0; base < args.n; base += LILY_MOE_PLAN_TILE) {
+    const uint m = min(uint(LILY_MOE_PLAN_TILE), args.n - base);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous tile is read
+    for (uint i = e; i < m; i += threads) tile[i] = ushort(ids[base + i]);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (e < args.E)
+      for (uint i = 0; i < m; ++i) count += tile[i] == e ? 1u : 0u;
+  }
+  const uint nblk = (count + bm - 1) / bm;
+
+  // Exclusive prefix sums over experts of the row counts and block counts.
+  const uint pre_rows = simd_prefix_exclusive_sum(count), pre_blk = simd_prefix_exclusive_sum(nblk);
+  if (lane == 31) {
+    rows_before[simd_id] = pre_rows + count;
+    blocks_before[simd_id] = pre_blk + nblk;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (simd_id == 0) {
+    const uint r = lane < n_simd ? rows_before[lane] : 0u, b = lane < n_simd ? blocks_before[lane] : 0u;
+    const uint er = simd_prefix_exclusive_sum(r), eb = simd_prefix_exclusive_sum(b);
+    if (lane < n_simd) {
+      rows_before[lane] = er;
+      blocks_before[lane] = eb;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const uint row0 = rows_before[simd_id] + pre_rows, blk0 = blocks_before[simd_id] + pre_blk;
+  if (e == args.E - 1) {
+    header[0] = blk0 + nblk;
+    header[1] = row0 + count;
+    header[2] = 0;
+    header[3] = 0;
+  }
+
+  // Stable scatter: expert e writes its slots in increasing order from row0.
+  uint pos = row0;
+  for (uint base = 0; base < args.n; base += LILY_MOE_PLAN_TILE) {
+    const uint m = min(uint(LILY_MOE_PLAN_TILE), args.n - base);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint i = e; i < m; i += threads) tile[i] = ushort(ids[base + i]);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (e < args.E)
+      for (uint i = 0; i < m; ++i)
+        if (tile[i] == e) rows[pos++] = base + i;
+  }
+  for (uint b = 0; b < nblk; ++b) blocks[blk0 + b] = uint4(e, row0 + b * bm, min(bm, count - b * bm), 0u);
+}
+
+// Row block `blk` of a grouped GEMM: its expert, first (sorted) row and row count. False past
+// the blocks in use (uniform over the threadgroup: the caller returns before any barrier).
+inline bool moe_block(device const uint4* blocks, device const uint* header, constant MoeGemmArgs& args,
+                      uint blk, uint bm, thread uint& e, thread uint& first, thread uint& count) {
+  if (args.routed) {
+    if (blk >= header[0]) return false;
+    const uint4 b = blocks[blk];
+    e = b.x;
+    first = b.y;
+    count = b.z;
+    return true;
+  }
+  e = 0;
+  first = blk * bm;
+  if (first >= args.n) return false;
+  count = min(bm, args.n - first);
+  return true;
+}
+
+template <typename S, int BM>
+kernel void moe_gemm_gate_up(device const uchar* gate_w [[buffer(0)]],
+                             device const uchar* gate_s [[buffer(1)]],
+                             device const uchar* gate_b [[buffer(2)]],
+                             device const ulong* gate_table [[buffer(3)]],  // [E, 3]
+                             device const uchar* up_w [[buffer(4)]],
+                             device const uchar* up_s [[buffer(5)]],
+                             device const uchar* up_b [[buffer(6)]],
+                             device const ulong* up_table [[buffer(7)]],    // [E, 3]
+                             device const uint4* blocks [[buffer(8)]],      // moe_plan
+                             device const uint* header [[buffer(9)]],
+                             device const uint* rows [[buffer(10)]],        // [T*k] sorted slots
+                             device const float* h [[buffer(11)]],          // [T, H]
+                             device float* act [[buffer(12)]],              // [n, I] sorted rows
+                             constant MoeGemmArgs& args [[buffer(13)]],
+                             uint2 tg [[threadgroup_position_in_grid]],
+                             uint tid [[thread_index_in_threadgroup]],
+                             uint simd_id [[simdgroup_index_in_threadgroup]]) {
+  LILY_THREADGROUP(float, xs, [BM * LILY_GEMM_LD]);
+  LILY_THREADGROUP(float, wg, [LILY_GEMM_BN * LILY_GEMM_LD]);
+  LILY_THREADGROUP(float, wu, [LILY_GEMM_BN * LILY_GEMM_LD]);
+  LILY_THREADGROUP(uint, src_row, [BM]);
+  uint e, first, count;
+  if (!moe_block(blocks, header, args, tg.y, BM, e, first, count)) return;
+  const uint H = args.a.in, I = args.a.out, n0 = tg.x * LILY_GEMM_BN;
+  if (tid < uint(BM))  // the token row of h each tile row reads
+    src_row[tid] = tid >= count ? LILY_GEMM_NO_ROW : args.routed ? rows[first + tid] / args.k : first + tid;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  simdgroup_float8x8 acc_g[GemmTile<BM>::FM][GemmTile<BM>::FN], acc_u[GemmTile<BM>::FM][GemmTile<BM>::FN];
+  gemm_zero<BM>(acc_g);
+  gemm_zero<BM>(acc_u);
+  for (uint k0 = 0; k0 < H; k0 += LILY_GEMM_BK) {
+    gemm_load_x<BM>(xs, h, H, src_row, k0, H, tid);
+    gemm_load_w<S>(wg, at(gate_w, gate_table, e, 0), at(gate_s, gate_table, e, 1), at(gate_b, gate_table, e, 2),
+                   args.a, n0, k0, tid);
+    gemm_load_w<S>(wu, at(up_w, up_table, e, 0), at(up_s, up_table, e, 1), at(up_b, up_table, e, 2),
+                   args.b, n0, k0, tid);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    gemm_mma<BM>(acc_g, xs, wg, simd_id);
+    gemm_mma<BM>(acc_u, xs, wu, simd_id);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  gemm_store_acc<BM>(xs, acc_g, simd_id);
+  gemm_store_acc<BM>(wg, acc_u, simd_id);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint i = tid; i < uint(BM * LILY_GEMM_BN); i += LILY_GEMM_THREADS) {
+    const uint r = i / LILY_GEMM_BN, c = i % LILY_GEMM_BN;
+    if (r < count && n0 + c < I)
+      act[ulong(first + r) * I + n0 + c] = silu_f(xs[r * LILY_GEMM_LD + c]) * wg[r * LILY_GEMM_LD + c];
+  }
+}
+
+template <typename S, int BM>
+kernel void moe_gemm_down(device const uchar* down_w [[buffer(0)]],
+                          device const uchar* down_s [[buffer(1)]],
+                          device const uchar* down_b [[buffer(2)]],
+                          device const ulong* down_table [[buffer(3)]],  // [E, 3]
+                          device const uint4* blocks [[buffer(4)]],      // moe_plan
+                          device const uint* header [[buffer(5)]],
+                          device const uint* rows [[buffer(6)]],         // [T*k] sorted slots
+                          device const float* weights [[buffer(7)]],     // [T*k] routing weights
+                          device const float* act [[buffer(8)]],         // [n, I] sorted rows
+                          device float* out [[buffer(9)]],               // routed: yr [T*k, H]; else y [T, H]
+                          constant MoeGemmArgs& args [[buffer(10)]],
+                          uint2 tg [[threadgroup_position_in_grid]],
+                          uint tid [[thread_index_in_threadgroup]],
+                          uint simd_id [[simdgroup_index_in_threadgroup]]) {
+  LILY_THREADGROUP(float, xs, [BM * LILY_GEMM_LD]);
+  LILY_THREADGROUP(float, ws, [LILY_GEMM_BN * LILY_GEMM_LD]);
+  LILY_THREADGROUP(uint, src_row, [BM]);
+  LILY_THREADGROUP(uint, dst_row, [BM]);
+  LILY_THREADGROUP(float, scale, [BM]);
+  uint e, first, count;
+  if (!moe_block(blocks, header, args, tg.y, BM, e, first, count)) return;
+  const uint I = args.a.in, H = args.a.out, n0 = tg.x * LILY_GEMM_BN;
+  if (tid < uint(BM)) {
+    const bool live = tid < count;
+    const uint slot = live && args.routed ? rows[first + tid] : first + tid;
+    src_row[tid] = live ? first + tid : LILY_GEMM_NO_ROW;
+    dst_row[tid] = slot;
+    scale[tid] = live && args.routed ? weights[slot] : 1.0f;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  simdgroup_float8x8 acc[GemmTile<BM>::FM][GemmTile<BM>::FN];
+  gemm_zero<BM>(acc);
+  for (uint k0 = 0; k0 < I; k0 += LILY_GEMM_BK) {
+    gemm_load_x<BM>(xs, act, I, src_row, k0, I, tid);
+    gemm_load_w<S>(ws, at(down_w, down_table, e, 0), at(down_s, down_table, e, 1), at(down_b, down_table, e, 2),
+                   args.a, n0, k0, tid);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    gemm_mma<BM>(acc, xs, ws, simd_id);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  gemm_store_acc<BM>(xs, acc, simd_id);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint i = tid; i < uint(BM * LILY_GEMM_BN); i += LILY_GEMM_THREADS) {
+    const uint r = i / LILY_GEMM_BN, c = i % LILY_GEMM_BN;
+    if (r < count && n0 + c < H) out[ulong(dst_row[r]) * H + n0 + c] = scale[r] * xs[r * LILY_GEMM_LD + c];
+  }
+}
+
+LILY_KERNEL_INSTANTIATE("moe_gemm_gate_up_float_bm8", moe_gemm_gate_up, float, 8)
+LILY_KERNEL_INSTANTIATE("moe_gemm_gate_up_half_bm8", moe_gemm_gate_up, half, 8)
+LILY_KERNEL_INSTANTIATE("moe_gemm_gate_up_bfloat_bm8", moe_gemm_gate_up, bfloat, 8)
+LILY_KERNEL_INSTANTIATE("moe_gemm_gate_up_float_bm32", moe_gemm_gate_up, float, 32)
+LILY_KERNEL_INSTANTIATE("moe_gemm_gate_up_half_bm32", moe_gemm_gate_up, half, 32)
+LILY_KERNEL_INSTANTIATE("moe_gemm_gate_up_bfloat_bm32", moe_gemm_gate_up, bfloat, 32)
+LILY_KERNEL_INSTANTIATE("moe_gemm_down_float_bm8", moe_gemm_down, float, 8)
+LILY_KERNEL_INSTANTIATE("moe_gemm_down_half_bm8", moe_gemm_down, half, 8)
+LILY_KERNEL_INSTANTIATE("moe_gemm_down_bfloat_bm8", moe_gemm_down, bfloat, 8)
+LILY_KERNEL_INSTANTIATE("moe_gemm_down_float_bm32", moe_gemm_down, float, 32)
+LILY_KERNEL_INSTANTIATE("moe_gemm_down_half_bm32", moe_gemm_down, half, 32)
+LILY_KERNEL_INSTANTIATE("moe_gemm_down_bfloat_bm32", moe_gemm_down, bfloat, 32)
+
+kernel void moe_combine(device const float* yr [[buffer(0)]],      // [T*k, H] weighted expert rows
+                        device const float* ys [[buffer(1)]],      // [T, H] shared expert
+                        device const float* sg [[buffer(2)]],      // [T] shared gate logit
+                        device float* y [[buffer(3)]],             // [T, H]
+                        constant MoeCombineArgs& args [[buffer(4)]],
+                        uint2 gid [[thread_position_in_grid]]) {
+  const uint c = gid.x, t = gid.y;
+  if (c >= args.H) return;
+  float total = 0.0f;
+  for (uint j = 0; j < args.k; ++j) total += yr[(ulong(t) * args.k + j) * args.H + c];
+  if (args.has_shared) total += sigmoid_f(sg[t]) * ys[ulong(t) * args.H + c];
+  y[ulong(t) * args.H + c] = total;
+}

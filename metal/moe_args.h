@@ -30,3 +30,40 @@ struct MoeDownArgs {
   uint32_t weighted;    // 0: every job has weight 1 (dense MLP)
   uint32_t has_shared;  // add the sigmoid-gated shared expert
 };
+
+// ---- prefill: routing on the GPU and grouped expert GEMMs ----------------------------------------
+//
+// moe_plan turns ids [T, k] into the work of the grouped GEMMs without the CPU reading counts:
+//   rows   [T*k]          slots s = t*k + j sorted by expert (stable: increasing s per expert)
+//   blocks [max_blocks]   uint4 {expert, first sorted row, rows (<= block_rows), 0}; only
+//                         experts with tokens get blocks, ceil(count / block_rows) each
+//   header [4]            {blocks used, 0, 0, 0}
+// The grids are sized by the bound max_blocks = min(E, T*k) + floor(T*k / block_rows) (a sum of
+// ceilings is at most the floor of the sum plus one per non-empty expert); threadgroups past
+// header[0] return at once.
+#define LILY_MOE_PLAN_THREADS 1024  // one thread per expert: E <= 1024
+#define LILY_MOE_PLAN_TILE 4096     // ids staged in threadgroup memory this many at a time
+
+struct MoePlanArgs {
+  uint32_t n;           // T*k routed rows
+  uint32_t E;
+  uint32_t block_rows;  // BM of the GEMMs that read the map (8 or 32)
+};
+
+// One grouped GEMM over the block map (routed = 1) or over the rows 0..n in BM blocks of one
+// expert (routed = 0: the shared expert and a dense MLP).
+//   gate_up: act[i, :] = silu(gate_e . x) * (up_e . x),  x = h[rows[i] / k]  (routed)
+//                                                        x = h[i]            (not routed)
+//   down:    routed: yr[rows[i], :] = weights[rows[i]] * down_e . act[i];  else y[i, :] = down . act[i]
+struct MoeGemmArgs {
+  QuantMatrix a, b;  // gate, up (gate_up); down, unused (down)
+  uint32_t k;        // jobs per token
+  uint32_t routed;
+  uint32_t n;        // rows (routed: T*k; else T)
+};
+
+// y[t, :] = sum_j yr[t*k + j, :] (+ sigmoid(sg[t]) * ys[t, :])
+struct MoeCombineArgs {
+  uint32_t H, k;
+  uint32_t has_shared;
+};

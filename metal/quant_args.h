@@ -27,3 +27,20 @@ struct EmbedArgs {
 // Rows of a GEMV threadgroup: 2 simdgroups x 4 rows (a uniform tile the host sizes grids by).
 #define LILY_GEMV_SIMDGROUPS 2
 #define LILY_GEMV_ROWS_PER_SIMDGROUP 4
+
+// Tiled GEMM with fused dequantization (metal/gemm.h): prefill's dense projections (gemm_*) and
+// the grouped expert GEMMs (moe_gemm_*). A threadgroup of LILY_GEMM_THREADS threads (4
+// simdgroups) computes a BM x LILY_GEMM_BN output tile, BM in {8, 32} (the host picks it by rows
+// per tile), stepping K by LILY_GEMM_BK. Affine weights need in % LILY_GEMM_BK == 0 (every MLX
+// group size is a multiple of 32); dense ones any in.
+#define LILY_GEMM_BN 32
+#define LILY_GEMM_BK 32
+#define LILY_GEMM_THREADS 128
+
+// y[t, 0..out) = x[t, 0..in) . W^T for t < rows     (gemm_<S>_bm<BM>)
+struct GemmArgs {
+  QuantMatrix w;
+  uint32_t rows;  // T
+  uint32_t ldx;   // floats between rows of x
+  uint32_t ldy;   // floats between rows of y
+};

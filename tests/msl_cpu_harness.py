@@ -27,17 +27,24 @@ def u32(*values):
 
 def dispatch(device, pipeline, grid, threads, buffers, threadgroup_memory=None):
     """Encode and run one dispatch. buffers: {index: msl_cpu.Buffer | bytes}."""
+    run(device, [(pipeline, grid, threads, buffers, threadgroup_memory)])
+
+
+def run(device, steps):
+    """Encode every step (pipeline, grid, threads, buffers[, threadgroup_memory]) into one
+    serial encoder of one command buffer, commit and wait once (as a forward pass does)."""
     cb = device.command_buffer()
     enc = cb.compute_encoder()
-    enc.set_pipeline(pipeline)
-    for index, b in buffers.items():
-        if isinstance(b, bytes):
-            enc.set_bytes(index, b)
-        else:
-            enc.set_buffer(index, b, 0)
-    for index, length in (threadgroup_memory or {}).items():
-        enc.set_threadgroup_memory_length(index, length)
-    enc.dispatch_threadgroups(grid, threads)
+    for pipeline, grid, threads, buffers, *tgmem in steps:
+        enc.set_pipeline(pipeline)
+        for index, b in buffers.items():
+            if isinstance(b, bytes):
+                enc.set_bytes(index, b)
+            else:
+                enc.set_buffer(index, b, 0)
+        for index, length in ((tgmem[0] if tgmem else None) or {}).items():
+            enc.set_threadgroup_memory_length(index, length)
+        enc.dispatch_threadgroups(grid, threads)
     enc.end_encoding()
     cb.commit()
     cb.wait_until_completed()
@@ -48,4 +55,4 @@ def read(buffer, dtype, shape=None):
     return a.reshape(shape) if shape is not None else a
 
 
-__all__ = ["msl_cpu", "library", "u32", "dispatch", "read", "KERNELS", "ROOT"]
+__all__ = ["msl_cpu", "library", "u32", "dispatch", "run", "read", "KERNELS", "ROOT"]

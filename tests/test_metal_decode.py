@@ -195,9 +195,9 @@ def test_block_kv_layout_across_the_threshold(store, lily):
     cpu = lily.Model.load(path, backend="cpu")
     s, c = gpu.session(), cpu.session()
     n = cases.DECODE_SPLIT
-    gpu._engine.gpu_record(True)
+    gpu._engine.gpu_records(True)
     got = s.prefill(cases.PROMPT[:n], all_logits=True)
-    kernels = gpu._engine.gpu_record(True)
+    kernels = [r[0] for r in gpu._engine.gpu_records(True)]
     assert "attn_prepare_float" in kernels and "attn_prepare_blocks_float" in kernels, "no layout switch"
     _check(got, ref.prompt[:n], "prefill across the block threshold vs mlx-lm")
     _check(got, c.prefill(cases.PROMPT[:n], all_logits=True), "prefill across the block threshold vs cpu")
@@ -205,7 +205,7 @@ def test_block_kv_layout_across_the_threshold(store, lily):
         got = s.decode(cases.PROMPT[i])
         _check(got, ref.prompt[i], f"block decode at position {i} vs mlx-lm")
         _check(got, c.decode(cases.PROMPT[i]), f"block decode at position {i} vs cpu backend")
-    kernels = gpu._engine.gpu_record(False)
+    kernels = [r[0] for r in gpu._engine.gpu_records(False)]
     assert "attn_decode_blocks_float" in kernels and "attn_combine" in kernels, "split-K over blocks not taken"
     assert "attn_decode_float" not in kernels
     got = gpu.generate(cases.GEN_PROMPT, max_tokens=cases.GEN_TOKENS).tokens
@@ -250,7 +250,8 @@ def test_qwen3_5_moe_dependency_check(store, lily):
 
 
 def test_decode_under_address_sanitizer(store, lily):
-    """Every kernel of a prefill and of decode steps on both attention routes, built with
+    """Every kernel of a prefill (its 4 tokens on the GEMM route: gemm_min_rows = 3) and of
+    decode steps on both attention routes, built with
     AddressSanitizer (activation, state and KV buffers are exact-size allocations): no
     out-of-bounds access, and the same logits as the CPU backend."""
     import os
@@ -266,7 +267,7 @@ def test_decode_under_address_sanitizer(store, lily):
         from fixtures import cases
         from fixtures.references import rel_err
         gpu = lily.Model.load({str(path)!r}, backend="msl-cpu",
-                              backend_options=dict(asan=True, split_threshold=4, split_len=2))
+                              backend_options=dict(asan=True, split_threshold=4, split_len=2, gemm_min_rows=3))
         cpu = lily.Model.load({str(path)!r}, backend="cpu")
         s, c = gpu.session(), cpu.session()
         errs = [rel_err(s.prefill(cases.PROMPT[:4]), c.prefill(cases.PROMPT[:4]))]

@@ -37,7 +37,7 @@ def test_plan_matches_executed_dispatches(store, lily, threshold):
     d0, b0 = model._engine.gpu_stats[:2]
     s.decode(cases.PROMPT[6])
     d1, b1 = model._engine.gpu_stats[:2]
-    rows, (dispatches, barriers, cbs, waits) = _core.gpu_plan(
+    rows, (dispatches, barriers, cbs, waits), _ = _core.gpu_plan(
         model.config.to_native(), 7, 4, 64, 8, split_threshold=threshold, split_len=2)
     assert (dispatches, barriers) == (d1 - d0, b1 - b0)
     assert (cbs, waits) == (1, 1)

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu/linear.h"
 #include "cpu/norm.h"
@@ -39,12 +40,240 @@ void rope(float* x, int rot, const float* cos, const float* sin) {
   }
 }
 
+// ---- causal GQA attention of a chunk over the cache, flash-style -------------------------------
+//
+// The naive loop (one task per token and query head, each streaming its KV head's whole cache)
+// reads K and V from DRAM Hq * T times per chunk: at 32K positions that is 64 MB per (token,
+// head) and made long prompts crawl. Here a work item is (KV head, tile of kQTile tokens, span of
+// cache positions); its rows are the tile's tokens x the query heads sharing the KV head (GQA
+// packing), so each K/V block, once in L2, serves group x kQTile rows. Blocks of kBlock
+// positions are folded into each row's online-softmax state (running max m, running sum l,
+// unnormalised o), in fp32, so the result is softmax(qK^T)V up to summation order.
+// Decode and short chunks have too few (head, tile) items to feed every thread, so the positions
+// are split into spans whose partial (m, l, o) a second pass merges (split-K).
+//
+//   qg [T, Hq, 2D] (q, then the output gate)   K, V [Hkv, capacity, D]   o [T, Hq, D]
+//   item rows r = (t - t0) * group + g  <->  query head hq = hk * group + g
+constexpr int kBlock = 32;  // positions per K/V block: 32 KB of K + 32 KB of V at D = 256
+constexpr int kQTile = 16;  // chunk tokens per work item
+
+// Micro-kernels over one block of kBlock positions for NR rows at a time. The block's keys are
+// transposed once into kt [D, kBlock], so scores need no horizontal sums: for each d, one
+// broadcast of q[r][d] times a row of kt, for NR rows sharing the loads (FMA-bound on AVX-512
+// rather than L2-bound as a dot per (row, position) is).
+//
+// s[r, j] = q_r · k_j   for j < kBlock
+template <int NR>
+void qk_block(const float* const* q, const float* kt, int D, float* s) {
+#if defined(__AVX512F__)
+  static_assert(kBlock == 32, "two vectors of 16 positions");
+  __m512 acc[NR][2];
+  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m512 k0 = _mm512_loadu_ps(kt + d * kBlock), k1 = _mm512_loadu_ps(kt + d * kBlock + 16);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 qd = _mm512_set1_ps(q[r][d]);
+      acc[r][0] = _mm512_fmadd_ps(qd, k0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(qd, k1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    _mm512_storeu_ps(s + r * kBlock, acc[r][0]);
+    _mm512_storeu_ps(s + r * kBlock + 16, acc[r][1]);
+  }
+#else
+  for (int r = 0; r < NR; ++r) {
+    float* sr = s + r * kBlock;
+    for (int j = 0; j < kBlock; ++j) sr[j] = 0.0f;
+    for (int d = 0; d < D; ++d) axpy(q[r][d], kt + d * kBlock, sr, kBlock);
+  }
+#endif
+}
+
+// o_r = o_r * alpha_r + sum_{j < n} p[r, j] v_j, v_j = v + j * D (the block's values)
+template <int NR>
+void pv_block(const float* p, const float* v, int n, int D, float* const* o, const float* alpha) {
+  int d0 = 0;
+#if defined(__AVX512F__)
+  // 4 vectors (64 dims) of NR rows in registers across the block, then 1-vector slices.
+  auto slice = [&](auto width) {
+    constexpr int W = decltype(width)::value;
+    __m512 acc[NR][W];
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < W; ++c)
+        acc[r][c] = _mm512_mul_ps(_mm512_set1_ps(alpha[r]), _mm512_loadu_ps(o[r] + d0 + 16 * c));
+    for (int j = 0; j < n; ++j) {
+      __m512 vj[W];
+      for (int c = 0; c < W; ++c) vj[c] = _mm512_loadu_ps(v + size_t(j) * D + d0 + 16 * c);
+      for (int r = 0; r < NR; ++r) {
+        const __m512 pj = _mm512_set1_ps(p[r * kBlock + j]);
+        for (int c = 0; c < W; ++c) acc[r][c] = _mm512_fmadd_ps(pj, vj[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < W; ++c) _mm512_storeu_ps(o[r] + d0 + 16 * c, acc[r][c]);
+    d0 += 16 * W;
+  };
+  while (d0 + 64 <= D) slice(std::integral_constant<int, 4>{});
+  while (d0 + 16 <= D) slice(std::integral_constant<int, 1>{});
+#endif
+  if (d0 == D) return;
+  for (int r = 0; r < NR; ++r) {
+    scale(alpha[r], o[r] + d0, D - d0);
+    for (int j = 0; j < n; ++j) axpy(p[r * kBlock + j], v + size_t(j) * D + d0, o[r] + d0, D - d0);
+  }
+}
+
+// Per-thread working set of one work item.
+struct SpanScratch {
+  std::vector<float> kt;      // [D, kBlock]
+  std::vector<float> scores;  // [NR, kBlock]
+};
+
+// Folds positions [p0, p1) of KV head hk into the rows' online-softmax state (m, l, o rows);
+// row r sees positions < lim[r]. Rows come NR at a time; rows of a group may have different
+// causal limits inside the block, so each masks its own tail.
+template <int NR>
+void attend_rows(KvCache& cache, int hk, const float* const* q, const int* lim, const float* kt, int b, int bend,
+                 float scale_qk, float* m, float* l, float* const* o, float* s) {
+  const int D = cache.head_dim;
+  qk_block<NR>(q, kt, D, s);
+  float alpha[NR];
+  int n_max = 0;
+  for (int r = 0; r < NR; ++r) {
+    float* sr = s + r * kBlock;
+    const int n = std::min(bend, lim[r]) - b;
+    if (n <= 0) {  // this row's causal limit is before the block
+      alpha[r] = 1.0f;
+      std::fill(sr, sr + kBlock, 0.0f);
+      continue;
+    }
+    float mx = m[r];
+    for (int j = 0; j < n; ++j) mx = std::max(mx, sr[j] *= scale_qk);
+    alpha[r] = std::exp(m[r] - mx);  // 0 on the row's first block (m = -inf)
+    l[r] = l[r] * alpha[r] + exp_shift_sum(sr, n, mx);
+    m[r] = mx;
+    std::fill(sr + n, sr + kBlock, 0.0f);
+    n_max = std::max(n_max, n);
+  }
+  if (n_max > 0) pv_block<NR>(s, cache.v_at(hk, b), n_max, D, o, alpha);
+}
+
+void attend_span(KvCache& cache, int hk, const float* const* q, const int* lim, int R, int p0, int p1,
+                 float scale_qk, float* m, float* l, float* const* o, SpanScratch& ss) {
+  const int D = cache.head_dim;
+  ss.kt.resize(size_t(D) * kBlock);
+  ss.scores.resize(4 * kBlock);
+  for (int b = p0; b < p1; b += kBlock) {
+    const int bend = std::min(b + kBlock, p1), nb = bend - b;
+    // Positions past p1 may be unwritten cache: they enter the transposed block as zeros and
+    // every row masks them.
+    for (int j = 0; j < nb; ++j) {
+      const float* kj = cache.k_at(hk, b + j);
+      for (int d = 0; d < D; ++d) ss.kt[size_t(d) * kBlock + j] = kj[d];
+    }
+    for (int j = nb; j < kBlock; ++j)
+      for (int d = 0; d < D; ++d) ss.kt[size_t(d) * kBlock + j] = 0.0f;
+    int r = 0;
+    for (; r + 4 <= R; r += 4)
+      attend_rows<4>(cache, hk, q + r, lim + r, ss.kt.data(), b, bend, scale_qk, m + r, l + r, o + r,
+                     ss.scores.data());
+    for (; r < R; ++r)
+      attend_rows<1>(cache, hk, q + r, lim + r, ss.kt.data(), b, bend, scale_qk, m + r, l + r, o + r,
+                     ss.scores.data());
+  }
+}
+
+void attend(KvCache& cache, const float* qg, int pos0, int T, int Hq, int D, AttentionScratch& s, ThreadPool& pool) {
+  const int Hkv = cache.kv_heads, group = Hq / Hkv;
+  const int n_ctx = pos0 + T;
+  const int n_tiles = (T + kQTile - 1) / kQTile;
+  // Split the positions only when (head, tile) items cannot keep every thread busy, and never
+  // into spans shorter than 4 blocks (the merge would cost more than it saves).
+  const int base_items = Hkv * n_tiles;
+  const int want = (2 * pool.size() + base_items - 1) / base_items;
+  const int n_split = std::max(1, std::min(want, n_ctx / (4 * kBlock)));
+  const int span = ((n_ctx + n_split - 1) / n_split + kBlock - 1) / kBlock * kBlock;
+  const float scale_qk = 1.0f / std::sqrt(float(D));
+  // Partial state per split: [n_split, T, Hq] (m, l) and [n_split, T, Hq, D] o. With one split
+  // the item normalises straight into s.o.
+  if (n_split > 1) {
+    s.part_ml.resize(size_t(n_split) * T * Hq * 2);
+    s.part_o.resize(size_t(n_split) * T * Hq * D);
+  }
+  float* out = s.o.data();
+
+  pool.parallel_for(int64_t(base_items) * n_split, [&](int64_t i0, int64_t i1, int) {
+    thread_local std::vector<float> m, l, o;
+    thread_local std::vector<const float*> q;
+    thread_local std::vector<float*> orows;
+    thread_local SpanScratch ss;
+    thread_local std::vector<int> lim;
+    for (int64_t item = i0; item < i1; ++item) {
+      const int split = int(item % n_split), tile = int(item / n_split % n_tiles);
+      const int hk = int(item / n_split / n_tiles);
+      const int t0 = tile * kQTile, t1 = std::min(T, t0 + kQTile), R = (t1 - t0) * group;
+      m.assign(R, -INFINITY);
+      l.assign(R, 0.0f);
+      o.assign(size_t(R) * D, 0.0f);
+      q.resize(R);
+      orows.resize(R);
+      for (int r = 0; r < R; ++r) orows[r] = o.data() + size_t(r) * D;
+      lim.resize(R);
+      for (int t = t0; t < t1; ++t)
+        for (int g = 0; g < group; ++g) {
+          const int r = (t - t0) * group + g;
+          q[r] = qg + (size_t(t) * Hq + hk * group + g) * 2 * D;
+          lim[r] = pos0 + t + 1;  // causal: this token and everything before it
+        }
+      const int p0 = split * span, p1 = std::min(n_ctx, p0 + span);
+      attend_span(cache, hk, q.data(), lim.data(), R, p0, std::min(p1, pos0 + t1), scale_qk, m.data(), l.data(),
+                  orows.data(), ss);
+      for (int t = t0; t < t1; ++t)
+        for (int g = 0; g < group; ++g) {
+          const int r = (t - t0) * group + g;
+          const size_t row = size_t(t) * Hq + hk * group + g;
+          if (n_split == 1) {
+            const float inv = 1.0f / l[r];
+            for (int d = 0; d < D; ++d) out[row * D + d] = o[size_t(r) * D + d] * inv;
+          } else {
+            const size_t prow = size_t(split) * T * Hq + row;
+            s.part_ml[prow * 2] = m[r];
+            s.part_ml[prow * 2 + 1] = l[r];
+            std::memcpy(s.part_o.data() + prow * D, o.data() + size_t(r) * D, D * sizeof(float));
+          }
+        }
+    }
+  });
+  if (n_split == 1) return;
+
+  // Merge the splits: o = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, M = max_s m_s. A split
+  // entirely after a row's causal limit has m = -inf and weighs 0.
+  pool.parallel_for(int64_t(T) * Hq, [&](int64_t r0, int64_t r1, int) {
+    for (int64_t row = r0; row < r1; ++row) {
+      float M = -INFINITY;
+      for (int sp = 0; sp < n_split; ++sp) M = std::max(M, s.part_ml[(size_t(sp) * T * Hq + row) * 2]);
+      float L = 0;
+      float* orow = out + size_t(row) * D;
+      std::fill(orow, orow + D, 0.0f);
+      for (int sp = 0; sp < n_split; ++sp) {
+        const size_t prow = size_t(sp) * T * Hq + row;
+        const float ms = s.part_ml[prow * 2];
+        if (ms == -INFINITY) continue;
+        const float w = std::exp(ms - M);
+        L += w * s.part_ml[prow * 2 + 1];
+        axpy(w, s.part_o.data() + prow * D, orow, D);
+      }
+      scale(1.0f / L, orow, D);
+    }
+  });
+}
+
 }  // namespace
 
 void attention_mixer(const ModelConfig& c, const AttentionWeights& w, KvCache& cache, int pos0, int max_context,
                      const float* h, int T, float* y, AttentionScratch& s, ThreadPool& pool) {
   const int Hq = c.n_heads, Hkv = c.n_kv_heads, D = c.head_dim, rot = c.rotary_dim, half = rot / 2;
-  const int group = Hq / Hkv;
   s.qg.resize(size_t(T) * Hq * 2 * D);
   s.k.resize(size_t(T) * Hkv * D);
   s.v.resize(size_t(T) * Hkv * D);
@@ -87,31 +316,12 @@ void attention_mixer(const ModelConfig& c, const AttentionWeights& w, KvCache& c
     }
   });
 
-  // One task per (token, query head): causal softmax over positions [0, pos0 + t].
-  const float scale = 1.0f / std::sqrt(float(D));
-  const int n_ctx = pos0 + T;
+  attend(cache, s.qg.data(), pos0, T, Hq, D, s, pool);
+  // o *= sigmoid(gate), per query head
   pool.parallel_for(int64_t(T) * Hq, [&](int64_t i0, int64_t i1, int) {
-    thread_local std::vector<float> scores;
-    scores.resize(n_ctx);
     for (int64_t i = i0; i < i1; ++i) {
-      const int t = int(i / Hq), hq = int(i % Hq), hk = hq / group;
-      const int len = pos0 + t + 1;
-      const float* q = s.qg.data() + (size_t(t) * Hq + hq) * 2 * D;
-      const float* gate = q + D;
-      float mx = -INFINITY;
-      for (int p = 0; p < len; ++p) {
-        scores[p] = dot(q, cache.k_at(hk, p), D) * scale;
-        mx = std::max(mx, scores[p]);
-      }
-      float sum = 0;
-      for (int p = 0; p < len; ++p) {
-        scores[p] = std::exp(scores[p] - mx);
-        sum += scores[p];
-      }
-      float* o = s.o.data() + (size_t(t) * Hq + hq) * D;
-      std::fill(o, o + D, 0.0f);
-      const float inv = 1.0f / sum;
-      for (int p = 0; p < len; ++p) axpy(scores[p] * inv, cache.v_at(hk, p), o, D);
+      const float* gate = s.qg.data() + size_t(i) * 2 * D + D;
+      float* o = s.o.data() + size_t(i) * D;
       for (int d = 0; d < D; ++d) o[d] *= sigmoid(gate[d]);
     }
   });

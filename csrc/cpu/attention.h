@@ -28,7 +28,8 @@ struct KvCache {
 };
 
 struct AttentionScratch {
-  std::vector<float> qg, k, v, o, rope_cos, rope_sin, scores;
+  std::vector<float> qg, k, v, o, rope_cos, rope_sin;
+  std::vector<float> part_ml, part_o;  // split-K partials: [splits, T, Hq] (m, l) and [splits, T, Hq, D]
 };
 
 void attention_mixer(const ModelConfig& c, const AttentionWeights& w, KvCache& cache, int pos0, int max_context,

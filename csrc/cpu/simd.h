@@ -5,6 +5,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -80,6 +81,77 @@ inline void axpy(float alpha, const float* x, float* y, int n) {
   for (; i + 4 <= n; i += 4) vst1q_f32(y + i, vfmaq_f32(vld1q_f32(y + i), va, vld1q_f32(x + i)));
 #endif
   for (; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// x[i] = exp(x[i] - shift), returning the sum: the softmax numerator. The vector paths use
+// exp(r) for r = x - n ln2 in [-ln2/2, ln2/2] as its degree-7 Taylor polynomial (truncation
+// error r^8/8! < 6e-9, below f32 rounding) scaled by 2^n; inputs below -87 flush to ~0, as in
+// softmax they must.
+#if defined(__AVX512F__)
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // ln 2 split in two so n * ln2_hi is exact for |n| <= 127.
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.4286068203094173e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 exp_ps(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.4286068203094173e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  // 2^n through the exponent field (n >= -126 after the clamp above).
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+inline float exp_shift_sum(float* x, int n, float shift) {
+  int i = 0;
+  float sum = 0;
+#if defined(__AVX512F__)
+  const __m512 vs = _mm512_set1_ps(shift);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), vs));
+    _mm512_storeu_ps(x + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, acc);
+  for (float l : lanes) sum += l;
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 vs = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), vs));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (float l : lanes) sum += l;
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - shift);
+    sum += x[i];
+  }
+  return sum;
+}
+
+// y[i] *= alpha
+inline void scale(float alpha, float* y, int n) {
+  for (int i = 0; i < n; ++i) y[i] *= alpha;
 }
 
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "gpu/embedded.h"
+#include "gpu/encode.h"
 #include "model/error.h"
 
 // The argument structs shared with the kernels (plain 32-bit fields).
@@ -60,107 +61,6 @@ std::string kernel_source(const std::string& file) {
   inline_includes(file, seen, out);
   return out;
 }
-
-// ---- helpers -------------------------------------------------------------------------------
-
-namespace {
-
-const char* scalar_name(DType t) {
-  switch (t) {
-    case DType::F32: return "float";
-    case DType::F16: return "half";
-    case DType::BF16: return "bfloat";
-    default: throw ConfigError("[gpu] weights of dtype " + std::string(dtype_name(t)) + " are not supported");
-  }
-}
-
-QuantMatrix matrix(const Linear& W, const char* what) {
-  if (!W.present()) throw ConfigError(std::string("[gpu] ") + what + " is missing");
-  const uint32_t bits = W.quantized() ? uint32_t(W.bits) : 0;
-  if (bits != 0 && bits != 2 && bits != 4 && bits != 8)
-    throw ConfigError(std::string("[gpu] ") + what + " is " + std::to_string(bits) +
-                      "-bit; the GPU kernels read 2, 4 and 8-bit affine weights and dense ones");
-  QuantMatrix m{};
-  m.in = uint32_t(W.in);
-  m.out = uint32_t(W.out);
-  m.bits = bits;
-  m.group = W.quantized() ? uint32_t(W.group) : 0;
-  if (bits && (m.group % (32 / bits) != 0 || W.in % W.group != 0))
-    throw ConfigError(std::string("[gpu] ") + what + ": group size " + std::to_string(W.group) + " does not suit the kernels");
-  return m;
-}
-
-uint32_t div_up(uint64_t a, uint64_t b) { return uint32_t((a + b - 1) / b); }
-constexpr uint32_t kGemvRows = LILY_GEMV_SIMDGROUPS * LILY_GEMV_ROWS_PER_SIMDGROUP;
-constexpr uint32_t kGemvThreads = 32 * LILY_GEMV_SIMDGROUPS;
-
-}  // namespace
-
-// Encodes one dispatch: bindings, then the barrier the hazard tracker asks for, then the grid.
-class GpuBackend::Dispatch {
- public:
-  Dispatch(GpuBackend& be, const std::string& file, const std::string& kernel) : be_(be) {
-    be_.begin();
-    rec_.kernel = kernel;
-    pipeline_ = be_.pipeline(file, kernel);
-    be_.enc_->set_pipeline(pipeline_);
-  }
-  Dispatch& buf(uint32_t index, const Ref& r) {
-    be_.enc_->set_buffer(index, r.buf, r.off);
-    return *this;
-  }
-  Dispatch& buf(uint32_t index, const std::shared_ptr<Buffer>& b) { return buf(index, Ref{b, 0}); }
-  template <typename A>
-  Dispatch& args(uint32_t index, const A& a) {
-    be_.enc_->set_bytes(index, &a, sizeof a);
-    return *this;
-  }
-  // Declared accesses (bytes [off, off + n) of a buffer).
-  Dispatch& reads(const std::shared_ptr<Buffer>& b, size_t n, size_t off = 0) {
-    reads_.push_back({b.get(), off, off + n});
-    rec_.other_bytes += n;
-    return *this;
-  }
-  Dispatch& writes(const std::shared_ptr<Buffer>& b, size_t n, size_t off = 0) {
-    writes_.push_back({b.get(), off, off + n});
-    rec_.other_bytes += n;
-    return *this;
-  }
-  // Accesses of state (KV, DeltaNet) whose traffic is counted separately.
-  Dispatch& state(const std::shared_ptr<Buffer>& b, bool write, uint64_t traffic) {
-    Access a{b.get(), 0, b->length()};
-    (write ? writes_ : reads_).push_back(a);
-    if (write) reads_.push_back(a);
-    rec_.state_bytes += traffic;
-    return *this;
-  }
-  Dispatch& weight_bytes(uint64_t n) {
-    rec_.weight_bytes += n;
-    return *this;
-  }
-  void run(Size3 grid, Size3 threads) {
-    // A compiled pipeline may allow fewer threads than the kernel asks for (register pressure
-    // on a real GPU): say so instead of letting Metal reject the dispatch.
-    const uint64_t n = uint64_t(threads.width) * threads.height * threads.depth;
-    if (n > pipeline_->max_total_threads_per_threadgroup())
-      throw Error("[gpu] kernel '" + rec_.kernel + "' needs " + std::to_string(n) +
-                  " threads per threadgroup; its pipeline allows " +
-                  std::to_string(pipeline_->max_total_threads_per_threadgroup()));
-    if (be_.hazards_.dispatch(*be_.enc_, grid, threads, reads_, writes_)) {
-      ++be_.stage_;
-      ++be_.stats_.barriers;
-    }
-    ++be_.stats_.dispatches;
-    rec_.stage = be_.stage_;
-    if (be_.recording_) be_.records_.push_back(rec_);
-  }
-
- private:
-  GpuBackend& be_;
-  std::shared_ptr<Pipeline> pipeline_;
-  DispatchRecord rec_;
-  std::vector<Access> reads_, writes_;
-};
 
 // ---- state -----------------------------------------------------------------------------------
 
@@ -468,44 +368,17 @@ void GpuBackend::rms_norm(const std::vector<float>& w) { norm(w, false); }
 void GpuBackend::add_rms_norm(const std::vector<float>& w) { norm(w, true); }
 
 void GpuBackend::gemv(const Linear& W, const Ref& x, int ldx, const Ref& y, int ldy, int T) {
+  if (T >= options_.gemm_min_rows && gemm_fits(W)) return gemm(W, x, ldx, y, ldy, T);  // prefill
   GemvArgs args{};
   args.w = matrix(W, "a projection");
   args.ldx = uint32_t(ldx);
   args.ldy = uint32_t(ldy);
   Dispatch d(*this, "quant.metal", "gemv_" + std::string(scalar_name(W.dtype)));
-  d.buf(0, weight(W.w, "weight"))
-      .buf(1, W.quantized() ? weight(W.scales, "scales") : Ref{dummy_, 0})
-      .buf(2, W.quantized() ? weight(W.biases, "biases") : Ref{dummy_, 0})
-      .buf(3, x)
-      .buf(4, y)
-      .args(5, args)
-      .reads(x.buf, size_t(T) * ldx * 4, x.off)
-      .writes(y.buf, (size_t(T - 1) * ldy + W.out) * 4, y.off)
-      .weight_bytes(W.nbytes());
+  d.projection(W, x, ldx, y, ldy, T).args(5, args);
   d.run({div_up(W.out, kGemvRows), uint32_t(T), 1}, {kGemvThreads, 1, 1});
 }
 
 // ---- attention ---------------------------------------------------------------------------------
-
-// Binds a layer's KV cache to a dispatch and declares the access (traffic bytes, K and V
-// each): contiguous K, V at `index`, index + 1; blocks as the table at 9 and the K and V
-// arenas from 10 (metal/attention.metal), unused arena slots bound to a dummy.
-void GpuBackend::bind_kv(Dispatch& d, GpuState& st, int layer, uint32_t index, bool write, uint64_t traffic) {
-  if (!st.block_len) {
-    d.buf(index, st.k[layer]).buf(index + 1, st.v[layer])
-        .state(st.k[layer], write, traffic).state(st.v[layer], write, traffic);
-    return;
-  }
-  d.buf(9, st.block_table).state(st.block_table, false, 0);
-  for (int kind = 0; kind < 2; ++kind) {
-    const auto& arenas = (kind ? st.v_arenas : st.k_arenas)[layer];
-    for (uint32_t a = 0; a < LILY_ATTN_MAX_ARENAS; ++a) {
-      const uint32_t slot = 10 + kind * LILY_ATTN_MAX_ARENAS + a;
-      if (a < arenas.size()) d.buf(slot, arenas[a]).state(arenas[a], write, a == 0 ? traffic : 0);
-      else d.buf(slot, dummy_);
-    }
-  }
-}
 
 void GpuBackend::attention(State& state, int layer, const AttentionWeights& w) {
   auto& st = static_cast<GpuState&>(state);
@@ -616,18 +489,6 @@ void GpuBackend::gated_deltanet(State& state, int layer, const GdnWeights& w) {
 
 // ---- feed-forward ------------------------------------------------------------------------------
 
-// Offset tables of one MoE block (or one dense MLP): per matrix kind, the buffers the experts
-// live in and [E, 3] byte offsets (w, scales, biases) into them.
-struct GpuBackend::ExpertTables {
-  struct Matrix {
-    Ref w, s, b;                   // bound at offset 0 of each region buffer
-    std::shared_ptr<Buffer> table;  // [n, 3] uint64 offsets
-    QuantMatrix m{};
-    DType dtype = DType::F32;
-    uint64_t nbytes = 0;  // one expert's matrix
-  };
-  Matrix gate, up, down, shared_gate, shared_up, shared_down;
-};
 
 const GpuBackend::ExpertTables& GpuBackend::tables(const MoeWeights* moe, const MlpWeights* mlp) {
   const void* key = moe ? static_cast<const void*>(moe) : static_cast<const void*>(mlp);
@@ -636,11 +497,12 @@ const GpuBackend::ExpertTables& GpuBackend::tables(const MoeWeights* moe, const 
   slot = std::make_unique<ExpertTables>();
 
   auto build = [&](const std::vector<const Linear*>& list, const char* what) {
-    ExpertTables::Matrix mt;
+    ExpertMatrix mt;
     const Linear& L0 = *list[0];
     mt.m = matrix(L0, what);
     mt.dtype = L0.dtype;
     mt.nbytes = L0.nbytes();
+    mt.experts = int(list.size());
     // Every expert's parts must live in the region of expert 0's (one mapped file).
     Ref w0 = weight(L0.w, what);
     Ref s0 = L0.quantized() ? weight(L0.scales, what) : w0;
@@ -695,36 +557,49 @@ const GpuBackend::ExpertTables& GpuBackend::tables(const MoeWeights* moe, const 
   return *slot;
 }
 
+// act[t, j, :] = silu(gate_e . h[t]) * (up_e . h[t]) for e = ids[t, j], j < k.
+void GpuBackend::gate_up_gemv(const ExpertMatrix& gate, const ExpertMatrix& up, const Ref& ids, int k,
+                              const std::shared_ptr<Buffer>& act) {
+  const int T = T_, I = int(gate.m.out);
+  const size_t f = size_t(T) * 4;
+  MoeGateUpArgs a{gate.m, up.m, uint32_t(k)};
+  Dispatch d(*this, "moe.metal", "moe_gate_up_" + std::string(scalar_name(gate.dtype)));
+  d.experts(0, gate).experts(4, up).buf(8, ids).buf(9, h_).buf(10, act).args(11, a)
+      .reads(h_, f * c_.hidden).writes(act, f * k * I)
+      .weight_bytes(uint64_t(std::min(T * k, gate.experts)) * (gate.nbytes + up.nbytes));
+  if (ids.buf != zeros_) d.reads(ids.buf, f * k, ids.off);  // (zeros_: one job, never written)
+  d.run({div_up(I, kGemvRows), uint32_t(k), uint32_t(T)}, {kGemvThreads, 1, 1});
+}
+
+// y[t] = sum_j w[t, j] down_e . act[t, j]  (+ sigmoid(sgate[t]) shared_down . act_s[t]).
+void GpuBackend::down_gemv(const ExpertMatrix& down, const ExpertMatrix* shared, const Ref& ids, int k,
+                           bool weighted) {
+  const int T = T_, H = c_.hidden, I = int(down.m.in);
+  const size_t f = size_t(T) * 4;
+  const ExpertMatrix& sd = shared ? *shared : down;
+  MoeDownArgs a{down.m, sd.m, uint32_t(k), weighted ? 1u : 0u, shared ? 1u : 0u};
+  Dispatch d(*this, "moe.metal", "moe_down_" + std::string(scalar_name(down.dtype)));
+  d.experts(0, down).buf(4, ids).buf(5, weighted ? wts_ : dummy_).buf(6, act_).experts(7, sd)
+      .buf(11, shared ? act_s_ : dummy_).buf(12, shared ? sgate_ : dummy_).buf(13, y_).args(14, a)
+      .reads(act_, f * k * I).writes(y_, f * H)
+      .weight_bytes(uint64_t(std::min(T * k, down.experts)) * down.nbytes + (shared ? sd.nbytes : 0));
+  if (ids.buf != zeros_) d.reads(ids.buf, f * k, ids.off);
+  if (weighted) d.reads(wts_, f * k);
+  if (shared) d.reads(act_s_, f * sd.m.in).reads(sgate_, f);
+  d.run({div_up(H, kGemvRows), uint32_t(T), 1}, {kGemvThreads, 1, 1});
+}
+
 void GpuBackend::mlp(const MlpWeights& w) {
   const ExpertTables& tb = tables(nullptr, &w);
-  const int T = T_, H = c_.hidden, I = int(tb.gate.m.out);
-  const size_t f = size_t(T) * 4;
-  {
-    MoeGateUpArgs a{tb.gate.m, tb.up.m, 1};
-    Dispatch d(*this, "moe.metal", "moe_gate_up_" + std::string(scalar_name(tb.gate.dtype)));
-    d.buf(0, tb.gate.w).buf(1, tb.gate.s).buf(2, tb.gate.b).buf(3, tb.gate.table)
-        .buf(4, tb.up.w).buf(5, tb.up.s).buf(6, tb.up.b).buf(7, tb.up.table)
-        .buf(8, zeros_).buf(9, h_).buf(10, act_).args(11, a)
-        .reads(h_, f * H).writes(act_, f * I).weight_bytes(tb.gate.nbytes + tb.up.nbytes);
-    d.run({div_up(I, kGemvRows), 1, uint32_t(T)}, {kGemvThreads, 1, 1});
-  }
-  {
-    MoeDownArgs a{tb.down.m, tb.down.m, 1, 0, 0};
-    Dispatch d(*this, "moe.metal", "moe_down_" + std::string(scalar_name(tb.down.dtype)));
-    d.buf(0, tb.down.w).buf(1, tb.down.s).buf(2, tb.down.b).buf(3, tb.down.table)
-        .buf(4, zeros_).buf(5, dummy_).buf(6, act_)
-        .buf(7, tb.down.w).buf(8, tb.down.s).buf(9, tb.down.b).buf(10, tb.down.table)
-        .buf(11, dummy_).buf(12, dummy_).buf(13, y_).args(14, a)
-        .reads(act_, f * I).writes(y_, f * H).weight_bytes(tb.down.nbytes);
-    d.run({div_up(H, kGemvRows), uint32_t(T), 1}, {kGemvThreads, 1, 1});
-  }
+  if (T_ >= options_.gemm_min_rows && grouped_fits(tb)) return mlp_prefill(tb);
+  gate_up_gemv(tb.gate, tb.up, {zeros_, 0}, 1, act_);
+  down_gemv(tb.down, nullptr, {zeros_, 0}, 1, false);
 }
 
 void GpuBackend::moe(const MoeWeights& w) {
   const ExpertTables& tb = tables(&w, nullptr);
-  const int T = T_, H = c_.hidden, E = c_.n_experts, k = c_.top_k, I = int(tb.gate.m.out);
+  const int T = T_, H = c_.hidden, E = c_.n_experts, k = c_.top_k;
   const bool shared = c_.shared_intermediate > 0;
-  const int Is = shared ? int(tb.shared_gate.m.out) : 0;
   const size_t f = size_t(T) * 4;
 
   gemv(w.router, {h_, 0}, H, {router_, 0}, E, T);
@@ -736,38 +611,10 @@ void GpuBackend::moe(const MoeWeights& w) {
         .reads(router_, f * E).writes(ids_, f * k).writes(wts_, f * k);
     d.run({uint32_t(T), 1, 1}, {32 * div_up(E, 32), 1, 1});
   }
-  if (shared) {  // independent of the routing: shares its stage
-    MoeGateUpArgs a{tb.shared_gate.m, tb.shared_up.m, 1};
-    Dispatch d(*this, "moe.metal", "moe_gate_up_" + std::string(scalar_name(tb.shared_gate.dtype)));
-    d.buf(0, tb.shared_gate.w).buf(1, tb.shared_gate.s).buf(2, tb.shared_gate.b).buf(3, tb.shared_gate.table)
-        .buf(4, tb.shared_up.w).buf(5, tb.shared_up.s).buf(6, tb.shared_up.b).buf(7, tb.shared_up.table)
-        .buf(8, zeros_).buf(9, h_).buf(10, act_s_).args(11, a)
-        .reads(h_, f * H).writes(act_s_, f * Is).weight_bytes(tb.shared_gate.nbytes + tb.shared_up.nbytes);
-    d.run({div_up(Is, kGemvRows), 1, uint32_t(T)}, {kGemvThreads, 1, 1});
-  }
-  {
-    MoeGateUpArgs a{tb.gate.m, tb.up.m, uint32_t(k)};
-    Dispatch d(*this, "moe.metal", "moe_gate_up_" + std::string(scalar_name(tb.gate.dtype)));
-    d.buf(0, tb.gate.w).buf(1, tb.gate.s).buf(2, tb.gate.b).buf(3, tb.gate.table)
-        .buf(4, tb.up.w).buf(5, tb.up.s).buf(6, tb.up.b).buf(7, tb.up.table)
-        .buf(8, ids_).buf(9, h_).buf(10, act_).args(11, a)
-        .reads(ids_, f * k).reads(h_, f * H).writes(act_, f * k * I)
-        .weight_bytes(uint64_t(std::min(T * k, E)) * (tb.gate.nbytes + tb.up.nbytes));
-    d.run({div_up(I, kGemvRows), uint32_t(k), uint32_t(T)}, {kGemvThreads, 1, 1});
-  }
-  {
-    MoeDownArgs a{tb.down.m, shared ? tb.shared_down.m : tb.down.m, uint32_t(k), 1, shared ? 1u : 0u};
-    const auto& sd = shared ? tb.shared_down : tb.down;
-    Dispatch d(*this, "moe.metal", "moe_down_" + std::string(scalar_name(tb.down.dtype)));
-    d.buf(0, tb.down.w).buf(1, tb.down.s).buf(2, tb.down.b).buf(3, tb.down.table)
-        .buf(4, ids_).buf(5, wts_).buf(6, act_)
-        .buf(7, sd.w).buf(8, sd.s).buf(9, sd.b).buf(10, sd.table)
-        .buf(11, shared ? act_s_ : dummy_).buf(12, shared ? sgate_ : dummy_).buf(13, y_).args(14, a)
-        .reads(ids_, f * k).reads(wts_, f * k).reads(act_, f * k * I).writes(y_, f * H)
-        .weight_bytes(uint64_t(std::min(T * k, E)) * tb.down.nbytes + (shared ? sd.nbytes : 0));
-    if (shared) d.reads(act_s_, f * Is).reads(sgate_, f);
-    d.run({div_up(H, kGemvRows), uint32_t(T), 1}, {kGemvThreads, 1, 1});
-  }
+  if (T >= options_.gemm_min_rows && grouped_fits(tb)) return moe_prefill(tb);  // prefill_moe.cpp
+  if (shared) gate_up_gemv(tb.shared_gate, tb.shared_up, {zeros_, 0}, 1, act_s_);  // beside the routing
+  gate_up_gemv(tb.gate, tb.up, {ids_, 0}, k, act_);
+  down_gemv(tb.down, shared ? &tb.shared_down : nullptr, {ids_, 0}, k, true);
 }
 
 // ---- head ----------------------------------------------------------------------------------------
@@ -791,18 +638,6 @@ void GpuBackend::lm_head(const Linear& head, int first, int n, float* logits) {
   inflight_.push_back(std::move(cb));
   stats_.max_in_flight = std::max<uint64_t>(stats_.max_in_flight, inflight_.size());
   ++step_;
-}
-
-// The token of device-loop step step_ from logits_ (metal/sampling.metal): into ring slot
-// step_ % 2, with its status beside it; advances the generator state in rng_.
-void GpuBackend::encode_sample(int vocab) {
-  const Ref slot{ring_, size_t(step_ % 2) * 4}, status{status_, size_t(step_ % 2) * 16};
-  Dispatch d(*this, "sampling.metal", "sample");
-  d.buf(0, logits_).buf(1, sample_w_).buf(2, rng_).buf(3, slot).buf(4, status)
-      .args(5, sample_args_)
-      .reads(logits_, size_t(vocab) * 4).writes(sample_w_, size_t(vocab) * 4)
-      .reads(rng_, 32).writes(rng_, 32).writes(slot.buf, 4, slot.off).writes(status.buf, 12, status.off);
-  d.run({1, 1, 1}, {LILY_SAMPLE_THREADS, 1, 1});
 }
 
 }  // namespace lily::gpu

@@ -20,8 +20,10 @@
 // - Activations and state are f32 (the CPU backend's precision): KV cache [Hkv, cap, D] per
 //   attention layer grows geometrically like the CPU one; DeltaNet S [Hv, Dk, Dv] and the conv
 //   window [K-1, C] per layer.
-// - Decode is the target (T = 1); prefill runs the same kernels with T rows in the grid
-//   (correct, not fast: issue 6 gives prefill its own kernels).
+// - Decode is the target (T = 1). Chunks of at least GpuOptions::gemm_min_rows tokens take
+//   prefill kernels for projections and feed-forward (prefill_moe.cpp: tiled GEMMs with fused
+//   dequantization, MoE routing and grouped expert GEMMs on the GPU); shorter ones run the
+//   decode kernels with T rows in the grid.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -50,6 +52,10 @@ struct GpuOptions {
   // the cache, and split-K walks whole blocks.
   int block_threshold = 32768;
   int block_len = 256;
+  // Chunks of at least this many tokens run projections and the feed-forward as tiled GEMMs
+  // (and MoE as grouped GEMMs); shorter ones take the "skinny" GEMV route (decode kernels with
+  // T rows), which wins while a weight tile would be mostly padding.
+  int gemm_min_rows = 8;
 };
 
 // One encoded dispatch, for plan reports (benchmarks/metal_plan.py) and tests.
@@ -143,6 +149,7 @@ class GpuBackend : public Backend {
     size_t off = 0;
   };
   struct ExpertTables;
+  struct ExpertMatrix;  // one matrix kind of an ExpertTables (encode.h)
   class Dispatch;
 
   Ref weight(const uint8_t* p, const char* what) const;
@@ -156,6 +163,22 @@ class GpuBackend : public Backend {
   void gemv(const Linear& W, const Ref& x, int ldx, const Ref& y, int ldy, int T);
   void norm(const std::vector<float>& w, bool add);
   const ExpertTables& tables(const MoeWeights* moe, const MlpWeights* mlp);
+  // The gather-GEMV feed-forward (decode): gate/up + SwiGLU for k jobs per token, then down +
+  // weighted combine (+ the sigmoid-gated shared expert when `shared` is given).
+  void gate_up_gemv(const ExpertMatrix& gate, const ExpertMatrix& up, const Ref& ids, int k,
+                    const std::shared_ptr<Buffer>& act);
+  void down_gemv(const ExpertMatrix& down, const ExpertMatrix* shared, const Ref& ids, int k,
+                 bool weighted);
+  // Prefill (prefill_moe.cpp): tiled GEMM for a chunk's projection, grouped-GEMM feed-forward.
+  bool gemm_fits(const Linear& W) const;
+  bool grouped_fits(const ExpertTables& tb) const;
+  void gemm(const Linear& W, const Ref& x, int ldx, const Ref& y, int ldy, int T);
+  void moe_prefill(const ExpertTables& tb);  // after moe() has routed the chunk
+  void mlp_prefill(const ExpertTables& tb);
+  void gate_up_gemm(const ExpertMatrix& gate, const ExpertMatrix& up, bool routed, int k, int bm,
+                    uint32_t blocks, const std::shared_ptr<Buffer>& act);
+  void down_gemm(const ExpertMatrix& down, bool routed, int k, int bm, uint32_t blocks,
+                 const std::shared_ptr<Buffer>& act, const std::shared_ptr<Buffer>& out);
 
   std::shared_ptr<const ModelWeights> weights_;
   const ModelConfig& c_;
@@ -193,6 +216,8 @@ class GpuBackend : public Backend {
   std::shared_ptr<Buffer> tokens_, x_, h_, y_, qg_, k_, v_, o_, part_o_, part_ml_, qkv_, qkvz_, z_,
       b_, a_, ba_, conv_out_, go_, logits_, router_, ids_, wts_, act_, act_s_, sgate_, zeros_,
       dummy_, inv_freq_;
+  // Prefill MoE scratch (prefill_moe.cpp): the routing plan, weighted expert rows, shared output.
+  std::shared_ptr<Buffer> plan_rows_, plan_blocks_, plan_header_, yr_, ys_;
 };
 
 // metal/<file> (embedded, or from LILY_SOURCE_DIR: gpu/embedded.h) with its local

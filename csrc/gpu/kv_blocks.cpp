@@ -18,6 +18,7 @@
 #include <string>
 
 #include "gpu/backend.h"
+#include "gpu/encode.h"
 #include "metal/attention_args.h"
 #include "model/error.h"
 
@@ -78,6 +79,26 @@ void GpuBackend::reserve_blocks(GpuState& st, int positions) {
     }
   }
   st.capacity = have * B;
+}
+
+// Binds a layer's KV cache to a dispatch and declares the access (traffic bytes, K and V
+// each): contiguous K, V at `index`, index + 1; blocks as the table at 9 and the K and V
+// arenas from 10 (metal/attention.metal), unused arena slots bound to a dummy.
+void GpuBackend::bind_kv(Dispatch& d, GpuState& st, int layer, uint32_t index, bool write, uint64_t traffic) {
+  if (!st.block_len) {
+    d.buf(index, st.k[layer]).buf(index + 1, st.v[layer])
+        .state(st.k[layer], write, traffic).state(st.v[layer], write, traffic);
+    return;
+  }
+  d.buf(9, st.block_table).state(st.block_table, false, 0);
+  for (int kind = 0; kind < 2; ++kind) {
+    const auto& arenas = (kind ? st.v_arenas : st.k_arenas)[layer];
+    for (uint32_t a = 0; a < LILY_ATTN_MAX_ARENAS; ++a) {
+      const uint32_t slot = 10 + kind * LILY_ATTN_MAX_ARENAS + a;
+      if (a < arenas.size()) d.buf(slot, arenas[a]).state(arenas[a], write, a == 0 ? traffic : 0);
+      else d.buf(slot, dummy_);
+    }
+  }
 }
 
 }  // namespace lily::gpu

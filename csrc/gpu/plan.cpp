@@ -58,12 +58,16 @@ class RecCommandBuffer final : public CommandBuffer {
 class RecDevice final : public Device {
  public:
   std::string name() const override { return "recording"; }
-  std::shared_ptr<Buffer> new_buffer(size_t n) override { return std::make_shared<RecBuffer>(n); }
+  std::shared_ptr<Buffer> new_buffer(size_t n) override {
+    allocated += n;
+    return std::make_shared<RecBuffer>(n);
+  }
   std::shared_ptr<Buffer> wrap_buffer(void*, size_t n) override { return std::make_shared<RecBuffer>(n); }
   std::shared_ptr<Library> new_library(const std::string&, const std::string&) override {
     return std::make_shared<RecLibrary>();
   }
   std::shared_ptr<CommandBuffer> new_command_buffer() override { return std::make_shared<RecCommandBuffer>(); }
+  size_t allocated = 0;  // bytes of new_buffer so far (wrapped weights excluded)
 };
 
 // Hands out address ranges of the sizes an MLX checkpoint's tensors have.
@@ -96,8 +100,13 @@ std::shared_ptr<Device> make_recording_device() { return std::make_shared<RecDev
 
 DecodePlan plan_decode_step(const ModelConfig& c, const PlanQuantization& q, const GpuOptions& options,
                             int context) {
+  return plan_chunk(c, q, options, context, 1);
+}
+
+DecodePlan plan_chunk(const ModelConfig& c, const PlanQuantization& q, const GpuOptions& options,
+                      int context, int tokens) {
   c.validate();
-  if (context < 1) throw Error("[plan] context must be at least 1");
+  if (tokens < 1 || context < tokens) throw Error("[plan] need 1 <= tokens <= context");
   Layout lay;
   auto w = std::make_shared<ModelWeights>();
   w->config = c;
@@ -154,17 +163,20 @@ DecodePlan plan_decode_step(const ModelConfig& c, const PlanQuantization& q, con
     w->layers.push_back(std::move(L));
   }
 
-  GpuBackend be(w, make_recording_device(), "plan", options, {GpuBackend::Region{lay.base, lay.used}});
+  auto dev = std::make_shared<RecDevice>();
+  GpuBackend be(w, dev, "plan", options, {GpuBackend::Region{lay.base, lay.used}});
   auto st = be.new_state(context);
+  const size_t allocated_before = dev->allocated;
   auto& gs = static_cast<GpuState&>(*st);
-  gs.seek(context - 1);
+  gs.seek(context - tokens);
   const GpuStats before = be.stats();
   be.set_recording(true);
-  const int32_t token = 0;
-  float logits_unused = 0;
-  forward_chunk(be, *w, *st, &token, 1, LogitRows::Last, &logits_unused);
+  const std::vector<int32_t> ids(size_t(tokens), 0);
+  std::vector<float> logits_unused(size_t(c.vocab));
+  forward_chunk(be, *w, *st, ids.data(), tokens, LogitRows::Last, logits_unused.data());
   DecodePlan plan;
   plan.dispatches = be.records();
+  plan.scratch_bytes = dev->allocated - allocated_before;
   plan.stats = be.stats();
   plan.stats.dispatches -= before.dispatches;
   plan.stats.barriers -= before.barriers;

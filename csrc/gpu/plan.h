@@ -23,10 +23,18 @@ struct PlanQuantization {
 struct DecodePlan {
   std::vector<DispatchRecord> dispatches;
   GpuStats stats;  // of this one decode step
+  // Device memory allocated while encoding it (activations and scratch, expert offset tables,
+  // norm vectors: everything but weights and the state made by new_state).
+  uint64_t scratch_bytes = 0;
 };
 
 // One decode step (the token at position context - 1) of a model with config `c`.
 DecodePlan plan_decode_step(const ModelConfig& c, const PlanQuantization& q, const GpuOptions& options,
                             int context);
+
+// One prefill chunk of `tokens` tokens ending at position context - 1 (logits of its last row
+// only, as a chunk of Session.prefill); tokens = 1 is plan_decode_step.
+DecodePlan plan_chunk(const ModelConfig& c, const PlanQuantization& q, const GpuOptions& options,
+                      int context, int tokens);
 
 }  // namespace lily::gpu

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "gpu/backend.h"
+#include "gpu/encode.h"
 #include "model/error.h"
 
 namespace lily::gpu {
@@ -88,6 +89,18 @@ void GpuBackend::end_device_decode() {
   for (auto& cb : inflight_) cb->wait_until_completed();
   inflight_.clear();
   greedy_ = false;
+}
+
+// The token of device-loop step step_ from logits_ (metal/sampling.metal): into ring slot
+// step_ % 2, with its status beside it; advances the generator state in rng_.
+void GpuBackend::encode_sample(int vocab) {
+  const Ref slot{ring_, size_t(step_ % 2) * 4}, status{status_, size_t(step_ % 2) * 16};
+  Dispatch d(*this, "sampling.metal", "sample");
+  d.buf(0, logits_).buf(1, sample_w_).buf(2, rng_).buf(3, slot).buf(4, status)
+      .args(5, sample_args_)
+      .reads(logits_, size_t(vocab) * 4).writes(sample_w_, size_t(vocab) * 4)
+      .reads(rng_, 32).writes(rng_, 32).writes(slot.buf, 4, slot.off).writes(status.buf, 12, status.off);
+  d.run({1, 1, 1}, {LILY_SAMPLE_THREADS, 1, 1});
 }
 
 }  // namespace lily::gpu

@@ -62,11 +62,12 @@ std::vector<Ffn> parse_ffns(const std::vector<std::string>& names) {
 std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weights, const std::string& name,
                                       int threads, int split_threshold, int split_len,
                                       bool check_dependencies, int interleavings, const std::string& kv_dtype,
-                                      bool asan, int block_threshold, int block_len) {
+                                      bool asan, int gemm_min_rows, int block_threshold, int block_len) {
   if (name == "cpu") return std::make_unique<cpu::CpuBackend>(weights, threads);
   gpu::GpuOptions opt;
   if (split_threshold >= 0) opt.split_threshold = split_threshold;
   if (split_len > 0) opt.split_len = split_len;
+  if (gemm_min_rows > 0) opt.gemm_min_rows = gemm_min_rows;
   if (block_threshold >= 0) opt.block_threshold = block_threshold;
   if (block_len > 0) opt.block_len = block_len;
   if (kv_dtype != "float32" && kv_dtype != "float16")
@@ -215,35 +216,34 @@ void init_model(nb::module_& m) {
           "__init__",
           [](Engine* self, std::shared_ptr<ModelWeights> weights, const std::string& backend, int threads,
              int prefill_chunk, int split_threshold, int split_len, bool check_dependencies, int interleavings,
-             const std::string& kv_dtype, bool asan, int block_threshold, int block_len) {
+             const std::string& kv_dtype, bool asan, int gemm_min_rows, int block_threshold, int block_len) {
             new (self) Engine(weights,
                               make_backend(weights, backend, threads, split_threshold, split_len,
-                                           check_dependencies, interleavings, kv_dtype, asan, block_threshold,
-                                           block_len),
+                                           check_dependencies, interleavings, kv_dtype, asan, gemm_min_rows,
+                                           block_threshold, block_len),
                               prefill_chunk);
           },
           nb::arg("weights"), nb::arg("backend") = "cpu", nb::arg("threads") = 0, nb::arg("prefill_chunk") = 512,
           nb::arg("split_threshold") = -1, nb::arg("split_len") = -1, nb::arg("check_dependencies") = false,
           nb::arg("interleavings") = 0, nb::arg("kv_dtype") = "float32", nb::arg("asan") = false,
-          nb::arg("block_threshold") = -1, nb::arg("block_len") = -1)
+          nb::arg("gemm_min_rows") = -1, nb::arg("block_threshold") = -1, nb::arg("block_len") = -1)
       .def_prop_ro("gpu_stats", [](Engine& e) {
         auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
         if (!g) throw Error("[engine] gpu_stats: the backend is not a GPU backend");
         const gpu::GpuStats& s = g->stats();
         return std::make_tuple(s.dispatches, s.barriers, s.command_buffers, s.waits, s.max_in_flight);
       }, "(dispatches, barriers, command buffers, CPU waits, most greedy steps in flight) so far")
-      .def(
-          "gpu_record",
-          [](Engine& e, bool on) {
-            auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
-            if (!g) throw Error("[engine] gpu_record: the backend is not a GPU backend");
-            g->set_recording(on);
-            std::vector<std::string> names;
-            for (const auto& r : g->records()) names.push_back(r.kernel);
-            g->records().clear();
-            return names;
-          },
-          nb::arg("on"), "Turns the recording of dispatches on or off; returns the kernels recorded so far.")
+      .def("gpu_records", [](Engine& e, bool recording) {
+        auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
+        if (!g) throw Error("[engine] gpu_records: the backend is not a GPU backend");
+        std::vector<std::tuple<std::string, int, uint64_t>> rows;
+        for (const auto& d : g->records()) rows.emplace_back(d.kernel, d.stage, d.weight_bytes);
+        g->records().clear();
+        g->set_recording(recording);
+        return rows;
+      }, nb::arg("recording"),
+      "[(kernel, stage, weight bytes)] of the dispatches encoded since the last call (while "
+      "recording), then clears them and turns recording on or off.")
       .def_prop_ro("backend", [](Engine& e) { return std::string(e.backend().name()); })
       .def_prop_ro("threads", [](Engine& e) {
         auto* cpu = dynamic_cast<cpu::CpuBackend*>(&e.backend());
@@ -319,26 +319,30 @@ void init_model(nb::module_& m) {
   m.def(
       "gpu_plan",
       [](const ModelConfig& c, int context, int bits, int group, int gate_bits, int split_threshold,
-         int split_len, bool kv_half, int block_threshold) {
+         int split_len, bool kv_half, int tokens, int gemm_min_rows, int block_threshold) {
         gpu::PlanQuantization q{bits, group, gate_bits};
         gpu::GpuOptions opt;
         opt.kv_half = kv_half;
         if (block_threshold >= 0) opt.block_threshold = block_threshold;
         if (split_threshold >= 0) opt.split_threshold = split_threshold;
         if (split_len > 0) opt.split_len = split_len;
-        gpu::DecodePlan p = gpu::plan_decode_step(c, q, opt, context);
+        if (gemm_min_rows > 0) opt.gemm_min_rows = gemm_min_rows;
+        gpu::DecodePlan p = gpu::plan_chunk(c, q, opt, context, tokens);
         std::vector<std::tuple<std::string, int, uint64_t, uint64_t, uint64_t>> rows;
         for (const auto& d : p.dispatches)
           rows.emplace_back(d.kernel, d.stage, d.weight_bytes, d.state_bytes, d.other_bytes);
         return std::make_tuple(rows, std::make_tuple(p.stats.dispatches, p.stats.barriers,
-                                                     p.stats.command_buffers, p.stats.waits));
+                                                     p.stats.command_buffers, p.stats.waits),
+                               p.scratch_bytes);
       },
       nb::arg("config"), nb::arg("context"), nb::arg("bits") = 4, nb::arg("group_size") = 64,
       nb::arg("gate_bits") = 8, nb::arg("split_threshold") = -1, nb::arg("split_len") = -1,
-      nb::arg("kv_half") = false, nb::arg("block_threshold") = -1,
-      "The GPU backend's dispatch sequence for one decode step, recorded without running it: "
+      nb::arg("kv_half") = false, nb::arg("tokens") = 1, nb::arg("gemm_min_rows") = -1,
+      nb::arg("block_threshold") = -1,
+      "The GPU backend's dispatch sequence for one decode step (or a prefill chunk of `tokens` "
+      "tokens ending at `context`), recorded without running it: "
       "([(kernel, stage, weight bytes, state bytes, other bytes)], (dispatches, barriers, "
-      "command buffers, CPU waits)).");
+      "command buffers, CPU waits), scratch bytes allocated while encoding it).");
 
   m.def(
       "dequantize",

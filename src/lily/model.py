@@ -134,8 +134,9 @@ class Model:
         (default: all cores). prefill_chunk: tokens per prefill step (bounds scratch memory).
         max_context: default context of new sequences (default: the model's
         max_position_embeddings). backend_options: GPU backends' test knobs (split_threshold,
-        split_len: the attention route thresholds; block_threshold, block_len: the context past
-        which the KV cache moves into fixed blocks, and their length; kv_dtype: "float32" or
+        split_len: the attention route thresholds; block_threshold, block_len: the context from
+        which the KV cache moves into fixed blocks, and their length; gemm_min_rows: the
+        shortest chunk that runs prefill GEMMs rather than GEMVs; kv_dtype: "float32" or
         "float16" KV cache; check_dependencies, interleavings, asan: the MSL-on-CPU runtime's
         checking modes).
         """

@@ -1,0 +1,129 @@
+// Tiled GEMM with dequantization fused into the tile loads, on simdgroup_matrix<float, 8, 8>.
+// Shared by quant.metal (gemm_*: prefill's dense projections) and moe.metal (moe_gemm_*: the
+// grouped expert GEMMs over a block map), so both read MLX's affine format the same way.
+//
+// Design choices:
+// - Output tile BM x BN (BN = 32, BM = 8 or 32), one threadgroup of 4 simdgroups. BM = 32 lays
+//   the simdgroups out 2 x 2, each owning a 16 x 16 sub-tile (2 x 2 fragments); BM = 8 (few
+//   rows per expert, or a short chunk) lays them out 1 x 4, each owning one 8 x 8 fragment, so a
+//   block with a handful of rows does not pay for 32.
+// - K advances by BK = 32. Per step the threadgroup stages an X tile [BM, BK] (rows gathered
+//   through a per-tile row table: the token rows of a routed block) and each weight tile
+//   [BN, BK] *dequantized to f32 in threadgroup memory*: packed words are expanded in
+//   registers by the thread that loads them and never written to device memory. BK = 32
+//   divides every MLX group size (32, 64, 128), so a tile row needs one scale and one bias.
+// - Accumulation is f32 in the simdgroup matrices; the epilogue stores the accumulators into
+//   the (no longer needed) staging tiles so each output element is written once, by one thread,
+//   with bounds checks (no reliance on the unverified per-lane layout of thread_elements()).
+// - Tile rows are padded to LD = BK + 4 floats against threadgroup bank conflicts.
+//
+// Shapes: X [rows, K] f32, W [N, K] (affine: [N, K*bits/32] uint32 + scales/biases [N, K/group]
+// of type S; dense: [N, K] of type S), acc = X . W^T [rows, N].
+#pragma once
+#include <metal_stdlib>
+#include "quant_args.h"
+using namespace metal;
+
+#define LILY_GEMM_LD (LILY_GEMM_BK + 4)
+#define LILY_GEMM_NO_ROW 0xFFFFFFFFu
+
+// The simdgroup layout of a BM-row tile. (An enum, not static constexpr members: MSL would
+// want those in the constant address space, which C++ does not have.)
+template <int BM>
+struct GemmTile {
+  enum {
+    SN = BM == 32 ? 2 : 4,          // simdgroups across the columns
+    SM = 4 / SN,                    // simdgroups across the rows
+    FM = BM / (8 * SM),             // 8x8 fragments per simdgroup, rows
+    FN = LILY_GEMM_BN / (8 * SN),   // and columns
+  };
+};
+
+// X tile [BM, BK] from k0: row r of the tile is x + src_row[r] * ldx (LILY_GEMM_NO_ROW: zeros).
+template <int BM>
+inline void gemm_load_x(threadgroup float* xs, device const float* x, uint ldx,
+                        threadgroup const uint* src_row, uint k0, uint K, uint tid) {
+  for (uint i = tid; i < uint(BM * LILY_GEMM_BK); i += LILY_GEMM_THREADS) {
+    const uint r = i / LILY_GEMM_BK, c = i % LILY_GEMM_BK;
+    const uint row = src_row[r];
+    const bool ok = row != LILY_GEMM_NO_ROW && k0 + c < K;
+    xs[r * LILY_GEMM_LD + c] = ok ? x[ulong(row) * ldx + k0 + c] : 0.0f;
+  }
+}
+
+template <int BITS, typename S>
+inline void gemm_load_w_affine(threadgroup float* ws, device const uint* w, device const S* scales,
+                               device const S* biases, uint n0, uint N, uint K, uint group,
+                               uint k0, uint tid) {
+  constexpr uint per_word = 32 / BITS;
+  constexpr uint mask = (1u << BITS) - 1u;
+  constexpr uint words = LILY_GEMM_BK / per_word;  // per tile row
+  const uint row_words = K / per_word, groups = K / group;
+  const uint g = k0 / group;  // one group per tile row: BK divides the group size
+  for (uint i = tid; i < LILY_GEMM_BN * words; i += LILY_GEMM_THREADS) {
+    const uint n = i / words, wi = i % words, row = n0 + n;
+    threadgroup float* dst = ws + n * LILY_GEMM_LD + wi * per_word;
+    if (row >= N) {
+      for (uint j = 0; j < per_word; ++j) dst[j] = 0.0f;
+      continue;
+    }
+    const uint word = w[ulong(row) * row_words + k0 / per_word + wi];
+    const float s = float(scales[ulong(row) * groups + g]);
+    const float b = float(biases[ulong(row) * groups + g]);
+    for (uint j = 0; j < per_word; ++j) dst[j] = s * float((word >> (j * BITS)) & mask) + b;
+  }
+}
+
+// Weight tile [BN, BK] of rows n0.. from k0, dequantized to f32 (zeros past N or K).
+template <typename S>
+inline void gemm_load_w(threadgroup float* ws, device const uchar* w, device const uchar* scales,
+                        device const uchar* biases, constant QuantMatrix& m, uint n0, uint k0,
+                        uint tid) {
+  device const S* s = (device const S*)scales;
+  device const S* b = (device const S*)biases;
+  switch (m.bits) {
+    case 2: gemm_load_w_affine<2>(ws, (device const uint*)w, s, b, n0, m.out, m.in, m.group, k0, tid); return;
+    case 4: gemm_load_w_affine<4>(ws, (device const uint*)w, s, b, n0, m.out, m.in, m.group, k0, tid); return;
+    case 8: gemm_load_w_affine<8>(ws, (device const uint*)w, s, b, n0, m.out, m.in, m.group, k0, tid); return;
+    default: break;
+  }
+  device const S* wd = (device const S*)w;
+  for (uint i = tid; i < uint(LILY_GEMM_BN * LILY_GEMM_BK); i += LILY_GEMM_THREADS) {
+    const uint n = i / LILY_GEMM_BK, c = i % LILY_GEMM_BK, row = n0 + n;
+    const bool ok = row < m.out && k0 + c < m.in;
+    ws[n * LILY_GEMM_LD + c] = ok ? float(wd[ulong(row) * m.in + k0 + c]) : 0.0f;
+  }
+}
+
+// acc += xs . ws^T over one BK step, for this simdgroup's fragments.
+template <int BM>
+inline void gemm_mma(thread simdgroup_float8x8 (&acc)[GemmTile<BM>::FM][GemmTile<BM>::FN],
+                     threadgroup const float* xs, threadgroup const float* ws, uint simd_id) {
+  typedef GemmTile<BM> L;
+  const uint m0 = (simd_id / L::SN) * L::FM * 8, n0 = (simd_id % L::SN) * L::FN * 8;
+  for (uint kk = 0; kk < LILY_GEMM_BK; kk += 8) {
+    simdgroup_float8x8 a[L::FM], b[L::FN];
+    for (int i = 0; i < L::FM; ++i) simdgroup_load(a[i], xs, LILY_GEMM_LD, ulong2(kk, m0 + 8 * i));
+    // B[k][n] = W[n][k]: the weight tile read transposed.
+    for (int j = 0; j < L::FN; ++j) simdgroup_load(b[j], ws, LILY_GEMM_LD, ulong2(kk, n0 + 8 * j), true);
+    for (int i = 0; i < L::FM; ++i)
+      for (int j = 0; j < L::FN; ++j) simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
+  }
+}
+
+// The accumulators into a [BM, LD] threadgroup tile (the caller barriers before reading it).
+template <int BM>
+inline void gemm_store_acc(threadgroup float* cs,
+                           thread const simdgroup_float8x8 (&acc)[GemmTile<BM>::FM][GemmTile<BM>::FN],
+                           uint simd_id) {
+  typedef GemmTile<BM> L;
+  const uint m0 = (simd_id / L::SN) * L::FM * 8, n0 = (simd_id % L::SN) * L::FN * 8;
+  for (int i = 0; i < L::FM; ++i)
+    for (int j = 0; j < L::FN; ++j) simdgroup_store(acc[i][j], cs, LILY_GEMM_LD, ulong2(n0 + 8 * j, m0 + 8 * i));
+}
+
+template <int BM>
+inline void gemm_zero(thread simdgroup_float8x8 (&acc)[GemmTile<BM>::FM][GemmTile<BM>::FN]) {
+  for (int i = 0; i < GemmTile<BM>::FM; ++i)
+    for (int j = 0; j < GemmTile<BM>::FN; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+}
