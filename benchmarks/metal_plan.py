@@ -14,7 +14,16 @@ has (group 64, bf16 scales and biases, router and shared-expert gate 8-bit). For
   weights + the top-k experts of each MoE layer + the lm_head + one embedding row + KV
   (as stored: f32) + DeltaNet/conv state read and written once.
 
-    PYTHONPATH=src python benchmarks/metal_plan.py [--contexts 4096 32768 131072] [--markdown]
+Prefill (--prompts, default 512 4096 32768; --chunk, default 512): lily._core.gpu_plan_prefill
+encodes the whole prompt in chunks the way Engine.generate_greedy runs it (every chunk but the
+last as a prefill pass, the last as device greedy step 0 whose argmax stays on the device) and
+reports, per prompt: chunks, dispatches and stages of a chunk, CPU waits inside chunks (goal 0)
+and in all, unique checkpoint bytes a chunk's dispatches declare (against the minimum: dense
+weights + every expert a chunk of that size can touch, min(T*k, E) per layer), KV bytes the
+attention dispatches read, and the device memory the backend holds besides the weights
+(sequence state, and scratch: activations for one chunk, tables).
+
+    PYTHONPATH=src python benchmarks/metal_plan.py [--contexts 4096 32768 131072] [--prompts 512 4096 32768]
 """
 
 from __future__ import annotations
@@ -88,9 +97,43 @@ def plan(c, context, kv_half=False):
     }
 
 
+def minimum_chunk_weight_bytes(c: _core.ModelConfig, T: int) -> int:
+    """Checkpoint bytes a prefill chunk of T tokens must read at least once: everything but the
+    experts, plus min(T*k, E) experts per MoE layer (the embedding counted as T rows)."""
+    H = c.hidden
+    expert = 2 * qbytes(c.moe_intermediate, H) + qbytes(H, c.moe_intermediate)
+    row = qbytes(1, H)  # one embedding row (minimum_bytes counts one)
+    dense = minimum_bytes(c, 1)["dense weights"]
+    return dense + (T - 1) * row + LAYERS * min(T * c.top_k, c.n_experts) * expert
+
+
+def prefill_plan(c, prompt: int, chunk: int = 512, kv_half: bool = False) -> dict:
+    p = _core.gpu_plan_prefill(c, prompt, chunk, BITS, GROUP, GATE_BITS, kv_half)
+    rows = p["last_chunk"]
+    d, b, cbs, w = p["last_stats"]
+    attn_state = sum(r[3] for r in rows if r[0].startswith("attn_prefill") or r[0].startswith("attn_decode"))
+    return {
+        "chunks": p["chunks"],
+        "last tokens": p["last_tokens"],
+        "dispatches": d,
+        "stages": b + 1,
+        "command buffers": cbs,
+        "waits in chunk": p["waits_inside_chunks"],
+        "waits": p["total"][3],
+        "weights": sum(r[2] for r in rows),
+        "KV read": attn_state,
+        "state": sum(r[3] for r in rows),
+        "device": p["device_bytes"],
+        "seq state": p["state_bytes"],
+        "kernels": Counter(r[0] for r in rows),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
+    ap.add_argument("--prompts", type=int, nargs="+", default=[512, 4096, 32768])
+    ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--markdown", action="store_true", help="print markdown tables (docs/metal.md)")
     args = ap.parse_args()
     c = config_35b()
@@ -116,6 +159,26 @@ def main() -> None:
     print("|---|---:|---:|")
     for name, n in sorted(p0["kernels"].items(), key=lambda kv: -p0["by_kernel"][kv[0]]):
         print(f"| {name} | {n} | {p0['by_kernel'][name] / GB:.4f} |")
+
+    print()
+    print(f"Prefill in chunks of {args.chunk} (the last chunk of each prompt; it is a full chunk here):")
+    print()
+    print("| prompt | chunks | kernels per chunk | stages per chunk | CPU waits inside chunks | CPU waits in all | "
+          "weights GB per chunk | minimum GB per chunk | KV read GB (last chunk) | state GB | scratch MB |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    last = None
+    for n in args.prompts:
+        p = last = prefill_plan(c, n, args.chunk)
+        mn = minimum_chunk_weight_bytes(c, p["last tokens"])
+        print(f"| {n:,} | {p['chunks']} | {p['dispatches']} | {p['stages']} | {p['waits in chunk']} | {p['waits']} | "
+              f"{p['weights'] / GB:.3f} | {mn / GB:.3f} | {p['KV read'] / GB:.4f} | {p['seq state'] / GB:.3f} | "
+              f"{(p['device'] - p['seq state']) / 2**20:.1f} |")
+    if last:
+        print()
+        print("| kernel | dispatches per chunk |")
+        print("|---|---:|")
+        for name, n in sorted(last["kernels"].items(), key=lambda kv: -kv[1]):
+            print(f"| {name} | {n} |")
 
 
 if __name__ == "__main__":

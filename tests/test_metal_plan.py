@@ -56,3 +56,40 @@ def test_plan_bytes_at_35b_shape():
             assert p["state"] == m["KV"] + m["DeltaNet + conv state"]
             total = p["weights"] + p["state"] + p["activations"]
             assert 1.0 <= total / sum(m.values()) < 1.05
+
+
+@pytest.mark.parametrize("prompt,chunk", [(8, 3), (4, 8)])  # last chunks of 2 and 4 tokens
+def test_prefill_plan_matches_executed_dispatches(store, lily, prompt, chunk):
+    """gpu_plan_prefill encodes a prompt the way Engine.generate_greedy runs it (chunks, the last
+    one as device greedy step 0): the same dispatches, barriers and command buffers as the
+    MSL-on-CPU run, the prefill kernels in place of the decode ones, no CPU wait inside a chunk."""
+    from lily import _core
+
+    path = store.mlx("qwen3_5_moe", 4)
+    model = lily.Model.load(path, backend="msl-cpu", prefill_chunk=chunk)
+    s = model.session()
+    d0, b0, cb0, _, _ = model._engine.gpu_stats
+    model._engine.generate_greedy(s._state, cases.PROMPT[:prompt], 1)
+    d1, b1, cb1, _, _ = model._engine.gpu_stats
+    p = _core.gpu_plan_prefill(model.config.to_native(), prompt, chunk)
+    dispatches, barriers, cbs, waits = p["total"]
+    assert (dispatches, barriers, cbs) == (d1 - d0, b1 - b0, cb1 - cb0)
+    assert p["chunks"] == -(-prompt // chunk) and waits == p["chunks"] - 1
+    assert p["waits_inside_chunks"] == 0
+    names = {r[0] for r in p["last_chunk"]}
+    assert {"attn_prefill_float", "gdn_prepare", "gdn_scan", "argmax"} <= names
+    assert not names & {"attn_decode_float", "gdn_conv", "gdn_recurrence"}
+
+
+def test_prefill_plan_at_35b_shape():
+    """A 512-token chunk at the 35B shape: no CPU wait inside any chunk, one between chunks;
+    the weights it declares are at least the minimum a chunk must read (every expert is
+    reachable by 512 x 8 routed rows); scratch is bounded by the chunk, not the prompt."""
+    mp = _plan_module()
+    c = mp.config_35b()
+    plans = {n: mp.prefill_plan(c, n, 512) for n in (512, 4096)}
+    for n, p in plans.items():
+        assert p["chunks"] == n // 512 and p["waits in chunk"] == 0 and p["waits"] == p["chunks"] - 1
+        assert p["weights"] >= mp.minimum_chunk_weight_bytes(c, 512)
+    scratch = {n: p["device"] - p["seq state"] for n, p in plans.items()}
+    assert scratch[4096] == scratch[512], "scratch memory grows with the prompt"

@@ -118,9 +118,28 @@ void Engine::decode(State& st, int32_t token, float* logits) {
 
 std::vector<int32_t> Engine::generate_greedy(State& st, int32_t token, int max_tokens,
                                              const std::function<bool(int32_t)>& keep_going) {
+  return generate_greedy(st, &token, 1, max_tokens, keep_going);
+}
+
+std::vector<int32_t> Engine::generate_greedy(State& st, const int32_t* prompt, int n, int max_tokens,
+                                             const std::function<bool(int32_t)>& keep_going) {
   std::vector<int32_t> out;
   if (max_tokens <= 0) return out;
-  if (!begin_device_decode(st, token, max_tokens, nullptr)) {
+  if (n < 1) throw RequestError("[engine] greedy generation needs at least one prompt token");
+  weights_->check_files_unchanged();
+  check_tokens(st, prompt, n);
+  if (int64_t(st.position()) + n - 1 + max_tokens > st.max_context())
+    throw RequestError("[engine] " + std::to_string(st.position()) + " cached + " + std::to_string(n) +
+                       " prompt tokens + " + std::to_string(max_tokens) +
+                       " greedy steps exceed the context of " + std::to_string(st.max_context()));
+  // The prompt's chunks as prefill() cuts them; the last one is the first device step, so on a
+  // device backend its argmax (the first generated token) never leaves the device.
+  const int last = n - (n - 1) / prefill_chunk_ * prefill_chunk_;
+  if (n > last) prefill(st, prompt, n - last, nullptr, false);
+  const int32_t* first = prompt + (n - last);
+  if (!begin_device_decode(st, first, last, max_tokens, nullptr)) {
+    if (last > 1) prefill(st, first, last - 1, nullptr, false);
+    int32_t token = first[last - 1];
     std::vector<float> logits(config().vocab);
     for (int i = 0; i < max_tokens; ++i) {
       decode(st, token, logits.data());
@@ -136,7 +155,7 @@ std::vector<int32_t> Engine::generate_greedy(State& st, int32_t token, int max_t
     ~End() { e.end_device_decode(st); }
   } end{*this, st};
   for (int i = 0; i < max_tokens; ++i) {
-    token = next_device_token(st);
+    const int32_t token = next_device_token(st);
     out.push_back(token);
     if (!keep_going(token)) break;
   }
@@ -144,13 +163,19 @@ std::vector<int32_t> Engine::generate_greedy(State& st, int32_t token, int max_t
 }
 
 bool Engine::begin_device_decode(State& st, int32_t token, int max_steps, const Sampler* sampler) {
+  return begin_device_decode(st, &token, 1, max_steps, sampler);
+}
+
+bool Engine::begin_device_decode(State& st, const int32_t* first, int n, int max_steps, const Sampler* sampler) {
   if (loop_.state) throw RequestError("[engine] a device decode loop is already running on this engine");
   if (max_steps <= 0) throw RequestError("[engine] a device decode loop needs at least one step");
+  if (n < 1) throw RequestError("[engine] a device decode loop starts from at least one token");
   weights_->check_files_unchanged();
-  check_tokens(st, &token, 1);
-  if (int64_t(st.position()) + max_steps > st.max_context())
-    throw RequestError("[engine] " + std::to_string(st.position()) + " cached + " + std::to_string(max_steps) +
-                       " decode steps exceed the context of " + std::to_string(st.max_context()));
+  check_tokens(st, first, n);
+  if (int64_t(st.position()) + n - 1 + max_steps > st.max_context())
+    throw RequestError("[engine] " + std::to_string(st.position()) + " cached + " + std::to_string(n) +
+                       " tokens + " + std::to_string(max_steps) + " decode steps exceed the context of " +
+                       std::to_string(st.max_context()));
   DeviceSampling ds;
   if (sampler && sampler->draws()) {
     const SamplingParams& p = sampler->params();
@@ -165,10 +190,12 @@ bool Engine::begin_device_decode(State& st, int32_t token, int max_steps, const 
     ds.min_p_offset = sampler->min_p_offset();
     for (int i = 0; i < 4; ++i) ds.rng[i] = sampler->rng().state()[i];
   }
-  if (!backend_->begin_device_decode(st, token, max_steps, ds)) return false;
+  if (!backend_->begin_device_decode(st, first[n - 1], n - 1 + max_steps, ds)) return false;
   loop_ = {&st, max_steps, 0, 0};
-  try {
-    device_step(st);
+  try {  // step 0 brings its tokens from the host; the rest read theirs on the device
+    forward_chunk(*backend_, *weights_, st, first, n, LogitRows::Last, nullptr);
+    st.position_ += n;
+    ++loop_.committed;
   } catch (...) {
     loop_ = {};
     backend_->end_device_decode();

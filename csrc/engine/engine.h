@@ -46,6 +46,11 @@ class Engine {
   // step is committed (depth-2 pipelining; a step made past the stop is discarded).
   std::vector<int32_t> generate_greedy(State& st, int32_t token, int max_tokens,
                                        const std::function<bool(int32_t)>& keep_going);
+  // The same from a prompt of n tokens (none in the state yet): the prompt is prefilled in
+  // chunks and its last chunk is the first greedy step, so on a device backend the first
+  // generated token is chosen on the device and fed to the next step without a CPU round trip.
+  std::vector<int32_t> generate_greedy(State& st, const int32_t* prompt, int n, int max_tokens,
+                                       const std::function<bool(int32_t)>& keep_going);
 
   // A decode loop whose tokens stay on the device (GPU backends). begin feeds `token` (not yet
   // in the state) and commits the first step, whose token is chosen on the device: the argmax,
@@ -57,6 +62,9 @@ class Engine {
   // state ends as decode() calls for every returned token but the last would leave it.
   // begin returns false, changing nothing, when the backend has no device loop.
   bool begin_device_decode(State& st, int32_t token, int max_steps, const Sampler* sampler);
+  // The same from n >= 1 tokens not yet in the state (a prompt's last chunk): the first step
+  // processes all of them and its token is the first one the loop returns.
+  bool begin_device_decode(State& st, const int32_t* first, int n, int max_steps, const Sampler* sampler);
   int32_t next_device_token(State& st);
   void end_device_decode(State& st);
 

@@ -306,6 +306,7 @@ void GpuBackend::size_activations(int T) {
   grow(ba_, f * 2 * Hv);
   grow(conv_out_, f * C);
   grow(go_, f * vdim);
+  grow(gdn_gates_, f * Hv * 2);
   grow(router_, f * std::max(c_.n_experts, 1));
   grow(ids_, f * k);
   grow(wts_, f * k);
@@ -330,8 +331,13 @@ void GpuBackend::embed(State& state, const int32_t* tokens, int T) {
     size_activations(T);
     if (tokens_->contents()) std::memcpy(tokens_->contents(), tokens, f);
     token_src = Ref{tokens_, 0};
+  } else if (tokens) {  // the first device-loop step: a prompt's last chunk, from the host
+    if (step_ != 0 || !inflight_.empty()) throw Error("[gpu] only the first device-loop step takes host tokens");
+    size_activations(T);  // nothing in flight: buffers may be replaced
+    if (tokens_->contents()) std::memcpy(tokens_->contents(), tokens, f);
+    token_src = Ref{tokens_, 0};
   } else {  // the previous step's token (sized and reserved by begin_device_decode)
-    if (tokens || T != 1) throw Error("[gpu] device-loop steps take their token from the device");
+    if (T != 1) throw Error("[gpu] device-loop steps take their token from the device");
     token_src = Ref{ring_, size_t((step_ + 1) % 2) * 4};
   }
   in_ = st.parity;
@@ -418,6 +424,12 @@ void GpuBackend::attention(State& state, int layer, const AttentionWeights& w) {
       splits = div_up(n_ctx, split_len);
     }
   }
+  // Chunks of T > 1 over the contiguous cache: csrc/gpu/prefill_mixers.cpp (the block layout
+  // takes the T-row decode kernels).
+  if (!blocks && prefill_attention(st, layer)) {
+    gemv(w.o_proj, {o_, 0}, Hq * D, {y_, 0}, H, T);
+    return;
+  }
   AttnArgs a{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), cap, uint32_t(pos0_),
              uint32_t(splits), uint32_t(split_len), 1.0f / std::sqrt(float(D))};
   const size_t part_o = size_t(Hq) * splits * D * 4, part_ml = size_t(Hq) * splits * 2 * 4;
@@ -465,6 +477,10 @@ void GpuBackend::gated_deltanet(State& state, int layer, const GdnWeights& w) {
     gemv(w.in_a, {h_, 0}, H, {a_, 0}, Hv, T);
   }
   const int out = in_ ^ 1;
+  if (prefill_gated_deltanet(st, layer, w)) {  // chunks of T > 1: csrc/gpu/prefill_mixers.cpp
+    gemv(w.out_proj, {go_, 0}, vdim, {y_, 0}, H, T);
+    return;
+  }
   {
     Dispatch d(*this, "gdn.metal", "gdn_conv");
     d.buf(0, qkv_).buf(1, vec(w.conv1d)).buf(2, st.conv[in_][layer]).buf(3, conv_out_).args(4, args)

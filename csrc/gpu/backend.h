@@ -24,6 +24,8 @@
 //   prefill kernels for projections and feed-forward (prefill_moe.cpp: tiled GEMMs with fused
 //   dequantization, MoE routing and grouped expert GEMMs on the GPU); shorter ones run the
 //   decode kernels with T rows in the grid.
+// - Attention and DeltaNet cores of chunks of T > 1 take the prefill mixers of
+//   csrc/gpu/prefill_mixers.cpp (flash attention over query tiles, DeltaNet prepare + scan).
 #pragma once
 #include <cstdint>
 #include <map>
@@ -179,6 +181,12 @@ class GpuBackend : public Backend {
                     uint32_t blocks, const std::shared_ptr<Buffer>& act);
   void down_gemm(const ExpertMatrix& down, bool routed, int k, int bm, uint32_t blocks,
                  const std::shared_ptr<Buffer>& act, const std::shared_ptr<Buffer>& out);
+  // Prefill mixers (csrc/gpu/prefill_mixers.cpp): encode the chunk's attention core (after
+  // attn_prepare, before o_proj) / DeltaNet conv + scan (after the input projections, before
+  // out_proj) with the prefill kernels and return true, or return false (T == 1 or a shape
+  // they do not take) for the decode kernels.
+  bool prefill_attention(GpuState& st, int layer);
+  bool prefill_gated_deltanet(GpuState& st, int layer, const GdnWeights& w);
 
   std::shared_ptr<const ModelWeights> weights_;
   const ModelConfig& c_;
@@ -216,6 +224,7 @@ class GpuBackend : public Backend {
   std::shared_ptr<Buffer> tokens_, x_, h_, y_, qg_, k_, v_, o_, part_o_, part_ml_, qkv_, qkvz_, z_,
       b_, a_, ba_, conv_out_, go_, logits_, router_, ids_, wts_, act_, act_s_, sgate_, zeros_,
       dummy_, inv_freq_;
+  std::shared_ptr<Buffer> gdn_gates_;  // [T, Hv, 2] (beta, decay) of the DeltaNet prefill scan
   // Prefill MoE scratch (prefill_moe.cpp): the routing plan, weighted expert rows, shared output.
   std::shared_ptr<Buffer> plan_rows_, plan_blocks_, plan_header_, yr_, ys_;
 };

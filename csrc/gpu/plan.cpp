@@ -9,14 +9,24 @@ namespace lily::gpu {
 
 namespace {
 
+// Bytes of the recording buffers alive now (wrapped weight regions excluded), for the
+// scratch-memory figure of prefill plans. Plans run one at a time (the GIL is held).
+uint64_t g_live_bytes = 0;
+
 class RecBuffer final : public Buffer {
  public:
-  explicit RecBuffer(size_t n) : n_(n) {}
+  explicit RecBuffer(size_t n, bool counted = true) : n_(n), counted_(counted) {
+    if (counted_) g_live_bytes += n_;
+  }
+  ~RecBuffer() override {
+    if (counted_) g_live_bytes -= n_;
+  }
   void* contents() override { return nullptr; }  // nothing behind it: the host skips copies
   size_t length() const override { return n_; }
 
  private:
   size_t n_;
+  bool counted_;
 };
 
 class RecPipeline final : public Pipeline {
@@ -62,7 +72,7 @@ class RecDevice final : public Device {
     allocated += n;
     return std::make_shared<RecBuffer>(n);
   }
-  std::shared_ptr<Buffer> wrap_buffer(void*, size_t n) override { return std::make_shared<RecBuffer>(n); }
+  std::shared_ptr<Buffer> wrap_buffer(void*, size_t n) override { return std::make_shared<RecBuffer>(n, false); }
   std::shared_ptr<Library> new_library(const std::string&, const std::string&) override {
     return std::make_shared<RecLibrary>();
   }
@@ -98,16 +108,8 @@ struct Layout {
 
 std::shared_ptr<Device> make_recording_device() { return std::make_shared<RecDevice>(); }
 
-DecodePlan plan_decode_step(const ModelConfig& c, const PlanQuantization& q, const GpuOptions& options,
-                            int context) {
-  return plan_chunk(c, q, options, context, 1);
-}
-
-DecodePlan plan_chunk(const ModelConfig& c, const PlanQuantization& q, const GpuOptions& options,
-                      int context, int tokens) {
-  c.validate();
-  if (tokens < 1 || context < tokens) throw Error("[plan] need 1 <= tokens <= context");
-  Layout lay;
+// Synthetic weights of the sizes an MLX affine checkpoint of config c has.
+static std::shared_ptr<ModelWeights> synthetic_weights(const ModelConfig& c, const PlanQuantization& q, Layout& lay) {
   auto w = std::make_shared<ModelWeights>();
   w->config = c;
   const int H = c.hidden, b = q.bits, g = q.group;
@@ -163,6 +165,20 @@ DecodePlan plan_chunk(const ModelConfig& c, const PlanQuantization& q, const Gpu
     w->layers.push_back(std::move(L));
   }
 
+  return w;
+}
+
+DecodePlan plan_decode_step(const ModelConfig& c, const PlanQuantization& q, const GpuOptions& options,
+                            int context) {
+  return plan_chunk(c, q, options, context, 1);
+}
+
+DecodePlan plan_chunk(const ModelConfig& c, const PlanQuantization& q, const GpuOptions& options,
+                      int context, int tokens) {
+  c.validate();
+  if (tokens < 1 || context < tokens) throw Error("[plan] need 1 <= tokens <= context");
+  Layout lay;
+  auto w = synthetic_weights(c, q, lay);
   auto dev = std::make_shared<RecDevice>();
   GpuBackend be(w, dev, "plan", options, {GpuBackend::Region{lay.base, lay.used}});
   auto st = be.new_state(context);
@@ -182,6 +198,58 @@ DecodePlan plan_chunk(const ModelConfig& c, const PlanQuantization& q, const Gpu
   plan.stats.barriers -= before.barriers;
   plan.stats.command_buffers -= before.command_buffers;
   plan.stats.waits -= before.waits;
+  return plan;
+}
+
+PrefillPlan plan_prefill(const ModelConfig& c, const PlanQuantization& q, const GpuOptions& options, int prompt,
+                         int chunk) {
+  c.validate();
+  if (prompt < 1 || chunk < 1) throw Error("[plan] prompt and chunk must be at least 1");
+  Layout lay;
+  auto w = synthetic_weights(c, q, lay);
+  GpuBackend be(w, make_recording_device(), "plan", options, {GpuBackend::Region{lay.base, lay.used}});
+  auto st = be.new_state(prompt + 1);
+  auto& gs = static_cast<GpuState&>(*st);
+  PrefillPlan plan;
+  plan.chunks = (prompt + chunk - 1) / chunk;
+  std::vector<int32_t> tokens(size_t(std::min(prompt, chunk)), 0);
+  for (int done = 0, i = 0; done < prompt; ++i) {
+    const int T = std::min(chunk, prompt - done);
+    const bool last = done + T == prompt;
+    gs.seek(done);
+    be.finish();  // the previous chunk's commit (and its wait) belongs between chunks
+    const GpuStats before = be.stats();
+    be.set_recording(last);
+    be.records().clear();
+    if (last) {
+      // The engine's generate_greedy: the last chunk is device-loop step 0, its argmax the
+      // first token, committed without a wait.
+      be.begin_device_decode(*st, 0, T, DeviceSampling{});
+      forward_chunk(be, *w, *st, tokens.data(), T, LogitRows::Last, nullptr);
+    } else {
+      forward_chunk(be, *w, *st, tokens.data(), T, LogitRows::None, nullptr);
+    }
+    GpuStats d = be.stats();
+    d.dispatches -= before.dispatches;
+    d.barriers -= before.barriers;
+    d.command_buffers -= before.command_buffers;
+    d.waits -= before.waits;
+    plan.total.dispatches += d.dispatches;
+    plan.total.barriers += d.barriers;
+    plan.total.command_buffers += d.command_buffers;
+    plan.total.waits += d.waits;
+    plan.waits_inside_chunks += d.waits;
+    if (last) {
+      plan.last_chunk = be.records();
+      plan.last_stats = d;
+      plan.last_tokens = T;
+      plan.device_bytes = g_live_bytes;
+      plan.state_bytes = st->nbytes();
+      be.end_device_decode();
+    }
+    done += T;
+  }
+  plan.total.waits += plan.chunks - 1;  // one wait between chunks (the next embed's finish)
   return plan;
 }
 

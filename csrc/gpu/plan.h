@@ -1,5 +1,5 @@
-// Plan reports: the Metal backend's dispatch sequence for one decode step at any model shape and
-// context, counted without running it (benchmarks/metal_plan.py, docs/metal.md).
+// Plan reports: the Metal backend's dispatch sequence for one decode step, or a chunked prefill,
+// at any model shape and context, counted without running it (benchmarks/metal_plan.py, docs/metal.md).
 //
 // A RecordingDevice implements gpu::Device with buffers that have a length and no memory and
 // command buffers that execute nothing, so GpuBackend encodes exactly what it would encode for
@@ -36,5 +36,21 @@ DecodePlan plan_decode_step(const ModelConfig& c, const PlanQuantization& q, con
 // only, as a chunk of Session.prefill); tokens = 1 is plan_decode_step.
 DecodePlan plan_chunk(const ModelConfig& c, const PlanQuantization& q, const GpuOptions& options,
                       int context, int tokens);
+
+// A whole prompt prefilled in chunks the way Engine::generate_greedy does it: every chunk but
+// the last as a prefill pass, the last as device greedy step 0 (its argmax stays on the device).
+struct PrefillPlan {
+  int chunks = 0;
+  int last_tokens = 0;
+  std::vector<DispatchRecord> last_chunk;  // the last chunk's dispatches
+  GpuStats last_stats;                     // ... and its counts
+  GpuStats total;                          // the whole prompt (waits include those between chunks)
+  uint64_t waits_inside_chunks = 0;        // CPU waits while a chunk is encoded (goal 0)
+  uint64_t device_bytes = 0;  // buffers the backend holds at the last chunk (no weights)
+  uint64_t state_bytes = 0;   // of which the sequence state (KV, both DeltaNet/conv copies)
+};
+
+PrefillPlan plan_prefill(const ModelConfig& c, const PlanQuantization& q, const GpuOptions& options, int prompt,
+                         int chunk);
 
 }  // namespace lily::gpu

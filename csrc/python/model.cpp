@@ -292,6 +292,18 @@ void init_model(nb::module_& m) {
           "Greedy tokens after `token` (argmax, ties to the lowest id), stopping after a stop token; on a GPU "
           "backend the token is fed back on the device with depth-2 pipelining.")
       .def(
+          "generate_greedy",
+          [](Engine& e, State& st, const std::vector<int32_t>& prompt, int max_tokens,
+             const std::vector<int32_t>& stop_tokens) {
+            nb::gil_scoped_release release;
+            return e.generate_greedy(st, prompt.data(), int(prompt.size()), max_tokens, [&](int32_t t) {
+              return std::find(stop_tokens.begin(), stop_tokens.end(), t) == stop_tokens.end();
+            });
+          },
+          nb::arg("state"), nb::arg("prompt"), nb::arg("max_tokens"), nb::arg("stop_tokens") = std::vector<int32_t>{},
+          "The same after a prompt (a list of token ids, none in the state yet), prefilled in chunks; on a GPU "
+          "backend the last chunk's argmax is the first token and never leaves the device before step 2.")
+      .def(
           "begin_device_decode",
           [](Engine& e, State& st, int32_t token, int max_steps, const Sampler* sampler) {
             nb::gil_scoped_release release;
@@ -343,6 +355,36 @@ void init_model(nb::module_& m) {
       "tokens ending at `context`), recorded without running it: "
       "([(kernel, stage, weight bytes, state bytes, other bytes)], (dispatches, barriers, "
       "command buffers, CPU waits), scratch bytes allocated while encoding it).");
+
+  m.def(
+      "gpu_plan_prefill",
+      [](const ModelConfig& c, int prompt, int chunk, int bits, int group, int gate_bits, bool kv_half) {
+        gpu::PlanQuantization q{bits, group, gate_bits};
+        gpu::GpuOptions opt;
+        opt.kv_half = kv_half;
+        gpu::PrefillPlan p = gpu::plan_prefill(c, q, opt, prompt, chunk);
+        std::vector<std::tuple<std::string, int, uint64_t, uint64_t, uint64_t>> rows;
+        for (const auto& d : p.last_chunk)
+          rows.emplace_back(d.kernel, d.stage, d.weight_bytes, d.state_bytes, d.other_bytes);
+        nb::dict out;
+        out["last_chunk"] = rows;
+        out["last_tokens"] = p.last_tokens;
+        out["chunks"] = p.chunks;
+        out["last_stats"] = std::make_tuple(p.last_stats.dispatches, p.last_stats.barriers,
+                                            p.last_stats.command_buffers, p.last_stats.waits);
+        out["total"] = std::make_tuple(p.total.dispatches, p.total.barriers, p.total.command_buffers,
+                                       p.total.waits);
+        out["waits_inside_chunks"] = p.waits_inside_chunks;
+        out["device_bytes"] = p.device_bytes;
+        out["state_bytes"] = p.state_bytes;
+        return out;
+      },
+      nb::arg("config"), nb::arg("prompt"), nb::arg("chunk") = 512, nb::arg("bits") = 4, nb::arg("group_size") = 64,
+      nb::arg("gate_bits") = 8, nb::arg("kv_half") = false,
+      "The GPU backend's dispatch sequence for a prompt prefilled in chunks (the last chunk as device greedy "
+      "step 0), recorded without running it: a dict with the last chunk's dispatches [(kernel, stage, weight "
+      "bytes, state bytes, other bytes)], last_stats / total (dispatches, barriers, command buffers, CPU "
+      "waits), waits_inside_chunks, device_bytes (backend buffers, no weights) and state_bytes.");
 
   m.def(
       "dequantize",

@@ -1,0 +1,115 @@
+// Attention prefill: flash-style causal attention of a chunk of T query tokens over the cache
+// (earlier chunks and this one; attn_prepare of metal/attention.metal has already written the
+// chunk's normalised, rotated k and v into it).
+//
+//   attn_prefill  one threadgroup per (KV head, tile of query tokens). Its query rows are the
+//                 tile's tokens x the Hq/Hkv query heads that share the KV head (GQA), up to
+//                 LILY_ATTN_PF_ROWS rows, so every K/V row fetched from the cache serves all of
+//                 them: the cache is read ceil(T / tile_tokens) times per KV head instead of T
+//                 times (the decode kernel's grid). K and V tiles of LILY_ATTN_PF_KV_TILE
+//                 positions are staged in threadgroup memory by all threads, then each
+//                 simdgroup scores its rows against the tile (a lane holds D/32 elements,
+//                 strided by 32, one simd_sum per score) and updates its rows' online softmax
+//                 once per tile: running max, rescale of the accumulator, sum. Positions past a
+//                 row's causal end are skipped; the tile loop stops at the tile's last token.
+//                 The sigmoid output gate is applied on the way out.
+//                        grid (Hkv, ceil(T / tile_tokens)), 32 * LILY_ATTN_PF_SIMDGROUPS threads
+//
+// Scores, maxima, sums and accumulators are f32; KV is the cache's element type (float or half).
+// Registers per lane: rows_per_simdgroup (8) x D/32 accumulator floats, plus one row's query.
+#include <metal_stdlib>
+#include "lily_msl.h"
+#include "attention_prefill_args.h"
+#include "reduce.h"
+using namespace metal;
+
+template <typename KV>
+kernel void attn_prefill(device const float* qg [[buffer(0)]],     // [T, Hq, 2D]
+                         device const KV* k_cache [[buffer(1)]],   // [Hkv, cap, D]
+                         device const KV* v_cache [[buffer(2)]],   // [Hkv, cap, D]
+                         device float* o [[buffer(3)]],            // [T, Hq, D]
+                         constant AttnPrefillArgs& args [[buffer(4)]],
+                         uint2 tg [[threadgroup_position_in_grid]],
+                         uint tid [[thread_index_in_threadgroup]],
+                         uint threads [[threads_per_threadgroup]],
+                         uint simd_id [[simdgroup_index_in_threadgroup]],
+                         uint lane [[thread_index_in_simdgroup]]) {
+  constexpr uint NSG = LILY_ATTN_PF_SIMDGROUPS, KT = LILY_ATTN_PF_KV_TILE;
+  constexpr uint per_lane_max = LILY_ATTN_PF_MAX_HEAD_DIM / 32;
+  constexpr uint rows_max = (LILY_ATTN_PF_ROWS + NSG - 1) / NSG;  // rows per simdgroup
+  LILY_THREADGROUP(float, ktile, [KT][LILY_ATTN_PF_MAX_HEAD_DIM]);
+  LILY_THREADGROUP(float, vtile, [KT][LILY_ATTN_PF_MAX_HEAD_DIM]);
+  const uint D = args.D, per_lane = D / 32, group = args.Hq / args.Hkv;
+  const uint hk = tg.x, t0 = tg.y * args.tile_tokens;
+  const uint t_end = min(args.T, t0 + args.tile_tokens);  // tokens [t0, t_end)
+  const uint n_rows = (t_end - t0) * group;
+
+  // Row r of the tile = (token t0 + r / group, query head hk * group + r % group); this
+  // simdgroup owns rows simd_id, simd_id + NSG, ...
+  // Only the accumulators live in registers; a row's query is re-read (from cache) once per
+  // K/V tile, which is what lets a threadgroup hold 64 rows.
+  float acc[rows_max][per_lane_max];
+  float m[rows_max], l[rows_max];
+  uint len[rows_max];  // causal length of the row: positions [0, len)
+  for (uint i = 0; i < rows_max; ++i) {
+    const uint r = simd_id + NSG * i;
+    len[i] = r < n_rows ? args.pos0 + t0 + r / group + 1 : 0;
+    for (uint e = 0; e < per_lane; ++e) acc[i][e] = 0.0f;
+    m[i] = -INFINITY;
+    l[i] = 0.0f;
+  }
+
+  const uint end = args.pos0 + t_end;  // the tile's last token sees positions [0, end)
+  device const KV* kh = k_cache + ulong(hk) * args.cap * D;
+  device const KV* vh = v_cache + ulong(hk) * args.cap * D;
+  for (uint p0 = 0; p0 < end; p0 += KT) {
+    const uint n = min(KT, end - p0);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous tile is fully read
+    for (uint e = tid; e < n * D; e += threads) {
+      ktile[e / D][e % D] = float(kh[ulong(p0) * D + e]);
+      vtile[e / D][e % D] = float(vh[ulong(p0) * D + e]);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint i = 0; i < rows_max; ++i) {
+      if (len[i] <= p0) continue;  // uniform across the simdgroup (a row is one simdgroup's)
+      const uint r = simd_id + NSG * i;
+      device const float* qh = qg + (ulong(t0 + r / group) * args.Hq + hk * group + r % group) * 2 * D;
+      float q[per_lane_max];
+      for (uint e = 0; e < per_lane; ++e) q[e] = qh[lane + 32 * e];
+      const uint valid = min(n, len[i] - p0);
+      float s[KT];
+      float mt = -INFINITY;
+      for (uint c = 0; c < valid; ++c) {
+        float d = 0.0f;
+        for (uint e = 0; e < per_lane; ++e) d += q[e] * ktile[c][lane + 32 * e];
+        s[c] = simd_sum(d) * args.scale;
+        mt = max(mt, s[c]);
+      }
+      const float mn = max(m[i], mt);
+      const float corr = exp(m[i] - mn);  // 0 on the first tile (m = -inf)
+      l[i] *= corr;
+      for (uint e = 0; e < per_lane; ++e) acc[i][e] *= corr;
+      for (uint c = 0; c < valid; ++c) {
+        const float w = exp(s[c] - mn);
+        l[i] += w;
+        for (uint e = 0; e < per_lane; ++e) acc[i][e] += w * vtile[c][lane + 32 * e];
+      }
+      m[i] = mn;
+    }
+  }
+
+  for (uint i = 0; i < rows_max; ++i) {
+    const uint r = simd_id + NSG * i;
+    if (r >= n_rows) continue;
+    const uint t = t0 + r / group, hq = hk * group + r % group;
+    const ulong head_row = ulong(t) * args.Hq + hq;
+    device const float* gate = qg + head_row * 2 * D + D;
+    for (uint e = 0; e < per_lane; ++e) {
+      const uint d = lane + 32 * e;
+      o[head_row * D + d] = acc[i][e] / l[i] * sigmoid_f(gate[d]);
+    }
+  }
+}
+
+LILY_KERNEL_INSTANTIATE("attn_prefill_float", attn_prefill, float)
+LILY_KERNEL_INSTANTIATE("attn_prefill_half", attn_prefill, half)

@@ -1,0 +1,20 @@
+// Arguments of the attention prefill family (metal/attention_prefill.metal), shared by host and
+// kernels. Layouts as in attention_args.h: qg [T, Hq, 2D] (query | output gate), cache K, V
+// [Hkv, cap, D] of the cache's element type, o [T, Hq, D].
+#pragma once
+
+#define LILY_ATTN_PF_SIMDGROUPS 8   // simdgroups of an attn_prefill threadgroup
+#define LILY_ATTN_PF_ROWS 64        // query rows (token, head) per threadgroup
+#define LILY_ATTN_PF_KV_TILE 8      // cache positions per K/V tile in threadgroup memory
+#define LILY_ATTN_PF_MAX_HEAD_DIM 256
+
+// Causal attention of T query tokens (positions pos0 .. pos0 + T - 1, already in the cache)
+// over the cache positions [0, pos0 + t].
+struct AttnPrefillArgs {
+  uint32_t D, Hq, Hkv;
+  uint32_t cap;
+  uint32_t pos0;
+  uint32_t T;
+  uint32_t tile_tokens;  // query tokens per threadgroup: LILY_ATTN_PF_ROWS / (Hq / Hkv), >= 1
+  float scale;           // 1 / sqrt(D)
+};
