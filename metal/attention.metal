@@ -25,28 +25,9 @@
 #include <metal_stdlib>
 #include "lily_msl.h"
 #include "attention_args.h"
+#include "kv_cache.h"
 #include "reduce.h"
 using namespace metal;
-
-// Cache rows [Hkv, cap, D]: one contiguous run of positions per KV head.
-template <typename KV>
-struct ContiguousCache {
-  device KV* base;
-  uint cap, D;
-  device KV* row(uint hk, uint pos) const { return base + (ulong(hk) * cap + pos) * D; }
-};
-
-// Fixed blocks of B positions: table[pos / B] = (arena << 24 | slot), arena [slots, Hkv, B, D].
-template <typename KV>
-struct BlockCache {
-  device KV* arena[LILY_ATTN_MAX_ARENAS];
-  device const uint* table;
-  uint B, Hkv, D;
-  device KV* row(uint hk, uint pos) const {
-    const uint e = table[pos / B];
-    return arena[e >> 24] + ((ulong(e & 0xFFFFFFu) * Hkv + hk) * B + pos % B) * D;
-  }
-};
 
 template <typename KV, typename Cache>
 inline void attn_prepare_impl(device float* qg, device const float* k, device const float* v,

@@ -186,7 +186,8 @@ def logits_after(model, tokens):
 def test_block_kv_layout_across_the_threshold(store, lily):
     """Prefill in chunks of 3 with block_threshold 5 and blocks of 2 positions: the first chunk
     stays in the contiguous cache, the second moves it into blocks, the fifth adds a second
-    arena (growth without copying); decode steps past split_threshold take split-K over blocks.
+    arena (growth without copying); chunks run the flash prefill over blocks; decode steps past
+    split_threshold take split-K over blocks.
     Logits of every position and greedy tokens against mlx-lm and the CPU backend."""
     path = store.mlx("qwen3_5_moe", 4, 64, "bfloat16")
     ref = store.mlx_reference(path)
@@ -198,7 +199,8 @@ def test_block_kv_layout_across_the_threshold(store, lily):
     gpu._engine.gpu_records(True)
     got = s.prefill(cases.PROMPT[:n], all_logits=True)
     kernels = [r[0] for r in gpu._engine.gpu_records(True)]
-    assert "attn_prepare_float" in kernels and "attn_prepare_blocks_float" in kernels, "no layout switch"
+    assert {"attn_prepare_float", "attn_prepare_blocks_float", "attn_prefill_blocks_float"} <= set(kernels), \
+        "no layout switch, or no flash prefill over blocks"
     _check(got, ref.prompt[:n], "prefill across the block threshold vs mlx-lm")
     _check(got, c.prefill(cases.PROMPT[:n], all_logits=True), "prefill across the block threshold vs cpu")
     for i in range(n, len(cases.PROMPT)):

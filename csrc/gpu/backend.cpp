@@ -424,9 +424,7 @@ void GpuBackend::attention(State& state, int layer, const AttentionWeights& w) {
       splits = div_up(n_ctx, split_len);
     }
   }
-  // Chunks of T > 1 over the contiguous cache: csrc/gpu/prefill_mixers.cpp (the block layout
-  // takes the T-row decode kernels).
-  if (!blocks && prefill_attention(st, layer)) {
+  if (prefill_attention(st, layer)) {  // chunks of T > 1: csrc/gpu/prefill_mixers.cpp
     gemv(w.o_proj, {o_, 0}, Hq * D, {y_, 0}, H, T);
     return;
   }
