@@ -16,11 +16,28 @@
 //   the (no longer needed) staging tiles so each output element is written once, by one thread,
 //   with bounds checks (no reliance on the unverified per-lane layout of thread_elements()).
 // - Tile rows are padded to LD = BK + 4 floats against threadgroup bank conflicts.
+// - The inner product over a staged pair of tiles is a policy, GemmMma<BM, TENSOR>, picked by
+//   the host at load time (kernel names gemm_* / gemm_tensor_*, moe_gemm_* / moe_gemm_*_tensor_*):
+//   TENSOR = false: simdgroup_matrix<float, 8, 8>, accumulators in registers (every Apple GPU,
+//     M1 on);
+//   TENSOR = true: Metal 4's MetalPerformancePrimitives matmul2d, run by the 4 simdgroups
+//     together (execution_simdgroups<4>) with mode multiply_accumulate into an f32 accumulator
+//     tile in threadgroup memory; the weight tile is the right operand read transposed
+//     (transpose_right: stored N x K). Compiled only where the compiler defines
+//     __HAVE_TENSOR__ (MSL 4 on a Metal 4 GPU; the msl_cpu runtime with metal4=True), so the
+//     library still builds for M1-M4 without it. A cooperative-tensor accumulator (registers)
+//     would save the threadgroup round trip; the msl_cpu runtime does not emulate cooperative
+//     tensors, and an untestable kernel was not written. Unverified on Apple hardware.
+//   Both keep the same staging, barriers and epilogue, so the dequantization is shared.
 //
 // Shapes: X [rows, K] f32, W [N, K] (affine: [N, K*bits/32] uint32 + scales/biases [N, K/group]
 // of type S; dense: [N, K] of type S), acc = X . W^T [rows, N].
 #pragma once
 #include <metal_stdlib>
+#if defined(__HAVE_TENSOR__)
+#include <metal_tensor>
+#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
+#endif
 #include "quant_args.h"
 using namespace metal;
 
@@ -127,3 +144,49 @@ inline void gemm_zero(thread simdgroup_float8x8 (&acc)[GemmTile<BM>::FM][GemmTil
   for (int i = 0; i < GemmTile<BM>::FM; ++i)
     for (int j = 0; j < GemmTile<BM>::FN; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 }
+
+// The inner-product policy of a BM-row tile. Each kernel declares a threadgroup accumulator of
+// ACC floats per output tile (unused by the simdgroup path; 1 keeps the array legal), then:
+//   begin(cacc, tid, simd_id)         zero the accumulator (before the first staging barrier)
+//   step(cacc, xs, ws, simd_id)       acc += xs . ws^T over one staged BK step
+//   finish(cacc, spare, simd_id)      the result tile [BM, LD] (simdgroup: stored into `spare`,
+//                                     a staging tile no longer read); the caller barriers
+template <int BM, bool TENSOR>
+struct GemmMma;
+
+template <int BM>
+struct GemmMma<BM, false> {
+  enum { ACC = 1 };
+  simdgroup_float8x8 acc[GemmTile<BM>::FM][GemmTile<BM>::FN];
+  void begin(threadgroup float* cacc, uint tid, uint simd_id) { gemm_zero<BM>(acc); }
+  void step(threadgroup float* cacc, threadgroup float* xs, threadgroup float* ws, uint simd_id) {
+    gemm_mma<BM>(acc, xs, ws, simd_id);
+  }
+  threadgroup float* finish(threadgroup float* cacc, threadgroup float* spare, uint simd_id) {
+    gemm_store_acc<BM>(spare, acc, simd_id);
+    return spare;
+  }
+};
+
+#if defined(__HAVE_TENSOR__)
+template <int BM>
+struct GemmMma<BM, true> {
+  enum { ACC = BM * LILY_GEMM_LD };
+  void begin(threadgroup float* cacc, uint tid, uint simd_id) {
+    for (uint i = tid; i < uint(ACC); i += LILY_GEMM_THREADS) cacc[i] = 0.0f;
+  }
+  void step(threadgroup float* cacc, threadgroup float* xs, threadgroup float* ws, uint simd_id) {
+    typedef dextents<int32_t, 2> E;  // extents innermost first: (columns, rows)
+    typedef tensor<threadgroup float, E, tensor_inline> Tile;
+    constexpr auto desc = mpp::tensor_ops::matmul2d_descriptor(
+        BM, LILY_GEMM_BN, LILY_GEMM_BK, false, true, false,
+        mpp::tensor_ops::matmul2d_descriptor::mode::multiply_accumulate);
+    mpp::tensor_ops::matmul2d<desc, execution_simdgroups<LILY_GEMM_THREADS / 32>> op;
+    Tile a(xs, E(LILY_GEMM_BK, BM), array<int32_t, 2>({1, LILY_GEMM_LD}));            // X [BM, BK]
+    Tile b(ws, E(LILY_GEMM_BK, LILY_GEMM_BN), array<int32_t, 2>({1, LILY_GEMM_LD}));  // W [BN, BK]
+    Tile c(cacc, E(LILY_GEMM_BN, BM), array<int32_t, 2>({1, LILY_GEMM_LD}));          // acc [BM, BN]
+    op.run(a, b, c);
+  }
+  threadgroup float* finish(threadgroup float* cacc, threadgroup float* spare, uint simd_id) { return cacc; }
+};
+#endif

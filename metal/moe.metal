@@ -244,7 +244,7 @@ inline bool moe_block(device const uint4* blocks, device const uint* header, con
   return true;
 }
 
-template <typename S, int BM>
+template <typename S, int BM, bool TENSOR>
 kernel void moe_gemm_gate_up(device const uchar* gate_w [[buffer(0)]],
                              device const uchar* gate_s [[buffer(1)]],
                              device const uchar* gate_b [[buffer(2)]],
@@ -262,20 +262,23 @@ kernel void moe_gemm_gate_up(device const uchar* gate_w [[buffer(0)]],
                              uint2 tg [[threadgroup_position_in_grid]],
                              uint tid [[thread_index_in_threadgroup]],
                              uint simd_id [[simdgroup_index_in_threadgroup]]) {
+  typedef GemmMma<BM, TENSOR> Mma;
   LILY_THREADGROUP(float, xs, [BM * LILY_GEMM_LD]);
   LILY_THREADGROUP(float, wg, [LILY_GEMM_BN * LILY_GEMM_LD]);
   LILY_THREADGROUP(float, wu, [LILY_GEMM_BN * LILY_GEMM_LD]);
   LILY_THREADGROUP(uint, src_row, [BM]);
+  LILY_THREADGROUP(float, cacc_g, [Mma::ACC]);
+  LILY_THREADGROUP(float, cacc_u, [Mma::ACC]);
   uint e, first, count;
   if (!moe_block(blocks, header, args, tg.y, BM, e, first, count)) return;
   const uint H = args.a.in, I = args.a.out, n0 = tg.x * LILY_GEMM_BN;
   if (tid < uint(BM))  // the token row of h each tile row reads
     src_row[tid] = tid >= count ? LILY_GEMM_NO_ROW : args.routed ? rows[first + tid] / args.k : first + tid;
+  Mma mma_g, mma_u;
+  mma_g.begin(cacc_g, tid, simd_id);
+  mma_u.begin(cacc_u, tid, simd_id);
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  simdgroup_float8x8 acc_g[GemmTile<BM>::FM][GemmTile<BM>::FN], acc_u[GemmTile<BM>::FM][GemmTile<BM>::FN];
-  gemm_zero<BM>(acc_g);
-  gemm_zero<BM>(acc_u);
   for (uint k0 = 0; k0 < H; k0 += LILY_GEMM_BK) {
     gemm_load_x<BM>(xs, h, H, src_row, k0, H, tid);
     gemm_load_w<S>(wg, at(gate_w, gate_table, e, 0), at(gate_s, gate_table, e, 1), at(gate_b, gate_table, e, 2),
@@ -283,21 +286,21 @@ kernel void moe_gemm_gate_up(device const uchar* gate_w [[buffer(0)]],
     gemm_load_w<S>(wu, at(up_w, up_table, e, 0), at(up_s, up_table, e, 1), at(up_b, up_table, e, 2),
                    args.b, n0, k0, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    gemm_mma<BM>(acc_g, xs, wg, simd_id);
-    gemm_mma<BM>(acc_u, xs, wu, simd_id);
+    mma_g.step(cacc_g, xs, wg, simd_id);
+    mma_u.step(cacc_u, xs, wu, simd_id);
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
-  gemm_store_acc<BM>(xs, acc_g, simd_id);
-  gemm_store_acc<BM>(wg, acc_u, simd_id);
+  threadgroup float* g = mma_g.finish(cacc_g, xs, simd_id);
+  threadgroup float* u = mma_u.finish(cacc_u, wg, simd_id);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint i = tid; i < uint(BM * LILY_GEMM_BN); i += LILY_GEMM_THREADS) {
     const uint r = i / LILY_GEMM_BN, c = i % LILY_GEMM_BN;
     if (r < count && n0 + c < I)
-      act[ulong(first + r) * I + n0 + c] = silu_f(xs[r * LILY_GEMM_LD + c]) * wg[r * LILY_GEMM_LD + c];
+      act[ulong(first + r) * I + n0 + c] = silu_f(g[r * LILY_GEMM_LD + c]) * u[r * LILY_GEMM_LD + c];
   }
 }
 
-template <typename S, int BM>
+template <typename S, int BM, bool TENSOR>
 kernel void moe_gemm_down(device const uchar* down_w [[buffer(0)]],
                           device const uchar* down_s [[buffer(1)]],
                           device const uchar* down_b [[buffer(2)]],
@@ -312,11 +315,13 @@ kernel void moe_gemm_down(device const uchar* down_w [[buffer(0)]],
                           uint2 tg [[threadgroup_position_in_grid]],
                           uint tid [[thread_index_in_threadgroup]],
                           uint simd_id [[simdgroup_index_in_threadgroup]]) {
+  typedef GemmMma<BM, TENSOR> Mma;
   LILY_THREADGROUP(float, xs, [BM * LILY_GEMM_LD]);
   LILY_THREADGROUP(float, ws, [LILY_GEMM_BN * LILY_GEMM_LD]);
   LILY_THREADGROUP(uint, src_row, [BM]);
   LILY_THREADGROUP(uint, dst_row, [BM]);
   LILY_THREADGROUP(float, scale, [BM]);
+  LILY_THREADGROUP(float, cacc, [Mma::ACC]);
   uint e, first, count;
   if (!moe_block(blocks, header, args, tg.y, BM, e, first, count)) return;
   const uint I = args.a.in, H = args.a.out, n0 = tg.x * LILY_GEMM_BN;
@@ -327,38 +332,41 @@ kernel void moe_gemm_down(device const uchar* down_w [[buffer(0)]],
     dst_row[tid] = slot;
     scale[tid] = live && args.routed ? weights[slot] : 1.0f;
   }
+  Mma mma;
+  mma.begin(cacc, tid, simd_id);
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  simdgroup_float8x8 acc[GemmTile<BM>::FM][GemmTile<BM>::FN];
-  gemm_zero<BM>(acc);
   for (uint k0 = 0; k0 < I; k0 += LILY_GEMM_BK) {
     gemm_load_x<BM>(xs, act, I, src_row, k0, I, tid);
     gemm_load_w<S>(ws, at(down_w, down_table, e, 0), at(down_s, down_table, e, 1), at(down_b, down_table, e, 2),
                    args.a, n0, k0, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    gemm_mma<BM>(acc, xs, ws, simd_id);
+    mma.step(cacc, xs, ws, simd_id);
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
-  gemm_store_acc<BM>(xs, acc, simd_id);
+  threadgroup float* res = mma.finish(cacc, xs, simd_id);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint i = tid; i < uint(BM * LILY_GEMM_BN); i += LILY_GEMM_THREADS) {
     const uint r = i / LILY_GEMM_BN, c = i % LILY_GEMM_BN;
-    if (r < count && n0 + c < H) out[ulong(dst_row[r]) * H + n0 + c] = scale[r] * xs[r * LILY_GEMM_LD + c];
+    if (r < count && n0 + c < H) out[ulong(dst_row[r]) * H + n0 + c] = scale[r] * res[r * LILY_GEMM_LD + c];
   }
 }
 
-LILY_KERNEL_INSTANTIATE("moe_gemm_gate_up_float_bm8", moe_gemm_gate_up, float, 8)
-LILY_KERNEL_INSTANTIATE("moe_gemm_gate_up_half_bm8", moe_gemm_gate_up, half, 8)
-LILY_KERNEL_INSTANTIATE("moe_gemm_gate_up_bfloat_bm8", moe_gemm_gate_up, bfloat, 8)
-LILY_KERNEL_INSTANTIATE("moe_gemm_gate_up_float_bm32", moe_gemm_gate_up, float, 32)
-LILY_KERNEL_INSTANTIATE("moe_gemm_gate_up_half_bm32", moe_gemm_gate_up, half, 32)
-LILY_KERNEL_INSTANTIATE("moe_gemm_gate_up_bfloat_bm32", moe_gemm_gate_up, bfloat, 32)
-LILY_KERNEL_INSTANTIATE("moe_gemm_down_float_bm8", moe_gemm_down, float, 8)
-LILY_KERNEL_INSTANTIATE("moe_gemm_down_half_bm8", moe_gemm_down, half, 8)
-LILY_KERNEL_INSTANTIATE("moe_gemm_down_bfloat_bm8", moe_gemm_down, bfloat, 8)
-LILY_KERNEL_INSTANTIATE("moe_gemm_down_float_bm32", moe_gemm_down, float, 32)
-LILY_KERNEL_INSTANTIATE("moe_gemm_down_half_bm32", moe_gemm_down, half, 32)
-LILY_KERNEL_INSTANTIATE("moe_gemm_down_bfloat_bm32", moe_gemm_down, bfloat, 32)
+// moe_gemm_{gate_up,down}_<S>_bm<BM> on simdgroup_matrix (every Apple GPU), and
+// moe_gemm_{gate_up,down}_tensor_<S>_bm<BM> on Metal 4 matmul2d where the compiler has tensors.
+#define LILY_MOE_GEMM_INSTANTIATE(kind, path, tensor)                                                         \
+  LILY_KERNEL_INSTANTIATE("moe_gemm_" #kind path "_float_bm8", moe_gemm_##kind, float, 8, tensor)   \
+  LILY_KERNEL_INSTANTIATE("moe_gemm_" #kind path "_half_bm8", moe_gemm_##kind, half, 8, tensor)     \
+  LILY_KERNEL_INSTANTIATE("moe_gemm_" #kind path "_bfloat_bm8", moe_gemm_##kind, bfloat, 8, tensor) \
+  LILY_KERNEL_INSTANTIATE("moe_gemm_" #kind path "_float_bm32", moe_gemm_##kind, float, 32, tensor) \
+  LILY_KERNEL_INSTANTIATE("moe_gemm_" #kind path "_half_bm32", moe_gemm_##kind, half, 32, tensor)   \
+  LILY_KERNEL_INSTANTIATE("moe_gemm_" #kind path "_bfloat_bm32", moe_gemm_##kind, bfloat, 32, tensor)
+LILY_MOE_GEMM_INSTANTIATE(gate_up, "", false)
+LILY_MOE_GEMM_INSTANTIATE(down, "", false)
+#if defined(__HAVE_TENSOR__)
+LILY_MOE_GEMM_INSTANTIATE(gate_up, "_tensor", true)
+LILY_MOE_GEMM_INSTANTIATE(down, "_tensor", true)
+#endif
 
 kernel void moe_combine(device const float* yr [[buffer(0)]],      // [T*k, H] weighted expert rows
                         device const float* ys [[buffer(1)]],      // [T, H] shared expert

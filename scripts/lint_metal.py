@@ -7,7 +7,12 @@ on the CPU (csrc/msl_cpu/) accepts, so a kernel that passes CI on Linux also com
 Checks .metal files and the headers beside them (comments and strings ignored):
   - no `double` (Metal has no 64-bit float), and no unsuffixed floating literal (double in
     C++, float in Metal: the CPU run would round differently)
-  - no C++ standard library (`std::`, `#include <cmath>` ...): only <metal_*> headers
+  - no C++ standard library (`std::`, `#include <cmath>` ...): only <metal_*> headers and
+    Metal 4's <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
+  - in product kernels (files in a folder named metal/, which must build on every Apple GPU
+    from M1): Metal 4 tensor headers (<metal_tensor>, MetalPerformancePrimitives) only inside
+    `#if defined(__HAVE_TENSOR__)` / `#ifdef __HAVE_TENSOR__`, which the compiler defines where
+    tensors exist; unguarded, the whole library fails to build on M1-M4
   - no exceptions, `new` / `delete`, virtual functions or RTTI
   - no recursion (a call cycle among the functions of one file)
   - no `template [[host_name(...)]]` instantiation and no kernel-scope `threadgroup T x[N]`
@@ -49,6 +54,10 @@ TOKEN_RULES = [
     ),
 ]
 INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]')
+SYSTEM_HEADERS = {"MetalPerformancePrimitives/MetalPerformancePrimitives.h"}
+TENSOR_HEADERS = {"metal_tensor", "MetalPerformancePrimitives/MetalPerformancePrimitives.h"}
+PP_IF = re.compile(r"^\s*#\s*(if|ifdef|ifndef|elif|else|endif)\b(.*)")
+HAVE_TENSOR = re.compile(r"^\s*(defined\s*\(?\s*__HAVE_TENSOR__\s*\)?|__HAVE_TENSOR__)\s*$")
 KEYWORDS = {
     "if",
     "for",
@@ -174,10 +183,27 @@ def lint_file(path):
             problems.append(
                 (line_at(code, m.start() + len(m.group(0)) - len(m.group(0).lstrip())), msg)
             )
-    for i, line in enumerate(text.splitlines(), 1):
-        m = INCLUDE.match(line)
-        if m and m.group(1) == "<" and not m.group(2).startswith("metal_"):
-            problems.append((i, f"#include <{m.group(2)}>: only <metal_*> headers exist in MSL"))
+    product = path.resolve().parent.name == "metal"
+    guards = []  # per open #if: whether its current branch is `__HAVE_TENSOR__` defined
+    for i, line in enumerate(code.splitlines(), 1):
+        pp = PP_IF.match(line)
+        if pp:
+            kind, cond = pp.group(1), pp.group(2)
+            if kind in ("if", "ifdef", "ifndef"):
+                guards.append(kind != "ifndef" and bool(HAVE_TENSOR.match(cond)))
+            elif kind in ("elif", "else") and guards:
+                guards[-1] = False
+            elif kind == "endif" and guards:
+                guards.pop()
+        m = INCLUDE.match(text.splitlines()[i - 1])
+        if not m or m.group(1) != "<":
+            continue
+        header = m.group(2)
+        if not header.startswith("metal_") and header not in SYSTEM_HEADERS:
+            problems.append((i, f"#include <{header}>: only <metal_*> headers exist in MSL"))
+        elif product and header in TENSOR_HEADERS and not any(guards):
+            problems.append((i, f"#include <{header}> outside `#if defined(__HAVE_TENSOR__)`: "
+                                "the library would not build on GPUs without Metal 4 tensors"))
     for pos, cycle in recursion(code):
         problems.append((line_at(code, pos), f"recursion ({cycle}) is not supported by Metal"))
     return [f"{path}:{line}: {msg}" for line, msg in sorted(set(problems))]

@@ -106,3 +106,20 @@ def test_unsuffixed_float_literals(tmp_path, expr, flagged):
     f.write_text(f"constant float k = {expr};\n")
     r = lint(f)
     assert (r.returncode == 1 and "unsuffixed floating literal" in r.stdout) == flagged, r.stdout
+
+
+def test_tensor_headers_guarded_in_product_kernels(tmp_path):
+    """Metal 4 headers are allowed, but a product kernel (metal/) must include them under
+    __HAVE_TENSOR__, or the library stops building on M1-M4; test kernels may include them as is."""
+    (tmp_path / "metal").mkdir()
+    src = ("#include <metal_stdlib>\n#include <metal_tensor>\n"
+           "#if defined(__HAVE_TENSOR__)\n#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>\n"
+           "#else\n#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>\n#endif\n"
+           "#ifdef __HAVE_TENSOR__\n#include <metal_tensor>\n#endif\n")
+    product, test_kernel = tmp_path / "metal" / "k.metal", tmp_path / "k.metal"
+    product.write_text(src)
+    test_kernel.write_text(src)
+    r = lint(product)
+    flagged = sorted(int(line.split(":")[1]) for line in r.stdout.splitlines())
+    assert flagged == [2, 6] and "outside `#if defined(__HAVE_TENSOR__)`" in r.stdout, r.stdout
+    assert lint(test_kernel).returncode == 0

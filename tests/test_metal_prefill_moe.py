@@ -162,10 +162,11 @@ class Experts:
         return self.deq[self.phys[e]]
 
 
-def moe_block(dev, *, T, H, E, k, I, Is, bits, group, sdt, logits=None, bm=8, repeat=0):
+def moe_block(dev, *, T, H, E, k, I, Is, bits, group, sdt, logits=None, bm=8, repeat=0, path=""):
     """Encodes the chunk's MoE block and checks y, the routing and the activations.
     logits None: the router GEMM (8-bit, as released) computes them from h. repeat: that many
-    tokens copy token 0, so its k experts get several rows each."""
+    tokens copy token 0, so its k experts get several rows each. path: "" (simdgroup_matrix
+    GEMMs) or "_tensor" (Metal 4 matmul2d; dev must have metal4=True)."""
     moe, quant = kernels(dev, "moe.metal"), kernels(dev, "quant.metal")
     S = MSL_TYPE[sdt]
     h = RNG.standard_normal((T, H), dtype=np.float32)
@@ -191,7 +192,7 @@ def moe_block(dev, *, T, H, E, k, I, Is, bits, group, sdt, logits=None, bm=8, re
     dummy = buf(16)
     steps = []
     if logits is None:
-        steps.append((quant.pipeline(f"gemm_{S}_bm8"), ((E + 31) // 32, (T + 7) // 8), (128,),
+        steps.append((quant.pipeline(f"gemm{path}_{S}_bm8"), ((E + 31) // 32, (T + 7) // 8), (128,),
                       {0: dev.buffer(rq), 1: dev.buffer(rs), 2: dev.buffer(rb), 3: hb, 4: router_b,
                        5: qm(H, E, 8, 64) + struct.pack("3I", T, H, E)}))
     steps += [
@@ -201,13 +202,13 @@ def moe_block(dev, *, T, H, E, k, I, Is, bits, group, sdt, logits=None, bm=8, re
     ]
 
     def gate_up(g, u, routed, rows_n, out, grid_y):
-        return (moe.pipeline(f"moe_gemm_gate_up_{S}_bm{bm}"), ((g.out + 31) // 32, grid_y), (128,),
+        return (moe.pipeline(f"moe_gemm_gate_up{path}_{S}_bm{bm}"), ((g.out + 31) // 32, grid_y), (128,),
                 {**{i: g.bufs[i] for i in range(4)}, **{4 + i: u.bufs[i] for i in range(4)},
                  8: blocks if routed else dummy, 9: header if routed else dummy, 10: rows if routed else dummy,
                  11: hb, 12: out, 13: g.qm + u.qm + struct.pack("3I", k if routed else 1, routed, rows_n)})
 
     def down_(d, routed, rows_n, a, out, grid_y):
-        return (moe.pipeline(f"moe_gemm_down_{S}_bm{bm}"), ((H + 31) // 32, grid_y), (128,),
+        return (moe.pipeline(f"moe_gemm_down{path}_{S}_bm{bm}"), ((H + 31) // 32, grid_y), (128,),
                 {**{i: d.bufs[i] for i in range(4)}, 4: blocks if routed else dummy, 5: header if routed else dummy,
                  6: rows if routed else dummy, 7: wts if routed else dummy, 8: a, 9: out,
                  10: d.qm + d.qm + struct.pack("3I", k if routed else 1, routed, rows_n)})

@@ -93,7 +93,7 @@ class Report:
     def save(self):
         (self.out / "results.json").write_text(json.dumps(self.data, indent=2))
         d = self.data
-        lines = [f"machine: {d['machine']}", f"threads: {d.get('threads')}", ""]
+        lines = [f"machine: {d['machine']}", f"threads: {d.get('threads')}, cpu_matmul: {d.get('cpu_matmul')}", ""]
         if "load" in d:
             ld = d["load"]
             lines.append(
@@ -125,6 +125,8 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=16, help="decode steps after each prefill")
     ap.add_argument("--chunk", type=int, default=512, help="prefill_chunk")
     ap.add_argument("--deadline", type=float, default=0, help="unix time by which to stop (0: none)")
+    ap.add_argument("--cpu-matmul", default="f32", choices=("f32", "int8"),
+                    help="Model.load(cpu_matmul=...): f32 or int8 activations for quantized matmuls")
     a = ap.parse_args()
 
     import lily
@@ -132,12 +134,14 @@ def main() -> None:
     rep = Report(a.out)
     rep.data["threads"] = a.threads
     rep.data["prefill_chunk"] = a.chunk
+    rep.data["cpu_matmul"] = a.cpu_matmul
     rep.data["lily_version"] = getattr(lily, "__version__", "?")
     ck_bytes = sum(f.stat().st_size for f in a.checkpoint.glob("*.safetensors"))
 
     before = proc_status()
     t0 = time.perf_counter()
-    model = lily.Model.load(a.checkpoint, backend="cpu", threads=a.threads, prefill_chunk=a.chunk)
+    model = lily.Model.load(a.checkpoint, backend="cpu", threads=a.threads, prefill_chunk=a.chunk,
+                            cpu_matmul=a.cpu_matmul)
     load_s = time.perf_counter() - t0
     s = proc_status()
     rep.data["load"] = {
@@ -187,7 +191,7 @@ def main() -> None:
 
     for ctx in ctxs:
         # Attention work grows with the context: pad the estimate by the ratio for long prompts.
-        est = ctx / rate * (1.0 + ctx / 65536) + a.decode * 2 + 5
+        est = ctx / rate * (1.0 + ctx / 131072) + a.decode * 2 + 5
         left = deadline - time.time()
         if est > left:
             rep.data["skipped"].append(f"context {ctx}: estimated {est:.0f} s at {rate:.1f} tok/s, {left:.0f} s left")

@@ -3,11 +3,12 @@
 # one command: the same-host pair that issue 9 asks for, up to 32K tokens of context.
 #
 #   1. benchmarks/fullsize/run.sh: build lily, write the random-weight checkpoint, then lily's
-#      load / RSS / prefill + decode at each context in CONTEXTS;
+#      load / RSS / prefill + decode at each context, once per LILY_RUNS entry (cpu_matmul f32
+#      at 512 and 4K, int8 at CONTEXTS by default);
 #   2. benchmarks/fullsize/run_llamacpp.sh MODE=batched: build llama.cpp, write the Q4_0 GGUF of
 #      the same shapes, then one llama-batched-bench run per context (prefill, then 16 decode
 #      steps at that depth; peak RSS).
-# Each step gets the time left of BUDGET_S. Results: $OUT/lily/results.{json,md}, $OUT/llama_*,
+# Each step gets the time left of BUDGET_S. Results: $OUT/lily_<mode>/results.{json,md}, $OUT/llama_*,
 # and $OUT/side_by_side.tar.gz with everything (for a caller that can fetch only a few files).
 #
 #   OUT=/tmp/sbs THREADS=16 BUDGET_S=1500 bash benchmarks/fullsize/side_by_side.sh
@@ -25,17 +26,24 @@ THREADS=${THREADS:-16}
 BUDGET_S=${BUDGET_S:-1500}
 CONTEXTS=${CONTEXTS:-512,4096,32768}
 left() { echo $(( start + BUDGET_S - $(date +%s) )); }
-mkdir -p "$OUT/lily"
+mkdir -p "$OUT"
 rm -f "$OUT/DONE"
 
-# lily first: its run also writes the checkpoint both engines' shapes come from. Keep back
-# llama.cpp's share of the budget: its setup (~90 s) plus its rate (~90 tok/s, measured on this
-# shape) over the contexts.
+# lily first: its first run also builds lily and writes the checkpoint whose shapes both
+# engines use. LILY_RUNS lists "cpu_matmul:contexts" runs, one process each. llama.cpp's share of
+# the budget is kept back: its setup (~90 s) plus its rate (~90 tok/s, measured on this shape)
+# over the contexts.
+LILY_RUNS=${LILY_RUNS:-"f32:512,4096 int8:$CONTEXTS"}
 llama_need=$(( 90 + $(echo "$CONTEXTS" | tr ',' '\n' | awk '{s += $1 / 80 + 30} END {print int(s)}') ))
-echo "[side_by_side] lily: $(( $(left) - llama_need )) s, then llama.cpp: the rest (~$llama_need s wanted)"
-OUT="$OUT/lily" THREADS=$THREADS CONTEXTS=$CONTEXTS BUDGET_S=$(( $(left) - llama_need )) \
-  bash benchmarks/fullsize/run.sh
-echo "[side_by_side] lily rc=$? at $(( $(date +%s) - start )) s"
+build=1
+for run in $LILY_RUNS; do
+  mode=${run%%:*} ctxs=${run#*:}
+  echo "[side_by_side] lily $mode at $ctxs: $(( $(left) - llama_need )) s (llama.cpp keeps ~$llama_need s)"
+  OUT="$OUT/lily_$mode" THREADS=$THREADS CONTEXTS=$ctxs CPU_MATMUL=$mode BUILD=$build \
+    BUDGET_S=$(( $(left) - llama_need )) bash benchmarks/fullsize/run.sh
+  echo "[side_by_side] lily $mode rc=$? at $(( $(date +%s) - start )) s"
+  build=0
+done
 
 OUT="$OUT" THREADS=$THREADS MODE=batched CONTEXTS=$CONTEXTS BUDGET_S=$(left) \
   bash benchmarks/fullsize/run_llamacpp.sh

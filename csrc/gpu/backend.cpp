@@ -144,6 +144,11 @@ GpuBackend::GpuBackend(std::shared_ptr<const ModelWeights> weights, std::shared_
                        std::string name, GpuOptions options, std::vector<Region> regions)
     : weights_(std::move(weights)), c_(weights_->config), device_(std::move(device)), name_(std::move(name)),
       options_(options) {
+  if (options_.gemm != "auto" && options_.gemm != "simdgroup" && options_.gemm != "tensor")
+    throw ConfigError("[gpu] gemm must be 'auto', 'simdgroup' or 'tensor', not '" + options_.gemm + "'");
+  if (options_.gemm == "tensor" && !device_->supports_tensor_ops())
+    throw ConfigError("[gpu] gemm='tensor' needs Metal 4 tensor ops, which '" + device_->name() + "' lacks");
+  tensor_gemm_ = options_.gemm == "tensor" || (options_.gemm == "auto" && device_->supports_tensor_ops());
   // A file's mapping covers whole pages, so the wrapped length is rounded up to the page size
   // (Metal's newBufferWithBytesNoCopy wants a page-aligned pointer and length).
   const size_t page = size_t(sysconf(_SC_PAGESIZE));

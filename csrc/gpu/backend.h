@@ -58,6 +58,10 @@ struct GpuOptions {
   // (and MoE as grouped GEMMs); shorter ones take the "skinny" GEMV route (decode kernels with
   // T rows), which wins while a weight tile would be mostly padding.
   int gemm_min_rows = 8;
+  // The prefill GEMMs' inner product: "simdgroup" (simdgroup_matrix, every Apple GPU from M1),
+  // "tensor" (Metal 4 MetalPerformancePrimitives matmul2d; the device must support tensor ops)
+  // or "auto" (tensor where Device::supports_tensor_ops(), else simdgroup), chosen at load time.
+  std::string gemm = "auto";
 };
 
 // One encoded dispatch, for plan reports (benchmarks/metal_plan.py) and tests.
@@ -137,6 +141,8 @@ class GpuBackend : public Backend {
   void finish();
 
   const GpuOptions& options() const { return options_; }
+  // Whether the prefill GEMMs run on Metal 4 tensor ops (GpuOptions::gemm, resolved at load).
+  bool tensor_gemm() const { return tensor_gemm_; }
   const GpuStats& stats() const { return stats_; }
   // Recording of every dispatch (off by default).
   void set_recording(bool on) { recording_ = on; }
@@ -193,6 +199,7 @@ class GpuBackend : public Backend {
   std::shared_ptr<Device> device_;
   std::string name_;
   GpuOptions options_;
+  bool tensor_gemm_ = false;
   std::vector<std::pair<Region, std::shared_ptr<Buffer>>> regions_;
 
   std::map<std::string, std::shared_ptr<Library>> libraries_;

@@ -114,6 +114,9 @@ class Device {
  public:
   virtual ~Device() = default;
   virtual std::string name() const = 0;
+  // Metal 4 tensors and MetalPerformancePrimitives' tensor ops (matmul2d) in kernels: the GPU is
+  // in MTLGPUFamilyMetal4 and libraries are compiled as MSL 4 (which defines __HAVE_TENSOR__).
+  virtual bool supports_tensor_ops() const { return false; }
   virtual std::shared_ptr<Buffer> new_buffer(size_t length) = 0;
   // Zero-copy wrap of caller memory (page-aligned on Metal); the caller keeps it alive.
   virtual std::shared_ptr<Buffer> wrap_buffer(void* pointer, size_t length) = 0;

@@ -228,6 +228,13 @@ class MetalCommandBuffer final : public gpu::CommandBuffer {
   Owned<id<MTLCommandBuffer>> buffer_;
 };
 
+// MTLGPUFamilyMetal4 and MTLLanguageVersion4_0 (macOS 26 SDK) by value, so the file builds with
+// older SDKs too; an older OS answers NO for the family, and the version is only asked for then.
+// Values: MTLGPUFamilyMetal4 = 5002 as used by public code (llama.cpp's ggml-metal); language
+// versions are (major << 16) + minor, as MTLLanguageVersion3_1 is. Unverified on hardware.
+const MTLGPUFamily kGPUFamilyMetal4 = static_cast<MTLGPUFamily>(5002);
+const MTLLanguageVersion kLanguageVersion4_0 = static_cast<MTLLanguageVersion>((4 << 16) + 0);
+
 class MetalDevice final : public gpu::Device {
  public:
   MetalDevice() : device_(MTLCreateSystemDefaultDevice()) {
@@ -236,10 +243,15 @@ class MetalDevice final : public gpu::Device {
     if (![device_.get() supportsFamily:MTLGPUFamilyMetal3] ||
         ![device_.get() supportsFamily:MTLGPUFamilyApple7])
       fail("the GPU '" + name() + "' lacks Metal 3 / Apple7 (M1 or later), which lily's kernels need");
+    // Metal 4 (macOS 26, MTLGPUFamilyMetal4): tensors and MetalPerformancePrimitives' matmul2d;
+    // libraries are then compiled as MSL 4, which defines __HAVE_TENSOR__ for the tensor-op
+    // GEMM kernels (metal/gemm.h). Decided once, at load.
+    tensor_ops_ = [device_.get() supportsFamily:kGPUFamilyMetal4];
     queue_ = Owned<id<MTLCommandQueue>>([device_.get() newCommandQueue]);
     if (!queue_) fail("cannot create a command queue");
   }
   std::string name() const override { return [[device_.get() name] UTF8String]; }
+  bool supports_tensor_ops() const override { return tensor_ops_; }
   std::shared_ptr<gpu::Buffer> new_buffer(size_t length) override {
     Owned<id<MTLBuffer>> b([device_.get() newBufferWithLength:length
                                                       options:MTLResourceStorageModeShared]);
@@ -262,6 +274,7 @@ class MetalDevice final : public gpu::Device {
     @autoreleasepool {
       Owned<MTLCompileOptions*> options([MTLCompileOptions new]);
       options.get().languageVersion = MTLLanguageVersion3_1;  // bfloat
+      if (tensor_ops_) options.get().languageVersion = kLanguageVersion4_0;
       NSError* error = nil;
       Owned<id<MTLLibrary>> lib([device_.get() newLibraryWithSource:ns(source)
                                                             options:options.get()
@@ -281,6 +294,7 @@ class MetalDevice final : public gpu::Device {
  private:
   Owned<id<MTLDevice>> device_;
   Owned<id<MTLCommandQueue>> queue_;
+  bool tensor_ops_ = false;
 };
 
 }  // namespace

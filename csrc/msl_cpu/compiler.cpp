@@ -466,11 +466,12 @@ std::shared_ptr<Module> Module::build(const std::string& unit, const std::string
          "ASAN_OPTIONS=detect_leaks=0");
   const std::string clang = clang_path();
   std::vector<std::string> flags = {
-      "-x", "c++", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden",
+      "-x", "c++", options.metal4 ? "-std=c++20" : "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden",
       "-fexcess-precision=16",  // half / bfloat round after every operation, like the GPU
       "-ffp-contract=on", "-fno-exceptions", "-fno-threadsafe-statics", "-fno-rtti", "-gline-tables-only", "-Wall",
       "-Wno-unknown-attributes", "-Wno-user-defined-literals", "-Wno-unused-variable",
       "-Wno-unused-function", "-Wl,-Bsymbolic", "-I", prelude_dir()};
+  if (options.metal4) flags.push_back("-D__HAVE_TENSOR__=1");
   if (options.asan) {
     // The runtime's symbols resolve from the ASan library preloaded into the process.
     // ASan skips accesses through non-zero address spaces: build this variant without them.
@@ -490,6 +491,8 @@ std::shared_ptr<Module> Module::build(const std::string& unit, const std::string
   for (const auto& f : flags) h = fnv1a(f + "\x1f", h);
   h = fnv1a(read_file(prelude_dir() + "/metal_stdlib"), h);
   h = fnv1a(read_file(prelude_dir() + "/lily_msl_cpu_abi.h"), h);
+  h = fnv1a(read_file(prelude_dir() + "/metal_tensor"), h);
+  h = fnv1a(read_file(prelude_dir() + "/MetalPerformancePrimitives/MetalPerformancePrimitives.h"), h);
   for (const auto& d : includes) {
     // Headers next to the kernels (a change to one must rebuild every kernel that may use it).
     std::string listing;

@@ -60,6 +60,10 @@ std::string generate_unit(const std::string& source, const SourceInfo& info,
 
 struct BuildOptions {
   bool asan = false;                      // -fsanitize=address (the process must load ASan)
+  // Metal 4: -D__HAVE_TENSOR__ (as Apple's compiler defines it for MSL 4 on a GPU with tensors),
+  // so <metal_tensor> and MetalPerformancePrimitives' matmul2d are available; C++20 for the
+  // descriptor as a template argument (a class-type non-type template parameter).
+  bool metal4 = false;
   std::vector<std::string> include_dirs;  // besides the prelude
 };
 

@@ -65,6 +65,7 @@ class CpuLibrary final : public gpu::Library {
   CpuLibrary(const DeviceOptions& options, std::string source, std::string file_name)
       : source_(std::move(source)), file_name_(std::move(file_name)) {
     build_.asan = options.asan;
+    build_.metal4 = options.metal4;
     build_.include_dirs = options.include_dirs;
     size_t slash = file_name_.rfind('/');
     if (slash != std::string::npos) build_.include_dirs.push_back(file_name_.substr(0, slash));
@@ -424,8 +425,10 @@ class CpuDevice final : public gpu::Device {
   explicit CpuDevice(DeviceOptions options) : options_(std::move(options)) {}
   std::string name() const override {
     return std::string("msl_cpu (MSL on the CPU, 32-wide simdgroups") +
-           (options_.asan ? ", AddressSanitizer" : "") + ")";
+           (options_.asan ? ", AddressSanitizer" : "") + (options_.metal4 ? ", Metal 4 tensors emulated" : "") +
+           ")";
   }
+  bool supports_tensor_ops() const override { return options_.metal4; }
   std::shared_ptr<gpu::Buffer> new_buffer(size_t length) override {
     return std::make_shared<CpuBuffer>(length);
   }

@@ -26,6 +26,10 @@ struct DeviceOptions {
   bool asan = false;
   int interleavings = 0;
   bool check_dependencies = false;
+  // Claim Metal 4 (GPU family Metal4: tensors and MetalPerformancePrimitives' matmul2d): kernels
+  // are compiled with __HAVE_TENSOR__ and the emulation in prelude/metal_tensor, and
+  // supports_tensor_ops() is true, so the GPU backend takes its tensor-op GEMM path.
+  bool metal4 = false;
   uint64_t seed = 0;
   std::vector<std::string> include_dirs;  // searched by #include in kernel sources
 };

@@ -62,12 +62,16 @@ std::vector<Ffn> parse_ffns(const std::vector<std::string>& names) {
 std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weights, const std::string& name,
                                       int threads, int split_threshold, int split_len,
                                       bool check_dependencies, int interleavings, const std::string& kv_dtype,
-                                      bool asan, int gemm_min_rows, int block_threshold, int block_len) {
+                                      bool asan, int gemm_min_rows, bool metal4, const std::string& gemm,
+                                      int block_threshold, int block_len) {
   if (name == "cpu") return std::make_unique<cpu::CpuBackend>(weights, threads);
   gpu::GpuOptions opt;
   if (split_threshold >= 0) opt.split_threshold = split_threshold;
   if (split_len > 0) opt.split_len = split_len;
   if (gemm_min_rows > 0) opt.gemm_min_rows = gemm_min_rows;
+  opt.gemm = gemm;
+  if (metal4 && name != "msl-cpu")
+    throw ConfigError("[engine] metal4 is an option of the msl-cpu backend (a real device reports its own family)");
   if (block_threshold >= 0) opt.block_threshold = block_threshold;
   if (block_len > 0) opt.block_len = block_len;
   if (kv_dtype != "float32" && kv_dtype != "float16")
@@ -78,6 +82,7 @@ std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weigh
     dev.check_dependencies = check_dependencies;
     dev.interleavings = interleavings;
     dev.asan = asan;
+    dev.metal4 = metal4;
     return std::make_unique<gpu::GpuBackend>(weights, msl_cpu::make_device(dev), "msl-cpu", opt);
   }
 #if defined(LILY_HAVE_METAL)
@@ -216,17 +221,19 @@ void init_model(nb::module_& m) {
           "__init__",
           [](Engine* self, std::shared_ptr<ModelWeights> weights, const std::string& backend, int threads,
              int prefill_chunk, int split_threshold, int split_len, bool check_dependencies, int interleavings,
-             const std::string& kv_dtype, bool asan, int gemm_min_rows, int block_threshold, int block_len) {
+             const std::string& kv_dtype, bool asan, int gemm_min_rows, bool metal4, const std::string& gemm,
+             int block_threshold, int block_len) {
             new (self) Engine(weights,
                               make_backend(weights, backend, threads, split_threshold, split_len,
-                                           check_dependencies, interleavings, kv_dtype, asan, gemm_min_rows,
-                                           block_threshold, block_len),
+                                           check_dependencies, interleavings, kv_dtype, asan, gemm_min_rows, metal4,
+                                           gemm, block_threshold, block_len),
                               prefill_chunk);
           },
           nb::arg("weights"), nb::arg("backend") = "cpu", nb::arg("threads") = 0, nb::arg("prefill_chunk") = 512,
           nb::arg("split_threshold") = -1, nb::arg("split_len") = -1, nb::arg("check_dependencies") = false,
           nb::arg("interleavings") = 0, nb::arg("kv_dtype") = "float32", nb::arg("asan") = false,
-          nb::arg("gemm_min_rows") = -1, nb::arg("block_threshold") = -1, nb::arg("block_len") = -1)
+          nb::arg("gemm_min_rows") = -1, nb::arg("metal4") = false, nb::arg("gemm") = "auto",
+          nb::arg("block_threshold") = -1, nb::arg("block_len") = -1)
       .def_prop_ro("gpu_stats", [](Engine& e) {
         auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
         if (!g) throw Error("[engine] gpu_stats: the backend is not a GPU backend");

@@ -120,6 +120,7 @@ void init_msl_cpu(nb::module_& parent) {
 
   nb::class_<gpu::Device>(m, "Device")
       .def_prop_ro("name", &gpu::Device::name)
+      .def_prop_ro("supports_tensor_ops", &gpu::Device::supports_tensor_ops)
       .def("buffer", [](gpu::Device& d, Bytes data) {
         auto b = d.new_buffer(data.nbytes());
         if (data.nbytes()) std::memcpy(b->contents(), data.data(), data.nbytes());
@@ -153,8 +154,9 @@ void init_msl_cpu(nb::module_& parent) {
 
   m.def("device",
         [](bool asan, int interleavings, bool check_dependencies, uint64_t seed,
-           const std::vector<std::string>& include_dirs) {
+           const std::vector<std::string>& include_dirs, bool metal4) {
           msl_cpu::DeviceOptions o;
+          o.metal4 = metal4;
           o.asan = asan;
           o.interleavings = interleavings;
           o.check_dependencies = check_dependencies;
@@ -164,11 +166,12 @@ void init_msl_cpu(nb::module_& parent) {
         },
         nb::arg("asan") = false, nb::arg("interleavings") = 0,
         nb::arg("check_dependencies") = false, nb::arg("seed") = 0,
-        nb::arg("include_dirs") = std::vector<std::string>{},
+        nb::arg("include_dirs") = std::vector<std::string>{}, nb::arg("metal4") = false,
         "A device that runs MSL kernels on the CPU. interleavings=K reruns each dispatch under K "
         "random thread orders and fails if the result changes; check_dependencies reruns the "
         "dispatches between memory barriers of a concurrent encoder in reverse order; asan "
-        "builds kernels with AddressSanitizer (preload its runtime).");
+        "builds kernels with AddressSanitizer (preload its runtime); metal4 claims Metal 4 (kernels "
+        "see __HAVE_TENSOR__ and the emulated <metal_tensor> / MetalPerformancePrimitives matmul2d).");
   m.def("clang_path", &msl_cpu::clang_path);
 }
 

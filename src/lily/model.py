@@ -136,9 +136,11 @@ class Model:
         max_position_embeddings). backend_options: GPU backends' test knobs (split_threshold,
         split_len: the attention route thresholds; block_threshold, block_len: the context from
         which the KV cache moves into fixed blocks, and their length; gemm_min_rows: the
-        shortest chunk that runs prefill GEMMs rather than GEMVs; kv_dtype: "float32" or
-        "float16" KV cache; check_dependencies, interleavings, asan: the MSL-on-CPU runtime's
-        checking modes).
+        shortest chunk that runs prefill GEMMs rather than GEMVs; gemm: "auto", "simdgroup" or
+        "tensor", the prefill GEMMs' inner product (simdgroup_matrix, or Metal 4 tensor ops
+        where the GPU has them); kv_dtype: "float32" or "float16" KV cache;
+        check_dependencies, interleavings, asan: the MSL-on-CPU runtime's checking modes;
+        metal4: the MSL-on-CPU device claims Metal 4).
         """
         if backend == "auto":
             backend = "cpu"  # the Metal backend is not built yet
