@@ -8,6 +8,12 @@
 //                 applies the sigmoid output gate and writes o; split-K (n_splits > 1) writes
 //                 unnormalised partials and (max, sum).   grid (Hkv, n_splits, T), 128 threads
 //   attn_combine  merges the split partials and applies the gate.  grid (Hq, T), 128 threads
+//   attn_prepare_blocks, attn_decode_blocks  the same over the fixed-block cache layout of long
+//                 contexts (attention_args.h): splits are whole blocks, so split-K walks blocks.
+//
+// Both layouts share one body per kernel: a cache-addressing policy (ContiguousCache,
+// BlockCache) maps (KV head, position) to the row's address. Blocks keep growth free of copies:
+// a longer context allocates a new arena and extends the table, the cached rows stay put.
 //
 // Within attn_decode each simdgroup takes every 4th position with its own online softmax; the
 // 4 running states are merged at the end through threadgroup memory. A lane holds D/32
@@ -19,25 +25,16 @@
 #include <metal_stdlib>
 #include "lily_msl.h"
 #include "attention_args.h"
+#include "kv_cache.h"
 #include "reduce.h"
 using namespace metal;
 
-template <typename KV>
-kernel void attn_prepare(device float* qg [[buffer(0)]],            // [T, Hq, 2D]
-                         device const float* k [[buffer(1)]],       // [T, Hkv, D]
-                         device const float* v [[buffer(2)]],       // [T, Hkv, D]
-                         device const float* q_norm [[buffer(3)]],  // [D]
-                         device const float* k_norm [[buffer(4)]],  // [D]
-                         device const float* inv_freq [[buffer(5)]],  // [rot / 2]
-                         device KV* k_cache [[buffer(6)]],          // [Hkv, cap, D]
-                         device KV* v_cache [[buffer(7)]],          // [Hkv, cap, D]
-                         constant AttnPrepareArgs& args [[buffer(8)]],
-                         uint2 tg [[threadgroup_position_in_grid]],
-                         uint tid [[thread_index_in_threadgroup]],
-                         uint threads [[threads_per_threadgroup]],
-                         uint simd_id [[simdgroup_index_in_threadgroup]],
-                         uint lane [[thread_index_in_simdgroup]],
-                         uint n_simd [[simdgroups_per_threadgroup]]) {
+template <typename KV, typename Cache>
+inline void attn_prepare_impl(device float* qg, device const float* k, device const float* v,
+                              device const float* q_norm, device const float* k_norm,
+                              device const float* inv_freq, Cache kc, Cache vc,
+                              constant AttnPrepareArgs& args, uint2 tg, uint tid, uint threads,
+                              uint simd_id, uint lane, uint n_simd) {
   LILY_THREADGROUP(float, scratch, [32]);
   LILY_THREADGROUP(float, normed, [LILY_ATTN_MAX_HEAD_DIM]);
   const uint D = args.D, t = tg.y, head = tg.x;
@@ -56,7 +53,7 @@ kernel void attn_prepare(device float* qg [[buffer(0)]],            // [T, Hq, 2
 
   const uint pos = args.pos0 + t, half_rot = args.rot / 2;
   device float* q_dst = qg + (ulong(t) * args.Hq + head) * 2 * D;
-  device KV* k_dst = k_cache + (is_q ? 0 : (ulong(hk) * args.cap + pos) * D);
+  device KV* k_dst = is_q ? nullptr : kc.row(hk, pos);
   for (uint i = tid; i < D; i += threads) {
     float out = normed[i];
     if (i < args.rot) {
@@ -71,26 +68,67 @@ kernel void attn_prepare(device float* qg [[buffer(0)]],            // [T, Hq, 2
   }
   if (!is_q) {
     device const float* vs = v + (ulong(t) * args.Hkv + hk) * D;
-    device KV* vd = v_cache + (ulong(hk) * args.cap + pos) * D;
+    device KV* vd = vc.row(hk, pos);
     for (uint i = tid; i < D; i += threads) vd[i] = KV(vs[i]);
   }
 }
 
+template <typename KV>
+kernel void attn_prepare(device float* qg [[buffer(0)]],            // [T, Hq, 2D]
+                         device const float* k [[buffer(1)]],       // [T, Hkv, D]
+                         device const float* v [[buffer(2)]],       // [T, Hkv, D]
+                         device const float* q_norm [[buffer(3)]],  // [D]
+                         device const float* k_norm [[buffer(4)]],  // [D]
+                         device const float* inv_freq [[buffer(5)]],  // [rot / 2]
+                         device KV* k_cache [[buffer(6)]],          // [Hkv, cap, D]
+                         device KV* v_cache [[buffer(7)]],          // [Hkv, cap, D]
+                         constant AttnPrepareArgs& args [[buffer(8)]],
+                         uint2 tg [[threadgroup_position_in_grid]],
+                         uint tid [[thread_index_in_threadgroup]],
+                         uint threads [[threads_per_threadgroup]],
+                         uint simd_id [[simdgroup_index_in_threadgroup]],
+                         uint lane [[thread_index_in_simdgroup]],
+                         uint n_simd [[simdgroups_per_threadgroup]]) {
+  const ContiguousCache<KV> kc{k_cache, args.cap, args.D}, vc{v_cache, args.cap, args.D};
+  attn_prepare_impl<KV>(qg, k, v, q_norm, k_norm, inv_freq, kc, vc, args, tg, tid, threads, simd_id, lane, n_simd);
+}
+
+// Block layout: the table at 9, K arenas at 10.., V arenas at 10 + LILY_ATTN_MAX_ARENAS...
+template <typename KV>
+kernel void attn_prepare_blocks(device float* qg [[buffer(0)]],
+                                device const float* k [[buffer(1)]],
+                                device const float* v [[buffer(2)]],
+                                device const float* q_norm [[buffer(3)]],
+                                device const float* k_norm [[buffer(4)]],
+                                device const float* inv_freq [[buffer(5)]],
+                                constant AttnPrepareArgs& args [[buffer(8)]],
+                                device const uint* table [[buffer(9)]],  // [n_blocks]
+                                device KV* k0 [[buffer(10)]], device KV* k1 [[buffer(11)]],
+                                device KV* k2 [[buffer(12)]], device KV* k3 [[buffer(13)]],
+                                device KV* k4 [[buffer(14)]], device KV* k5 [[buffer(15)]],
+                                device KV* v0 [[buffer(16)]], device KV* v1 [[buffer(17)]],
+                                device KV* v2 [[buffer(18)]], device KV* v3 [[buffer(19)]],
+                                device KV* v4 [[buffer(20)]], device KV* v5 [[buffer(21)]],
+                                uint2 tg [[threadgroup_position_in_grid]],
+                                uint tid [[thread_index_in_threadgroup]],
+                                uint threads [[threads_per_threadgroup]],
+                                uint simd_id [[simdgroup_index_in_threadgroup]],
+                                uint lane [[thread_index_in_simdgroup]],
+                                uint n_simd [[simdgroups_per_threadgroup]]) {
+  const BlockCache<KV> kc{{k0, k1, k2, k3, k4, k5}, table, args.cap, args.Hkv, args.D};
+  const BlockCache<KV> vc{{v0, v1, v2, v3, v4, v5}, table, args.cap, args.Hkv, args.D};
+  attn_prepare_impl<KV>(qg, k, v, q_norm, k_norm, inv_freq, kc, vc, args, tg, tid, threads, simd_id, lane, n_simd);
+}
+
 LILY_KERNEL_INSTANTIATE("attn_prepare_float", attn_prepare, float)
 LILY_KERNEL_INSTANTIATE("attn_prepare_half", attn_prepare, half)
+LILY_KERNEL_INSTANTIATE("attn_prepare_blocks_float", attn_prepare_blocks, float)
+LILY_KERNEL_INSTANTIATE("attn_prepare_blocks_half", attn_prepare_blocks, half)
 
-template <typename KV>
-kernel void attn_decode(device const float* qg [[buffer(0)]],       // [T, Hq, 2D]
-                        device const KV* k_cache [[buffer(1)]],     // [Hkv, cap, D]
-                        device const KV* v_cache [[buffer(2)]],     // [Hkv, cap, D]
-                        device float* o [[buffer(3)]],              // [T, Hq, D]
-                        device float* part_o [[buffer(4)]],         // [T, Hq, n_splits, D]
-                        device float* part_ml [[buffer(5)]],        // [T, Hq, n_splits, 2]
-                        constant AttnArgs& args [[buffer(6)]],
-                        uint3 tg [[threadgroup_position_in_grid]],
-                        uint tid [[thread_index_in_threadgroup]],
-                        uint simd_id [[simdgroup_index_in_threadgroup]],
-                        uint lane [[thread_index_in_simdgroup]]) {
+template <typename KV, typename Cache>
+inline void attn_decode_impl(device const float* qg, Cache kc, Cache vc, device float* o,
+                             device float* part_o, device float* part_ml, constant AttnArgs& args,
+                             uint3 tg, uint tid, uint simd_id, uint lane) {
   constexpr uint per_lane_max = LILY_ATTN_MAX_HEAD_DIM / 32;
   LILY_THREADGROUP(float, merge_o, [LILY_ATTN_SIMDGROUPS][LILY_ATTN_MAX_HEAD_DIM]);
   LILY_THREADGROUP(float, merge_m, [LILY_ATTN_SIMDGROUPS]);
@@ -114,13 +152,13 @@ kernel void attn_decode(device const float* qg [[buffer(0)]],       // [T, Hq, 2
     l[g] = 0.0f;
   }
 
-  device const KV* kh = k_cache + ulong(hk) * args.cap * D;
-  device const KV* vh = v_cache + ulong(hk) * args.cap * D;
   for (uint p = begin + simd_id; p < end; p += LILY_ATTN_SIMDGROUPS) {
     float kr[per_lane_max], vr[per_lane_max];
+    device const KV* kp = kc.row(hk, p);
+    device const KV* vp = vc.row(hk, p);
     for (uint i = 0; i < per_lane; ++i) {
-      kr[i] = float(kh[ulong(p) * D + lane + 32 * i]);
-      vr[i] = float(vh[ulong(p) * D + lane + 32 * i]);
+      kr[i] = float(kp[lane + 32 * i]);
+      vr[i] = float(vp[lane + 32 * i]);
     }
     for (uint g = 0; g < group; ++g) {
       float d = 0.0f;
@@ -170,8 +208,50 @@ kernel void attn_decode(device const float* qg [[buffer(0)]],       // [T, Hq, 2
   }
 }
 
+template <typename KV>
+kernel void attn_decode(device const float* qg [[buffer(0)]],       // [T, Hq, 2D]
+                        device const KV* k_cache [[buffer(1)]],     // [Hkv, cap, D]
+                        device const KV* v_cache [[buffer(2)]],     // [Hkv, cap, D]
+                        device float* o [[buffer(3)]],              // [T, Hq, D]
+                        device float* part_o [[buffer(4)]],         // [T, Hq, n_splits, D]
+                        device float* part_ml [[buffer(5)]],        // [T, Hq, n_splits, 2]
+                        constant AttnArgs& args [[buffer(6)]],
+                        uint3 tg [[threadgroup_position_in_grid]],
+                        uint tid [[thread_index_in_threadgroup]],
+                        uint simd_id [[simdgroup_index_in_threadgroup]],
+                        uint lane [[thread_index_in_simdgroup]]) {
+  const ContiguousCache<const KV> kc{k_cache, args.cap, args.D}, vc{v_cache, args.cap, args.D};
+  attn_decode_impl<KV>(qg, kc, vc, o, part_o, part_ml, args, tg, tid, simd_id, lane);
+}
+
+// Block layout (split_len is a multiple of the block length): the table at 9, K arenas at
+// 10.., V arenas at 10 + LILY_ATTN_MAX_ARENAS...
+template <typename KV>
+kernel void attn_decode_blocks(device const float* qg [[buffer(0)]],
+                               device float* o [[buffer(3)]],
+                               device float* part_o [[buffer(4)]],
+                               device float* part_ml [[buffer(5)]],
+                               constant AttnArgs& args [[buffer(6)]],
+                               device const uint* table [[buffer(9)]],  // [n_blocks]
+                               device const KV* k0 [[buffer(10)]], device const KV* k1 [[buffer(11)]],
+                               device const KV* k2 [[buffer(12)]], device const KV* k3 [[buffer(13)]],
+                               device const KV* k4 [[buffer(14)]], device const KV* k5 [[buffer(15)]],
+                               device const KV* v0 [[buffer(16)]], device const KV* v1 [[buffer(17)]],
+                               device const KV* v2 [[buffer(18)]], device const KV* v3 [[buffer(19)]],
+                               device const KV* v4 [[buffer(20)]], device const KV* v5 [[buffer(21)]],
+                               uint3 tg [[threadgroup_position_in_grid]],
+                               uint tid [[thread_index_in_threadgroup]],
+                               uint simd_id [[simdgroup_index_in_threadgroup]],
+                               uint lane [[thread_index_in_simdgroup]]) {
+  const BlockCache<const KV> kc{{k0, k1, k2, k3, k4, k5}, table, args.cap, args.Hkv, args.D};
+  const BlockCache<const KV> vc{{v0, v1, v2, v3, v4, v5}, table, args.cap, args.Hkv, args.D};
+  attn_decode_impl<KV>(qg, kc, vc, o, part_o, part_ml, args, tg, tid, simd_id, lane);
+}
+
 LILY_KERNEL_INSTANTIATE("attn_decode_float", attn_decode, float)
 LILY_KERNEL_INSTANTIATE("attn_decode_half", attn_decode, half)
+LILY_KERNEL_INSTANTIATE("attn_decode_blocks_float", attn_decode_blocks, float)
+LILY_KERNEL_INSTANTIATE("attn_decode_blocks_half", attn_decode_blocks, half)
 
 kernel void attn_combine(device const float* qg [[buffer(0)]],       // [T, Hq, 2D] (gate)
                          device const float* part_o [[buffer(1)]],   // [T, Hq, n_splits, D]

@@ -20,20 +20,14 @@
 #include <metal_stdlib>
 #include "lily_msl.h"
 #include "attention_prefill_args.h"
+#include "kv_cache.h"
 #include "reduce.h"
 using namespace metal;
 
-template <typename KV>
-kernel void attn_prefill(device const float* qg [[buffer(0)]],     // [T, Hq, 2D]
-                         device const KV* k_cache [[buffer(1)]],   // [Hkv, cap, D]
-                         device const KV* v_cache [[buffer(2)]],   // [Hkv, cap, D]
-                         device float* o [[buffer(3)]],            // [T, Hq, D]
-                         constant AttnPrefillArgs& args [[buffer(4)]],
-                         uint2 tg [[threadgroup_position_in_grid]],
-                         uint tid [[thread_index_in_threadgroup]],
-                         uint threads [[threads_per_threadgroup]],
-                         uint simd_id [[simdgroup_index_in_threadgroup]],
-                         uint lane [[thread_index_in_simdgroup]]) {
+template <typename KV, typename Cache>
+inline void attn_prefill_impl(device const float* qg, Cache kc, Cache vc, device float* o,
+                              constant AttnPrefillArgs& args, uint2 tg, uint tid, uint threads,
+                              uint simd_id, uint lane) {
   constexpr uint NSG = LILY_ATTN_PF_SIMDGROUPS, KT = LILY_ATTN_PF_KV_TILE;
   constexpr uint per_lane_max = LILY_ATTN_PF_MAX_HEAD_DIM / 32;
   constexpr uint rows_max = (LILY_ATTN_PF_ROWS + NSG - 1) / NSG;  // rows per simdgroup
@@ -60,14 +54,12 @@ kernel void attn_prefill(device const float* qg [[buffer(0)]],     // [T, Hq, 2D
   }
 
   const uint end = args.pos0 + t_end;  // the tile's last token sees positions [0, end)
-  device const KV* kh = k_cache + ulong(hk) * args.cap * D;
-  device const KV* vh = v_cache + ulong(hk) * args.cap * D;
   for (uint p0 = 0; p0 < end; p0 += KT) {
     const uint n = min(KT, end - p0);
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous tile is fully read
     for (uint e = tid; e < n * D; e += threads) {
-      ktile[e / D][e % D] = float(kh[ulong(p0) * D + e]);
-      vtile[e / D][e % D] = float(vh[ulong(p0) * D + e]);
+      ktile[e / D][e % D] = float(kc.row(hk, p0 + e / D)[e % D]);
+      vtile[e / D][e % D] = float(vc.row(hk, p0 + e / D)[e % D]);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint i = 0; i < rows_max; ++i) {
@@ -111,5 +103,45 @@ kernel void attn_prefill(device const float* qg [[buffer(0)]],     // [T, Hq, 2D
   }
 }
 
+template <typename KV>
+kernel void attn_prefill(device const float* qg [[buffer(0)]],     // [T, Hq, 2D]
+                         device const KV* k_cache [[buffer(1)]],   // [Hkv, cap, D]
+                         device const KV* v_cache [[buffer(2)]],   // [Hkv, cap, D]
+                         device float* o [[buffer(3)]],            // [T, Hq, D]
+                         constant AttnPrefillArgs& args [[buffer(4)]],
+                         uint2 tg [[threadgroup_position_in_grid]],
+                         uint tid [[thread_index_in_threadgroup]],
+                         uint threads [[threads_per_threadgroup]],
+                         uint simd_id [[simdgroup_index_in_threadgroup]],
+                         uint lane [[thread_index_in_simdgroup]]) {
+  const ContiguousCache<const KV> kc{k_cache, args.cap, args.D}, vc{v_cache, args.cap, args.D};
+  attn_prefill_impl<KV>(qg, kc, vc, o, args, tg, tid, threads, simd_id, lane);
+}
+
+// The fixed-block layout (kv_cache.h; args.cap = block length): the table at 9, K arenas at
+// 10.., V arenas at 10 + LILY_ATTN_MAX_ARENAS...
+template <typename KV>
+kernel void attn_prefill_blocks(device const float* qg [[buffer(0)]],
+                                device float* o [[buffer(3)]],
+                                constant AttnPrefillArgs& args [[buffer(4)]],
+                                device const uint* table [[buffer(9)]],
+                                device const KV* k0 [[buffer(10)]], device const KV* k1 [[buffer(11)]],
+                                device const KV* k2 [[buffer(12)]], device const KV* k3 [[buffer(13)]],
+                                device const KV* k4 [[buffer(14)]], device const KV* k5 [[buffer(15)]],
+                                device const KV* v0 [[buffer(16)]], device const KV* v1 [[buffer(17)]],
+                                device const KV* v2 [[buffer(18)]], device const KV* v3 [[buffer(19)]],
+                                device const KV* v4 [[buffer(20)]], device const KV* v5 [[buffer(21)]],
+                                uint2 tg [[threadgroup_position_in_grid]],
+                                uint tid [[thread_index_in_threadgroup]],
+                                uint threads [[threads_per_threadgroup]],
+                                uint simd_id [[simdgroup_index_in_threadgroup]],
+                                uint lane [[thread_index_in_simdgroup]]) {
+  const BlockCache<const KV> kc{{k0, k1, k2, k3, k4, k5}, table, args.cap, args.Hkv, args.D};
+  const BlockCache<const KV> vc{{v0, v1, v2, v3, v4, v5}, table, args.cap, args.Hkv, args.D};
+  attn_prefill_impl<KV>(qg, kc, vc, o, args, tg, tid, threads, simd_id, lane);
+}
+
 LILY_KERNEL_INSTANTIATE("attn_prefill_float", attn_prefill, float)
 LILY_KERNEL_INSTANTIATE("attn_prefill_half", attn_prefill, half)
+LILY_KERNEL_INSTANTIATE("attn_prefill_blocks_float", attn_prefill_blocks, float)
+LILY_KERNEL_INSTANTIATE("attn_prefill_blocks_half", attn_prefill_blocks, half)

@@ -106,6 +106,114 @@ def test_device_greedy_pipelined(case):
     _check(s.decode(got[-1]), want, "decode after a discarded pipelined step vs cpu backend")
 
 
+# Requests Model.generate runs in the device loop: greedy, and seeded draws with every filter.
+DEVICE_REQUESTS = [dict(temperature=0), dict(temperature=0.9, seed=1),
+                   dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.02, seed=2), dict(temperature=1.3, seed=3)]
+
+
+def test_generate_chooses_tokens_on_the_device(case, lily, monkeypatch):
+    """Model.generate on a GPU backend: after the first token every token is chosen on the
+    device (argmax or the seeded draw) and fed to the next step there. The GPU sampler is
+    bit-identical to the CPU sampler, so with a seed the tokens equal the CPU backend's (the
+    logits agree to ~1e-5, far from moving a draw across a boundary at these sizes). Requests
+    that need the logits on the host (penalties, logprobs) take the host loop and agree too."""
+    gpu, cpu, _ = case
+    loops = []
+    device_loop = lily.Session.device_loop
+
+    def spy(self, *args):
+        loop = device_loop(self, *args)
+        loops.append((self._model is gpu, loop is not None))
+        return loop
+
+    monkeypatch.setattr(lily.Session, "device_loop", spy)
+    for kw in DEVICE_REQUESTS:
+        got = gpu.generate(cases.GEN_PROMPT, max_tokens=cases.GEN_TOKENS, **kw)
+        want = cpu.generate(cases.GEN_PROMPT, max_tokens=cases.GEN_TOKENS, **kw)
+        assert got.tokens == want.tokens, f"{kw}: msl-cpu {got.tokens}, cpu {want.tokens}"
+        assert got.finish_reason == want.finish_reason == "length"
+    assert [on for is_gpu, on in loops if is_gpu] == [True] * len(DEVICE_REQUESTS)
+    assert not any(on for is_gpu, on in loops if not is_gpu), "the CPU backend has no device loop"
+
+    loops.clear()
+    for kw in (dict(temperature=0.8, seed=4, repetition_penalty=1.3), dict(temperature=0.8, seed=5, logprobs=True)):
+        got = gpu.generate(cases.GEN_PROMPT, max_tokens=6, **kw).tokens
+        assert got == cpu.generate(cases.GEN_PROMPT, max_tokens=6, **kw).tokens
+    assert loops == [], "penalties and logprobs must keep the host loop"
+
+    # An end-of-sequence token met in the device loop stops generation like on the host.
+    first = gpu.generate(cases.GEN_PROMPT, max_tokens=cases.GEN_TOKENS, **DEVICE_REQUESTS[2]).tokens
+    eos = first[6]
+    monkeypatch.setattr(type(gpu), "eos_token_ids", property(lambda self: (eos,)))
+    got = gpu.generate(cases.GEN_PROMPT, max_tokens=cases.GEN_TOKENS, **DEVICE_REQUESTS[2])
+    assert got.tokens == first[:first.index(eos)] and got.finish_reason == "stop"
+
+
+def test_sampled_device_loop_stops_and_rolls_back(case, lily):
+    """Engine-level: the device continues the host sampler's stream; ending the loop undoes the
+    step already committed past the last token read, so the state continues exactly like the
+    CPU backend's after decoding the same tokens one by one."""
+    from lily._core import Sampler, SamplingParams
+
+    gpu, cpu, _ = case
+    params = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, seed=21)
+    c = cpu.session()
+    logits = c.prefill(cases.GEN_PROMPT)
+    ref, want = Sampler(params), []
+    for _ in range(5):
+        want.append(ref.sample(logits)[0])
+        logits = c.decode(want[-1])
+
+    s = gpu.session()
+    sampler = Sampler(params)
+    first = sampler.sample(s.prefill(cases.GEN_PROMPT))[0]
+    assert first == want[0]
+    eng = gpu._engine
+    assert eng.begin_device_decode(s._state, first, 10, sampler)
+    with pytest.raises(lily.RequestError, match="device decode loop"):
+        gpu.session().prefill(cases.GEN_PROMPT[:2])  # nothing may interleave with the loop
+    got = [first] + [eng.next_device_token(s._state) for _ in range(3)]
+    eng.end_device_decode(s._state)
+    assert got == want[:4]
+    assert s.position == len(cases.GEN_PROMPT) + 3, "the step past the last read token was not undone"
+    _check(s.decode(got[-1]), logits_after(cpu, cases.GEN_PROMPT + got), "decode after the device loop vs cpu")
+
+
+def logits_after(model, tokens):
+    return model.session().prefill(tokens)
+
+
+def test_block_kv_layout_across_the_threshold(store, lily):
+    """Prefill in chunks of 3 with block_threshold 5 and blocks of 2 positions: the first chunk
+    stays in the contiguous cache, the second moves it into blocks, the fifth adds a second
+    arena (growth without copying); chunks run the flash prefill over blocks; decode steps past
+    split_threshold take split-K over blocks.
+    Logits of every position and greedy tokens against mlx-lm and the CPU backend."""
+    path = store.mlx("qwen3_5_moe", 4, 64, "bfloat16")
+    ref = store.mlx_reference(path)
+    opts = dict(split_threshold=18, split_len=4, block_threshold=5, block_len=2)
+    gpu = lily.Model.load(path, backend="msl-cpu", prefill_chunk=3, backend_options=opts)
+    cpu = lily.Model.load(path, backend="cpu")
+    s, c = gpu.session(), cpu.session()
+    n = cases.DECODE_SPLIT
+    gpu._engine.gpu_records(True)
+    got = s.prefill(cases.PROMPT[:n], all_logits=True)
+    kernels = [r[0] for r in gpu._engine.gpu_records(True)]
+    assert {"attn_prepare_float", "attn_prepare_blocks_float", "attn_prefill_blocks_float"} <= set(kernels), \
+        "no layout switch, or no flash prefill over blocks"
+    _check(got, ref.prompt[:n], "prefill across the block threshold vs mlx-lm")
+    _check(got, c.prefill(cases.PROMPT[:n], all_logits=True), "prefill across the block threshold vs cpu")
+    for i in range(n, len(cases.PROMPT)):
+        got = s.decode(cases.PROMPT[i])
+        _check(got, ref.prompt[i], f"block decode at position {i} vs mlx-lm")
+        _check(got, c.decode(cases.PROMPT[i]), f"block decode at position {i} vs cpu backend")
+    kernels = [r[0] for r in gpu._engine.gpu_records(False)]
+    assert "attn_decode_blocks_float" in kernels and "attn_combine" in kernels, "split-K over blocks not taken"
+    assert "attn_decode_float" not in kernels
+    got = gpu.generate(cases.GEN_PROMPT, max_tokens=cases.GEN_TOKENS).tokens
+    assert got == ref.gen_tokens == cpu.generate(cases.GEN_PROMPT, max_tokens=cases.GEN_TOKENS).tokens
+
+
 def test_state_fork_and_snapshot(case):
     gpu, _, ref = case
     s = gpu.session()
@@ -200,3 +308,39 @@ def test_backend_errors(store, lily):
             lily.Model.load(path, backend="metal")  # Linux builds have no Metal
     with pytest.raises(lily.ConfigError, match="unknown backend"):
         lily.Model.load(path, backend="cuda")
+
+
+def test_kernel_sources_are_embedded(store, lily, tmp_path):
+    """The kernels and the MSL-on-CPU prelude come from the extension itself: a fresh process
+    whose LILY_SOURCE_DIR is an empty folder, whose cwd is elsewhere and whose kernel cache is
+    empty decodes with backend="msl-cpu" and matches the CPU backend."""
+    import os
+    import subprocess
+    import textwrap
+    from pathlib import Path
+
+    path = store.mlx("qwen3_5", 4)
+    script = textwrap.dedent(f"""
+        import numpy as np, lily
+        gpu = lily.Model.load({str(path)!r}, backend="msl-cpu")
+        cpu = lily.Model.load({str(path)!r}, backend="cpu")
+        prompt = {cases.PROMPT[:5]!r}
+        s, c = gpu.session(), cpu.session()
+        got = [s.prefill(prompt)] + [s.decode(t) for t in prompt[:2]]
+        want = [c.prefill(prompt)] + [c.decode(t) for t in prompt[:2]]
+        err = max(float(np.abs(g - w).max() / np.abs(w).max()) for g, w in zip(got, want))
+        print("max rel err", err, flush=True)
+    """)
+    empty, cache, cwd = tmp_path / "empty", tmp_path / "cache", tmp_path / "elsewhere"
+    for d in (empty, cache, cwd):
+        d.mkdir()
+    env = dict(os.environ, LILY_SOURCE_DIR=str(empty), LILY_MSL_CPU_CACHE=str(cache),
+               PYTHONPATH=str(Path(lily.__file__).resolve().parent.parent))
+    r = subprocess.run([sys.executable, "-c", script], env=env, cwd=cwd, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert float(r.stdout.split("max rel err")[1]) <= TOL
+    assert not any(empty.iterdir())
+    trees = list(cache.glob("sources-*"))
+    assert len(trees) == 1 and (trees[0] / "csrc/msl_cpu/prelude/metal_stdlib").is_file()
+    assert (trees[0] / "metal/sampling.metal").is_file()

@@ -387,16 +387,4 @@ def test_moe_experts(E, k, H, I, Is, T, bits):
     np.testing.assert_allclose(read(y, np.float32, (T, H)), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
-# ---- sampling.metal ---------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("n", [248320, 503, 31])
-def test_argmax(n):
-    dev = msl_cpu.device(interleavings=2 if n < 1000 else 0)
-    x = RNG.standard_normal(n, dtype=np.float32)
-    top = int(np.argmax(x))
-    x[min(n - 1, top + 7)] = x[top]          # a tie after the first maximum: the lower id wins
-    x[RNG.integers(0, n, 3)] = np.nan         # NaN is never picked
-    tok = dev.buffer_empty(4)
-    dispatch(dev, kernels(dev, "sampling.metal").pipeline("argmax"), (1,), (1024,),
-             {0: dev.buffer(x), 1: tok, 2: struct.pack("I", n)})
-    assert read(tok, np.int32)[0] == int(np.nanargmax(x))
+# sampling.metal: tests/test_metal_sampling.py

@@ -79,7 +79,14 @@ void Engine::check_tokens(const State& st, const int32_t* tokens, int n) const {
                          " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
 }
 
+// The backend is in device-loop mode until end_device_decode: no other pass may interleave.
+void Engine::check_no_device_loop() const {
+  if (loop_.state)
+    throw RequestError("[engine] a device decode loop is running on this engine: end it before other calls");
+}
+
 void Engine::prefill(State& st, const int32_t* tokens, int n, float* logits, bool all_logits) {
+  check_no_device_loop();
   weights_->check_files_unchanged();
   check_tokens(st, tokens, n);
   const int vocab = config().vocab;
@@ -102,6 +109,7 @@ void Engine::prefill(State& st, const int32_t* tokens, int n, float* logits, boo
 }
 
 void Engine::decode(State& st, int32_t token, float* logits) {
+  check_no_device_loop();
   // Per token: the watch makes this an empty read() unless a file was touched.
   weights_->check_files_unchanged_if_touched();
   check_tokens(st, &token, 1);
@@ -125,16 +133,15 @@ std::vector<int32_t> Engine::generate_greedy(State& st, const int32_t* prompt, i
     throw RequestError("[engine] " + std::to_string(st.position()) + " cached + " + std::to_string(n) +
                        " prompt tokens + " + std::to_string(max_tokens) +
                        " greedy steps exceed the context of " + std::to_string(st.max_context()));
-  const int vocab = config().vocab;
-  // The prompt's chunks as prefill() cuts them; the last one is the first greedy step, so on a
+  // The prompt's chunks as prefill() cuts them; the last one is the first device step, so on a
   // device backend its argmax (the first generated token) never leaves the device.
   const int last = n - (n - 1) / prefill_chunk_ * prefill_chunk_;
   if (n > last) prefill(st, prompt, n - last, nullptr, false);
   const int32_t* first = prompt + (n - last);
-  if (!backend_->begin_device_greedy(st, first[last - 1], last - 1 + max_tokens)) {
+  if (!begin_device_decode(st, first, last, max_tokens, nullptr)) {
     if (last > 1) prefill(st, first, last - 1, nullptr, false);
     int32_t token = first[last - 1];
-    std::vector<float> logits(vocab);
+    std::vector<float> logits(config().vocab);
     for (int i = 0; i < max_tokens; ++i) {
       decode(st, token, logits.data());
       token = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
@@ -143,31 +150,86 @@ std::vector<int32_t> Engine::generate_greedy(State& st, const int32_t* prompt, i
     }
     return out;
   }
-  // Depth 2: step i + 1 is encoded and committed before step i's token is read back.
   struct End {
-    Backend& be;
-    ~End() { be.end_device_greedy(); }
-  } end{*backend_};
-  auto step = [&] {
-    forward_chunk(*backend_, *weights_, st, nullptr, 1, LogitRows::Last, nullptr);
-    st.position_ += 1;
-  };
-  forward_chunk(*backend_, *weights_, st, first, last, LogitRows::Last, nullptr);  // step 0
-  st.position_ += last;
+    Engine& e;
+    State& st;
+    ~End() { e.end_device_decode(st); }
+  } end{*this, st};
   for (int i = 0; i < max_tokens; ++i) {
-    const bool more = i + 1 < max_tokens;
-    if (more) step();
-    const int32_t token = backend_->wait_device_token();
+    const int32_t token = next_device_token(st);
     out.push_back(token);
-    if (!keep_going(token)) {
-      if (more) {  // step i + 1 consumed a token past the stop: undo it
-        backend_->discard_last_step(st);
-        st.position_ -= 1;
-      }
-      break;
-    }
+    if (!keep_going(token)) break;
   }
   return out;
+}
+
+bool Engine::begin_device_decode(State& st, int32_t token, int max_steps, const Sampler* sampler) {
+  return begin_device_decode(st, &token, 1, max_steps, sampler);
+}
+
+bool Engine::begin_device_decode(State& st, const int32_t* first, int n, int max_steps, const Sampler* sampler) {
+  if (loop_.state) throw RequestError("[engine] a device decode loop is already running on this engine");
+  if (max_steps <= 0) throw RequestError("[engine] a device decode loop needs at least one step");
+  if (n < 1) throw RequestError("[engine] a device decode loop starts from at least one token");
+  weights_->check_files_unchanged();
+  check_tokens(st, first, n);
+  if (int64_t(st.position()) + n - 1 + max_steps > st.max_context())
+    throw RequestError("[engine] " + std::to_string(st.position()) + " cached + " + std::to_string(n) +
+                       " tokens + " + std::to_string(max_steps) + " decode steps exceed the context of " +
+                       std::to_string(st.max_context()));
+  DeviceSampling ds;
+  if (sampler && sampler->draws()) {
+    const SamplingParams& p = sampler->params();
+    if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f ||
+        p.top_logprobs > 0)
+      throw RequestError("[engine] penalties and logprobs need the logits on the host: use the host loop");
+    ds.draw = true;
+    ds.top_k = p.top_k;
+    ds.top_p_fixed = sampler->top_p_fixed();
+    ds.use_min_p = p.min_p > 0.0f;
+    ds.inv_t = sampler->inv_temperature();
+    ds.min_p_offset = sampler->min_p_offset();
+    for (int i = 0; i < 4; ++i) ds.rng[i] = sampler->rng().state()[i];
+  }
+  if (!backend_->begin_device_decode(st, first[n - 1], n - 1 + max_steps, ds)) return false;
+  loop_ = {&st, max_steps, 0, 0};
+  try {  // step 0 brings its tokens from the host; the rest read theirs on the device
+    forward_chunk(*backend_, *weights_, st, first, n, LogitRows::Last, nullptr);
+    st.position_ += n;
+    ++loop_.committed;
+  } catch (...) {
+    loop_ = {};
+    backend_->end_device_decode();
+    throw;
+  }
+  return true;
+}
+
+void Engine::device_step(State& st) {
+  forward_chunk(*backend_, *weights_, st, nullptr, 1, LogitRows::Last, nullptr);
+  st.position_ += 1;
+  ++loop_.committed;
+}
+
+int32_t Engine::next_device_token(State& st) {
+  if (loop_.state != &st) throw RequestError("[engine] no device decode loop is running on this state");
+  if (loop_.read >= loop_.max_steps) throw RequestError("[engine] the device decode loop has no steps left");
+  // Depth 2: step read + 1 is committed before step read's token is waited for.
+  if (loop_.committed == loop_.read + 1 && loop_.committed < loop_.max_steps) device_step(st);
+  const int32_t token = backend_->wait_device_token();
+  ++loop_.read;
+  return token;
+}
+
+void Engine::end_device_decode(State& st) {
+  if (loop_.state != &st) return;
+  const bool unread = loop_.committed > loop_.read;
+  loop_ = {};
+  if (unread) {  // that step consumed a token past the end: undo it
+    backend_->discard_last_step(st);
+    st.position_ -= 1;
+  }
+  backend_->end_device_decode();
 }
 
 }  // namespace lily

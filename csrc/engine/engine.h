@@ -7,6 +7,7 @@
 #include <memory>
 #include <vector>
 
+#include "engine/sampler.h"
 #include "model/backend.h"
 #include "model/schedule.h"
 
@@ -53,12 +54,36 @@ class Engine {
   std::vector<int32_t> generate_greedy(State& st, const int32_t* prompt, int n, int max_tokens,
                                        const std::function<bool(int32_t)>& keep_going);
 
+  // A decode loop whose tokens stay on the device (GPU backends). begin feeds `token` (not yet
+  // in the state) and commits the first step, whose token is chosen on the device: the argmax,
+  // or `sampler`'s draw (its parameters and its generator state at this point; penalties and
+  // logprobs need the logits on the host, so such a sampler is refused). Each next_device_token
+  // commits the following step (at most max_steps in all) before it waits for the oldest and
+  // returns its token, so the device always has the next step queued (depth 2). end waits for
+  // the step still in flight, if any, and undoes it (recurrent state and position), so the
+  // state ends as decode() calls for every returned token but the last would leave it.
+  // begin returns false, changing nothing, when the backend has no device loop.
+  bool begin_device_decode(State& st, int32_t token, int max_steps, const Sampler* sampler);
+  // The same from n >= 1 tokens not yet in the state (a prompt's last chunk): the first step
+  // processes all of them and its token is the first one the loop returns.
+  bool begin_device_decode(State& st, const int32_t* first, int n, int max_steps, const Sampler* sampler);
+  int32_t next_device_token(State& st);
+  void end_device_decode(State& st);
+
  private:
   void check_tokens(const State& st, const int32_t* tokens, int n) const;
+  void check_no_device_loop() const;
+
+  void device_step(State& st);
 
   std::shared_ptr<const ModelWeights> weights_;
   std::unique_ptr<Backend> backend_;
   int prefill_chunk_;
+  // The device loop in progress (begin_device_decode .. end_device_decode).
+  struct DeviceLoop {
+    const State* state = nullptr;
+    int max_steps = 0, committed = 0, read = 0;
+  } loop_;
 };
 
 }  // namespace lily

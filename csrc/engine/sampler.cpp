@@ -1,11 +1,15 @@
 // Sampler implementation. See sampler.h for the order of operations and what logprobs mean.
 //
-// Numerics: every weight is exp(s) with s = (l - max) / T <= 0, from exp_nonpos() below, a
-// branch-free float exponential (Cody-Waite reduction + degree-7 polynomial, < 2 ulp) that the
-// compiler vectorizes. libm's exp is ~40x slower per call inside a Python process (its scalar
-// SSE code after AVX-512 work), and this runs over 248K logits every decode step. Sums and
-// cumulative masses are accumulated in double, so top-p boundaries and the draw (u * total,
-// then a cumulative scan) agree with a float64 NumPy reference to ~1e-7 relative.
+// Numerics: every weight is exp(s) with s = (l - max) / T <= 0, from sample_exp_nonpos() in
+// metal/sampling.h, a branch-free float exponential (Cody-Waite reduction + degree-7 polynomial,
+// < 2 ulp) that the compiler vectorizes (libm's exp is ~40x slower per call inside a Python
+// process, and this runs over 248K logits every decode step). For the draw and the top-p cut each
+// weight becomes a 64-bit fixed-point integer (sample_weight), so sums are exact in any order:
+// top-p keeps a token while the integer mass before it is below floor(top_p * Z), and the draw
+// takes t = floor(r * total / 2^64) for 64 random bits r and walks the kept tokens in id order.
+// The GPU kernel (metal/sampling.metal) does the same integer arithmetic from the same header, so
+// both pick the same token. Against a float64 reference the weights differ by < 2 ulp plus a
+// fixed-point step of 2^-45 of the best token's weight (at a 248K vocabulary).
 //
 // Candidate order everywhere is (logit descending, id ascending), so ties resolve to the lowest
 // id for argmax, top-k, top-p and the reported top logprobs alike.
@@ -18,6 +22,8 @@
 #include <string>
 
 #include "model/error.h"
+// The sampling arithmetic shared with the GPU kernel.
+#include "metal/sampling.h"
 
 namespace lily {
 
@@ -62,33 +68,10 @@ void select_top(const float* logits, int32_t vocab, int32_t k, std::vector<C>& d
   std::sort(dst.begin(), dst.end(), Better{});
 }
 
-// e^x for x <= 0 (x below -87 gives 0). n = round(x / ln2) by the 1.5 * 2^23 trick (no libm
-// call, so the loop vectorizes); r = x - n ln2 in two parts (Cody-Waite) so |r| <= ln2/2; e^r by
-// its Taylor series to r^7 (truncation < 6e-9 relative); 2^n built in the exponent bits.
-inline float exp_nonpos(float x) {
-  const bool under = x < -87.0f;
-  x = under ? -87.0f : x;
-  const float shifter = 12582912.0f;  // 1.5 * 2^23
-  const float t = x * 1.44269504088896341f + shifter;
-  const float n = t - shifter;
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return under ? 0.0f : p * scale;
-}
-
-// w[i] = exp((l[i] - max) * inv_t) for i < n; returns their sum (double, four partial sums).
+// w[i] = exp((l[i] - max) * inv_t) for i < n; returns their sum (double, four partial sums):
+// the log-sum-exp of the logprobs.
 double exp_weights(const float* l, size_t n, float max, float inv_t, float* w) {
-  for (size_t i = 0; i < n; ++i) w[i] = exp_nonpos((l[i] - max) * inv_t);
+  for (size_t i = 0; i < n; ++i) w[i] = sample_exp_nonpos((l[i] - max) * inv_t);
   double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
   size_t i = 0;
   for (; i + 4 <= n; i += 4) {
@@ -99,6 +82,19 @@ double exp_weights(const float* l, size_t n, float max, float inv_t, float* w) {
   }
   for (; i < n; ++i) a0 += w[i];
   return (a0 + a1) + (a2 + a3);
+}
+
+// q[i] = the integer weight of l[i] (sample_weight) for i < n; returns their exact sum.
+uint64_t int_weights(const float* l, size_t n, float max, float inv_t, float scale, uint64_t* q) {
+  for (size_t i = 0; i < n; ++i) q[i] = sample_weight(l[i], max, inv_t, scale);
+  uint64_t z = 0;
+  for (size_t i = 0; i < n; ++i) z += q[i];
+  return z;
+}
+
+// The top-p target: floor(top_p * z), at least 1 so that the best token always stays.
+uint64_t top_p_target(uint64_t z, uint64_t top_p_fixed) {
+  return std::max<uint64_t>(sample_mulhi(z, top_p_fixed), 1);
 }
 
 std::string fmt(double v) {
@@ -141,27 +137,25 @@ Rng::Rng(uint64_t seed) {
   }
 }
 
-uint64_t Rng::next() {
-  auto rotl = [](uint64_t v, int k) { return (v << k) | (v >> (64 - k)); };
-  const uint64_t result = rotl(s_[1] * 5, 7) * 9;
-  const uint64_t t = s_[1] << 17;
-  s_[2] ^= s_[0];
-  s_[3] ^= s_[1];
-  s_[1] ^= s_[2];
-  s_[0] ^= s_[3];
-  s_[2] ^= t;
-  s_[3] = rotl(s_[3], 45);
-  return result;
-}
-
-double Rng::uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
+uint64_t Rng::next() { return sample_rng_next(s_); }
 
 // ---------------------------------------------------------------------------------------------
 // Sampler
 
 Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(params.seed) {
   params_.validate();
+  // p_i >= min_p * p_max  <=>  l_i >= max + T log(min_p): a threshold on the logits, so no
+  // exponentials. The offset is rounded to float once, here; the GPU sampler gets this value.
+  if (params_.min_p > 0)
+    min_p_offset_ = static_cast<float>(static_cast<double>(params_.temperature) * std::log(static_cast<double>(params_.min_p)));
+  // top_p * 2^64 is exact in double (a float has 24 significant bits) and below 2^64 for top_p < 1.
+  if (params_.top_p < 1.0f) top_p_fixed_ = static_cast<uint64_t>(std::ldexp(static_cast<double>(params_.top_p), 64));
 }
+
+// Temperatures this small are greedy in all but name; below it 1/T stops being usable.
+constexpr float kMinTemperature = 1e-5f;
+
+bool Sampler::draws() const { return params_.temperature >= kMinTemperature; }
 
 void Sampler::apply_penalties(float* logits, int32_t vocab, const int32_t* tokens, size_t n) {
   const float rep = params_.repetition_penalty;
@@ -190,18 +184,16 @@ void Sampler::apply_penalties(float* logits, int32_t vocab, const int32_t* token
   }
 }
 
-// Cuts cand_ (sorted best-first) to the smallest prefix whose mass reaches top_p of z, the mass
-// of the set top-p applies to (the top-k set, or the whole vocabulary): token j stays while the
-// mass strictly before it is < top_p * z.
-void Sampler::cut_top_p(float max_logit, float inv_t, double z) {
-  const double target = params_.top_p * z;
-  double cum = 0;
+// Cuts cand_ (the top-k set, sorted best-first) to the tokens whose mass before them (integer
+// weights, within the set) is below floor(top_p * the set's mass).
+void Sampler::cut_top_p(float max_logit, float inv_t, float scale) {
+  uint64_t z = 0;
+  for (const auto& c : cand_) z += sample_weight(c.logit, max_logit, inv_t, scale);
+  const uint64_t target = top_p_target(z, top_p_fixed_);
+  uint64_t cum = 0;
   size_t keep = 0;
-  while (keep < cand_.size() && cum < target) {
-    cum += exp_nonpos((cand_[keep].logit - max_logit) * inv_t);
-    ++keep;
-  }
-  cand_.resize(std::max<size_t>(keep, 1));
+  while (keep < cand_.size() && cum < target) cum += sample_weight(cand_[keep++].logit, max_logit, inv_t, scale);
+  cand_.resize(keep);
 }
 
 // Top-p over the whole vocabulary in O(V), never sorting it. Tokens fall into buckets of width
@@ -209,22 +201,22 @@ void Sampler::cut_top_p(float max_logit, float inv_t, double z) {
 // bucket everything below -kBuckets/kScale). Buckets are ordered like the tokens, so summing
 // bucket masses from the top finds the bucket B where the cumulative mass crosses top_p * Z:
 // buckets before B are kept whole, and only B's tokens are sorted to place the exact cut.
-void Sampler::gather_top_p(const float* logits, int32_t vocab, float max_logit, float inv_t) {
+void Sampler::gather_top_p(const float* logits, int32_t vocab, float max_logit, float inv_t, float scale) {
   constexpr int32_t kBuckets = 4096;
   constexpr float kScale = 64.0f;  // buckets per nat: s in [-64, 0] is resolved
   auto bucket = [&](float l) {
     const float x = (max_logit - l) * inv_t * kScale;  // >= 0, monotone in l
     return x < static_cast<float>(kBuckets - 1) ? static_cast<int32_t>(x) : kBuckets - 1;
   };
-  weights_.resize(vocab);
-  const double z = exp_weights(logits, vocab, max_logit, inv_t, weights_.data());
-  bucket_mass_.assign(kBuckets, 0.0);
-  for (int32_t i = 0; i < vocab; ++i) bucket_mass_[bucket(logits[i])] += weights_[i];
-  const double target = params_.top_p * z;
-  double cum = 0;
+  q_.resize(vocab);
+  const uint64_t target = top_p_target(int_weights(logits, vocab, max_logit, inv_t, scale, q_.data()), top_p_fixed_);
+  bucket_mass_.assign(kBuckets, 0);
+  for (int32_t i = 0; i < vocab; ++i) bucket_mass_[bucket(logits[i])] += q_[i];
+  // Every token of a bucket before `cut` has less than target before it; bucket `cut` holds the
+  // boundary (cum < target is the mass before it).
+  uint64_t cum = 0;
   int32_t cut = 0;
   while (cut < kBuckets - 1 && cum + bucket_mass_[cut] < target) cum += bucket_mass_[cut++];
-  // Keep every token above bucket `cut`; collect bucket `cut` itself at the end of cand_.
   cand_.clear();
   top_.clear();
   for (int32_t i = 0; i < vocab; ++i) {
@@ -234,40 +226,52 @@ void Sampler::gather_top_p(const float* logits, int32_t vocab, float max_logit, 
   }
   std::sort(top_.begin(), top_.end(), Better{});
   size_t keep = 0;
-  while (keep < top_.size() && (cum < target || cand_.empty())) {
-    cum += exp_nonpos((top_[keep].logit - max_logit) * inv_t);
+  while (keep < top_.size() && cum < target) {
+    cum += q_[top_[keep].id];
     cand_.push_back(top_[keep++]);
   }
 }
 
-// One draw in proportion to exp((l - max) / T): over cand_, or over the whole vocabulary when
-// no truncation applies (cand_ empty).
-int32_t Sampler::draw(const float* logits, int32_t vocab, float max_logit, float inv_t) {
-  const double u = rng_.uniform();
-  if (cand_.empty()) {
-    weights_.resize(vocab);
-    const double x = u * exp_weights(logits, vocab, max_logit, inv_t, weights_.data());
-    double cum = 0;
-    int32_t last = 0;
-    for (int32_t i = 0; i < vocab; ++i) {
-      if (weights_[i] == 0) continue;
-      cum += weights_[i];
-      last = i;
-      if (x < cum) return i;
+// One draw over the whole vocabulary (no truncation): t = floor(r * total / 2^64), then the
+// token whose interval of the running sum (id order) holds t.
+int32_t Sampler::draw_all(const float* logits, int32_t vocab, float max_logit, float inv_t, float scale) {
+  q_.resize(vocab);
+  const uint64_t t = sample_mulhi(rng_.next(), int_weights(logits, vocab, max_logit, inv_t, scale, q_.data()));
+  uint64_t cum = 0;
+  for (int32_t i = 0; i < vocab; ++i) {
+    cum += q_[i];
+    if (t < cum) return i;
+  }
+  throw Error("[sampling] internal: draw past the total mass");
+}
+
+// One draw over cand_ (the kept set, any order), walked in id order: sorted when small, else
+// through a vocab-sized mark so that no large set is sorted.
+int32_t Sampler::draw_candidates(int32_t vocab, float max_logit, float inv_t, float scale) {
+  uint64_t total = 0;
+  for (const auto& c : cand_) total += sample_weight(c.logit, max_logit, inv_t, scale);
+  const uint64_t t = sample_mulhi(rng_.next(), total);
+  uint64_t cum = 0;
+  if (cand_.size() <= 4096) {
+    std::sort(cand_.begin(), cand_.end(), [](const Candidate& a, const Candidate& b) { return a.id < b.id; });
+    for (const auto& c : cand_) {
+      cum += sample_weight(c.logit, max_logit, inv_t, scale);
+      if (t < cum) return c.id;
     }
-    return last;  // rounding at the very top of the range
+  } else {
+    kept_.assign(vocab, 0);
+    weights_.resize(vocab);
+    for (const auto& c : cand_) {
+      kept_[c.id] = 1;
+      weights_[c.id] = c.logit;
+    }
+    for (int32_t i = 0; i < vocab; ++i) {
+      if (!kept_[i]) continue;
+      cum += sample_weight(weights_[i], max_logit, inv_t, scale);
+      if (t < cum) return i;
+    }
   }
-  weights_.resize(cand_.size());
-  double total = 0;
-  for (size_t j = 0; j < cand_.size(); ++j)
-    total += (weights_[j] = exp_nonpos((cand_[j].logit - max_logit) * inv_t));
-  const double x = u * total;
-  double cum = 0;
-  for (size_t j = 0; j < cand_.size(); ++j) {
-    cum += weights_[j];
-    if (x < cum) return cand_[j].id;
-  }
-  return cand_.back().id;
+  throw Error("[sampling] internal: draw past the total mass");
 }
 
 void Sampler::fill_logprobs(const float* logits, int32_t vocab, float max_logit, int32_t token,
@@ -301,10 +305,9 @@ int32_t Sampler::sample(float* logits, int32_t vocab, const int32_t* penalty_tok
   if (argmax < 0) throw Error("[sampling] every logit is -inf");
 
   int32_t token = argmax;
-  // Temperatures this small are greedy in all but name; below it 1/T stops being usable.
-  constexpr float kMinTemperature = 1e-5f;
-  if (params_.temperature >= kMinTemperature) {
-    const float inv_t = 1.0f / params_.temperature;
+  if (draws()) {
+    const float inv_t = inv_temperature();
+    const float scale = sample_weight_scale(static_cast<uint32_t>(vocab));
     const int32_t k = params_.top_k;
     const bool use_k = k > 0 && k < vocab;
     const bool use_p = params_.top_p < 1.0f;
@@ -312,18 +315,12 @@ int32_t Sampler::sample(float* logits, int32_t vocab, const int32_t* penalty_tok
     cand_.clear();
     if (use_k) {
       select_top(logits, vocab, k, cand_);
-      if (use_p) {
-        double z = 0;
-        for (const auto& c : cand_) z += exp_nonpos((c.logit - max_logit) * inv_t);
-        cut_top_p(max_logit, inv_t, z);
-      }
+      if (use_p) cut_top_p(max_logit, inv_t, scale);
     } else if (use_p) {
-      gather_top_p(logits, vocab, max_logit, inv_t);
+      gather_top_p(logits, vocab, max_logit, inv_t, scale);
     }
     if (use_min_p) {
-      // p_i >= min_p * p_max  <=>  l_i >= max + T log(min_p): a threshold on the logits, so no
-      // exponentials; the best token always stays.
-      const double floor = max_logit + static_cast<double>(params_.temperature) * std::log(static_cast<double>(params_.min_p));
+      const float floor = max_logit + min_p_offset_;  // the best token always stays
       if (!use_k && !use_p) {
         for (int32_t i = 0; i < vocab; ++i)
           if (logits[i] >= floor) cand_.push_back({logits[i], i});
@@ -332,7 +329,8 @@ int32_t Sampler::sample(float* logits, int32_t vocab, const int32_t* penalty_tok
                     cand_.end());
       }
     }
-    token = draw(logits, vocab, max_logit, inv_t);
+    token = use_k || use_p || use_min_p ? draw_candidates(vocab, max_logit, inv_t, scale)
+                                        : draw_all(logits, vocab, max_logit, inv_t, scale);
   }
   if (out) fill_logprobs(logits, vocab, max_logit, token, out);
   return token;

@@ -19,6 +19,11 @@
 // top-k uses a bounded heap (or nth_element for large k); top-p without top-k buckets tokens by
 // log-probability and sorts only the one bucket where the cut falls. A 248K vocabulary is never
 // fully sorted.
+//
+// Exactness: weights are 64-bit fixed-point integers and the draw is an integer product
+// (metal/sampling.h, shared with the GPU kernel metal/sampling.metal), and the draw walks the
+// kept tokens in id order. So the result depends on the kept *set* only, and the GPU sampler,
+// which finds the same set another way, picks the same token from the same logits and RNG state.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -58,7 +63,8 @@ class Rng {
  public:
   explicit Rng(uint64_t seed);
   uint64_t next();
-  double uniform();  // [0, 1) with 53 random bits
+  // The generator's state (s[0..3]), e.g. to continue the stream on a GPU.
+  const uint64_t* state() const { return s_; }
  private:
   uint64_t s_[4];
 };
@@ -74,6 +80,14 @@ class Sampler {
                  size_t n_penalty_tokens, SampleResult* out = nullptr);
 
   const SamplingParams& params() const { return params_; }
+  // True when a draw happens (temperature >= 1e-5); false: argmax.
+  bool draws() const;
+  // The derived constants the GPU sampler takes (metal/sampling_args.h), identical to the ones
+  // sample() uses: 1 / T, T * log(min_p), top_p * 2^64.
+  float inv_temperature() const { return 1.0f / params_.temperature; }
+  float min_p_offset() const { return min_p_offset_; }
+  uint64_t top_p_fixed() const { return top_p_fixed_; }
+  const Rng& rng() const { return rng_; }
 
  private:
   struct Candidate {
@@ -82,20 +96,25 @@ class Sampler {
   };
 
   void apply_penalties(float* logits, int32_t vocab, const int32_t* tokens, size_t n);
-  int32_t draw(const float* logits, int32_t vocab, float max_logit, float inv_t);
-  void cut_top_p(float max_logit, float inv_t, double z);
-  void gather_top_p(const float* logits, int32_t vocab, float max_logit, float inv_t);
+  int32_t draw_all(const float* logits, int32_t vocab, float max_logit, float inv_t, float scale);
+  int32_t draw_candidates(int32_t vocab, float max_logit, float inv_t, float scale);
+  void cut_top_p(float max_logit, float inv_t, float scale);
+  void gather_top_p(const float* logits, int32_t vocab, float max_logit, float inv_t, float scale);
   void fill_logprobs(const float* logits, int32_t vocab, float max_logit, int32_t token,
                      SampleResult* out);
 
   SamplingParams params_;
+  float min_p_offset_ = 0.0f;
+  uint64_t top_p_fixed_ = 0;
   Rng rng_;
   // Scratch reused across calls so a decode step does not allocate.
   std::vector<Candidate> cand_;
   std::vector<Candidate> top_;
   std::vector<int32_t> sorted_tokens_;
   std::vector<float> weights_;
-  std::vector<double> bucket_mass_;
+  std::vector<uint64_t> q_;
+  std::vector<uint64_t> bucket_mass_;
+  std::vector<uint8_t> kept_;
 };
 
 }  // namespace lily

@@ -10,6 +10,7 @@
 
 #include <unistd.h>
 
+#include "gpu/embedded.h"
 #include "gpu/encode.h"
 #include "model/error.h"
 
@@ -27,24 +28,10 @@ namespace lily::gpu {
 
 namespace {
 
-std::string source_root() {
-  if (const char* e = std::getenv("LILY_SOURCE_DIR"); e && *e) return e;
-  return LILY_SOURCE_DIR;
-}
-
-std::string read_text(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw Error("[gpu] cannot read kernel source " + path + " (set LILY_SOURCE_DIR to a lily checkout)");
-  std::ostringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
-
 // Inlines #include "x.h" (files of metal/) once each; <...> includes stay.
-void inline_includes(const std::string& dir, const std::string& file, std::set<std::string>& seen,
-                     std::string& out) {
+void inline_includes(const std::string& file, std::set<std::string>& seen, std::string& out) {
   if (!seen.insert(file).second) return;
-  std::istringstream in(read_text(dir + "/" + file));
+  std::istringstream in(source_file("metal/" + file));
   // #line keeps compiler diagnostics pointing at the real file and line.
   out += "#line 1 \"metal/" + file + "\"\n";
   int n = 0;
@@ -55,7 +42,7 @@ void inline_includes(const std::string& dir, const std::string& file, std::set<s
       const auto q0 = line.find('"');
       const auto q1 = q0 == std::string::npos ? q0 : line.find('"', q0 + 1);
       if (q1 != std::string::npos) {
-        inline_includes(dir, line.substr(q0 + 1, q1 - q0 - 1), seen, out);
+        inline_includes(line.substr(q0 + 1, q1 - q0 - 1), seen, out);
         out += "#line " + std::to_string(n + 1) + " \"metal/" + file + "\"\n";
         continue;
       }
@@ -71,7 +58,7 @@ void inline_includes(const std::string& dir, const std::string& file, std::set<s
 std::string kernel_source(const std::string& file) {
   std::string out;
   std::set<std::string> seen;
-  inline_includes(source_root() + "/metal", file, seen, out);
+  inline_includes(file, seen, out);
   return out;
 }
 
@@ -112,6 +99,10 @@ std::unique_ptr<State> GpuState::clone() const {
   Device& dev = backend->device();
   for (auto* list : {&s->k, &s->v, &s->conv[0], &s->conv[1], &s->S[0], &s->S[1]})
     for (auto& b : *list) b = copy_buffer(dev, b);
+  for (auto* layers : {&s->k_arenas, &s->v_arenas})
+    for (auto& arenas : *layers)
+      for (auto& b : arenas) b = copy_buffer(dev, b);
+  s->block_table = copy_buffer(dev, s->block_table);
   return s;
 }
 
@@ -120,6 +111,9 @@ size_t GpuState::nbytes() const {
   for (const auto* list : {&k, &v, &conv[0], &conv[1], &S[0], &S[1]})
     for (const auto& b : *list)
       if (b) n += b->length();
+  for (const auto* layers : {&k_arenas, &v_arenas})
+    for (const auto& arenas : *layers)
+      for (const auto& b : arenas) n += b->length();
   return n;
 }
 
@@ -180,6 +174,8 @@ GpuBackend::GpuBackend(std::shared_ptr<const ModelWeights> weights, std::shared_
                       std::to_string(c_.top_k) + " exceeds the kernels' limits");
   if (options_.split_len < 1 || options_.max_splits < 1)
     throw ConfigError("[gpu] split_len and max_splits must be positive");
+  if (options_.block_len < 1 || options_.block_threshold < 0)
+    throw ConfigError("[gpu] block_len must be positive and block_threshold non-negative");
 
   // RoPE inverse frequencies, rounded exactly as the CPU backend computes them.
   const int half = c_.rotary_dim / 2;
@@ -270,6 +266,7 @@ std::unique_ptr<State> GpuBackend::new_state(int max_context) {
 // Grows every attention layer's cache to hold `positions` (geometric, up to max_context).
 // Called between passes, so no command buffer uses the old buffers.
 void GpuBackend::reserve_kv(GpuState& st, int positions) {
+  if (st.block_len || positions >= options_.block_threshold) return reserve_blocks(st, positions);
   if (positions <= st.capacity) return;
   int cap = std::max(st.capacity, 256);
   while (cap < positions) cap *= 2;
@@ -339,13 +336,13 @@ void GpuBackend::embed(State& state, const int32_t* tokens, int T) {
     size_activations(T);
     if (tokens_->contents()) std::memcpy(tokens_->contents(), tokens, f);
     token_src = Ref{tokens_, 0};
-  } else if (tokens) {  // the first greedy step: a prompt's last chunk, from the host
-    if (step_ != 0 || !inflight_.empty()) throw Error("[gpu] only the first device greedy step takes host tokens");
+  } else if (tokens) {  // the first device-loop step: a prompt's last chunk, from the host
+    if (step_ != 0 || !inflight_.empty()) throw Error("[gpu] only the first device-loop step takes host tokens");
     size_activations(T);  // nothing in flight: buffers may be replaced
     if (tokens_->contents()) std::memcpy(tokens_->contents(), tokens, f);
     token_src = Ref{tokens_, 0};
-  } else {  // the previous step's argmax (sized and reserved by begin_device_greedy)
-    if (T != 1) throw Error("[gpu] device greedy steps take their token from the device");
+  } else {  // the previous step's token (sized and reserved by begin_device_decode)
+    if (T != 1) throw Error("[gpu] device-loop steps take their token from the device");
     token_src = Ref{ring_, size_t((step_ + 1) % 2) * 4};
   }
   in_ = st.parity;
@@ -401,19 +398,21 @@ void GpuBackend::attention(State& state, int layer, const AttentionWeights& w) {
   gemv(w.k_proj, {h_, 0}, H, {k_, 0}, Hkv * D, T);
   gemv(w.v_proj, {h_, 0}, H, {v_, 0}, Hkv * D, T);
 
-  auto& kc = st.k[layer];
-  auto& vc = st.v[layer];
   const uint64_t row = uint64_t(D) * (options_.kv_half ? 2 : 4);
   const std::string kv = options_.kv_half ? "half" : "float";
+  // Contiguous cache, or fixed blocks for long contexts (csrc/gpu/kv_blocks.cpp).
+  const bool blocks = st.block_len > 0;
+  const std::string layout = blocks ? "blocks_" : "";
+  const uint32_t cap = uint32_t(blocks ? st.block_len : st.capacity);
   {
     AttnPrepareArgs a{uint32_t(D), uint32_t(c_.rotary_dim), uint32_t(Hq), uint32_t(Hkv),
-                      uint32_t(pos0_), uint32_t(st.capacity), c_.rms_eps};
-    Dispatch d(*this, "attention.metal", "attn_prepare_" + kv);
+                      uint32_t(pos0_), cap, c_.rms_eps};
+    Dispatch d(*this, "attention.metal", "attn_prepare_" + layout + kv);
     d.buf(0, qg_).buf(1, k_).buf(2, v_).buf(3, vec(w.q_norm)).buf(4, vec(w.k_norm)).buf(5, inv_freq_)
-        .buf(6, kc).buf(7, vc).args(8, a)
+        .args(8, a)
         .reads(qg_, size_t(T) * Hq * 2 * D * 4).writes(qg_, size_t(T) * Hq * 2 * D * 4)
-        .reads(k_, size_t(T) * Hkv * D * 4).reads(v_, size_t(T) * Hkv * D * 4)
-        .state(kc, true, uint64_t(T) * Hkv * row).state(vc, true, uint64_t(T) * Hkv * row);
+        .reads(k_, size_t(T) * Hkv * D * 4).reads(v_, size_t(T) * Hkv * D * 4);
+    bind_kv(d, st, layer, 6, true, uint64_t(T) * Hkv * row);
     d.run({uint32_t(Hq + Hkv), uint32_t(T), 1}, {128, 1, 1});
   }
 
@@ -421,10 +420,12 @@ void GpuBackend::attention(State& state, int layer, const AttentionWeights& w) {
   const int n_ctx = pos0_ + T;
   int splits = 1, split_len = n_ctx;
   if (T == 1 && n_ctx > options_.split_threshold) {
-    split_len = options_.split_len;
+    // Over blocks a split is whole blocks, so each threadgroup walks its own blocks.
+    const int unit = blocks ? st.block_len : 1;
+    split_len = std::max(unit, options_.split_len / unit * unit);
     splits = div_up(n_ctx, split_len);
     if (splits > options_.max_splits) {
-      split_len = div_up(n_ctx, options_.max_splits);
+      split_len = int(div_up(div_up(n_ctx, options_.max_splits), unit)) * unit;
       splits = div_up(n_ctx, split_len);
     }
   }
@@ -432,15 +433,14 @@ void GpuBackend::attention(State& state, int layer, const AttentionWeights& w) {
     gemv(w.o_proj, {o_, 0}, Hq * D, {y_, 0}, H, T);
     return;
   }
-  AttnArgs a{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), uint32_t(st.capacity), uint32_t(pos0_),
+  AttnArgs a{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), cap, uint32_t(pos0_),
              uint32_t(splits), uint32_t(split_len), 1.0f / std::sqrt(float(D))};
   const size_t part_o = size_t(Hq) * splits * D * 4, part_ml = size_t(Hq) * splits * 2 * 4;
   {
-    Dispatch d(*this, "attention.metal", "attn_decode_" + kv);
-    d.buf(0, qg_).buf(1, kc).buf(2, vc).buf(3, o_).buf(4, part_o_).buf(5, part_ml_).args(6, a)
-        .reads(qg_, size_t(T) * Hq * 2 * D * 4)
-        .state(kc, false, uint64_t(Hkv) * n_ctx * row)
-        .state(vc, false, uint64_t(Hkv) * n_ctx * row);
+    Dispatch d(*this, "attention.metal", "attn_decode_" + layout + kv);
+    d.buf(0, qg_).buf(3, o_).buf(4, part_o_).buf(5, part_ml_).args(6, a)
+        .reads(qg_, size_t(T) * Hq * 2 * D * 4);
+    bind_kv(d, st, layer, 1, false, uint64_t(Hkv) * n_ctx * row);
     if (splits == 1) d.writes(o_, size_t(T) * Hq * D * 4);
     else d.writes(part_o_, part_o).writes(part_ml_, part_ml);
     d.run({uint32_t(Hkv), uint32_t(splits), uint32_t(T)}, {32 * LILY_ATTN_SIMDGROUPS, 1, 1});
@@ -647,13 +647,9 @@ void GpuBackend::lm_head(const Linear& head, int first, int n, float* logits) {
     if (logits && logits_->contents()) std::memcpy(logits, logits_->contents(), bytes);
     return;
   }
-  // Greedy step: the argmax goes into this step's ring slot (the next step's input); commit
-  // and return without waiting.
-  const uint32_t vocab = uint32_t(head.out);
-  const Ref slot{ring_, size_t(step_ % 2) * 4};
-  Dispatch d(*this, "sampling.metal", "argmax");
-  d.buf(0, logits_).buf(1, slot).args(2, vocab).reads(logits_, bytes).writes(slot.buf, 4, slot.off);
-  d.run({1, 1, 1}, {1024, 1, 1});
+  // Device-loop step: the chosen token goes into this step's ring slot (the next step's input);
+  // commit and return without waiting.
+  encode_sample(head.out);
   auto cb = std::move(cb_);
   auto enc = std::move(enc_);
   enc->end_encoding();
@@ -661,51 +657,6 @@ void GpuBackend::lm_head(const Linear& head, int first, int n, float* logits) {
   inflight_.push_back(std::move(cb));
   stats_.max_in_flight = std::max<uint64_t>(stats_.max_in_flight, inflight_.size());
   ++step_;
-}
-
-// ---- device greedy decoding ------------------------------------------------------------------
-
-bool GpuBackend::begin_device_greedy(State& state, int32_t first_token, int max_steps) {
-  auto& st = static_cast<GpuState&>(state);
-  finish();
-  reserve_kv(st, st.position() + max_steps);
-  size_activations(1);
-  grow(logits_, size_t(c_.vocab) * 4);
-  grow(ring_, 8);
-  step_ = read_step_ = 0;
-  inflight_.clear();
-  if (auto* r = static_cast<int32_t*>(ring_->contents())) r[1] = first_token;  // "step -1"'s token
-  greedy_ = true;
-  return true;
-}
-
-int32_t GpuBackend::wait_device_token() {
-  if (inflight_.empty()) throw Error("[gpu] no greedy step in flight");
-  auto cb = inflight_.front();
-  inflight_.erase(inflight_.begin());
-  ++stats_.waits;
-  cb->wait_until_completed();
-  const int64_t i = read_step_++;
-  const auto* r = static_cast<const int32_t*>(ring_->contents());
-  return r ? r[i % 2] : 0;
-}
-
-void GpuBackend::discard_last_step(State& state) {
-  for (auto& cb : inflight_) {
-    ++stats_.waits;
-    cb->wait_until_completed();
-  }
-  inflight_.clear();
-  auto& st = static_cast<GpuState&>(state);
-  st.parity ^= 1;  // back to the copies the discarded step read
-  --step_;
-  read_step_ = step_;
-}
-
-void GpuBackend::end_device_greedy() {
-  for (auto& cb : inflight_) cb->wait_until_completed();
-  inflight_.clear();
-  greedy_ = false;
 }
 
 }  // namespace lily::gpu

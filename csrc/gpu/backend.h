@@ -14,8 +14,9 @@
 //   Linear is (file buffer, byte offset). Experts are addressed through per-layer offset
 //   tables, so stacked (MLX) and per-expert (HF) layouts both work without repacking.
 // - One argument struct per kernel family (metal/*_args.h), included here and by the kernels.
-// - Kernel sources are read from metal/ with their local #includes inlined, so the text handed
-//   to Device::new_library is self-contained (what Metal's newLibraryWithSource needs).
+// - Kernel sources come embedded in the extension (gpu/embedded.h; LILY_SOURCE_DIR overrides)
+//   with their local #includes inlined, so the text handed to Device::new_library is
+//   self-contained (what Metal's newLibraryWithSource needs).
 // - Activations and state are f32 (the CPU backend's precision): KV cache [Hkv, cap, D] per
 //   attention layer grows geometrically like the CPU one; DeltaNet S [Hv, Dk, Dv] and the conv
 //   window [K-1, C] per layer.
@@ -34,6 +35,7 @@
 
 #include "gpu/device.h"
 #include "gpu/hazards.h"
+#include "metal/sampling_args.h"
 #include "model/backend.h"
 
 namespace lily::gpu {
@@ -47,6 +49,11 @@ struct GpuOptions {
   // KV cache elements in half precision: half the bytes per token at long contexts, at the cost
   // of f16 rounding of k and v (default f32: the CPU backend's precision).
   bool kv_half = false;
+  // A context reaching block_threshold positions moves its KV cache (once) into fixed blocks of
+  // block_len positions (csrc/gpu/kv_blocks.cpp): later growth adds blocks without copying
+  // the cache, and split-K walks whole blocks.
+  int block_threshold = 32768;
+  int block_len = 256;
   // Chunks of at least this many tokens run projections and the feed-forward as tiled GEMMs
   // (and MoE as grouped GEMMs); shorter ones take the "skinny" GEMV route (decode kernels with
   // T rows), which wins while a weight tile would be mostly padding.
@@ -68,7 +75,7 @@ struct DispatchRecord {
 
 struct GpuStats {
   uint64_t dispatches = 0, barriers = 0, command_buffers = 0, waits = 0;
-  uint64_t max_in_flight = 0;  // most greedy steps committed and not yet read back at once
+  uint64_t max_in_flight = 0;  // most device-loop steps committed and not yet read back at once
 };
 
 class GpuBackend;
@@ -78,6 +85,12 @@ class GpuState : public State {
   GpuBackend* backend = nullptr;
   int capacity = 0;                                  // KV positions allocated
   std::vector<std::shared_ptr<Buffer>> k, v;         // per attention layer [Hkv, capacity, D]
+  // Block layout (block_len > 0; k, v then empty): table [max blocks] of (arena << 24 | slot)
+  // shared by all layers; per layer, K and V arenas [slots, Hkv, block_len, D], sizes doubling.
+  int block_len = 0;
+  std::shared_ptr<Buffer> block_table;
+  std::vector<std::vector<std::shared_ptr<Buffer>>> k_arenas, v_arenas;
+  std::vector<int> arena_slots;  // blocks per arena
   // Per DeltaNet layer, two copies each: a pass reads copy `parity` and writes the other, then
   // flips parity, so the state before the latest pass is still there (discard_last_step).
   std::vector<std::shared_ptr<Buffer>> conv[2], S[2];
@@ -118,10 +131,11 @@ class GpuBackend : public Backend {
   void moe(const MoeWeights& w) override;
   void lm_head(const Linear& head, int first, int n, float* logits) override;
 
-  bool begin_device_greedy(State& st, int32_t first_token, int max_steps) override;
+  // Device decode loop (csrc/gpu/sampling.cpp).
+  bool begin_device_decode(State& st, int32_t first_token, int max_steps, const DeviceSampling& sampling) override;
   int32_t wait_device_token() override;
   void discard_last_step(State& st) override;
-  void end_device_greedy() override;
+  void end_device_decode() override;
 
   // Commits the pass being encoded (if any) and waits for it.
   void finish();
@@ -152,6 +166,8 @@ class GpuBackend : public Backend {
   void begin();
   void grow(std::shared_ptr<Buffer>& b, size_t bytes);
   void reserve_kv(GpuState& st, int positions);
+  void reserve_blocks(GpuState& st, int positions);  // kv_blocks.cpp
+  void bind_kv(Dispatch& d, GpuState& st, int layer, uint32_t index, bool write, uint64_t traffic);
   void gemv(const Linear& W, const Ref& x, int ldx, const Ref& y, int ldy, int T);
   void norm(const std::vector<float>& w, bool add);
   const ExpertTables& tables(const MoeWeights* moe, const MlpWeights* mlp);
@@ -201,12 +217,15 @@ class GpuBackend : public Backend {
 
   int T_ = 0, pos0_ = 0;
   int in_ = 0;  // the state copy this pass reads (GpuState::parity at embed)
-  // Device greedy mode: step i reads its token from ring slot (i+1)%2 and writes its argmax to
-  // slot i%2; committed steps not yet read back wait in `inflight_`.
+  // Device decode loop: step i reads its token from ring slot (i+1)%2 and writes the token it
+  // chooses (metal/sampling.metal) to slot i%2, with a status word per slot; the generator
+  // state lives in rng_. Committed steps not yet read back wait in `inflight_`.
   bool greedy_ = false;
   int64_t step_ = 0, read_step_ = 0;
   std::vector<std::shared_ptr<CommandBuffer>> inflight_;
-  std::shared_ptr<Buffer> ring_;
+  std::shared_ptr<Buffer> ring_, status_, rng_, sample_w_;
+  SampleArgs sample_args_{};          // this loop's (metal/sampling_args.h)
+  void encode_sample(int vocab);      // the sample dispatch of a device-loop step
   void size_activations(int T);
   // Activations [T, ...] (see metal/*_args.h for the layouts).
   std::shared_ptr<Buffer> tokens_, x_, h_, y_, qg_, k_, v_, o_, part_o_, part_ml_, qkv_, qkvz_, z_,
@@ -217,8 +236,8 @@ class GpuBackend : public Backend {
   std::shared_ptr<Buffer> plan_rows_, plan_blocks_, plan_header_, yr_, ys_;
 };
 
-// Reads metal/<file> from the source tree (LILY_SOURCE_DIR, or the checkout the extension was
-// built from) with its local #include "..." lines inlined.
+// metal/<file> (embedded, or from LILY_SOURCE_DIR: gpu/embedded.h) with its local
+// #include "..." lines inlined.
 std::string kernel_source(const std::string& file);
 
 }  // namespace lily::gpu

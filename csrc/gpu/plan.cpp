@@ -222,9 +222,9 @@ PrefillPlan plan_prefill(const ModelConfig& c, const PlanQuantization& q, const 
     be.set_recording(last);
     be.records().clear();
     if (last) {
-      // The engine's generate_greedy: the last chunk is device greedy step 0, its argmax the
+      // The engine's generate_greedy: the last chunk is device-loop step 0, its argmax the
       // first token, committed without a wait.
-      be.begin_device_greedy(*st, 0, T);
+      be.begin_device_decode(*st, 0, T, DeviceSampling{});
       forward_chunk(be, *w, *st, tokens.data(), T, LogitRows::Last, nullptr);
     } else {
       forward_chunk(be, *w, *st, tokens.data(), T, LogitRows::None, nullptr);
@@ -245,7 +245,7 @@ PrefillPlan plan_prefill(const ModelConfig& c, const PlanQuantization& q, const 
       plan.last_tokens = T;
       plan.device_bytes = g_live_bytes;
       plan.state_bytes = st->nbytes();
-      be.end_device_greedy();
+      be.end_device_decode();
     }
     done += T;
   }

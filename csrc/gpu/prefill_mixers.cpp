@@ -30,22 +30,21 @@ bool GpuBackend::prefill_attention(GpuState& st, int layer) {
   const int T = T_, Hq = c_.n_heads, Hkv = c_.n_kv_heads, D = c_.head_dim;
   const int group = Hq / Hkv;
   if (T < 2 || group > LILY_ATTN_PF_ROWS || D % 32 != 0 || D > LILY_ATTN_PF_MAX_HEAD_DIM) return false;
-  auto& kc = st.k[layer];
-  auto& vc = st.v[layer];
   const uint64_t row = uint64_t(D) * (options_.kv_half ? 2 : 4);
+  const bool blocks = st.block_len > 0;  // the fixed-block layout (kv_blocks.cpp)
   const uint32_t tile = std::max(1, LILY_ATTN_PF_ROWS / group);
   const uint32_t tiles = div_up(T, tile);
-  AttnPrefillArgs a{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), uint32_t(st.capacity), uint32_t(pos0_),
+  AttnPrefillArgs a{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), uint32_t(blocks ? st.block_len : st.capacity), uint32_t(pos0_),
                     uint32_t(T), tile, 1.0f / std::sqrt(float(D))};
   // Cache traffic: tile i reads positions [0, pos0 + its last token], K and V.
   uint64_t positions = 0;
   for (uint32_t i = 0; i < tiles; ++i) positions += uint64_t(pos0_) + std::min<uint32_t>(T, (i + 1) * tile);
-  Dispatch d(*this, "attention_prefill.metal", std::string("attn_prefill_") + (options_.kv_half ? "half" : "float"));
-  d.buf(0, qg_).buf(1, kc).buf(2, vc).buf(3, o_).args(4, a)
+  Dispatch d(*this, "attention_prefill.metal",
+             std::string("attn_prefill_") + (blocks ? "blocks_" : "") + (options_.kv_half ? "half" : "float"));
+  d.buf(0, qg_).buf(3, o_).args(4, a)
       .reads(qg_, size_t(T) * Hq * 2 * D * 4)
-      .state(kc, false, positions * Hkv * row)
-      .state(vc, false, positions * Hkv * row)
       .writes(o_, size_t(T) * Hq * D * 4);
+  bind_kv(d, st, layer, 1, false, positions * Hkv * row);
   d.run({uint32_t(Hkv), tiles, 1}, {32 * LILY_ATTN_PF_SIMDGROUPS, 1, 1});
   return true;
 }

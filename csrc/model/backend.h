@@ -64,6 +64,19 @@ class State {
   std::vector<std::pair<uint64_t, int>> restores_;
 };
 
+// How a device decode loop chooses each token: argmax, or the CPU sampler's draw (see
+// engine/sampler.h and metal/sampling.h) with the constants it derives and its generator state,
+// so the device continues the host sampler's random stream.
+struct DeviceSampling {
+  bool draw = false;        // false: argmax (lowest id on ties)
+  int32_t top_k = 0;        // 0: off
+  uint64_t top_p_fixed = 0;  // top_p * 2^64; 0: off
+  bool use_min_p = false;
+  float inv_t = 1.0f;         // 1 / temperature
+  float min_p_offset = 0.0f;  // temperature * log(min_p)
+  uint64_t rng[4] = {0, 0, 0, 0};  // xoshiro256** state before the first device draw
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -85,20 +98,25 @@ class Backend {
   // logits[n, vocab] = head(h[first .. first + n))
   virtual void lm_head(const Linear& head, int first, int n, float* logits) = 0;
 
-  // Device-side greedy decoding (GPU backends; Engine::generate_greedy drives it). Between
-  // begin and end, each forward pass gets tokens == nullptr (its input is the previous step's
-  // argmax, already on the device) and logits == nullptr (lm_head writes the argmax and commits
-  // without waiting), so step N+1 is encoded and committed before step N's token is read.
-  // The first pass may instead bring its own tokens (a prompt's last chunk, T >= 1): its argmax
-  // is then the first generated token. max_steps counts positions (that chunk's and 1 per step).
+  // Device-side decoding (GPU backends; Engine::begin_device_decode drives it). Between begin
+  // and end, each forward pass gets tokens == nullptr (its input is the previous step's token,
+  // already on the device) and logits == nullptr (lm_head chooses the token on the device, as
+  // `sampling` says, writes it into the next step's input slot and commits without waiting),
+  // so step N+1 is encoded and committed before step N's token is read.
+  // The first pass may instead bring its own tokens (a prompt's last chunk, T >= 1): the token
+  // it chooses is then the first generated one. max_steps counts positions (that chunk's and 1
+  // per step).
   // Backends without it return false from begin and the engine loops on the host.
-  virtual bool begin_device_greedy(State& st, int32_t first_token, int max_steps) { return false; }
-  // Waits for the oldest step in flight and returns the token it chose.
+  virtual bool begin_device_decode(State& st, int32_t first_token, int max_steps, const DeviceSampling& sampling) {
+    return false;
+  }
+  // Waits for the oldest step in flight and returns the token it chose. Throws lily::Error (as
+  // the CPU sampler does) when that step's logits held a NaN / +inf or were all -inf.
   virtual int32_t wait_device_token() { return -1; }
   // Waits for every step in flight, then undoes the newest one's recurrent-state update (the
   // engine rolls the position back; its KV entry is simply overwritten later).
   virtual void discard_last_step(State& st) {}
-  virtual void end_device_greedy() {}
+  virtual void end_device_decode() {}
 };
 
 }  // namespace lily

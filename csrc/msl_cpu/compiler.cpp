@@ -2,6 +2,8 @@
 // See compiler.h for the design.
 #include "msl_cpu/compiler.h"
 
+#include "gpu/embedded.h"
+
 #include <dlfcn.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -450,10 +452,9 @@ std::string clang_path() {
        "install clang-19) or set LILY_CLANG");
 }
 
-std::string source_dir() {
-  if (const char* e = std::getenv("LILY_SOURCE_DIR"); e && *e) return e;
-  return LILY_SOURCE_DIR;  // the checkout this extension was built from
-}
+// The prelude and metal/ headers: $LILY_SOURCE_DIR when it holds them (a developer's checkout),
+// else the copies embedded in the extension, written once into the cache (gpu/embedded.h).
+std::string source_dir() { return gpu::source_tree(cache_dir()); }
 
 std::string prelude_dir() { return source_dir() + "/csrc/msl_cpu/prelude"; }
 

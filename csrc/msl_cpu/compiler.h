@@ -87,8 +87,9 @@ class Module {
   std::string path_;
 };
 
-// The clang used for kernels; the lily source tree ($LILY_SOURCE_DIR, else the checkout the
-// extension was built from), whose csrc/msl_cpu/prelude and metal/ the kernels include.
+// The clang used for kernels; the lily source tree whose csrc/msl_cpu/prelude and metal/ the
+// kernels include ($LILY_SOURCE_DIR when it has them, else the sources embedded in the
+// extension, written into the kernel cache: gpu/embedded.h).
 std::string clang_path();
 std::string source_dir();
 std::string prelude_dir();

@@ -63,7 +63,7 @@ std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weigh
                                       int threads, int split_threshold, int split_len,
                                       bool check_dependencies, int interleavings, const std::string& kv_dtype,
                                       bool asan, int gemm_min_rows, bool metal4, const std::string& gemm,
-                                      const std::string& cpu_matmul) {
+                                      int block_threshold, int block_len, const std::string& cpu_matmul) {
   cpu::Matmul matmul;
   if (cpu_matmul == "f32") matmul = cpu::Matmul::F32;
   else if (cpu_matmul == "int8") matmul = cpu::Matmul::Int8;
@@ -76,6 +76,8 @@ std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weigh
   opt.gemm = gemm;
   if (metal4 && name != "msl-cpu")
     throw ConfigError("[engine] metal4 is an option of the msl-cpu backend (a real device reports its own family)");
+  if (block_threshold >= 0) opt.block_threshold = block_threshold;
+  if (block_len > 0) opt.block_len = block_len;
   if (kv_dtype != "float32" && kv_dtype != "float16")
     throw ConfigError("[engine] kv_dtype must be 'float32' or 'float16', not '" + kv_dtype + "'");
   opt.kv_half = kv_dtype == "float16";
@@ -226,18 +228,18 @@ void init_model(nb::module_& m) {
           [](Engine* self, std::shared_ptr<ModelWeights> weights, const std::string& backend, int threads,
              int prefill_chunk, int split_threshold, int split_len, bool check_dependencies, int interleavings,
              const std::string& kv_dtype, bool asan, int gemm_min_rows, bool metal4, const std::string& gemm,
-             const std::string& cpu_matmul) {
+             int block_threshold, int block_len, const std::string& cpu_matmul) {
             new (self) Engine(weights,
                               make_backend(weights, backend, threads, split_threshold, split_len,
                                            check_dependencies, interleavings, kv_dtype, asan, gemm_min_rows, metal4,
-                                           gemm, cpu_matmul),
+                                           gemm, block_threshold, block_len, cpu_matmul),
                               prefill_chunk);
           },
           nb::arg("weights"), nb::arg("backend") = "cpu", nb::arg("threads") = 0, nb::arg("prefill_chunk") = 512,
           nb::arg("split_threshold") = -1, nb::arg("split_len") = -1, nb::arg("check_dependencies") = false,
           nb::arg("interleavings") = 0, nb::arg("kv_dtype") = "float32", nb::arg("asan") = false,
           nb::arg("gemm_min_rows") = -1, nb::arg("metal4") = false, nb::arg("gemm") = "auto",
-          nb::arg("cpu_matmul") = "f32")
+          nb::arg("block_threshold") = -1, nb::arg("block_len") = -1, nb::arg("cpu_matmul") = "f32")
       .def_prop_ro("gpu_stats", [](Engine& e) {
         auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
         if (!g) throw Error("[engine] gpu_stats: the backend is not a GPU backend");
@@ -318,15 +320,40 @@ void init_model(nb::module_& m) {
           },
           nb::arg("state"), nb::arg("prompt"), nb::arg("max_tokens"), nb::arg("stop_tokens") = std::vector<int32_t>{},
           "The same after a prompt (a list of token ids, none in the state yet), prefilled in chunks; on a GPU "
-          "backend the last chunk's argmax is the first token and never leaves the device before step 2.");
+          "backend the last chunk's argmax is the first token and never leaves the device before step 2.")
+      .def(
+          "begin_device_decode",
+          [](Engine& e, State& st, int32_t token, int max_steps, const Sampler* sampler) {
+            nb::gil_scoped_release release;
+            return e.begin_device_decode(st, token, max_steps, sampler);
+          },
+          nb::arg("state"), nb::arg("token"), nb::arg("max_steps"), nb::arg("sampler").none() = nb::none(),
+          "Starts a decode loop whose tokens stay on the device (GPU backends): feeds `token` and commits "
+          "the first step, choosing each token by argmax (sampler None) or by `sampler`'s draw, continuing "
+          "its random stream. False (nothing changed) on a backend without one.")
+      .def(
+          "next_device_token",
+          [](Engine& e, State& st) {
+            nb::gil_scoped_release release;
+            return e.next_device_token(st);
+          },
+          nb::arg("state"), "Commits the following step (depth 2), waits for the oldest and returns its token.")
+      .def(
+          "end_device_decode",
+          [](Engine& e, State& st) {
+            nb::gil_scoped_release release;
+            e.end_device_decode(st);
+          },
+          nb::arg("state"), "Ends the loop, undoing a step whose token was not read.");
 
   m.def(
       "gpu_plan",
       [](const ModelConfig& c, int context, int bits, int group, int gate_bits, int split_threshold,
-         int split_len, bool kv_half, int tokens, int gemm_min_rows) {
+         int split_len, bool kv_half, int tokens, int gemm_min_rows, int block_threshold) {
         gpu::PlanQuantization q{bits, group, gate_bits};
         gpu::GpuOptions opt;
         opt.kv_half = kv_half;
+        if (block_threshold >= 0) opt.block_threshold = block_threshold;
         if (split_threshold >= 0) opt.split_threshold = split_threshold;
         if (split_len > 0) opt.split_len = split_len;
         if (gemm_min_rows > 0) opt.gemm_min_rows = gemm_min_rows;
@@ -341,6 +368,7 @@ void init_model(nb::module_& m) {
       nb::arg("config"), nb::arg("context"), nb::arg("bits") = 4, nb::arg("group_size") = 64,
       nb::arg("gate_bits") = 8, nb::arg("split_threshold") = -1, nb::arg("split_len") = -1,
       nb::arg("kv_half") = false, nb::arg("tokens") = 1, nb::arg("gemm_min_rows") = -1,
+      nb::arg("block_threshold") = -1,
       "The GPU backend's dispatch sequence for one decode step (or a prefill chunk of `tokens` "
       "tokens ending at `context`), recorded without running it: "
       "([(kernel, stage, weight bytes, state bytes, other bytes)], (dispatches, barriers, "

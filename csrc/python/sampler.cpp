@@ -61,6 +61,13 @@ void init_sampler(nb::module_& m) {
   nb::class_<Sampler>(m, "Sampler", "Seeded sampler over one row of logits at a time.")
       .def(nb::init<const SamplingParams&>(), "params"_a)
       .def_prop_ro("params", &Sampler::params)
+      .def_prop_ro("rng_state", [](const Sampler& s) {
+        const uint64_t* st = s.rng().state();
+        return std::vector<uint64_t>(st, st + 4);
+      }, "The xoshiro256** state [4] the next draw starts from (what a GPU loop continues).")
+      .def_prop_ro("device_constants", [](const Sampler& s) {
+        return nb::make_tuple(s.draws(), s.inv_temperature(), s.min_p_offset(), s.top_p_fixed());
+      }, "(draws, 1/T, T*log(min_p), top_p*2^64): the constants the GPU sampler takes.")
       .def(
           "sample",
           [](Sampler& s, Logits logits, std::optional<Tokens> penalty_tokens) {

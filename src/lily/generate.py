@@ -139,12 +139,18 @@ def token_loop(
     stats: GenerationStats,
     on_prefilled: Callable[[], None] | None = None,
     on_prefill_progress: Callable[[int, int], None] | None = None,
+    device_loop: Callable[[int, int, Any], DeviceLoop | None] | None = None,
 ) -> Iterator[GenerationChunk]:
     """Prefills ``prompt_ids`` (in chunks, so Ctrl-C is honoured) and generates.
 
     ``prefill(ids)`` / ``decode(tok)`` append to the caller's state and return the last
     logits. ``history`` is the context before ``prompt_ids`` (for the penalty window). The
     last sampled token is not fed to the model (nothing would read its logits).
+
+    ``device_loop(token, max_steps, sampler)``, when given, may return a :class:`DeviceLoop`:
+    after the first token (sampled here from the prefill's logits) each token is then chosen on
+    the device, by the same algorithm from the same random stream, and fed to the next step
+    there. The loop is closed when generation stops, undoing the step made past the end.
     """
     if max_tokens < 0:
         raise RequestError("[generate] max_tokens must be non-negative")
@@ -169,35 +175,85 @@ def token_loop(
         return
 
     t_decode = time.perf_counter()
-    while True:
-        tok, lp, top = sampler.sample(logits, np.fromiter(window, dtype=np.int32, count=len(window)))
-        if stats.completion_tokens == 0:
-            stats.ttft_s = time.perf_counter() - t0
-        if tok in eos:
-            finish = "stop"
-            text = ""
-        else:
-            stats.completion_tokens += 1
-            window.append(tok)
-            text = matcher.feed(detokenizer.feed(tok)) if detokenizer is not None else ""
-            finish = "stop" if matcher.stopped else ("length" if stats.completion_tokens >= max_tokens else None)
-        if finish is not None:
-            if not matcher.stopped and detokenizer is not None:
-                text += matcher.feed(detokenizer.flush())
-                text += matcher.flush() if not matcher.stopped else ""
-            stats.decode_s = time.perf_counter() - t_decode
-            stats.finish_reason = finish
-            is_eos = tok in eos
-            yield GenerationChunk(
-                text,
-                None if is_eos else tok,
-                None if is_eos or not want_logprobs else lp,
-                None if is_eos or not want_logprobs else top,
-                finish,
-            )
-            return
-        yield GenerationChunk(text, tok, lp if want_logprobs else None, top if want_logprobs else None)
-        logits = decode(tok)
+    dev: DeviceLoop | None = None
+    try:
+        while True:
+            if dev is None:
+                tok, lp, top = sampler.sample(logits, np.fromiter(window, dtype=np.int32, count=len(window)))
+            else:
+                tok, lp, top = dev.next(), None, None
+            if stats.completion_tokens == 0:
+                stats.ttft_s = time.perf_counter() - t0
+            if tok in eos:
+                finish = "stop"
+                text = ""
+            else:
+                stats.completion_tokens += 1
+                window.append(tok)
+                text = matcher.feed(detokenizer.feed(tok)) if detokenizer is not None else ""
+                finish = "stop" if matcher.stopped else ("length" if stats.completion_tokens >= max_tokens else None)
+            if finish is not None:
+                if not matcher.stopped and detokenizer is not None:
+                    text += matcher.feed(detokenizer.flush())
+                    text += matcher.flush() if not matcher.stopped else ""
+                stats.decode_s = time.perf_counter() - t_decode
+                stats.finish_reason = finish
+                is_eos = tok in eos
+                yield GenerationChunk(
+                    text,
+                    None if is_eos else tok,
+                    None if is_eos or not want_logprobs else lp,
+                    None if is_eos or not want_logprobs else top,
+                    finish,
+                )
+                return
+            yield GenerationChunk(text, tok, lp if want_logprobs else None, top if want_logprobs else None)
+            if device_loop is not None:  # tried once: None where the backend has no device loop
+                # At most max_tokens - completion_tokens more tokens, one step each.
+                dev = device_loop(tok, max_tokens - stats.completion_tokens, sampler)
+                device_loop = None
+            if dev is None:
+                logits = decode(tok)
+    finally:
+        if dev is not None:
+            dev.close()
+
+
+class DeviceLoop:
+    """A decode loop whose tokens stay on the device (GPU backends; ``Engine.begin_device_decode``).
+
+    ``next()`` commits the following step before it waits for the oldest one's token, so the
+    device never waits for Python; ``close()`` undoes the step still in flight, leaving the state
+    as host decoding of every returned token but the last would.
+    """
+
+    def __init__(self, engine, state, lock: threading.Lock):
+        self._engine, self._state, self._lock = engine, state, lock
+        self._open = True
+
+    @classmethod
+    def start(cls, engine, state, lock, token: int, max_steps: int, sampler) -> DeviceLoop | None:
+        with lock:
+            if not engine.begin_device_decode(state, int(token), int(max_steps), sampler):
+                return None
+        return cls(engine, state, lock)
+
+    def next(self) -> int:
+        with self._lock:
+            return self._engine.next_device_token(self._state)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            with self._lock:
+                self._engine.end_device_decode(self._state)
+
+
+def device_loop_allowed(params, want_logprobs: bool) -> bool:
+    """Whether a request can choose its tokens on the device: penalties and logprobs need the
+    logits on the host."""
+    return (not want_logprobs and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0)
 
 
 def collect(chunks: Iterator[GenerationChunk], stats: GenerationStats, want_logprobs: bool) -> GenerationResult:

@@ -16,10 +16,12 @@ from lily.chat_template import render
 from lily.checkpoint import load_weights
 from lily.config import ModelConfig, load_config
 from lily.generate import (
+    DeviceLoop,
     GenerationLock,
     GenerationResult,
     GenerationStats,
     GenerationStream,
+    device_loop_allowed,
     sampling_params,
     token_loop,
 )
@@ -78,6 +80,11 @@ class Session:
         with self._model._lock:
             return self._model._engine.decode(self._state, int(token_id))
 
+    def device_loop(self, token: int, max_steps: int, sampler) -> DeviceLoop | None:
+        """A decode loop from ``token`` whose tokens are chosen on the device (GPU backends), or
+        None where the backend has none (see :class:`lily.generate.DeviceLoop`)."""
+        return DeviceLoop.start(self._model._engine, self._state, self._model._lock, token, max_steps, sampler)
+
     def fork(self) -> Session:
         """An independent copy of this session's state (a snapshot to branch from)."""
         twin = object.__new__(Session)
@@ -128,11 +135,13 @@ class Model:
         (default: all cores). prefill_chunk: tokens per prefill step (bounds scratch memory).
         max_context: default context of new sequences (default: the model's
         max_position_embeddings). backend_options: GPU backends' test knobs (split_threshold,
-        split_len: the attention route thresholds; gemm_min_rows: the shortest chunk that runs
-        prefill GEMMs rather than GEMVs; gemm: "auto", "simdgroup" or "tensor", the prefill
-        GEMMs' inner product (simdgroup_matrix, or Metal 4 tensor ops where the GPU has them);
-        kv_dtype: "float32" or "float16" KV cache; check_dependencies, interleavings, asan: the
-        MSL-on-CPU runtime's checking modes; metal4: the MSL-on-CPU device claims Metal 4).
+        split_len: the attention route thresholds; block_threshold, block_len: the context from
+        which the KV cache moves into fixed blocks, and their length; gemm_min_rows: the
+        shortest chunk that runs prefill GEMMs rather than GEMVs; gemm: "auto", "simdgroup" or
+        "tensor", the prefill GEMMs' inner product (simdgroup_matrix, or Metal 4 tensor ops
+        where the GPU has them); kv_dtype: "float32" or "float16" KV cache;
+        check_dependencies, interleavings, asan: the MSL-on-CPU runtime's checking modes;
+        metal4: the MSL-on-CPU device claims Metal 4).
         cpu_matmul: how the CPU backend multiplies quantized (4/8-bit) weights: "f32" expands
         them to f32 (matches mlx-lm to ~1e-6), "int8" rounds activations to int8 per block of
         32 and uses integer dot products (faster; logits within ~1% of f32, see
@@ -274,10 +283,14 @@ class Model:
         want_lp = bool(logprobs)
         detok = self.tokenizer.detokenizer(skip_special_tokens=True) if self.tokenizer else None
         self._generation.acquire()
+        # GPU backends choose each token on the device and feed it to the next step there, unless
+        # the request needs the logits on the host (penalties, logprobs).
+        on_device = device_loop_allowed(params, want_lp)
         chunks = token_loop(session.prefill, session.decode, ids, chunk=self._engine.prefill_chunk,
                             params=params, max_tokens=max_tokens, eos_ids=self.eos_token_ids,
                             detokenizer=detok, stop=stop, want_logprobs=want_lp, history=(), stats=stats,
-                            on_prefill_progress=on_prefill_progress)
+                            on_prefill_progress=on_prefill_progress,
+                            device_loop=session.device_loop if on_device else None)
         stream_obj = GenerationStream(chunks, stats, want_lp, lambda _result: self._generation.release())
         if stream:
             return stream_obj

@@ -1,0 +1,87 @@
+#include "gpu/embedded.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "model/error.h"
+
+namespace lily::gpu {
+
+namespace {
+
+std::string override_dir() {
+  const char* e = std::getenv("LILY_SOURCE_DIR");
+  return e && *e ? std::string(e) : std::string();
+}
+
+bool read_disk(const std::string& path, std::string& out) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return false;
+  std::ostringstream s;
+  s << f.rdbuf();
+  out = s.str();
+  return true;
+}
+
+const EmbeddedFile* find(const std::string& path) {
+  for (size_t i = 0; i < kEmbeddedCount; ++i)
+    if (path == kEmbeddedFiles[i].path) return &kEmbeddedFiles[i];
+  return nullptr;
+}
+
+void make_dirs(const std::string& path) {  // every parent folder of path
+  for (size_t i = 1; i < path.size(); ++i)
+    if (path[i] == '/') mkdir(path.substr(0, i).c_str(), 0755);
+}
+
+}  // namespace
+
+std::string source_file(const std::string& path) {
+  std::string text;
+  if (const std::string dir = override_dir(); !dir.empty() && read_disk(dir + "/" + path, text)) return text;
+  if (const EmbeddedFile* f = find(path)) return std::string(f->text, f->size);
+  throw Error("[gpu] no kernel source " + path + " (neither embedded in the extension nor under LILY_SOURCE_DIR)");
+}
+
+std::string source_tree(const std::string& cache_root) {
+  if (const std::string dir = override_dir(); !dir.empty()) {
+    bool all = true;
+    for (size_t i = 0; i < kEmbeddedCount && all; ++i) all = access((dir + "/" + kEmbeddedFiles[i].path).c_str(), R_OK) == 0;
+    if (all) return dir;
+  }
+  // FNV-1a of every path and text: a folder per distinct set of sources.
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](const char* p, size_t n) {
+    for (size_t i = 0; i < n; ++i) h = (h ^ uint8_t(p[i])) * 1099511628211ull;
+  };
+  for (size_t i = 0; i < kEmbeddedCount; ++i) {
+    mix(kEmbeddedFiles[i].path, std::strlen(kEmbeddedFiles[i].path) + 1);
+    mix(kEmbeddedFiles[i].text, kEmbeddedFiles[i].size);
+  }
+  char name[40];
+  std::snprintf(name, sizeof name, "/sources-%016llx", static_cast<unsigned long long>(h));
+  const std::string root = cache_root + name;
+  for (size_t i = 0; i < kEmbeddedCount; ++i) {
+    const std::string path = root + "/" + kEmbeddedFiles[i].path;
+    if (access(path.c_str(), R_OK) == 0) continue;
+    make_dirs(path);
+    // Written under a private name and renamed: concurrent processes never see a partial file.
+    const std::string tmp = path + "." + std::to_string(getpid());
+    {
+      std::ofstream f(tmp, std::ios::binary);
+      f.write(kEmbeddedFiles[i].text, std::streamsize(kEmbeddedFiles[i].size));
+      if (!f) throw Error("[gpu] cannot write " + tmp);
+    }
+    if (std::rename(tmp.c_str(), path.c_str()) != 0) throw Error("[gpu] cannot write " + path);
+  }
+  return root;
+}
+
+}  // namespace lily::gpu
