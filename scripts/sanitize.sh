@@ -3,7 +3,11 @@
 # (-DLILY_SANITIZE=ON, clang-19) into build/asan and runs the native-facing tests against it:
 # the engine (a subset of the transformers comparison, the bad-checkpoint and failure tests)
 # and the MSL-on-CPU runtime. Any ASan report or UBSan diagnostic fails the run.
-#   scripts/sanitize.sh [extra pytest args]
+#   scripts/sanitize.sh [--ci] [extra pytest args]
+# --ci: the subset scripts/test.sh (CI) runs, chosen to take well under 12 minutes with the build
+# on a fresh 2-core machine: every native-facing area once (loader bad inputs and fuzz findings,
+# sampler, failure tests, MSL-on-CPU runtime, the CPU engine against transformers on one model
+# type, a Metal decode on the MSL-on-CPU runtime). Without --ci: every file below, in full.
 #
 # The extension is a shared object loaded by an uninstrumented python, so the ASan runtime must
 # be the first library in the process: it is LD_PRELOADed (clang's shared runtime, which carries
@@ -11,10 +15,15 @@
 # freed at exit and would bury real reports. The normal build (build/dev, src/lily/_core*.so) is
 # not touched: the tests import lily from a copy of src/lily with the sanitized extension.
 set -euo pipefail
+mode=full
+if [ "${1:-}" = --ci ]; then mode=ci; shift; fi
 root=$(cd "$(dirname "$0")/.." && pwd)
 build="$root/build/asan"
 pkg="$build/py"
 cc=${CC_SANITIZE:-clang-19} cxx=${CXX_SANITIZE:-clang++-19}
+# The build runs outside pip's isolated build environment (the `test` extra installs these).
+command -v cmake >/dev/null && python -m nanobind --cmake_dir >/dev/null 2>&1 ||
+  { echo "sanitize.sh needs cmake and nanobind: pip install '.[test]'" >&2; exit 1; }
 gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
 cmake -S "$root" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLILY_SANITIZE=ON \
   -DCMAKE_C_COMPILER="$cc" -DCMAKE_CXX_COMPILER="$cxx" >/dev/null
@@ -40,8 +49,29 @@ python -c "import lily, lily._core as c; assert c.__file__.startswith('$pkg'), c
 # - test_asan_needs_its_runtime checks the error raised when the ASan runtime is NOT loaded;
 # - the KV out-of-memory test sets an address-space limit (ulimit -v), under which ASan's own
 #   allocator cannot map its regions and aborts (ASan reserves terabytes of shadow memory).
-python -m pytest -q -p no:cacheprovider \
-  tests/test_bad_checkpoints.py tests/test_failures.py tests/test_fuzz_regressions.py \
-  tests/test_msl_cpu.py tests/test_msl_cpu_bugs.py tests/test_forward_transformers.py \
-  --deselect tests/test_msl_cpu_bugs.py::test_asan_needs_its_runtime \
-  --deselect tests/test_failures.py::test_kv_cache_out_of_memory_is_a_request_error "$@"
+never=(--deselect tests/test_msl_cpu_bugs.py::test_asan_needs_its_runtime
+       --deselect tests/test_failures.py::test_kv_cache_out_of_memory_is_a_request_error)
+if [ "$mode" = ci ]; then
+  tests=(tests/test_bad_checkpoints.py tests/test_fuzz_regressions.py tests/test_sampler.py
+         tests/test_failures.py tests/test_msl_cpu.py tests/test_msl_cpu_bugs.py
+         "tests/test_forward_transformers.py::test_prefill_then_decode"
+         "tests/test_forward_transformers.py::test_long_prompt_chunked"
+         "tests/test_metal_decode.py::test_prefill_then_decode")
+  # One model type of the parametrized engine tests (the dense-FFN hybrid; the MoE types share
+  # the attention / DeltaNet code and are covered by the full job).
+  select=(-k "not ((test_forward_transformers or test_metal_decode) and (qwen3_5_moe or qwen3_next))")
+else
+  tests=(tests/test_bad_checkpoints.py tests/test_failures.py tests/test_fuzz_regressions.py
+         tests/test_sampler.py tests/test_msl_cpu.py tests/test_msl_cpu_bugs.py
+         tests/test_forward_transformers.py tests/test_metal_decode.py)
+  select=()
+fi
+start=$SECONDS
+status=0
+python -m pytest -q -p no:cacheprovider "${tests[@]}" "${never[@]}" "${select[@]}" "$@" || status=$?
+if [ "$status" != 0 ]; then
+  echo "SANITIZER JOB FAILED (pytest exit $status): an ASan/UBSan report aborts the process that hit" \
+       "it; see the report above" >&2
+  exit "$status"
+fi
+echo "sanitizer job ($mode): clean, tests $((SECONDS - start)) s"

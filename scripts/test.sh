@@ -19,3 +19,7 @@ python -m pip install -q "torch==2.13.0"
 python -m pip install -q ".[test,server]"
 python -m ruff check src tests scripts benchmarks examples
 python -m pytest -q tests "$@"
+# The sanitizer job: lily._core rebuilt with ASan + UBSan into build/asan (the installed lily is
+# not touched) and a subset of the native-facing tests run against it. A sanitizer report aborts
+# the process that hit it, so the step, and CI, fail. Full job: scripts/sanitize.sh.
+bash scripts/sanitize.sh --ci

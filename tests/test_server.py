@@ -107,6 +107,28 @@ def _health(server) -> dict:
     return _request(server, "GET", "/health", timeout=5).json()
 
 
+def _open(server, path: str, body: dict) -> http.client.HTTPConnection:
+    """A request left open (raw http.client), so the test can walk away from it."""
+    host, port = server.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", path, body=json.dumps(body),
+                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    return conn
+
+
+def _leave(conn: http.client.HTTPConnection) -> None:
+    conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away
+    conn.close()
+
+
+def _wait_until_idle(server, what: str) -> dict:
+    t0 = time.perf_counter()
+    while (h := _health(server))["running"] or h["queued"]:
+        assert time.perf_counter() - t0 < 10, f"the engine kept {what} after the client left"
+        time.sleep(0.02)
+    return h
+
+
 def _chat(client, messages, **kw):
     kw.setdefault("max_tokens", 16)
     return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, **kw)
@@ -290,12 +312,9 @@ def test_concurrent_clients_get_their_own_answers(client, server):
 
 def test_disconnect_mid_stream_frees_the_engine(server, client):
     before = _health(server)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 3000,
-            "temperature": 0.7, "seed": 1, "stream": True}
-    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    host, port = server.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
+    conn = _open(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 3000,
+        "temperature": 0.7, "seed": 1, "stream": True})
     resp = conn.getresponse()
     assert resp.status == 200
     n = 0
@@ -303,18 +322,70 @@ def test_disconnect_mid_stream_frees_the_engine(server, client):
         line = resp.fp.readline()
         assert line, "stream ended early"
         n += line.startswith(b"data:")
-    conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-stream
-    conn.close()
-    t0 = time.perf_counter()
-    while _health(server)["running"]:
-        assert time.perf_counter() - t0 < 10, "the engine kept generating after the client left"
-        time.sleep(0.02)
-    after = _health(server)
+    _leave(conn)  # mid-stream
+    after = _wait_until_idle(server, "generating")
     assert after["cancelled"] == before["cancelled"] + 1
     assert after["last_cancel_steps"] is not None and after["last_cancel_steps"] <= 1
     print(f"\n[disconnect] engine free {after['last_cancel_release_s'] * 1e3:.1f} ms after the cancel, "
           f"{after['last_cancel_steps']} step(s) ran after it")
     # and the server keeps serving correctly
+    assert _chat(client, [{"role": "user", "content": "What is a list?"}], max_tokens=4).usage.completion_tokens >= 1
+
+
+def test_disconnect_during_prefill_frees_the_engine(server, client, model):
+    """A client that leaves while its long prompt is being prefilled: the job stops at the next
+    prefill chunk (max_tokens=1, so a job that got past its prefill would have completed), and
+    the server keeps serving."""
+    before = _health(server)
+    rng = np.random.default_rng(7)  # fresh words: nothing of it is in the prompt cache
+    words = [model.tokenizer.decode([int(t)]) for t in rng.integers(1000, 4000, 3400)]
+    prompt = "".join(words)
+    n_prompt = len(model.encode_prompt([{"role": "user", "content": prompt}]))
+    assert 3000 < n_prompt < model.max_context - 16, n_prompt
+    conn = _open(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "temperature": 0})
+    t0 = time.perf_counter()
+    while not _health(server)["running"]:
+        assert time.perf_counter() - t0 < 30, "the job never started"
+        time.sleep(0.005)
+    _leave(conn)  # during the prefill
+    after = _wait_until_idle(server, "prefilling")
+    assert after["completed"] == before["completed"], "the prefill finished before the disconnect landed"
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["last_cancel_steps"] is not None and after["last_cancel_steps"] <= 1
+    print(f"\n[disconnect in prefill of {n_prompt} tokens] engine free "
+          f"{after['last_cancel_release_s'] * 1e3:.1f} ms after the cancel, "
+          f"{after['last_cancel_steps']} chunk(s) ran after it")
+    assert _chat(client, [{"role": "user", "content": "What is a list?"}], max_tokens=4).usage.completion_tokens >= 1
+
+
+def test_disconnect_while_queued_drops_the_job(server, client):
+    """A client that leaves while its request waits behind another never gets engine time: the
+    job is dropped when its turn comes (neither completed nor run), and the server serves on."""
+    before = _health(server)
+
+    def open_request(prompt: str, max_tokens: int) -> http.client.HTTPConnection:
+        return _open(server, "/v1/completions",
+                     {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True})
+
+    # A plain completion the demo model continues greedily well past 1,500 tokens (no EOS).
+    running = open_request("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", 3000)
+    resp = running.getresponse()
+    assert resp.status == 200
+    while not resp.fp.readline().startswith(b"data:"):  # (raw chunked lines) until it generates
+        pass
+    waiting = open_request("The json module", 8)
+    t0 = time.perf_counter()
+    while _health(server)["queued"] < 1:
+        assert time.perf_counter() - t0 < 10, "the second request was never queued"
+        time.sleep(0.01)
+    _leave(waiting)  # a streamed request's disconnect is seen at once
+    time.sleep(0.1)
+    assert _health(server)["running"], "the first job ended on its own: no queue to leave"
+    _leave(running)
+    h = _wait_until_idle(server, "working")
+    assert h["completed"] == before["completed"] and h["failed"] == before["failed"]
+    assert h["cancelled"] == before["cancelled"] + 2
     assert _chat(client, [{"role": "user", "content": "What is a list?"}], max_tokens=4).usage.completion_tokens >= 1
 
 

@@ -102,7 +102,8 @@ void Engine::prefill(State& st, const int32_t* tokens, int n, float* logits, boo
 }
 
 void Engine::decode(State& st, int32_t token, float* logits) {
-  weights_->check_files_unchanged();
+  // Per token: the watch makes this an empty read() unless a file was touched.
+  weights_->check_files_unchanged_if_touched();
   check_tokens(st, &token, 1);
   forward_chunk(*backend_, *weights_, st, &token, 1, logits ? LogitRows::Last : LogitRows::None, logits);
   st.position_ += 1;

@@ -27,7 +27,9 @@ class Engine {
   uint64_t kv_bytes(int64_t positions) const;
 
   // Both calls first check that the mapped checkpoint files are unchanged on disk (a file
-  // truncated under the mapping would SIGBUS on the next read; see Weights.check_files_unchanged),
+  // truncated under the mapping would SIGBUS on the next read; see Weights.check_files_unchanged:
+  // prefill stats the files, decode stats them only when the file watch saw an event, so an
+  // untouched checkpoint costs a decode step one empty read(), not a stat per shard),
   // and that the KV cache the request grows to fits in the memory left; either failure is an
   // error before any compute, leaving the state as it was.
   // Appends n tokens to the state. logits: [n, vocab] when all_logits, else [vocab] of the last

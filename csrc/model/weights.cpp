@@ -19,7 +19,17 @@ size_t Linear::nbytes() const {
 }
 
 void ModelWeights::check_files_unchanged() const {
-  for (const auto& f : files) f->check_unchanged();
+  stat_checks_.fetch_add(1, std::memory_order_relaxed);
+  try {
+    for (const auto& f : files) f->check_unchanged();
+  } catch (...) {
+    stale_.store(true, std::memory_order_relaxed);
+    throw;
+  }
+}
+
+void ModelWeights::check_files_unchanged_if_touched() const {
+  if (stale_.load(std::memory_order_relaxed) || !watch || watch->maybe_changed()) check_files_unchanged();
 }
 
 WeightsBuilder::WeightsBuilder(ModelConfig config) : w_(std::make_shared<ModelWeights>()) {
@@ -160,9 +170,27 @@ const uint8_t* WeightsBuilder::slice_bytes(const TensorSlice& s, int64_t* rows, 
   return f.data(*t) + offset;
 }
 
-void WeightsBuilder::set_dense(const std::string& slot, const TensorSlice& ws) {
+WeightsBuilder::Expect WeightsBuilder::resolve_matrix(const std::string& slot) {
   Expect x = resolve(slot);
   if (!x.linear) throw Error("[weights] slot '" + slot + "' is not a matrix");
+  return x;
+}
+
+// Both set_* calls end here, after every check passed: the slot is overwritten as a whole (a
+// slot set twice keeps nothing of the first binding) and only then counts as filled.
+Linear& WeightsBuilder::bind_linear(const std::string& slot, const Expect& x, Linear::Format format, DType dtype) {
+  Linear& L = *x.linear;
+  L = Linear{};
+  L.format = format;
+  L.out = x.out;
+  L.in = x.in;
+  L.dtype = dtype;
+  filled_[slot] = true;
+  return L;
+}
+
+void WeightsBuilder::set_dense(const std::string& slot, const TensorSlice& ws) {
+  const Expect x = resolve_matrix(slot);
   int64_t rows, cols;
   DType dt;
   const uint8_t* p = slice_bytes(ws, &rows, &cols, &dt, slot);
@@ -173,20 +201,12 @@ void WeightsBuilder::set_dense(const std::string& slot, const TensorSlice& ws) {
     throw CheckpointError("[weights] " + slot + " <- '" + ws.name + "': shape [" + std::to_string(rows) + ", " +
                           std::to_string(cols) + "], expected [" + std::to_string(x.out) + ", " +
                           std::to_string(x.in) + "]");
-  Linear& L = *x.linear;
-  L = Linear{};
-  L.format = Linear::Format::Dense;
-  L.out = x.out;
-  L.in = x.in;
-  L.dtype = dt;
-  L.w = p;
-  filled_[slot] = true;
+  bind_linear(slot, x, Linear::Format::Dense, dt).w = p;
 }
 
 void WeightsBuilder::set_affine(const std::string& slot, const TensorSlice& ws, const TensorSlice& ss,
                                 const TensorSlice& bs, int bits, int group) {
-  Expect x = resolve(slot);
-  if (!x.linear) throw Error("[weights] slot '" + slot + "' is not a matrix");
+  const Expect x = resolve_matrix(slot);
   auto fail = [&](const std::string& what) -> void {
     throw CheckpointError("[weights] " + slot + " <- '" + ws.name + "': " + what);
   };
@@ -213,18 +233,12 @@ void WeightsBuilder::set_affine(const std::string& slot, const TensorSlice& ws, 
   };
   check_side(ss, sr, sc);
   check_side(bs, br, bc);
-  Linear& L = *x.linear;
-  L = Linear{};
-  L.format = Linear::Format::Affine;
-  L.out = x.out;
-  L.in = x.in;
-  L.dtype = sdt;
+  Linear& L = bind_linear(slot, x, Linear::Format::Affine, sdt);
   L.bits = bits;
   L.group = group;
   L.w = wp;
   L.scales = sp;
   L.biases = bp;
-  filled_[slot] = true;
 }
 
 void WeightsBuilder::set_vector(const std::string& slot, std::vector<float> values) {
@@ -268,6 +282,12 @@ std::shared_ptr<ModelWeights> WeightsBuilder::finish() {
   }
   for (const std::string& s : need)
     if (!filled_.count(s)) throw CheckpointError("[weights] no tensor was given for '" + s + "'");
+  // Watch first, then stat once: a change before the watch existed is caught by this stat, any
+  // later one queues an event.
+  std::vector<std::string> paths;
+  for (const auto& f : w_->files) paths.push_back(f->path());
+  w_->watch = std::make_shared<FileWatch>(paths);
+  w_->check_files_unchanged();
   return w_;
 }
 

@@ -9,6 +9,7 @@
 // slot's dimensions are re-checked against the config and the bytes available, so no Python
 // mistake can make a kernel read outside a tensor.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -17,6 +18,7 @@
 
 #include "model/config.h"
 #include "model/dtype.h"
+#include "model/file_watch.h"
 #include "model/safetensors.h"
 
 namespace lily {
@@ -87,9 +89,21 @@ struct ModelWeights {
   std::vector<float> final_norm;
   std::vector<LayerWeights> layers;
   std::vector<std::shared_ptr<SafetensorsFile>> files;  // keep the mappings alive
+  std::shared_ptr<FileWatch> watch;                     // over `files`, set by finish()
 
-  // Throws CheckpointError if any mapped file changed on disk since load.
+  // Throws CheckpointError if any mapped file changed on disk since load: one stat per file.
   void check_files_unchanged() const;
+  // The same guarantee for the per-token path: stats only when the watch queued an event since
+  // the last call (or cannot watch), so an unchanged checkpoint costs one empty read().
+  void check_files_unchanged_if_touched() const;
+  // Times check_files_unchanged stat'ed the files (tests pin that decode steps do not).
+  uint64_t stat_checks() const { return stat_checks_.load(std::memory_order_relaxed); }
+
+ private:
+  mutable std::atomic<uint64_t> stat_checks_{0};
+  // Set once a check found a change: the watch's events are drained by then, but the files stay
+  // changed, so every later check must stat (and fail) again.
+  mutable std::atomic<bool> stale_{false};
 };
 
 // Where a slot's bytes come from: tensor `name` in file `file`, optionally one entry of a
@@ -130,6 +144,8 @@ class WeightsBuilder {
     int out = 0, in = 0;  // matrix dims, or vector length in `out`
   };
   Expect resolve(const std::string& slot);
+  Expect resolve_matrix(const std::string& slot);  // resolve, and refuse a vector slot
+  Linear& bind_linear(const std::string& slot, const Expect& x, Linear::Format format, DType dtype);
   const uint8_t* slice_bytes(const TensorSlice& s, int64_t* rows, int64_t* cols, DType* dtype,
                              const std::string& slot) const;
 

@@ -154,6 +154,8 @@ void init_model(nb::module_& m) {
         return v;
       })
       .def("check_files_unchanged", &ModelWeights::check_files_unchanged)
+      .def_prop_ro("stat_checks", &ModelWeights::stat_checks)
+      .def_prop_ro("watching_files", [](const ModelWeights& w) { return w.watch && w.watch->active(); })
       .def_prop_ro("nbytes", [](const ModelWeights& w) {
         size_t n = 0;
         for (const auto& f : w.files) n += f->file_size();

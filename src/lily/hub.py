@@ -7,11 +7,22 @@ config; no vision or PyTorch weights), with huggingface_hub's progress bars, int
 everyone shares (`HF_HOME` / `HF_HUB_CACHE`). Offline (`HF_HUB_OFFLINE=1`, `offline=True`) or
 when the Hub cannot be reached, the cached snapshot is used; if there is none, the error says
 so and names the cache folder searched.
+
+Ctrl-C during a download. huggingface_hub downloads the files on a thread pool and, when the
+caller is interrupted, waits for the files in flight to finish before the KeyboardInterrupt
+gets through: on a 20 GB shard that is minutes of a terminal that ignores Ctrl-C. So the
+download runs on a thread of its own, the caller waits for it interruptibly, and an interrupt
+raises at once; the download threads stop at their next progress update (huggingface_hub
+updates the bar once per 10 MB chunk received), through a progress-bar class whose update
+raises once the download is cancelled. A file cut off that way stays huggingface_hub's
+`blobs/*.incomplete` (resumed by the next download), never a file in the snapshot, so nothing
+half-written is taken for a checkpoint.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 __all__ = ["ALLOW_PATTERNS", "resolve_model_path"]
@@ -42,6 +53,45 @@ def _check_snapshot(folder: Path, what: str) -> Path:
     if not any(folder.glob("*.safetensors")):
         raise FileNotFoundError(f"{what}: {folder} has no *.safetensors weights")
     return folder
+
+
+class _Cancelled(Exception):
+    """Raised in huggingface_hub's download threads once the caller was interrupted."""
+
+
+def _interruptible_snapshot_download(repo_id: str, **kwargs) -> str:
+    """`snapshot_download` on a thread of its own; Ctrl-C in the caller raises at once and
+    stops the download threads at their next progress update (see the module docstring)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import tqdm as hf_tqdm
+
+    cancel = threading.Event()
+
+    class Bar(hf_tqdm):  # huggingface_hub's own bar: same display, same disable switches
+        def update(self, n=1):
+            if cancel.is_set():
+                raise _Cancelled("download cancelled by the caller")
+            return super().update(n)
+
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["path"] = snapshot_download(repo_id, tqdm_class=Bar, **kwargs)
+        except BaseException as e:  # handed to the caller's thread
+            out["error"] = e
+
+    worker = threading.Thread(target=run, name=f"lily-download-{repo_id}", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.2)  # a timed wait: a signal interrupts it
+    except BaseException:
+        cancel.set()
+        raise
+    if "error" in out:
+        raise out["error"]
+    return out["path"]
 
 
 def resolve_model_path(
@@ -84,7 +134,7 @@ def resolve_model_path(
 
     if not offline:
         try:
-            return _check_snapshot(Path(snapshot_download(name, **kwargs)), label)
+            return _check_snapshot(Path(_interruptible_snapshot_download(name, **kwargs)), label)
         except (RepositoryNotFoundError, GatedRepoError) as e:
             raise FileNotFoundError(
                 f"{label}: no such model on the Hugging Face Hub, or it needs a token you lack ({type(e).__name__})"
