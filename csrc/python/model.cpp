@@ -11,6 +11,7 @@
 
 #include "cpu/backend.h"
 #include "cpu/linear.h"
+#include "cpu/linear_int8.h"
 #include "engine/engine.h"
 #include "gpu/backend.h"
 #include "gpu/plan.h"
@@ -468,6 +469,19 @@ void init_model(nb::module_& m) {
       nb::arg("x"), nb::arg("packed"), nb::arg("scales"), nb::arg("biases"), nb::arg("bits"), nb::arg("group_size"),
       nb::arg("mode") = "f32", nb::arg("threads") = 1,
       "y[T, out] = x[T, in] @ dequantize(W).T by the CPU backend's kernels (mode 'f32' or 'int8'), for tests.");
+
+  m.def(
+      "cpu_int8_supported",
+      [](int bits, int group_size, int in) {
+        Linear W;
+        W.format = Linear::Format::Affine;
+        W.in = in;
+        W.bits = bits;
+        W.group = group_size;
+        return group_size > 0 && in % group_size == 0 && cpu::int8_supported(W);
+      },
+      nb::arg("bits"), nb::arg("group_size"), nb::arg("in_features"),
+      "Whether this build's CPU backend has int8 kernels for such weights (else cpu_matmul='int8' runs f32).");
 }
 
 }  // namespace lily::python
