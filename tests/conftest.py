@@ -12,6 +12,7 @@ them does not pay for them.
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -34,3 +35,13 @@ def lily():
     import lily as _lily
 
     return _lily
+
+
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt in the main thread, as in an interactive Python, for tests
+    that send themselves Ctrl-C. Needed when the runner inherited SIGINT as ignored: a shell
+    starts background jobs that way, and Python then installs no handler of its own."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)

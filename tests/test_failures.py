@@ -203,7 +203,7 @@ def _interrupt_after(seconds: float) -> threading.Timer:
     return t
 
 
-def test_ctrl_c_during_load_leaves_the_process_usable(reference):
+def test_ctrl_c_during_load_leaves_the_process_usable(reference, sigint_raises):
     timer = _interrupt_after(0.05)
     interrupted = False
     try:
@@ -218,7 +218,7 @@ def test_ctrl_c_during_load_leaves_the_process_usable(reference):
     assert lily.Model.load().generate(PROMPT, max_tokens=8, temperature=0).tokens == reference
 
 
-def test_ctrl_c_during_prefill_leaves_the_model_usable(reference):
+def test_ctrl_c_during_prefill_leaves_the_model_usable(reference, sigint_raises):
     model = lily.Model.load(prefill_chunk=32)
     ids = (np.arange(3000, dtype=np.int32) * 7) % 4000
     t0 = time.monotonic()
@@ -235,7 +235,7 @@ def test_ctrl_c_during_prefill_leaves_the_model_usable(reference):
     assert model.generate(PROMPT, max_tokens=8, temperature=0).tokens == reference
 
 
-def test_ctrl_c_during_decode_leaves_the_model_usable(reference):
+def test_ctrl_c_during_decode_leaves_the_model_usable(reference, sigint_raises):
     model = lily.Model.load()
     stream = model.generate(PROMPT, max_tokens=100000, temperature=0, stream=True)
     got = 0

@@ -137,7 +137,7 @@ def test_threads_are_serialized_with_correct_answers(model):
     assert out == alone
 
 
-def test_ctrl_c_interrupts_and_leaves_the_model_usable(model):
+def test_ctrl_c_interrupts_and_leaves_the_model_usable(model, sigint_raises):
     sent = []
 
     def interrupt():
