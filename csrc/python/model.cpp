@@ -104,6 +104,34 @@ TensorSlice slice(int file, const std::string& name, int index, int row_begin, i
   return TensorSlice{file, name, index, row_begin, row_end};
 }
 
+using PackedArray = nb::ndarray<const uint32_t, nb::ndim<2>, nb::c_contig>;
+using F32In = nb::ndarray<const float, nb::ndim<2>, nb::c_contig>;
+
+// An MLX affine matrix over caller-owned arrays (test bindings): packed [rows, cols*bits/32],
+// scales and biases [rows, cols/group], f32. Checks the shapes agree; names `op` in errors.
+Linear affine_from_arrays(const char* op, const PackedArray& packed, const F32In& scales, const F32In& biases,
+                          int bits, int group_size) {
+  const std::string tag = std::string("[") + op + "] ";
+  const size_t rows = packed.shape(0), words = packed.shape(1);
+  if (bits < 2 || bits > 8 || bits == 7) throw Error(tag + "unsupported bits " + std::to_string(bits));
+  if (group_size <= 0) throw Error(tag + "group_size must be positive");
+  const size_t cols = words * 32 / bits;
+  if (words * 32 % bits || cols % group_size || scales.shape(0) != rows || biases.shape(0) != rows ||
+      scales.shape(1) != cols / group_size || biases.shape(1) != cols / group_size)
+    throw Error(tag + "packed, scales and biases shapes disagree");
+  Linear W;
+  W.format = Linear::Format::Affine;
+  W.out = int(rows);
+  W.in = int(cols);
+  W.dtype = DType::F32;
+  W.bits = bits;
+  W.group = group_size;
+  W.w = reinterpret_cast<const uint8_t*>(packed.data());
+  W.scales = reinterpret_cast<const uint8_t*>(scales.data());
+  W.biases = reinterpret_cast<const uint8_t*>(biases.data());
+  return W;
+}
+
 }  // namespace
 
 void init_model(nb::module_& m) {
@@ -407,26 +435,9 @@ void init_model(nb::module_& m) {
 
   m.def(
       "dequantize",
-      [](nb::ndarray<const uint32_t, nb::ndim<2>, nb::c_contig> packed,
-         nb::ndarray<const float, nb::ndim<2>, nb::c_contig> scales,
-         nb::ndarray<const float, nb::ndim<2>, nb::c_contig> biases, int bits, int group_size) {
-        const size_t rows = packed.shape(0), words = packed.shape(1);
-        if (bits < 2 || bits > 8 || bits == 7) throw Error("[dequantize] unsupported bits " + std::to_string(bits));
-        if (group_size <= 0) throw Error("[dequantize] group_size must be positive");
-        const size_t cols = words * 32 / bits;
-        if (words * 32 % bits || cols % group_size || scales.shape(0) != rows || biases.shape(0) != rows ||
-            scales.shape(1) != cols / group_size || biases.shape(1) != cols / group_size)
-          throw Error("[dequantize] packed, scales and biases shapes disagree");
-        Linear W;
-        W.format = Linear::Format::Affine;
-        W.out = int(rows);
-        W.in = int(cols);
-        W.dtype = DType::F32;
-        W.bits = bits;
-        W.group = group_size;
-        W.w = reinterpret_cast<const uint8_t*>(packed.data());
-        W.scales = reinterpret_cast<const uint8_t*>(scales.data());
-        W.biases = reinterpret_cast<const uint8_t*>(biases.data());
+      [](PackedArray packed, F32In scales, F32In biases, int bits, int group_size) {
+        const Linear W = affine_from_arrays("dequantize", packed, scales, biases, bits, group_size);
+        const size_t rows = size_t(W.out), cols = size_t(W.in);
         float* p;
         F32Array out = new_f32({rows, cols}, &p);
         for (size_t r = 0; r < rows; ++r) cpu::dequantize_row(W, int(r), p + r * cols);
@@ -436,28 +447,14 @@ void init_model(nb::module_& m) {
 
   m.def(
       "quantized_matmul",
-      [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig> x, nb::ndarray<const uint32_t, nb::ndim<2>, nb::c_contig> packed,
-         nb::ndarray<const float, nb::ndim<2>, nb::c_contig> scales,
-         nb::ndarray<const float, nb::ndim<2>, nb::c_contig> biases, int bits, int group_size,
-         const std::string& mode, int threads) {
-        const size_t rows = packed.shape(0), words = packed.shape(1), T = x.shape(0);
-        if (bits < 2 || bits > 8 || bits == 7) throw Error("[quantized_matmul] unsupported bits " + std::to_string(bits));
-        if (group_size <= 0) throw Error("[quantized_matmul] group_size must be positive");
-        const size_t cols = words * 32 / bits;
-        if (words * 32 % bits || cols % group_size || scales.shape(0) != rows || biases.shape(0) != rows ||
-            scales.shape(1) != cols / group_size || biases.shape(1) != cols / group_size || x.shape(1) != cols)
-          throw Error("[quantized_matmul] x, packed, scales and biases shapes disagree");
+      [](F32In x, PackedArray packed, F32In scales, F32In biases, int bits, int group_size, const std::string& mode,
+         int threads) {
+        const Linear W = affine_from_arrays("quantized_matmul", packed, scales, biases, bits, group_size);
+        const size_t rows = size_t(W.out), T = x.shape(0);
+        if (x.shape(1) != size_t(W.in))
+          throw Error("[quantized_matmul] x has " + std::to_string(x.shape(1)) + " columns, W has " +
+                      std::to_string(W.in));
         if (mode != "f32" && mode != "int8") throw Error("[quantized_matmul] mode must be 'int8' or 'f32'");
-        Linear W;
-        W.format = Linear::Format::Affine;
-        W.out = int(rows);
-        W.in = int(cols);
-        W.dtype = DType::F32;
-        W.bits = bits;
-        W.group = group_size;
-        W.w = reinterpret_cast<const uint8_t*>(packed.data());
-        W.scales = reinterpret_cast<const uint8_t*>(scales.data());
-        W.biases = reinterpret_cast<const uint8_t*>(biases.data());
         float* p;
         F32Array out = new_f32({T, rows}, &p);
         if (T > 0) {
