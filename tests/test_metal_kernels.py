@@ -225,6 +225,37 @@ def test_attention(D, Hq, Hkv, rot, pos0, T, n_splits, split_len, kv):
 
 # ---- gdn.metal ----------------------------------------------------------------------------------
 
+def gdn_reference(Hk, Hv, Dk, Dv, taps, window, S0, a_neg, dt_bias, norm_w, eps, qkv, z, b, a):
+    """transformers' recurrent gated delta rule and gated RMSNorm after PyTorch's depthwise conv1d
+    over [window ; qkv] + SiLU: (o [T, Hv*Dv], S [Hv, Dk, Dv], new window [K-1, C], conv output
+    [T, C] after SiLU)."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import (
+        Qwen3NextRMSNormGated,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    T, C = qkv.shape
+    K = taps.shape[1]
+    full = np.concatenate([window, qkv])
+    conv = torch.nn.functional.conv1d(torch.from_numpy(full).double().T[None],
+                                      torch.from_numpy(taps).double()[:, None], groups=C)[0].T
+    conv = torch.nn.functional.silu(conv)
+    kd = Hk * Dk
+    q = conv[:, :kd].reshape(1, T, Hk, Dk)
+    k = conv[:, kd:2 * kd].reshape(1, T, Hk, Dk)
+    v = conv[:, 2 * kd:].reshape(1, T, Hv, Dv)
+    beta = torch.sigmoid(torch.from_numpy(b).double())[None]
+    g = torch.from_numpy(a_neg).double() * torch.nn.functional.softplus(
+        torch.from_numpy(a).double() + torch.from_numpy(dt_bias).double())
+    out, S = torch_recurrent_gated_delta_rule(q, k, v, g[None], beta, initial_state=torch.from_numpy(S0).double()[None],
+                                              output_final_state=True, use_qk_l2norm_in_kernel=True)
+    norm = Qwen3NextRMSNormGated(Dv, eps=eps).double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.from_numpy(norm_w))
+        o = norm(out[0], torch.from_numpy(z).double().reshape(T, Hv, Dv)).reshape(T, Hv * Dv)
+    return o.numpy(), S[0].numpy(), full[-(K - 1):], conv.numpy()
+
+
 GDN_CASES = [
     # (Hk, Hv, Dk, Dv, K, T)
     (16, 32, 128, 128, 4, 1),  # 35B decode
@@ -235,11 +266,6 @@ GDN_CASES = [
 
 @pytest.mark.parametrize("Hk,Hv,Dk,Dv,K,T", GDN_CASES)
 def test_gated_deltanet_step(Hk, Hv, Dk, Dv, K, T):
-    from transformers.models.qwen3_next.modeling_qwen3_next import (
-        Qwen3NextRMSNormGated,
-        torch_recurrent_gated_delta_rule,
-    )
-
     dev = msl_cpu.device(interleavings=2 if Hv < 32 else 0)
     lib = kernels(dev, "gdn.metal")
     C, vdim, eps = 2 * Hk * Dk + Hv * Dv, Hv * Dv, 1e-6
@@ -267,27 +293,12 @@ def test_gated_deltanet_step(Hk, Hv, Dk, Dv, K, T):
     np.testing.assert_array_equal(read(S_in, np.float32, S0.shape), S0)  # the input state survives
 
     # Reference: PyTorch's depthwise conv1d over [window ; qkv], transformers' recurrence and norm.
-    full = torch.from_numpy(np.concatenate([window, qkv])).double().T[None]  # [1, C, K-1+T]
-    conv = torch.nn.functional.conv1d(full, torch.from_numpy(taps).double()[:, None], groups=C)[0].T
-    conv = torch.nn.functional.silu(conv)                                     # [T, C]
-    np.testing.assert_allclose(read(conv_out, np.float32, (T, C)), conv.numpy(), rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(read(winb, np.float32, (K - 1, C)),
-                                  np.concatenate([window, qkv])[-(K - 1):])
-    kd = Hk * Dk
-    q = conv[:, :kd].reshape(1, T, Hk, Dk)
-    k = conv[:, kd:2 * kd].reshape(1, T, Hk, Dk)
-    v = conv[:, 2 * kd:].reshape(1, T, Hv, Dv)
-    beta = torch.sigmoid(torch.from_numpy(b).double())[None]
-    g = torch.from_numpy(a_neg).double() * torch.nn.functional.softplus(
-        torch.from_numpy(a).double() + torch.from_numpy(dt_bias).double())
-    out, S = torch_recurrent_gated_delta_rule(q, k, v, g[None], beta, initial_state=torch.from_numpy(S0).double()[None],
-                                              output_final_state=True, use_qk_l2norm_in_kernel=True)
-    norm = Qwen3NextRMSNormGated(Dv, eps=eps).double()
-    with torch.no_grad():
-        norm.weight.copy_(torch.from_numpy(norm_w))
-        want = norm(out[0], torch.from_numpy(z).double().reshape(T, Hv, Dv)).reshape(T, vdim)
-    np.testing.assert_allclose(read(Sb, np.float32, (Hv, Dk, Dv)), S[0].numpy(), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(read(o, np.float32, (T, vdim)), want.numpy(), rtol=1e-4, atol=1e-4)
+    want_o, want_S, want_window, want_conv = gdn_reference(Hk, Hv, Dk, Dv, taps, window, S0, a_neg, dt_bias,
+                                                           norm_w, eps, qkv, z, b, a)
+    np.testing.assert_allclose(read(conv_out, np.float32, (T, C)), want_conv, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(read(winb, np.float32, (K - 1, C)), want_window)
+    np.testing.assert_allclose(read(Sb, np.float32, (Hv, Dk, Dv)), want_S, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(read(o, np.float32, (T, vdim)), want_o, rtol=1e-4, atol=1e-4)
 
 
 def test_gdn_ungroup():

@@ -27,6 +27,7 @@ import torch
 from fixtures import cases
 from fixtures.references import rel_err
 from msl_cpu_harness import ROOT, dispatch, msl_cpu, read
+from test_metal_kernels import gdn_reference
 
 RNG = np.random.default_rng(6)
 
@@ -96,36 +97,6 @@ def _gdn_inputs(Hk, Hv, Dk, Dv, K, T):
     )
 
 
-def _gdn_reference(Hk, Hv, Dk, Dv, taps, window, S0, a_neg, dt_bias, norm_w, eps, qkv, z, b, a):
-    """transformers' recurrent gated delta rule and gated RMSNorm after PyTorch's depthwise conv1d
-    over [window ; qkv] + SiLU: (o [T, Hv*Dv], S [Hv, Dk, Dv], new window [K-1, C])."""
-    from transformers.models.qwen3_next.modeling_qwen3_next import (
-        Qwen3NextRMSNormGated,
-        torch_recurrent_gated_delta_rule,
-    )
-
-    T, C = qkv.shape
-    K = taps.shape[1]
-    full = np.concatenate([window, qkv])
-    conv = torch.nn.functional.conv1d(torch.from_numpy(full).double().T[None],
-                                      torch.from_numpy(taps).double()[:, None], groups=C)[0].T
-    conv = torch.nn.functional.silu(conv)
-    kd = Hk * Dk
-    q = conv[:, :kd].reshape(1, T, Hk, Dk)
-    k = conv[:, kd:2 * kd].reshape(1, T, Hk, Dk)
-    v = conv[:, 2 * kd:].reshape(1, T, Hv, Dv)
-    beta = torch.sigmoid(torch.from_numpy(b).double())[None]
-    g = torch.from_numpy(a_neg).double() * torch.nn.functional.softplus(
-        torch.from_numpy(a).double() + torch.from_numpy(dt_bias).double())
-    out, S = torch_recurrent_gated_delta_rule(q, k, v, g[None], beta, initial_state=torch.from_numpy(S0).double()[None],
-                                              output_final_state=True, use_qk_l2norm_in_kernel=True)
-    norm = Qwen3NextRMSNormGated(Dv, eps=eps).double()
-    with torch.no_grad():
-        norm.weight.copy_(torch.from_numpy(norm_w))
-        o = norm(out[0], torch.from_numpy(z).double().reshape(T, Hv, Dv)).reshape(T, Hv * Dv)
-    return o.numpy(), S[0].numpy(), full[-(K - 1):]
-
-
 GDN_CASES = [
     # (Hk, Hv, Dk, Dv, K, chunk lengths)
     (16, 32, 128, 128, 4, (2,)),     # 35B, one chunk
@@ -161,7 +132,7 @@ def test_gdn_prefill_kernels(Hk, Hv, Dk, Dv, K, chunks):
         dispatch(dev, scan, (Hv,), (32 * -(-4 * Dv // 32),),
                  {0: xb, 1: gates, 2: dev.buffer(x["z"]), 3: dev.buffer(norm_w), 4: Ss[src], 5: Ss[dst],
                   6: o, 7: args})
-        want_o, ref_S, ref_win = _gdn_reference(Hk, Hv, Dk, Dv, taps, ref_win, ref_S, a_neg, dt_bias, norm_w, eps,
+        want_o, ref_S, ref_win, _ = gdn_reference(Hk, Hv, Dk, Dv, taps, ref_win, ref_S, a_neg, dt_bias, norm_w, eps,
                                                 **x)
         ref_S = ref_S.astype(np.float32)
         what = f"chunk {i} (T={T})"

@@ -54,11 +54,16 @@ GEMM_AFFINE = [
 @pytest.mark.parametrize("out,in_,bits,group,sdt,T,bm", GEMM_AFFINE)
 def test_gemm_affine(out, in_, bits, group, sdt, T, bm):
     dev = msl_cpu.device(interleavings=2 if out * in_ < 50000 else 0)
+    check_gemm_affine(dev, "gemm", out, in_, bits, group, sdt, T, bm)
+
+
+def check_gemm_affine(dev, family, out, in_, bits, group, sdt, T, bm):
+    """Kernel `<family>_<scale type>_bm<bm>` on random affine weights against NumPy in float64."""
     wq, s, b, deq = quantize(RNG.standard_normal((out, in_), dtype=np.float32), bits, group, sdt)
     ldx = in_ + 3  # rows of x strided, as the host passes views of wider activations
     x = RNG.standard_normal((T, ldx), dtype=np.float32)
     y = dev.buffer(np.full((T, out + 1), 7.0, np.float32))  # ldy = out + 1: the pad stays 7
-    run(dev, [(kernels(dev, "quant.metal").pipeline(f"gemm_{MSL_TYPE[sdt]}_bm{bm}"),
+    run(dev, [(kernels(dev, "quant.metal").pipeline(f"{family}_{MSL_TYPE[sdt]}_bm{bm}"),
                ((out + 31) // 32, (T + bm - 1) // bm), (128,),
                {0: dev.buffer(wq), 1: dev.buffer(s), 2: dev.buffer(b), 3: dev.buffer(x), 4: y,
                 5: qm(in_, out, bits, group) + struct.pack("3I", T, ldx, out + 1)})])

@@ -26,8 +26,15 @@ import pytest
 import lily
 from fixtures import cases
 from msl_cpu_harness import library, msl_cpu, read, run
-from test_metal_kernels import MSL_TYPE, qm, quantize
-from test_metal_prefill_moe import _close, _logits_for, _routing, kernels, moe_block
+from test_metal_kernels import qm
+from test_metal_prefill_moe import (
+    _close,
+    _logits_for,
+    _routing,
+    check_gemm_affine,
+    kernels,
+    moe_block,
+)
 
 RNG = np.random.default_rng(46)
 
@@ -159,18 +166,7 @@ def test_tensor_headers_need_a_metal4_device():
 ])
 def test_gemm_tensor_affine(dev4, out, in_, bits, group, sdt, T, bm):
     dev = dev4 if out * in_ > 50000 else msl_cpu.device(metal4=True, interleavings=2)
-    wq, s, b, deq = quantize(RNG.standard_normal((out, in_), dtype=np.float32), bits, group, sdt)
-    ldx = in_ + 3
-    x = RNG.standard_normal((T, ldx), dtype=np.float32)
-    y = dev.buffer(np.full((T, out + 1), 7.0, np.float32))
-    run(dev, [(kernels(dev, "quant.metal").pipeline(f"gemm_tensor_{MSL_TYPE[sdt]}_bm{bm}"),
-               ((out + 31) // 32, (T + bm - 1) // bm), (128,),
-               {0: dev.buffer(wq), 1: dev.buffer(s), 2: dev.buffer(b), 3: dev.buffer(x), 4: y,
-                5: qm(in_, out, bits, group) + struct.pack("3I", T, ldx, out + 1)})])
-    got = read(y, np.float32, (T, out + 1))
-    want = x[:, :in_].astype(np.float64) @ deq.T.astype(np.float64)
-    np.testing.assert_allclose(got[:, :out], want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
-    np.testing.assert_array_equal(got[:, out], 7.0)
+    check_gemm_affine(dev, "gemm_tensor", out, in_, bits, group, sdt, T, bm)
 
 
 def test_gemm_tensor_dense_odd_k():
