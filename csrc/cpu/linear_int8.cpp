@@ -21,8 +21,9 @@
 //
 // Instruction sets: AVX-512 VNNI (256-bit forms, AVX512VL) or AVX-VNNI (VPDPBUSD); plain AVX2
 // emulates it with VPMADDUBSW + VPMADDWD, exact for 4-bit codes (2 * 15 * 127 fits an int16) but
-// not for 8-bit codes, which therefore need VNNI. Elsewhere int8_supported() is false and
-// linear.cpp keeps the f32 kernels.
+// not for 8-bit codes, which therefore need VNNI. arm64 has its own row kernels
+// (linear_int8_neon.cpp). Elsewhere int8_supported() is false and linear.cpp keeps the f32
+// kernels.
 #include "cpu/linear_int8.h"
 
 #include <algorithm>
@@ -46,9 +47,12 @@
 namespace lily::cpu {
 
 // Values per 4-bit chunk: the packed bytes of one vector register (512-bit: 64 bytes = 128
-// values; 256-bit: 32 bytes = 64). A row whose length is not a multiple ends with a 64-chunk.
+// values; 256-bit: 32 bytes = 64; NEON 128-bit: 16 bytes = 32, one activation block). A row
+// whose length is not a multiple ends with a 64-chunk.
 #if defined(LILY_INT8_AVX512)
 constexpr int kChunk4 = 128;
+#elif defined(LILY_INT8_NEON)
+constexpr int kChunk4 = 32;
 #else
 constexpr int kChunk4 = 64;
 #endif
@@ -291,7 +295,7 @@ void int8_rows(const Linear& W, const int8_t* xq, const float* dx, const float* 
   }
 }
 
-#else  // no AVX2: the f32 kernels serve both modes
+#elif !defined(LILY_INT8_NEON)  // no AVX2 nor NEON: the f32 kernels serve both modes
 
 bool int8_supported(const Linear&) { return false; }
 void int8_rows(const Linear&, const int8_t*, const float*, const float*, int, int, float*, int, int64_t, int64_t) {}

@@ -14,11 +14,17 @@ namespace lily::cpu {
 // Elements per activation block: one int8 scale per 32 values of x, as llama.cpp's Q8_0.
 constexpr int kInt8Block = 32;
 
+// arm64 builds: the row kernels are NEON (linear_int8_neon.cpp), with 4-bit chunks of 32 values.
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#define LILY_INT8_NEON 1
+#endif
+
 // Whether this build has integer kernels for W (its bits and group size).
 bool int8_supported(const Linear& W);
 
-// x[T, in] -> xq (int8, in the kernel's element order: for 4-bit weights each 64 values are
-// stored [x0 x2 .. x62 | x1 x3 .. x63], matching the nibble order of 32 packed bytes) and dx
+// x[T, in] -> xq (int8, in the kernel's element order: for 4-bit weights each chunk of 64 values
+// is stored [x0 x2 .. x62 | x1 x3 .. x63], matching the nibble order of 32 packed bytes; chunks
+// are 128 values on AVX-512 and 32 on NEON, one vector register of packed bytes) and dx
 // (the block scales: for 4-bit, one per 32-bit lane of a 256-bit vector, in / 8 per token; for
 // 8-bit one per block, in / 32 per token).
 void quantize_activations(const float* x, int T, int in, int bits, int8_t* xq, float* dx);

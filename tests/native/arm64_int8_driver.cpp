@@ -1,0 +1,106 @@
+// Runs the CPU backend's quantized matmul (cpu::linear, both Matmul modes) on cases written by
+// tests/test_arm64_kernels.py, so that the arm64 kernels can be checked under qemu against
+// NumPy. Built for aarch64 by that test; it is not part of lily.
+//
+// Usage: arm64_int8_driver DIR OUT. DIR/cases.txt has one line per weight matrix:
+//   name bits group rows in dtype T1,T2,...      (dtype of scales/biases: f32, f16 or bf16)
+// with inputs (raw little-endian) DIR/name.w: packed codes uint32 [rows, in * bits / 32],
+// DIR/name.s and DIR/name.b: scales and biases [rows, in / group], DIR/name.x: f32 [max T, in].
+// For each T (the first T rows of x) y = x · Wᵀ is computed in int8 and in f32 mode and
+// appended to OUT/name.int8 and OUT/name.f32 (f32 [T, rows] each, in the order of the T list).
+// Prints the build's instruction set, then "name int8_supported=0|1" per matrix.
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cpu/linear.h"
+#include "cpu/linear_int8.h"
+
+namespace {
+
+std::vector<char> read_file(const std::string& path, size_t expected) {
+  std::ifstream f(path, std::ios::binary);
+  std::vector<char> data((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  if (!f.good() && !f.eof()) throw std::runtime_error("cannot read " + path);
+  if (data.size() != expected)
+    throw std::runtime_error(path + ": " + std::to_string(data.size()) + " bytes, expected " + std::to_string(expected));
+  return data;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace lily;
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: %s DIR OUT\n", argv[0]);
+    return 2;
+  }
+  const std::string dir = argv[1], out_dir = argv[2];
+#if defined(__aarch64__)
+  std::printf("arch=aarch64");
+#else
+  std::printf("arch=other");
+#endif
+#if defined(__ARM_FEATURE_DOTPROD)
+  std::printf(" dotprod=1");
+#else
+  std::printf(" dotprod=0");
+#endif
+#if defined(LILY_INT8_NEON)
+  std::printf(" neon_int8=1\n");
+#else
+  std::printf(" neon_int8=0\n");
+#endif
+  cpu::ThreadPool pool(2);
+  std::ifstream cases(dir + "/cases.txt");
+  if (!cases) {
+    std::fprintf(stderr, "arm64_int8_driver: cannot read %s/cases.txt\n", dir.c_str());
+    return 1;
+  }
+  std::string line;
+  try {
+    while (std::getline(cases, line)) {
+      if (line.empty()) continue;
+      std::istringstream in(line);
+      std::string name, dtype, ts;
+      Linear W;
+      in >> name >> W.bits >> W.group >> W.out >> W.in >> dtype >> ts;
+      if (!in) throw std::runtime_error("bad line in cases.txt: " + line);
+      W.format = Linear::Format::Affine;
+      W.dtype = dtype == "f32" ? DType::F32 : dtype == "f16" ? DType::F16 : DType::BF16;
+      std::vector<int> Ts;
+      for (std::istringstream tl(ts); std::getline(tl, dtype, ',');) Ts.push_back(std::stoi(dtype));
+      int max_t = 0;
+      for (int t : Ts) max_t = std::max(max_t, t);
+      const size_t G = W.in / W.group, esz = dtype_size(W.dtype);
+      const auto w = read_file(dir + "/" + name + ".w", size_t(W.out) * W.in * W.bits / 8);
+      const auto s = read_file(dir + "/" + name + ".s", W.out * G * esz);
+      const auto b = read_file(dir + "/" + name + ".b", W.out * G * esz);
+      const auto xb = read_file(dir + "/" + name + ".x", size_t(max_t) * W.in * 4);
+      W.w = reinterpret_cast<const uint8_t*>(w.data());
+      W.scales = reinterpret_cast<const uint8_t*>(s.data());
+      W.biases = reinterpret_cast<const uint8_t*>(b.data());
+      const float* x = reinterpret_cast<const float*>(xb.data());
+      std::printf("%s int8_supported=%d\n", name.c_str(), int(cpu::int8_supported(W)));
+      for (const char* mode : {"int8", "f32"}) {
+        const std::string path = out_dir + "/" + name + "." + mode;
+        std::ofstream out(path, std::ios::binary);
+        for (int T : Ts) {
+          std::vector<float> y(size_t(T) * W.out);
+          cpu::linear(W, x, T, y.data(), pool, mode[0] == 'i' ? cpu::Matmul::Int8 : cpu::Matmul::F32);
+          out.write(reinterpret_cast<const char*>(y.data()), std::streamsize(y.size() * 4));
+        }
+        if (!out) throw std::runtime_error("cannot write " + path);
+      }
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "arm64_int8_driver: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
