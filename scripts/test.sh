@@ -5,11 +5,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # clang runs the Metal kernels on the CPU (MSL-on-CPU runtime); GNUstep headers type-check the
-# Objective-C++ Metal host.
+# Objective-C++ Metal host; the aarch64 cross compiler and qemu-user build and run the arm64
+# (NEON) kernels (tests/test_arm64_kernels.py).
 if command -v apt-get >/dev/null; then
-  if ! command -v clang-19 >/dev/null || ! command -v llvm-symbolizer-19 >/dev/null || ! [ -d /usr/include/GNUstep ]; then
+  if ! command -v clang-19 >/dev/null || ! command -v llvm-symbolizer-19 >/dev/null || ! [ -d /usr/include/GNUstep ] \
+      || ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang-19 libclang-rt-19-dev llvm-19 libgnustep-base-dev >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang-19 libclang-rt-19-dev llvm-19 libgnustep-base-dev \
+      g++-aarch64-linux-gnu qemu-user >/dev/null
   fi
 fi
 

@@ -17,7 +17,8 @@
 // nibbles are the 16 even-indexed codes, its high nibbles the 16 odd ones, so
 // quantize_activations stores x per 32 values as [x0 x2 .. x30 | x1 x3 .. x31] (kChunk4 = 32 on
 // NEON) and a block costs one AND, one shift and two SDOTs per token. Codes 0..15 are valid s8.
-// Chunks of one block also mean any group size that is a multiple of 32 works (MLX's 32/64/128).
+// Chunks of one block also mean every MLX group size (32, 64, 128: 32 << gshift) runs here; the
+// block's group is b >> gshift (a division per block showed up in the generated loop).
 //
 // 8-bit. Codes 0..255 do not fit s8 and SDOT has no unsigned x signed form before the I8MM
 // extension (USDOT, ARMv8.6; not on M1), so the codes enter as u - 128 (an XOR with 0x80) and
@@ -78,16 +79,19 @@ void row_params(const uint8_t* p, DType dt, int n, float* out) {
 // quantize_activations and MatvecInput write them ([NT, in], [NT, ndx], [NT, G]); qoff
 // [NT, in / 32]: 128 * sum(q) per block (8-bit only).
 template <int NT, int BITS>
-void row_int8(const uint8_t* wrow, const float* sf, const float* bf, int in, int group, const int8_t* xq,
+void row_int8(const uint8_t* wrow, const float* sf, const float* bf, int in, int gshift, const int8_t* xq,
               const float* dx, int ndx, const int32_t* qoff, const float* gsum, int G, float* out, int ldo) {
   const int nb = in / kInt8Block;
   // dx holds one scale per block for 8-bit and the same scale four times (one per 32-bit lane
   // of x86's 256-bit vectors) for 4-bit.
   constexpr int kDxPerBlock = BITS == 4 ? 4 : 1;
-  // Two accumulator sets (even / odd blocks) so that, at one token, consecutive FMAs into one
-  // register do not wait on each other's latency.
-  float32x4_t acc[2][NT];
-  for (int t = 0; t < NT; ++t) acc[0][t] = acc[1][t] = vdupq_n_f32(0.0f);
+  // Few tokens: two accumulator sets (even / odd blocks), so consecutive FMAs into one register
+  // do not wait on each other's latency. From 4 tokens the tokens give that independence, and
+  // a second set would not fit in the 32 vector registers (spills at 8 tokens).
+  constexpr int kSets = NT < 4 ? 2 : 1;
+  float32x4_t acc[kSets][NT];
+  for (int i = 0; i < kSets; ++i)
+    for (int t = 0; t < NT; ++t) acc[i][t] = vdupq_n_f32(0.0f);
   auto block = [&](int b, float32x4_t* a) {
     int8x16_t w0, w1;  // codes of the block's first and second 16 activations
     if constexpr (BITS == 4) {
@@ -98,7 +102,7 @@ void row_int8(const uint8_t* wrow, const float* sf, const float* bf, int in, int
       w0 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(wrow + 32 * b), vdupq_n_u8(0x80)));  // u - 128
       w1 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(wrow + 32 * b + 16), vdupq_n_u8(0x80)));
     }
-    const float s = sf[b * kInt8Block / group];
+    const float s = sf[b >> gshift];
     for (int t = 0; t < NT; ++t) {
       const int8_t* xb = xq + size_t(t) * in + kInt8Block * b;
       int32x4_t ia = vdupq_n_s32(0);
@@ -111,17 +115,17 @@ void row_int8(const uint8_t* wrow, const float* sf, const float* bf, int in, int
   int b = 0;
   for (; b + 2 <= nb; b += 2) {
     block(b, acc[0]);
-    block(b + 1, acc[1]);
+    block(b + 1, acc[kSets - 1]);
   }
   if (b < nb) block(b, acc[0]);
   // Bias term: sum_g b[g] * gsum[t, g], four groups per FMA.
   int g = 0;
   for (; g + 4 <= G; g += 4) {
     const float32x4_t bv = vld1q_f32(bf + g);
-    for (int t = 0; t < NT; ++t) acc[1][t] = vfmaq_f32(acc[1][t], bv, vld1q_f32(gsum + size_t(t) * G + g));
+    for (int t = 0; t < NT; ++t) acc[0][t] = vfmaq_f32(acc[0][t], bv, vld1q_f32(gsum + size_t(t) * G + g));
   }
   for (int t = 0; t < NT; ++t) {
-    float s = vaddvq_f32(vaddq_f32(acc[0][t], acc[1][t]));
+    float s = vaddvq_f32(kSets == 2 ? vaddq_f32(acc[0][t], acc[kSets - 1][t]) : acc[0][t]);
     for (int k = g; k < G; ++k) s += bf[k] * gsum[size_t(t) * G + k];
     out[size_t(t) * ldo] = s;
   }
@@ -132,6 +136,8 @@ void rows_nt(const Linear& W, const int8_t* xq, const float* dx, const float* gs
              int64_t r1) {
   const int G = W.in / W.group, nb = W.in / kInt8Block, ndx = int8_dx_per_token(W.in, W.bits);
   const size_t esz = dtype_size(W.dtype), wbytes = size_t(W.in) * W.bits / 8;
+  int gshift = 0;  // group = 32 << gshift
+  while ((kInt8Block << gshift) < W.group) ++gshift;
   // 8-bit: 128 * sum(q) per token and block, shared by every row of this call.
   thread_local std::vector<int32_t> qoff_store;
   if (W.bits == 8) {
@@ -150,16 +156,17 @@ void rows_nt(const Linear& W, const int8_t* xq, const float* dx, const float* gs
     row_params(W.scales + size_t(r) * G * esz, W.dtype, G, sf);
     row_params(W.biases + size_t(r) * G * esz, W.dtype, G, bf);
     const uint8_t* wrow = W.w + size_t(r) * wbytes;
-    if (W.bits == 4) row_int8<NT, 4>(wrow, sf, bf, W.in, W.group, xq, dx, ndx, qoff, gsum, G, y + r, ldy);
-    else row_int8<NT, 8>(wrow, sf, bf, W.in, W.group, xq, dx, ndx, qoff, gsum, G, y + r, ldy);
+    if (W.bits == 4) row_int8<NT, 4>(wrow, sf, bf, W.in, gshift, xq, dx, ndx, qoff, gsum, G, y + r, ldy);
+    else row_int8<NT, 8>(wrow, sf, bf, W.in, gshift, xq, dx, ndx, qoff, gsum, G, y + r, ldy);
   }
 }
 
 }  // namespace
 
 bool int8_supported(const Linear& W) {
-  if (!W.quantized() || W.in / W.group > 2048) return false;
-  return (W.bits == 4 || W.bits == 8) && W.group % kInt8Block == 0;
+  if (!W.quantized() || W.in / W.group > 2048 || (W.bits != 4 && W.bits != 8)) return false;
+  const int blocks = W.group / kInt8Block;  // per group: a power of two (32 << gshift)
+  return W.group % kInt8Block == 0 && blocks > 0 && (blocks & (blocks - 1)) == 0;
 }
 
 void int8_rows(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int t0, int nt, float* y,
