@@ -78,10 +78,6 @@ void convert_row(const uint8_t* p, DType t, int n, float* out) {
   }
 }
 
-// Rows of W expanded per block: 8 rows keep the scratch (8 x in floats) inside L2 for the
-// model's widest input (in = 4096 -> 128 KiB), and amortise the expansion over all T tokens.
-constexpr int kRowBlock = 8;
-
 }  // namespace
 
 void dequantize_row(const Linear& W, int row, float* out) {

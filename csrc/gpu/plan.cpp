@@ -213,7 +213,7 @@ PrefillPlan plan_prefill(const ModelConfig& c, const PlanQuantization& q, const 
   PrefillPlan plan;
   plan.chunks = (prompt + chunk - 1) / chunk;
   std::vector<int32_t> tokens(size_t(std::min(prompt, chunk)), 0);
-  for (int done = 0, i = 0; done < prompt; ++i) {
+  for (int done = 0; done < prompt;) {
     const int T = std::min(chunk, prompt - done);
     const bool last = done + T == prompt;
     gs.seek(done);
