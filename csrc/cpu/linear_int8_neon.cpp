@@ -1,5 +1,7 @@
 // The int8 row kernels of linear_int8.cpp for arm64 (NEON): MLX affine 4/8-bit weights against
 // int8 activations, for 1..8 tokens per pass over the weights (decode, small expert groups).
+// Larger chunks (prefill) run as passes of 8 tokens: the token-vector GEMM of linear_int8.cpp
+// is AVX-512 only (int8_gemm_supported() is false here).
 //
 // Numerics are those of the x86 kernels (see linear_int8.cpp): x rounded per block of 32 values
 // by quantize_activations, exact integer dot products per block, then
@@ -26,8 +28,8 @@
 // with 128 * sum(q) computed once per call for each token and block (qoff below) and used as
 // the initial value of that block's integer accumulator: still exact (|u . q| < 2^20).
 //
-// Speed on Apple hardware is not measured by this project's CI (which runs these kernels under
-// qemu for correctness only).
+// Speed is unverified on Apple hardware: CI runs these kernels under qemu, for correctness only
+// (tests/test_arm64_kernels.py); docs/performance.md gives the loops' instruction counts.
 #include "cpu/linear_int8.h"
 
 #if defined(LILY_INT8_NEON)
