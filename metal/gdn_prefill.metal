@@ -40,7 +40,7 @@ kernel void gdn_prepare(device const float* qkv [[buffer(0)]],       // [T, C]
                         device float* x [[buffer(7)]],               // [T, C]
                         device float* gates [[buffer(8)]],           // [T, Hv, 2]
                         device float* window_out [[buffer(9)]],      // [K-1, C]
-                        constant GdnPrefillArgs& args [[buffer(10)]],
+                        constant GdnArgs& args [[buffer(10)]],
                         uint2 tg [[threadgroup_position_in_grid]],
                         uint tid [[thread_index_in_threadgroup]],
                         uint threads [[threads_per_threadgroup]],
@@ -102,7 +102,7 @@ kernel void gdn_scan(device const float* x [[buffer(0)]],         // [T, C] from
                      device const float* S [[buffer(4)]],         // [Hv, Dk, Dv] in
                      device float* S_out [[buffer(5)]],           // [Hv, Dk, Dv] out
                      device float* o [[buffer(6)]],               // [T, Hv*Dv]
-                     constant GdnPrefillArgs& args [[buffer(7)]],
+                     constant GdnArgs& args [[buffer(7)]],
                      uint hv [[threadgroup_position_in_grid]],
                      uint tid [[thread_index_in_threadgroup]],
                      uint simd_id [[simdgroup_index_in_threadgroup]],

@@ -1,5 +1,5 @@
-// Arguments of the Gated DeltaNet prefill family (metal/gdn_prefill.metal), shared by host and
-// kernels. The decode family's GdnArgs (metal/gdn_args.h) describes the same shapes.
+// Constants of the Gated DeltaNet prefill family (metal/gdn_prefill.metal), shared by host and
+// kernels. Its arguments are the decode family's GdnArgs (metal/gdn_args.h): the same shapes.
 //
 // Layouts: qkv [T, C] raw projections, C = 2*Hk*Dk + Hv*Dv ([q | k | v], heads contiguous);
 // x [T, C] after conv + SiLU, with q and k L2-normalised per head (q also times 1/sqrt(Dk));
@@ -7,15 +7,8 @@
 // state S [Hv, Dk, Dv] f32.
 #pragma once
 
+#include "gdn_args.h"
+
 #define LILY_GDN_PREP_THREADS 128  // threads of a gdn_prepare threadgroup (one head, one token)
 #define LILY_GDN_SCAN_SPLIT 4      // threads per state column in gdn_scan (one quad)
 #define LILY_GDN_SCAN_MAX_DK 256   // key head dim: Dk / SPLIT floats of a column per thread
-
-struct GdnPrefillArgs {
-  uint32_t T;
-  uint32_t Hk, Hv, Dk, Dv;
-  uint32_t K;  // conv kernel width
-  uint32_t C;  // conv channels
-  float eps;      // gated RMSNorm epsilon
-  float q_scale;  // 1 / sqrt(Dk)
-};

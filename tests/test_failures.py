@@ -2,7 +2,10 @@
 
 - A checkpoint file truncated, replaced or deleted while it is memory-mapped is detected before
   the next read (the engine checks the files' identity before every prefill and decode), as a
-  CheckpointError naming the file, never a SIGBUS; the process stays alive.
+  CheckpointError naming the file, never a SIGBUS; the process stays alive. A checkpoint read
+  into memory (use_mmap=False, the CPU default when it fits) does not care: it keeps generating
+  the same tokens after its file is truncated or deleted; a file that ends early while it is
+  being read is a CheckpointError naming it.
 - Running out of memory for the KV cache is a RequestError at the request, before any compute,
   and the state and model stay usable: under an address-space limit (ulimit -v) both a single
   over-large prefill and a context grown chunk by chunk are refused, in a child process.
@@ -60,7 +63,7 @@ def reference() -> list[int]:
 
 @pytest.mark.parametrize("how", ["truncate", "replace", "delete", "rewrite_same_size"])
 def test_checkpoint_changed_while_mapped_is_detected(demo_copy, how, reference):
-    model = lily.Model.load(demo_copy)
+    model = lily.Model.load(demo_copy, use_mmap=True)
     assert model.generate(PROMPT, max_tokens=8, temperature=0).tokens == reference
     st = demo_copy / "model.safetensors"
     size = st.stat().st_size
@@ -88,12 +91,52 @@ def test_checkpoint_changed_while_mapped_is_detected(demo_copy, how, reference):
         model._weights.check_files_unchanged()
 
 
+@pytest.mark.parametrize("how", ["truncate", "delete"])
+def test_checkpoint_read_into_memory_survives_its_file_changing(demo_copy, how, reference):
+    model = lily.Model.load(demo_copy, use_mmap=False)
+    assert model._weights.resident and not model._weights.watching_files
+    st = demo_copy / "model.safetensors"
+    if how == "truncate":
+        os.truncate(st, 1024)
+    else:
+        st.unlink()
+    assert model.generate(PROMPT, max_tokens=8, temperature=0).tokens == reference
+    model._weights.check_files_unchanged()  # nothing to check: no error
+
+
+def test_cpu_default_reads_the_checkpoint_into_memory(demo_copy):
+    """use_mmap=None on the CPU backend: a checkpoint this small is read into memory; the
+    msl-cpu backend (a GPU backend) keeps it mapped; both give the same logits as a mapped load."""
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    mapped = lily.Model.load(demo_copy, use_mmap=True)
+    auto = lily.Model.load(demo_copy)
+    assert auto._weights.resident and not mapped._weights.resident
+    np.testing.assert_array_equal(auto.logits(ids), mapped.logits(ids))
+    assert not lily.Model.load(demo_copy, backend="msl-cpu")._weights.resident
+
+
+def test_use_mmap_must_be_a_bool_or_none(demo_copy):
+    with pytest.raises(lily.ConfigError, match="use_mmap"):
+        lily.Model.load(demo_copy, use_mmap="yes")
+
+
+def test_truncated_file_is_refused_in_both_residencies(demo_copy):
+    """A header that promises more bytes than the file holds is refused before any weight is
+    mapped or read. (The resident loader's check for a file that shrinks *while* it is read is
+    not staged here: that needs the truncation to land between two reads.)"""
+    st = demo_copy / "model.safetensors"
+    os.truncate(st, st.stat().st_size - 100)
+    for use_mmap in (True, False):
+        with pytest.raises(lily.CheckpointError, match="model.safetensors.*(truncated|past the end|exceeds)"):
+            lily.Model.load(demo_copy, use_mmap=use_mmap)
+
+
 def test_decode_steps_stat_the_files_only_when_the_watch_saw_a_change(demo_copy, reference):
     """The per-token file check is one empty read() of an inotify queue, not a stat() per shard:
     decode steps of an untouched checkpoint make no stat; any event on the file or its folder
     (even an unrelated new file) makes the next step stat once; a truncation is still refused,
     on every later step too."""
-    model = lily.Model.load(demo_copy)
+    model = lily.Model.load(demo_copy, use_mmap=True)
     w = model._weights
     assert w.watching_files, "no inotify watch on Linux (out of inotify instances?)"
     s = model.session()
@@ -119,7 +162,7 @@ def test_decode_steps_stat_the_files_only_when_the_watch_saw_a_change(demo_copy,
 
 def test_truncated_mid_generation_stops_with_an_error(demo_copy, reference):
     """A file truncated between two decode steps: the next step fails cleanly."""
-    model = lily.Model.load(demo_copy)
+    model = lily.Model.load(demo_copy, use_mmap=True)
     stream = model.generate(PROMPT, max_tokens=64, temperature=0, stream=True)
     next(iter(stream))
     os.truncate(demo_copy / "model.safetensors", 1024)

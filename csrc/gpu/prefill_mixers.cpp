@@ -55,7 +55,7 @@ bool GpuBackend::prefill_gated_deltanet(GpuState& st, int layer, const GdnWeight
   if (T < 2 || Dk % LILY_GDN_SCAN_SPLIT != 0 || Dk > LILY_GDN_SCAN_MAX_DK ||
       uint64_t(LILY_GDN_SCAN_SPLIT) * Dv > 1024)
     return false;
-  GdnPrefillArgs args{uint32_t(T), uint32_t(Hk), uint32_t(Hv), uint32_t(Dk), uint32_t(Dv),
+  GdnArgs args{uint32_t(T), uint32_t(Hk), uint32_t(Hv), uint32_t(Dk), uint32_t(Dv),
                       uint32_t(c_.conv_kernel), uint32_t(C), c_.rms_eps, 1.0f / std::sqrt(float(Dk))};
   const size_t f = size_t(T) * 4;
   const int out = in_ ^ 1;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <vector>
 
 #include "model/error.h"
 #include "model/json.h"
@@ -66,7 +67,8 @@ int64_t TensorInfo::numel() const {
   return n;
 }
 
-SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
+SafetensorsFile::SafetensorsFile(const std::string& path, Residency residency)
+    : path_(path), residency_(residency) {
   auto fail = [&](const std::string& what) -> void {
     throw CheckpointError("[safetensors] " + path_ + ": " + what);
   };
@@ -84,33 +86,87 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   ident_mtime_ns_ = stat_mtime_ns(st);
   try {
     if (size_ < 8) fail("file is " + std::to_string(size_) + " bytes, too short for a header");
-    map_ = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_, 0);
-    if (map_ == MAP_FAILED) {
-      map_ = nullptr;
-      fail(std::string("mmap failed: ") + std::strerror(errno));
-    }
-    const auto* bytes = static_cast<const uint8_t*>(map_);
+    uint8_t len_bytes[8];
+    read_exact(0, len_bytes, 8);
     uint64_t header_len = 0;
-    for (int i = 7; i >= 0; --i) header_len = header_len << 8 | bytes[i];
+    for (int i = 7; i >= 0; --i) header_len = header_len << 8 | len_bytes[i];
     if (header_len > size_ - 8)
       fail("header length " + std::to_string(header_len) + " runs past the end of the file (" +
            std::to_string(size_) + " bytes): truncated or not a safetensors file");
     if (header_len > kMaxHeaderBytes) fail("header length " + std::to_string(header_len) + " is implausibly large");
-    data_ = bytes + 8 + header_len;
     data_size_ = size_ - 8 - header_len;
-    parse_header(bytes + 8, header_len);
+    {
+      std::vector<uint8_t> header(header_len);
+      read_exact(8, header.data(), header_len);
+      parse_header(header.data(), header_len);
+    }
+    if (residency_ == Residency::Mapped) {
+      map_ = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_, 0);
+      if (map_ == MAP_FAILED) {
+        map_ = nullptr;
+        fail(std::string("mmap failed: ") + std::strerror(errno));
+      }
+      map_bytes_ = size_;
+      base_ = static_cast<const uint8_t*>(map_);
+    } else {
+      read_resident();
+      ::close(fd_);  // nothing reads the file again
+      fd_ = -1;
+    }
+    data_ = base_ + 8 + header_len;
   } catch (...) {
-    if (map_) ::munmap(map_, size_);
-    ::close(fd_);
-    map_ = nullptr;
-    fd_ = -1;
+    release();
     throw;
   }
 }
 
-SafetensorsFile::~SafetensorsFile() {
-  if (map_) ::munmap(map_, size_);
+SafetensorsFile::~SafetensorsFile() { release(); }
+
+void SafetensorsFile::release() {
+  if (map_) ::munmap(map_, map_bytes_);
   if (fd_ >= 0) ::close(fd_);
+  map_ = nullptr;
+  base_ = data_ = nullptr;
+  fd_ = -1;
+}
+
+void SafetensorsFile::read_exact(uint64_t offset, void* dst, uint64_t n) const {
+  auto* out = static_cast<uint8_t*>(dst);
+  while (n > 0) {
+    // Bounded chunks: Linux returns at most ~2 GiB per read anyway.
+    const ssize_t got = ::pread(fd_, out, size_t(std::min<uint64_t>(n, 1ull << 30)), off_t(offset));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0)
+      throw CheckpointError("[safetensors] " + path_ + ": read failed at byte " + std::to_string(offset) + ": " +
+                            std::strerror(errno));
+    if (got == 0)
+      throw CheckpointError("[safetensors] " + path_ + ": file ended at byte " + std::to_string(offset) + " of " +
+                            std::to_string(size_) + " while reading (truncated while loading?)");
+    out += got;
+    offset += uint64_t(got);
+    n -= uint64_t(got);
+  }
+}
+
+void SafetensorsFile::read_resident() {
+  // Anonymous memory aligned to 2 MiB and advised for huge pages (see the header for why).
+  // The slack before the aligned start and after the end stays mapped, unused, until release.
+  constexpr uint64_t kHuge = 2ull << 20;
+  map_bytes_ = (size_ + kHuge - 1) / kHuge * kHuge + kHuge;
+  map_ = ::mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (map_ == MAP_FAILED) {
+    map_ = nullptr;
+    throw CheckpointError("[safetensors] " + path_ + ": cannot allocate " + std::to_string(size_) +
+                          " bytes to hold the file (load it mapped instead: use_mmap=True): " + std::strerror(errno));
+  }
+  auto* start = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(map_) + kHuge - 1) & ~uintptr_t(kHuge - 1));
+#if defined(MADV_HUGEPAGE)
+  ::madvise(start, (size_ + kHuge - 1) / kHuge * kHuge, MADV_HUGEPAGE);  // advice only: no huge pages is fine
+#endif
+  read_exact(0, start, size_);
+  // Read-only from here, as the mapping would be: a stray write faults instead of corrupting.
+  ::mprotect(map_, map_bytes_, PROT_READ);
+  base_ = start;
 }
 
 void SafetensorsFile::parse_header(const uint8_t* bytes, uint64_t header_len) {
@@ -184,6 +240,7 @@ const TensorInfo* SafetensorsFile::find(const std::string& name) const {
 }
 
 void SafetensorsFile::check_unchanged() const {
+  if (residency_ == Residency::Resident) return;
   struct stat st;
   if (::stat(path_.c_str(), &st) != 0)
     throw CheckpointError("[safetensors] " + path_ + ": file disappeared after it was loaded");

@@ -1,4 +1,4 @@
-// safetensors files, memory-mapped and never copied.
+// safetensors files: memory-mapped, or read once into private memory.
 //
 // Format: u64 little-endian header length N, N bytes of JSON {name: {dtype, shape,
 // data_offsets: [begin, end]}, "__metadata__": {...}}, then the data section. Everything in the
@@ -6,9 +6,16 @@
 // dtype x shape (with overflow checks), and tensors may not overlap. A file that fails any check
 // is a CheckpointError naming the file and tensor; nothing is read before validation passes.
 //
-// The mapping is read-only and shared, so weights cost no private memory: pages are faulted in
-// from the page cache as kernels touch them. The file's identity (device, inode, size, mtime) is
-// recorded at open, so a file replaced or truncated later can be detected (check_unchanged).
+// Two residencies, chosen per load:
+// - Mapped: a read-only shared mapping, so weights cost no private memory and pages are faulted
+//   in from the page cache as kernels touch them. The file's identity (device, inode, size,
+//   mtime) is recorded at open, so a file replaced or truncated later can be detected
+//   (check_unchanged) before a read of a vanished page would SIGBUS.
+// - Resident: the file is read into anonymous memory advised for 2 MiB transparent huge pages.
+//   Why: batch-1 decode streams every weight once per token, and from page-cache pages (4 KiB)
+//   it runs ~30% below the same loop over huge pages (TLB misses; hardware prefetchers stop at
+//   4 KiB boundaries) — measured in docs/performance.md. It costs load time and private memory,
+//   and the file may then change or vanish without harm.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -30,10 +37,13 @@ struct TensorInfo {
   int64_t numel() const;
 };
 
+enum class Residency { Mapped, Resident };
+
 class SafetensorsFile {
  public:
-  // Opens, maps and validates; throws CheckpointError on any inconsistency.
-  explicit SafetensorsFile(const std::string& path);
+  // Opens and validates the header, then maps or reads the file; throws CheckpointError on any
+  // inconsistency (nothing past the header is touched before validation passes).
+  explicit SafetensorsFile(const std::string& path, Residency residency = Residency::Mapped);
   ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
@@ -44,19 +54,28 @@ class SafetensorsFile {
   // nullptr when absent.
   const TensorInfo* find(const std::string& name) const;
   const uint8_t* data(const TensorInfo& t) const { return data_ + t.begin; }
-  // The whole page-aligned read-only mapping (GPU backends wrap it as one zero-copy buffer).
-  const void* mapping() const { return map_; }
+  // The whole file's bytes, page-aligned and read-only (GPU backends wrap it as one zero-copy
+  // buffer).
+  const void* mapping() const { return base_; }
+  Residency residency() const { return residency_; }
 
-  // Throws CheckpointError if the file on disk is no longer the one that was mapped
-  // (size, inode or modification time changed): reading a truncated mapping would SIGBUS.
+  // Mapped files: throws CheckpointError if the file on disk is no longer the one that was
+  // mapped (size, inode or modification time changed): reading a truncated mapping would
+  // SIGBUS. Resident files hold their own copy, so there is nothing to check.
   void check_unchanged() const;
 
  private:
   void parse_header(const uint8_t* bytes, uint64_t header_len);
+  void read_exact(uint64_t offset, void* dst, uint64_t n) const;
+  void read_resident();
+  void release();
 
   std::string path_;
+  Residency residency_;
   int fd_ = -1;
-  void* map_ = nullptr;
+  void* map_ = nullptr;         // what munmap releases
+  uint64_t map_bytes_ = 0;
+  const uint8_t* base_ = nullptr;  // the file's first byte in memory
   uint64_t size_ = 0;
   const uint8_t* data_ = nullptr;  // start of the data section
   uint64_t data_size_ = 0;

@@ -29,6 +29,7 @@ void ModelWeights::check_files_unchanged() const {
 }
 
 void ModelWeights::check_files_unchanged_if_touched() const {
+  if (!any_mapped) return;  // resident copies cannot change under us
   if (stale_.load(std::memory_order_relaxed) || !watch || watch->maybe_changed()) check_files_unchanged();
 }
 
@@ -41,8 +42,8 @@ WeightsBuilder::WeightsBuilder(ModelConfig config) : w_(std::make_shared<ModelWe
     if (c.ffns[l] == Ffn::Moe) w_->layers[l].moe.experts.resize(c.n_experts);
 }
 
-int WeightsBuilder::add_file(const std::string& path) {
-  w_->files.push_back(std::make_shared<SafetensorsFile>(path));
+int WeightsBuilder::add_file(const std::string& path, Residency residency) {
+  w_->files.push_back(std::make_shared<SafetensorsFile>(path, residency));
   return int(w_->files.size()) - 1;
 }
 
@@ -285,8 +286,10 @@ std::shared_ptr<ModelWeights> WeightsBuilder::finish() {
   // Watch first, then stat once: a change before the watch existed is caught by this stat, any
   // later one queues an event.
   std::vector<std::string> paths;
-  for (const auto& f : w_->files) paths.push_back(f->path());
-  w_->watch = std::make_shared<FileWatch>(paths);
+  for (const auto& f : w_->files)
+    if (f->residency() == Residency::Mapped) paths.push_back(f->path());
+  w_->any_mapped = !paths.empty();
+  if (w_->any_mapped) w_->watch = std::make_shared<FileWatch>(paths);
   w_->check_files_unchanged();
   return w_;
 }

@@ -89,7 +89,8 @@ struct ModelWeights {
   std::vector<float> final_norm;
   std::vector<LayerWeights> layers;
   std::vector<std::shared_ptr<SafetensorsFile>> files;  // keep the mappings alive
-  std::shared_ptr<FileWatch> watch;                     // over `files`, set by finish()
+  std::shared_ptr<FileWatch> watch;                     // over the mapped `files`, set by finish()
+  bool any_mapped = false;                              // set by finish()
 
   // Throws CheckpointError if any mapped file changed on disk since load: one stat per file.
   void check_files_unchanged() const;
@@ -121,7 +122,7 @@ class WeightsBuilder {
  public:
   explicit WeightsBuilder(ModelConfig config);
 
-  int add_file(const std::string& path);
+  int add_file(const std::string& path, Residency residency = Residency::Mapped);
   const SafetensorsFile& file(int id) const;
 
   // Slots: "embed", "lm_head", "final_norm", "layers.{i}.{input_norm,post_norm}",

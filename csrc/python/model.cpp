@@ -186,6 +186,12 @@ void init_model(nb::module_& m) {
       .def("check_files_unchanged", &ModelWeights::check_files_unchanged)
       .def_prop_ro("stat_checks", &ModelWeights::stat_checks)
       .def_prop_ro("watching_files", [](const ModelWeights& w) { return w.watch && w.watch->active(); })
+      .def_prop_ro("resident",
+                   [](const ModelWeights& w) {
+                     return !w.files.empty() && std::all_of(w.files.begin(), w.files.end(), [](const auto& f) {
+                       return f->residency() == Residency::Resident;
+                     });
+                   })
       .def_prop_ro("nbytes", [](const ModelWeights& w) {
         size_t n = 0;
         for (const auto& f : w.files) n += f->file_size();
@@ -194,7 +200,12 @@ void init_model(nb::module_& m) {
 
   nb::class_<WeightsBuilder>(m, "WeightsBuilder")
       .def(nb::init<ModelConfig>())
-      .def("add_file", &WeightsBuilder::add_file, nb::arg("path"), nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "add_file",
+          [](WeightsBuilder& b, const std::string& path, bool resident) {
+            return b.add_file(path, resident ? Residency::Resident : Residency::Mapped);
+          },
+          nb::arg("path"), nb::arg("resident") = false, nb::call_guard<nb::gil_scoped_release>())
       .def("tensors",
            [](const WeightsBuilder& b, int file) {
              std::vector<std::tuple<std::string, std::string, std::vector<int64_t>>> out;

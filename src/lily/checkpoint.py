@@ -20,6 +20,7 @@ compute runs.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,13 +72,13 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 class _Loader:
-    def __init__(self, model_dir: Path, cfg: ModelConfig):
+    def __init__(self, model_dir: Path, cfg: ModelConfig, resident: bool):
         self.cfg = cfg
         self.builder = _core.WeightsBuilder(cfg.to_native())
         self.tensors: dict[str, _Tensor] = {}
         self.used: set[str] = set()
         for path in safetensors_files(model_dir):
-            fid = self.builder.add_file(str(path))
+            fid = self.builder.add_file(str(path), resident=resident)
             for name, dtype, shape in self.builder.tensors(fid):
                 if _SKIP.match(name):
                     continue
@@ -243,6 +244,34 @@ class _Loader:
                     self.linear(f"{s}experts.{e}.{proj}", f"{p}experts.{e}.{proj}_proj")
 
 
-def load_weights(model_dir: str | Path, cfg: ModelConfig):
-    """Maps and validates every tensor; returns the native weights object."""
-    return _Loader(Path(model_dir), cfg).load()
+def load_weights(model_dir: str | Path, cfg: ModelConfig, resident: bool = False):
+    """Validates every tensor and maps the files (resident=False) or reads them into memory
+    (resident=True, see csrc/model/safetensors.h); returns the native weights object."""
+    return _Loader(Path(model_dir), cfg, resident).load()
+
+
+def available_memory() -> int | None:
+    """Bytes the OS can give without swapping: MemAvailable on Linux, half the physical memory
+    elsewhere (macOS has no cheap equivalent); None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def resident_by_default(model_dir: str | Path, backend: str) -> bool:
+    """use_mmap=None: the CPU backend reads the checkpoint into memory when it takes at most 3/4
+    of the available memory (decode streams the weights every token, faster from huge pages);
+    GPU backends, and checkpoints that would crowd memory, stay mapped."""
+    if backend != "cpu":
+        return False
+    need = sum(f.stat().st_size for f in safetensors_files(Path(model_dir)))
+    avail = available_memory()
+    return avail is not None and need <= 0.75 * avail
