@@ -12,8 +12,8 @@ to 8 tokens, the thread pool) in int8 and in f32 mode.
 
 Inputs are written by NumPy: random MLX affine codes (every row also holding the extreme codes
 0 and 2^bits - 1), scales and biases rounded to bf16 / f16 / f32, packed as MLX packs them (the
-packing is checked against mlx.core.dequantize), and x with one block scaled by 40 and one all
-zero. Asserted for each build and matrix:
+packing is checked against mlx.core.dequantize), and x with one block scaled by 40, one all
+zero and one of exact rounding ties. Asserted for each build and matrix:
 - int8 mode equals the int8 formula evaluated in float64 by NumPy
   (fixtures.references.int8_matmul_reference: x rounded per block of 32, exact integer dot
   products) to a relative 1e-5 per token: the integer sums are exact, so only the f32 summation
@@ -21,6 +21,8 @@ zero. Asserted for each build and matrix:
 - int8 mode lies within the worst-case rounding bound of the exact product x @ dequantize(W).T
   (fixtures.references.int8_error_bound: each x_j moves by at most half its block's step d_j, so
   |error| <= sum_j |w_j| d_j / 2), elementwise, as the x86 tests assert.
+- quantize_activations writes exactly NumPy's int8 values and block scales, in the kernels'
+  element order (the NEON layout: per 32 values the evens, then the odds, for 4-bit weights).
 - The int8 path really ran: the driver reports int8_supported for every matrix, and f32 mode
   (the portable arm64 path, itself checked against the exact product to 1e-5) is farther than
   1e-4 from the int8 formula, so the 1e-5 match cannot come from f32 kernels.
@@ -44,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fixtures.references import int8_error_bound, int8_matmul_reference, rel_err
+from fixtures.references import int8_error_bound, int8_matmul_reference, int8_quantize, rel_err
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "tests" / "native" / "arm64_int8_driver.cpp"
@@ -139,6 +141,9 @@ def cases(tmp_path_factory):
         x = rng.standard_normal((max(TOKENS), n)).astype(np.float32)
         x[0, :32] *= 40.0  # one block with a large max, one all-zero block
         x[-1, 32:64] = 0.0
+        # A block of exact ties: max 127, so x * (127 / max) = x, half-integers of both signs
+        # (rounded half to even, as nearbyint: 2.5 -> 2, -1.5 -> -2).
+        x[2, 64:96] = np.concatenate([[127.0], np.arange(31) - 15.5])
         (d / f"{name}.w").write_bytes(packed.tobytes())
         (d / f"{name}.s").write_bytes(s_raw)
         (d / f"{name}.b").write_bytes(b_raw)
@@ -195,6 +200,9 @@ def run(request, binaries, cases, tmp_path_factory):
             assert y.size == sum(TOKENS) * ROWS, f"{name}.{mode}: {y.size} values"
             split = np.split(y, np.cumsum([t * ROWS for t in TOKENS])[:-1])
             outputs[name, mode] = {t: part.reshape(t, ROWS) for t, part in zip(TOKENS, split, strict=True)}
+        x = refs[name]["x"]
+        outputs[name, "xq"] = np.fromfile(out_dir / f"{name}.xq", dtype=np.int8).reshape(x.shape)
+        outputs[name, "dx"] = np.fromfile(out_dir / f"{name}.dx", dtype=np.float32).reshape(x.shape[0], -1)
     return march, r.stdout, outputs
 
 
@@ -205,6 +213,22 @@ def test_driver_is_the_arm64_int8_build(run, cases):
     assert header == f"arch=aarch64 dotprod={int(sdot)} neon_int8=1", header
     supported = dict(re.findall(r"^(\S+) int8_supported=(\d)$", stdout, re.M))
     assert supported == {name: "1" for name in cases[1]}, stdout
+
+
+@pytest.mark.parametrize("matrix", MATRICES, ids=[_name(*m) for m in MATRICES])
+def test_neon_quantize_activations_exact(run, cases, matrix):
+    """quantize_activations (the NEON fast path) writes exactly NumPy's q and d, in the NEON
+    layout: for 4-bit weights each 32 values (one 16-byte register of nibbles) stored as
+    [x0 x2 .. x30 | x1 x3 .. x31] and d once per 32-bit lane (4 per block); for 8-bit q in order
+    and d once per block."""
+    march, _, outputs = run
+    bits, name = matrix[0], _name(*matrix)
+    q, d = int8_quantize(cases[1][name]["x"])
+    if bits == 4:
+        q = np.concatenate([q[..., 0::2], q[..., 1::2]], axis=-1)
+        d = np.repeat(d, 4, axis=1)
+    assert np.array_equal(outputs[name, "xq"], q.reshape(q.shape[0], -1)), f"{march} {name}: xq"
+    assert np.array_equal(outputs[name, "dx"], d), f"{march} {name}: dx"
 
 
 @pytest.mark.parametrize("matrix", MATRICES, ids=[_name(*m) for m in MATRICES])

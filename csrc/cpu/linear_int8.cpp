@@ -43,6 +43,9 @@
 #define LILY_INT8_AVX512 1
 #endif
 #endif
+#if defined(LILY_INT8_NEON)
+#include <arm_neon.h>
+#endif
 
 namespace lily::cpu {
 
@@ -88,6 +91,32 @@ void quantize_activations(const float* x, int T, int in, int bits, int8_t* xq, f
                            _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, vi))));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(qt + b * kInt8Block + 16),
                            _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, vi))));
+          dt[b] = d;
+        }
+        continue;
+      }
+#elif defined(LILY_INT8_NEON)
+      {
+        // The scalar loop's arithmetic (max, one multiply, round to nearest even: FCVTNS), four
+        // lanes at a time. A 4-bit chunk is this one block: its evens and odds are two unzips.
+        float32x4_t v[8], m = vdupq_n_f32(0.0f);
+        for (int i = 0; i < 8; ++i) m = vmaxnmq_f32(m, vabsq_f32(v[i] = vld1q_f32(xb + 4 * i)));
+        const float amax = vmaxnmvq_f32(m);
+        const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+        int8x8_t q8[4];  // |q| <= 127: the narrowing moves are exact
+        for (int i = 0; i < 4; ++i)
+          q8[i] = vmovn_s16(vcombine_s16(vmovn_s32(vcvtnq_s32_f32(vmulq_n_f32(v[2 * i], inv))),
+                                         vmovn_s32(vcvtnq_s32_f32(vmulq_n_f32(v[2 * i + 1], inv)))));
+        const int8x16_t q0 = vcombine_s8(q8[0], q8[1]), q1 = vcombine_s8(q8[2], q8[3]);
+        static_assert(kChunk4 == kInt8Block, "a NEON 4-bit chunk is one block");
+        int8_t* qb = qt + b * kInt8Block;
+        if (bits == 4) {
+          vst1q_s8(qb, vuzp1q_s8(q0, q1));
+          vst1q_s8(qb + 16, vuzp2q_s8(q0, q1));
+          for (int l = 0; l < 4; ++l) dt[b * 4 + l] = d;
+        } else {
+          vst1q_s8(qb, q0);
+          vst1q_s8(qb + 16, q1);
           dt[b] = d;
         }
         continue;

@@ -8,6 +8,8 @@
 // DIR/name.s and DIR/name.b: scales and biases [rows, in / group], DIR/name.x: f32 [max T, in].
 // For each T (the first T rows of x) y = x · Wᵀ is computed in int8 and in f32 mode and
 // appended to OUT/name.int8 and OUT/name.f32 (f32 [T, rows] each, in the order of the T list).
+// The int8 kernels' input for all of x, as quantize_activations writes it, goes to OUT/name.xq
+// (int8 [max T, in]) and OUT/name.dx (f32 [max T, int8_dx_per_token]).
 // Prints the build's instruction set, then "name int8_supported=0|1" per matrix.
 #include <algorithm>
 #include <cstdio>
@@ -30,6 +32,12 @@ std::vector<char> read_file(const std::string& path, size_t expected) {
   if (data.size() != expected)
     throw std::runtime_error(path + ": " + std::to_string(data.size()) + " bytes, expected " + std::to_string(expected));
   return data;
+}
+
+void write_file(const std::string& path, const void* data, size_t bytes) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(static_cast<const char*>(data), std::streamsize(bytes));
+  if (!f) throw std::runtime_error("cannot write " + path);
 }
 
 }  // namespace
@@ -87,6 +95,11 @@ int main(int argc, char** argv) {
       W.biases = reinterpret_cast<const uint8_t*>(b.data());
       const float* x = reinterpret_cast<const float*>(xb.data());
       std::printf("%s int8_supported=%d\n", name.c_str(), int(cpu::int8_supported(W)));
+      std::vector<int8_t> xq(size_t(max_t) * W.in);
+      std::vector<float> dx(size_t(max_t) * cpu::int8_dx_per_token(W.in, W.bits));
+      cpu::quantize_activations(x, max_t, W.in, W.bits, xq.data(), dx.data());
+      write_file(out_dir + "/" + name + ".xq", xq.data(), xq.size());
+      write_file(out_dir + "/" + name + ".dx", dx.data(), dx.size() * 4);
       for (const char* mode : {"int8", "f32"}) {
         const std::string path = out_dir + "/" + name + "." + mode;
         std::ofstream out(path, std::ios::binary);
