@@ -127,6 +127,8 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=0, help="unix time by which to stop (0: none)")
     ap.add_argument("--cpu-matmul", default="f32", choices=("f32", "int8"),
                     help="Model.load(cpu_matmul=...): f32 or int8 activations for quantized matmuls")
+    ap.add_argument("--use-mmap", default="auto", choices=("auto", "true", "false"),
+                    help="Model.load(use_mmap=...): auto (None), mapped (true) or read into memory (false)")
     a = ap.parse_args()
 
     import lily
@@ -135,13 +137,15 @@ def main() -> None:
     rep.data["threads"] = a.threads
     rep.data["prefill_chunk"] = a.chunk
     rep.data["cpu_matmul"] = a.cpu_matmul
+    use_mmap = {"auto": None, "true": True, "false": False}[a.use_mmap]
     rep.data["lily_version"] = getattr(lily, "__version__", "?")
     ck_bytes = sum(f.stat().st_size for f in a.checkpoint.glob("*.safetensors"))
 
     before = proc_status()
     t0 = time.perf_counter()
     model = lily.Model.load(a.checkpoint, backend="cpu", threads=a.threads, prefill_chunk=a.chunk,
-                            cpu_matmul=a.cpu_matmul)
+                            cpu_matmul=a.cpu_matmul, use_mmap=use_mmap)
+    rep.data["weights_resident"] = bool(model._weights.resident)
     load_s = time.perf_counter() - t0
     s = proc_status()
     rep.data["load"] = {

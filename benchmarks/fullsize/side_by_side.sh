@@ -30,7 +30,8 @@ mkdir -p "$OUT"
 rm -f "$OUT/DONE"
 
 # lily first: its first run also builds lily and writes the checkpoint whose shapes both
-# engines use. LILY_RUNS lists "cpu_matmul:contexts" runs, one process each. llama.cpp's share of
+# engines use. LILY_RUNS lists "cpu_matmul[/mmap]:contexts" runs, one process each ("/mmap":
+# the checkpoint stays mapped, use_mmap=True, instead of the default read into memory). llama.cpp's share of
 # the budget is kept back: its setup (~90 s) plus its rate (~90 tok/s, measured on this shape)
 # over the contexts.
 LILY_RUNS=${LILY_RUNS:-"f32:512,4096 int8:$CONTEXTS"}
@@ -38,8 +39,10 @@ llama_need=$(( 90 + $(echo "$CONTEXTS" | tr ',' '\n' | awk '{s += $1 / 80 + 30} 
 build=1
 for run in $LILY_RUNS; do
   mode=${run%%:*} ctxs=${run#*:}
+  matmul=${mode%/mmap} use_mmap=auto
+  [ "$matmul" != "$mode" ] && use_mmap=true
   echo "[side_by_side] lily $mode at $ctxs: $(( $(left) - llama_need )) s (llama.cpp keeps ~$llama_need s)"
-  OUT="$OUT/lily_$mode" THREADS=$THREADS CONTEXTS=$ctxs CPU_MATMUL=$mode BUILD=$build \
+  OUT="$OUT/lily_${mode//\//_}" THREADS=$THREADS CONTEXTS=$ctxs CPU_MATMUL=$matmul USE_MMAP=$use_mmap BUILD=$build \
     BUDGET_S=$(( $(left) - llama_need )) bash benchmarks/fullsize/run.sh
   echo "[side_by_side] lily $mode rc=$? at $(( $(date +%s) - start )) s"
   build=0
