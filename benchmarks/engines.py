@@ -14,9 +14,10 @@ Design choices:
   engines measurement by measurement.
 - llama.cpp is timed by its own `llama-bench` (what its users quote), one process per
   measurement: `-p P -n 0` for prefill, `-p 0 -n N -d P` for decode after a P-token context.
-  llama-bench's warmup run stays on (a fresh process per measurement must fault its mmapped
-  weights in, as lily did in its own untimed warm-up); its random prompt tokens and
-  unsampled decode steps are its defaults.
+  llama-bench's warmup run stays on (a fresh process per measurement warms its caches, as lily
+  does in its own untimed warm-up); `-lm none` reads the weights into memory as lily does by
+  default (both engines are slower from a page-cache mapping here); its random prompt tokens
+  and unsampled decode steps are its defaults.
 - Prompt tokens are uniform random ids drawn from a seed (the same ids for every Python
   engine); random-weight models make text meaningless anyway. Decode feeds back the argmax of
   the logits each step, the greedy loop a user runs (the argmax over 248K floats is ~0.1 ms).
@@ -206,8 +207,11 @@ class LlamaBench:
         self.info = f"llama-bench {gguf.name} ({gguf.stat().st_size / 1e9:.2f} GB)"
 
     def _run(self, args: list[str]) -> dict:
+        # -lm none: the weights are read into memory, not mapped: lily's default on the CPU, and
+        # llama.cpp's faster choice here (medium Q8_0 decode, 2 threads, this VM: 16.3 tok/s read
+        # vs 8.7 mapped; Q4_0, which llama.cpp repacks into memory either way: 20.8 vs 20.3).
         cmd = [str(self.bench), "-m", str(self.gguf), "-t", str(self.threads), "-r", "1",
-               "-o", "json", *args]
+               "-lm", "none", "-o", "json", *args]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr[-2000:]}")
