@@ -1,7 +1,10 @@
 // membw: sustained memory READ bandwidth, the roofline of batch-1 decode.
 //
-//   cc -O3 -march=native -pthread benchmarks/membw.c -o membw && ./membw [threads] [MiB] [passes]
-//   prints one line: threads=N bytes=B best_GBps=X median_GBps=Y
+//   cc -O3 -march=native -pthread benchmarks/membw.c -o membw && ./membw [threads] [MiB] [passes] [source]
+//   prints one line: threads=N bytes=B best_GBps=X median_GBps=Y source=S
+// source: "anon" (default: anonymous memory, whatever pages the OS gives), "huge" (anonymous,
+// advised for 2 MiB transparent huge pages), or a file path: its first MiB bytes, mmapped
+// read-only, as an mmapped checkpoint is read (run it once first so the pages are cached).
 //
 // Design choices:
 // - Decode streams weights once per token and does little arithmetic on them, so the ceiling is
@@ -13,14 +16,21 @@
 // - Each thread owns a contiguous slice and first-touches it (pages land on its NUMA node, like
 //   mmapped weights read by the same thread each token); threads start together at a barrier
 //   and a pass's time is the slowest thread's.
+// - The source option exists because where the bytes live changes the answer: on the 2-core dev
+//   VM an mmapped file read ~30% slower than anonymous memory (docs/performance.md, "Decode:
+//   weights in memory, prefetched").
 // - Best and median over passes: the machine is shared, the best pass is the hardware's
 //   ceiling, the median says how noisy the moment was.
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 typedef float v16f __attribute__((vector_size(64)));
 
@@ -31,6 +41,7 @@ typedef struct {
   pthread_barrier_t* start;
   pthread_barrier_t* end;
   float sink;            // keeps the sum alive
+  int touch;             // first-touch the slice (anonymous memory only)
 } worker_t;
 
 static double now(void) {
@@ -54,7 +65,7 @@ static float read_slice(const v16f* p, size_t n) {
 static void* run(void* arg) {
   worker_t* w = (worker_t*)arg;
   // First touch by the reading thread; values are irrelevant but must not be denormal-slow.
-  memset((void*)w->base, 0, w->n * sizeof(v16f));
+  if (w->touch) memset((void*)w->base, 0, w->n * sizeof(v16f));
   for (int p = 0; p < w->passes; ++p) {
     pthread_barrier_wait(w->start);
     w->sink += read_slice(w->base, w->n);
@@ -72,15 +83,36 @@ int main(int argc, char** argv) {
   int threads = argc > 1 ? atoi(argv[1]) : 1;
   size_t mib = argc > 2 ? (size_t)atol(argv[2]) : 2048;
   int passes = argc > 3 ? atoi(argv[3]) : 10;
+  const char* source = argc > 4 ? argv[4] : "anon";
   if (threads < 1 || mib < 1 || passes < 1) {
-    fprintf(stderr, "usage: membw [threads>=1] [MiB>=1] [passes>=1]\n");
+    fprintf(stderr, "usage: membw [threads>=1] [MiB>=1] [passes>=1] [anon|huge|FILE]\n");
     return 2;
   }
   size_t per = (mib << 20) / threads / sizeof(v16f) / 8 * 8;  // vectors per thread
+  size_t bytes = per * threads * sizeof(v16f);
   v16f* buf = NULL;
-  if (posix_memalign((void**)&buf, 2 << 20, per * threads * sizeof(v16f)) != 0) {
-    fprintf(stderr, "membw: cannot allocate %zu MiB\n", mib);
-    return 1;
+  int mapped = strcmp(source, "anon") != 0 && strcmp(source, "huge") != 0;
+  if (mapped) {
+    int fd = open(source, O_RDONLY);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0 || (size_t)st.st_size < bytes) {
+      fprintf(stderr, "membw: %s: cannot open, or smaller than %zu MiB\n", source, mib);
+      return 1;
+    }
+    buf = mmap(NULL, bytes, PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    if (buf == MAP_FAILED) {
+      fprintf(stderr, "membw: cannot map %s\n", source);
+      return 1;
+    }
+  } else {
+    if (posix_memalign((void**)&buf, 2 << 20, bytes) != 0) {
+      fprintf(stderr, "membw: cannot allocate %zu MiB\n", mib);
+      return 1;
+    }
+#ifdef MADV_HUGEPAGE
+    if (strcmp(source, "huge") == 0) madvise(buf, bytes, MADV_HUGEPAGE);
+#endif
   }
   pthread_barrier_t start, end;
   pthread_barrier_init(&start, NULL, threads + 1);
@@ -88,7 +120,7 @@ int main(int argc, char** argv) {
   worker_t* ws = calloc(threads, sizeof(worker_t));
   pthread_t* ts = calloc(threads, sizeof(pthread_t));
   for (int t = 0; t < threads; ++t) {
-    ws[t] = (worker_t){buf + per * t, per, passes + 1, &start, &end, 0};
+    ws[t] = (worker_t){buf + per * t, per, passes + 1, &start, &end, 0, !mapped};
     pthread_create(&ts[t], NULL, run, &ws[t]);
   }
   double* gbps = calloc(passes + 1, sizeof(double));
@@ -104,9 +136,10 @@ int main(int argc, char** argv) {
     sink += ws[t].sink;
   }
   qsort(gbps + 1, passes, sizeof(double), cmp);
-  printf("threads=%d bytes=%zu best_GBps=%.2f median_GBps=%.2f%s\n", threads,
-         per * threads * sizeof(v16f), gbps[passes], gbps[1 + passes / 2],
-         sink == 12345.f ? " " : "");
-  free(gbps); free(ws); free(ts); free(buf);
+  printf("threads=%d bytes=%zu best_GBps=%.2f median_GBps=%.2f source=%s%s\n", threads, bytes,
+         gbps[passes], gbps[1 + passes / 2], mapped ? "file" : source, sink == 12345.f ? " " : "");
+  free(gbps); free(ws); free(ts);
+  if (mapped) munmap(buf, bytes);
+  else free(buf);
   return 0;
 }

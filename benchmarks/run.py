@@ -103,6 +103,10 @@ def parse_args(argv=None):
     ap.add_argument("--slow-reps", type=int, default=1)
     ap.add_argument("--slow-decode", type=int, default=32)
     ap.add_argument("--no-bandwidth", action="store_true")
+    ap.add_argument("--from-samples", type=Path,
+                    help="no measuring: summarize the samples an earlier session wrote as it went "
+                         "(JSON.samples.jsonl, e.g. of a run stopped before its table); bandwidth is "
+                         "measured now")
     ap.add_argument("--json", type=Path, help="write all samples and medians here")
     ap.add_argument("--markdown", type=Path, help="write the table here too")
     a = ap.parse_args(argv)
@@ -252,12 +256,18 @@ def main(argv=None) -> int:
         bw = {t: roofline.bandwidth(t) for t in sorted({1, a.threads})}
         print("[run] bandwidth: " + ", ".join(f"{t}T {b['best_GBps']:.1f} GB/s"
                                               for t, b in bw.items()), file=sys.stderr)
-    handles = start_engines(a, paths)
-    try:
-        samples = measure_all(a, handles)
-    finally:
-        for h in handles.values():
-            h.close()
+    if a.from_samples:
+        samples = [json.loads(line) for line in a.from_samples.read_text().splitlines() if line.strip()]
+        infos = {name: f"(samples from {a.from_samples.name})" for name in a.engines}
+        cmd += "  # the table of an earlier session's samples"
+    else:
+        handles = start_engines(a, paths)
+        try:
+            samples = measure_all(a, handles)
+        finally:
+            for h in handles.values():
+                h.close()
+        infos = {k: h.info for k, h in handles.items()}
     if not a.no_bandwidth:  # again after: keep the better (less disturbed) measurement
         for t in bw:
             b = roofline.bandwidth(t)
@@ -265,7 +275,6 @@ def main(argv=None) -> int:
                 bw[t] = b
     info["load_after"] = loadavg()
     rows = summarize(a, samples, paths, bw[a.threads] if bw else None)
-    infos = {k: h.info for k, h in handles.items()}
     table = markdown(a, rows, info, bw, infos, cmd)
     print(table)
     if a.markdown:

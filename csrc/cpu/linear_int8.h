@@ -4,7 +4,9 @@
 //
 // Shapes: W [out, in] packed (4 or 8 bits), x [T, in] quantized in blocks of 32.
 #pragma once
+#include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "cpu/thread_pool.h"
 #include "model/weights.h"
@@ -35,6 +37,29 @@ inline int int8_dx_per_token(int in, int bits) { return bits == 4 ? in / 8 : in 
 // holds the exact f32 sums of x per weight group (the affine bias term).
 void int8_rows(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int t0, int nt, float* y,
                int ldy, int64_t r0, int64_t r1);
+
+// The part of int8_rows both kernel sets (x86, NEON) share: moves the inputs to token t0 and
+// calls rows(std::integral_constant<int, NT>, xq, dx, gsum, y) with NT = nt (at most 8), so each
+// set instantiates its row kernel for every token count it may be given.
+template <class Rows>
+inline void int8_rows_for_tokens(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int t0,
+                                 int nt, float* y, int ldy, Rows&& rows) {
+  const int G = W.in / W.group, ndx = int8_dx_per_token(W.in, W.bits);
+  xq += size_t(t0) * W.in;
+  dx += size_t(t0) * ndx;
+  gsum += size_t(t0) * G;
+  y += size_t(t0) * ldy;
+  switch (nt) {
+    case 1: rows(std::integral_constant<int, 1>(), xq, dx, gsum, y); break;
+    case 2: rows(std::integral_constant<int, 2>(), xq, dx, gsum, y); break;
+    case 3: rows(std::integral_constant<int, 3>(), xq, dx, gsum, y); break;
+    case 4: rows(std::integral_constant<int, 4>(), xq, dx, gsum, y); break;
+    case 5: rows(std::integral_constant<int, 5>(), xq, dx, gsum, y); break;
+    case 6: rows(std::integral_constant<int, 6>(), xq, dx, gsum, y); break;
+    case 7: rows(std::integral_constant<int, 7>(), xq, dx, gsum, y); break;
+    default: rows(std::integral_constant<int, 8>(), xq, dx, gsum, y); break;
+  }
+}
 
 // Chunks of at least this many tokens go to int8_gemm rather than the row kernels.
 constexpr int kInt8GemmMinT = 12;

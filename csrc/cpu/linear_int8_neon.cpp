@@ -173,21 +173,10 @@ bool int8_supported(const Linear& W) {
 
 void int8_rows(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int t0, int nt, float* y,
                int ldy, int64_t r0, int64_t r1) {
-  const int G = W.in / W.group, ndx = int8_dx_per_token(W.in, W.bits);
-  xq += size_t(t0) * W.in;
-  dx += size_t(t0) * ndx;
-  gsum += size_t(t0) * G;
-  y += size_t(t0) * ldy;
-  switch (nt) {
-    case 1: rows_nt<1>(W, xq, dx, gsum, y, ldy, r0, r1); break;
-    case 2: rows_nt<2>(W, xq, dx, gsum, y, ldy, r0, r1); break;
-    case 3: rows_nt<3>(W, xq, dx, gsum, y, ldy, r0, r1); break;
-    case 4: rows_nt<4>(W, xq, dx, gsum, y, ldy, r0, r1); break;
-    case 5: rows_nt<5>(W, xq, dx, gsum, y, ldy, r0, r1); break;
-    case 6: rows_nt<6>(W, xq, dx, gsum, y, ldy, r0, r1); break;
-    case 7: rows_nt<7>(W, xq, dx, gsum, y, ldy, r0, r1); break;
-    default: rows_nt<8>(W, xq, dx, gsum, y, ldy, r0, r1); break;
-  }
+  int8_rows_for_tokens(W, xq, dx, gsum, t0, nt, y, ldy,
+                       [&](auto n, const int8_t* q, const float* d, const float* gs, float* yt) {
+                         rows_nt<decltype(n)::value>(W, q, d, gs, yt, ldy, r0, r1);
+                       });
 }
 
 }  // namespace lily::cpu
