@@ -147,7 +147,7 @@ class Model:
         them to f32 (matches mlx-lm to ~1e-6), "int8" rounds activations to int8 per block of
         32 and uses integer dot products (2-4x faster; logits within ~1% of f32, see
         docs/performance.md; its sums depend on how a prompt is chunked, so a prefix-cache
-        hit may pick other tokens than a fresh prefill, which "f32" never does). Hosts
+        hit may pick other tokens than a fresh prefill; "f32" is tested not to). Hosts
         without the integer kernels run "f32" either way.
         use_mmap: True maps the checkpoint files (instant load, no private memory; the files
         must not change while loaded, which lily checks); False reads them into memory (2 MiB
