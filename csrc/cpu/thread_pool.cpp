@@ -46,11 +46,16 @@ void ThreadPool::run_chunks(uint32_t gen, int thread_index) {
   uint64_t t = ticket_.load(std::memory_order_acquire);
   for (;;) {
     if (uint32_t(t >> 32) != gen) return;  // a later (or earlier) call's ticket
-    const uint32_t idx = uint32_t(t);
-    // Safe to read: the acquire of a ticket of this generation orders the job fields.
-    if (idx >= n_chunks_) return;
+    // The chunk count comes from the ticket itself, never from n_chunks_: the caller of the
+    // next call rewrites the job fields before it publishes that call's ticket, so a worker
+    // still holding this call's ticket could otherwise read the next call's (larger) count,
+    // "claim" a chunk past this call's end, and leave done_ one too high for the next call,
+    // which then waits forever (seen as a hang in CI; tests/test_thread_pool.py).
+    const uint32_t idx = uint32_t(t) & kChunkMask, count = uint32_t(t >> kChunkBits) & kChunkMask;
+    if (idx >= count) return;
     if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
-    // The chunk is ours, so the call that owns fn_ is still waiting for it: fn_ is alive.
+    // The chunk is ours: this call cannot finish without it, so its job fields (published
+    // before its ticket, which the CAS acquired) stay as they are until we are done.
     const int64_t b = int64_t(idx) * chunk_, e = std::min(n_, b + chunk_);
     (*fn_)(b, e, thread_index);
     done_.fetch_add(1, std::memory_order_release);
@@ -88,14 +93,14 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
     fn(0, n, 0);
     return;
   }
-  const int64_t chunks = std::min<int64_t>(blocks, n_threads_ * kChunksPerThread);
+  const int64_t chunks = std::min<int64_t>({blocks, n_threads_ * kChunksPerThread, int64_t(kChunkMask)});
   fn_ = &fn;
   n_ = n;
   chunk_ = (blocks + chunks - 1) / chunks * grain;
   n_chunks_ = uint32_t((n + chunk_ - 1) / chunk_);
   done_.store(0, std::memory_order_relaxed);
   const uint32_t gen = generation_.load(std::memory_order_relaxed) + 1;
-  ticket_.store(uint64_t(gen) << 32, std::memory_order_release);
+  ticket_.store(uint64_t(gen) << 32 | uint64_t(n_chunks_) << kChunkBits, std::memory_order_release);
   generation_.store(gen, std::memory_order_release);
   {
     // Taking the lock orders this wake-up after any worker's predicate check (no lost wake-up).

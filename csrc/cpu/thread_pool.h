@@ -6,8 +6,9 @@
 // machine: a worker the OS has not scheduled yet simply claims nothing, and the caller does its
 // share instead of waiting a scheduler quantum for it.
 //
-// The ticket holds (generation << 32 | next chunk), so a worker that wakes up late, from an
-// earlier call, fails its compare-and-swap and never runs a stale job. Workers spin briefly on
+// The ticket holds (generation << 32 | chunk count << 16 | next chunk), so a worker that wakes
+// up late, from an earlier call, fails its compare-and-swap and never runs a stale job, and it
+// never needs a job field of a call whose ticket it does not hold. Workers spin briefly on
 // the generation after each job (a decode step makes hundreds of calls) and then sleep on a
 // condition variable, so an idle pool burns no CPU.
 #pragma once
@@ -46,7 +47,9 @@ class ThreadPool {
   const std::function<void(int64_t, int64_t, int)>* fn_ = nullptr;
   int64_t n_ = 0, chunk_ = 1;
   uint32_t n_chunks_ = 0;
-  std::atomic<uint64_t> ticket_{0};   // generation << 32 | next chunk
+  static constexpr int kChunkBits = 16;
+  static constexpr uint32_t kChunkMask = (1u << kChunkBits) - 1;
+  std::atomic<uint64_t> ticket_{0};   // generation << 32 | chunk count << 16 | next chunk
   std::atomic<uint32_t> done_{0};     // chunks finished in the current generation
   std::atomic<uint32_t> generation_{0};
   std::atomic<bool> stop_{false};
