@@ -185,6 +185,7 @@ def lint_file(path):
             )
     product = path.resolve().parent.name == "metal"
     guards = []  # per open #if: whether its current branch is `__HAVE_TENSOR__` defined
+    text_lines = text.splitlines()  # unmasked: an include names its header in a "literal"
     for i, line in enumerate(code.splitlines(), 1):
         pp = PP_IF.match(line)
         if pp:
@@ -195,7 +196,7 @@ def lint_file(path):
                 guards[-1] = False
             elif kind == "endif" and guards:
                 guards.pop()
-        m = INCLUDE.match(text.splitlines()[i - 1])
+        m = INCLUDE.match(text_lines[i - 1])
         if not m or m.group(1) != "<":
             continue
         header = m.group(2)

@@ -179,6 +179,21 @@ def test_sampled_device_loop_stops_and_rolls_back(case, lily):
     _check(s.decode(got[-1]), logits_after(cpu, cases.GEN_PROMPT + got), "decode after the device loop vs cpu")
 
 
+def test_device_loop_refuses_penalties_even_when_greedy(case, lily):
+    """The device argmax cannot apply a repetition penalty or report logprobs: asking for either
+    is an error whether the sampler draws or is greedy (temperature 0), never a silent skip."""
+    from lily._core import Sampler, SamplingParams
+
+    gpu, _, _ = case
+    s = gpu.session()
+    first = int(np.argmax(s.prefill(cases.GEN_PROMPT)))
+    for kw in (dict(temperature=0.0, repetition_penalty=1.3), dict(temperature=0.0, top_logprobs=2),
+               dict(temperature=1.0, presence_penalty=0.5)):
+        with pytest.raises(lily.RequestError, match="penalties and logprobs need the logits on the host"):
+            gpu._engine.begin_device_decode(s._state, first, 4, Sampler(SamplingParams(**kw)))
+    assert s.position == len(cases.GEN_PROMPT), "a refused loop leaves the state as it was"
+
+
 def logits_after(model, tokens):
     return model.session().prefill(tokens)
 

@@ -22,37 +22,19 @@ import struct
 
 import numpy as np
 import pytest
-import torch
 
 from fixtures import cases
-from fixtures.references import rel_err
-from msl_cpu_harness import ROOT, dispatch, msl_cpu, read
-from test_metal_kernels import gdn_reference
+from msl_cpu_harness import dispatch, msl_cpu, read
+from test_metal_decode import MODELS
+from test_metal_kernels import _torch_attention, gdn_reference, kernels
+from test_metal_prefill_moe import _close as _check
 
 RNG = np.random.default_rng(6)
-
-
-def kernels(dev, name):
-    return dev.library((ROOT / "metal" / name).read_text(), f"metal/{name}")
 
 
 # ---- attention_prefill.metal ------------------------------------------------------------------
 
 ROWS = 64  # LILY_ATTN_PF_ROWS
-
-
-def _reference_attention(q, kc, vc, gate, pos0, scale):
-    """q [T, Hq, D], caches [Hkv, cap, D]: causal GQA attention over positions [0, pos0 + t]
-    by PyTorch's scaled_dot_product_attention, then the sigmoid gate."""
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
-
-    T, P = q.shape[0], pos0 + q.shape[0]
-    qt = torch.from_numpy(q).double().transpose(0, 1)[None]
-    kt = torch.from_numpy(kc[:, :P].astype(np.float64))[None]
-    vt = torch.from_numpy(vc[:, :P].astype(np.float64))[None]
-    mask = torch.arange(P)[None, :] <= (pos0 + torch.arange(T))[:, None]
-    o = sdpa(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)[0].transpose(0, 1)
-    return (o * torch.sigmoid(torch.from_numpy(gate).double())).numpy()
 
 
 ATTN_CASES = [
@@ -81,7 +63,7 @@ def test_attention_prefill_kernel(D, Hq, Hkv, pos0, T, kv):
              (Hkv, -(-T // tile)), (256,),
              {0: dev.buffer(qg), 1: dev.buffer(kc), 2: dev.buffer(vc), 3: o,
               4: struct.pack("7If", D, Hq, Hkv, cap, pos0, T, tile, scale)})
-    want = _reference_attention(qg[..., :D], kc, vc, qg[..., D:], pos0, scale)
+    want = _torch_attention(qg[..., :D], kc, vc, qg[..., D:], pos0, scale)
     np.testing.assert_allclose(read(o, np.float32, (T, Hq, D)), want, rtol=1e-4, atol=1e-5)
 
 
@@ -143,7 +125,6 @@ def test_gdn_prefill_kernels(Hk, Hv, Dk, Dv, K, chunks):
 
 # ---- whole model ----------------------------------------------------------------------------------
 
-MODELS = [("qwen3_5_moe", 4, 64, "bfloat16"), ("qwen3_5", 4, 64, None), ("qwen3_next", 4, 64, None)]
 CHUNK = 5  # prompts of 3 (one partial chunk), 9 and 11 tokens (several chunks, the last partial)
 
 
@@ -153,13 +134,6 @@ def models(request, store, lily):
     gpu = lily.Model.load(path, backend="msl-cpu", prefill_chunk=CHUNK)
     cpu = lily.Model.load(path, backend="cpu", prefill_chunk=CHUNK)
     return gpu, cpu, store.mlx_reference(path)
-
-
-def _check(got, want, what, tol=cases.TOL_MLX):
-    err = rel_err(got, want)
-    assert err <= tol, f"{what}: rel err {err:.3e} > {tol:.0e}"
-    bad = np.nonzero(np.asarray(got).reshape(-1, want.shape[-1]).argmax(-1) != want.reshape(-1, want.shape[-1]).argmax(-1))[0]
-    assert bad.size == 0, f"{what}: top-1 differs at rows {bad.tolist()}"
 
 
 @pytest.mark.parametrize("n", [3, 11])  # one partial chunk; chunks of 5, 5 and 1 (decode kernels)

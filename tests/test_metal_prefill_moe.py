@@ -24,14 +24,10 @@ import pytest
 
 from fixtures import cases
 from fixtures.references import rel_err
-from msl_cpu_harness import ROOT, msl_cpu, read, run
-from test_metal_kernels import MSL_TYPE, dense, qm, quantize
+from msl_cpu_harness import msl_cpu, read, run
+from test_metal_kernels import MSL_TYPE, dense, kernels, qm, quantize
 
 RNG = np.random.default_rng(6)
-
-
-def kernels(dev, name):
-    return dev.library((ROOT / "metal" / name).read_text(), f"metal/{name}")
 
 
 def _silu(x):

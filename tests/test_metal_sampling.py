@@ -57,12 +57,16 @@ class GpuSampler:
         self.status = dev.buffer_empty(16)
         self.args = sample_args(sampler, self.n)
 
-    def draw(self, threads: int = THREADS) -> int:
+    def dispatch(self, threads: int = THREADS) -> tuple[int, list[int]]:
+        """One draw: the token and the first three status words."""
         dispatch(self.dev, self.pipeline, (1,), (threads,),
                  {0: self.logits, 1: self.w, 2: self.rng, 3: self.token, 4: self.status, 5: self.args})
-        code = read(self.status, np.uint32)[0]
-        assert code == 0, f"status {read(self.status, np.uint32)[:3].tolist()}"
-        return int(read(self.token, np.int32)[0])
+        return int(read(self.token, np.int32)[0]), read(self.status, np.uint32)[:3].tolist()
+
+    def draw(self, threads: int = THREADS) -> int:
+        token, status = self.dispatch(threads)
+        assert status[0] == 0, f"status {status}"
+        return token
 
     @property
     def rng_state(self):
@@ -134,9 +138,7 @@ def test_distribution_matches_numpy(dev, pipeline, config, vocab, n):
 
 
 def run_status(dev, pipeline, logits, **kw):
-    g = GpuSampler(dev, pipeline, logits, Sampler(SamplingParams(**kw)))
-    dispatch(dev, pipeline, (1,), (THREADS,), {0: g.logits, 1: g.w, 2: g.rng, 3: g.token, 4: g.status, 5: g.args})
-    return int(read(g.token, np.int32)[0]), read(g.status, np.uint32)[:3].tolist()
+    return GpuSampler(dev, pipeline, logits, Sampler(SamplingParams(**kw))).dispatch(THREADS)
 
 
 @pytest.mark.parametrize("n", [248320, 503, 31])

@@ -38,6 +38,9 @@ void CpuState::apply(const Snapshot& snap) {
 CpuBackend::CpuBackend(std::shared_ptr<const ModelWeights> weights, int n_threads, Matmul matmul)
     : weights_(std::move(weights)), c_(weights_->config), pool_(n_threads), matmul_(matmul) {
   attn_.matmul = gdn_.matmul = ffn_.matmul = matmul;
+  conv_taps_.resize(c_.n_layers());
+  for (int l = 0; l < c_.n_layers(); ++l)
+    if (c_.mixers[l] != Mixer::Attention) conv_taps_[l] = transpose_conv_taps(c_, weights_->layers[l].gdn);
 }
 
 std::unique_ptr<State> CpuBackend::new_state(int max_context) {
@@ -102,7 +105,7 @@ void CpuBackend::attention(State& st, int layer, const AttentionWeights& w) {
 
 void CpuBackend::gated_deltanet(State& st, int layer, const GdnWeights& w) {
   auto& s = static_cast<CpuState&>(st);
-  gated_deltanet_mixer(c_, w, s.gdn[layer], h_.data(), T_, y_.data(), gdn_, pool_);
+  gated_deltanet_mixer(c_, w, conv_taps_[layer].data(), s.gdn[layer], h_.data(), T_, y_.data(), gdn_, pool_);
 }
 
 void CpuBackend::mlp(const MlpWeights& w) { mlp_block(w, h_.data(), T_, y_.data(), ffn_, pool_); }

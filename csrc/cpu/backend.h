@@ -63,6 +63,7 @@ class CpuBackend : public Backend {
   std::vector<float> x_, h_, y_;  // [T, hidden]
   AttentionScratch attn_;
   GdnScratch gdn_;
+  std::vector<std::vector<float>> conv_taps_;  // per DeltaNet layer: transpose_conv_taps, once
   FfnScratch ffn_;
 };
 

@@ -38,8 +38,16 @@ void ungroup_qkvz(const ModelConfig& c, const float* qkvz, const float* ba, int 
 
 }  // namespace
 
-void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, GdnState& st, const float* h, int T, float* y,
-                          GdnScratch& s, ThreadPool& pool) {
+std::vector<float> transpose_conv_taps(const ModelConfig& c, const GdnWeights& w) {
+  const int C = c.gdn_qkv_dim(), K = c.conv_kernel;
+  std::vector<float> taps(size_t(K) * C);
+  for (int ch = 0; ch < C; ++ch)
+    for (int j = 0; j < K; ++j) taps[size_t(j) * C + ch] = w.conv1d[size_t(ch) * K + j];
+  return taps;
+}
+
+void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, const float* taps, GdnState& st, const float* h,
+                          int T, float* y, GdnScratch& s, ThreadPool& pool) {
   const int Hk = c.gdn_k_heads, Hv = c.gdn_v_heads, Dk = c.gdn_k_dim, Dv = c.gdn_v_dim, K = c.conv_kernel;
   const int C = c.gdn_qkv_dim(), vdim = c.gdn_value_dim(), key_dim = Hk * Dk, r = Hv / Hk;
   s.qkv.resize(size_t(T) * C);
@@ -61,24 +69,21 @@ void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, GdnState& s
 
   // Causal depthwise conv over [carried K-1 inputs ; this chunk], then SiLU. Channels are
   // independent, so threads split the channel axis; each thread walks its channel range row by
-  // row (token-major, as qkv is laid out), so every load is contiguous and vectorises. The taps
-  // are transposed once to [K, C] for the same reason. Per channel the sum runs over taps in
-  // order from 0, exactly as a per-channel loop would.
+  // row (token-major, as qkv is laid out), so every load is contiguous and vectorises; the taps
+  // come transposed to [K, C] for the same reason. Per channel the sum runs over taps in order
+  // from 0, exactly as a per-channel loop would.
   s.conv_out.resize(size_t(T) * C);
-  s.taps.resize(size_t(K) * C);
   pool.parallel_for(
       C,
       [&](int64_t c0, int64_t c1, int) {
         const int64_t n = c1 - c0;
-        for (int64_t ch = c0; ch < c1; ++ch)
-          for (int j = 0; j < K; ++j) s.taps[size_t(j) * C + ch] = w.conv1d[size_t(ch) * K + j];
         for (int t = 0; t < T; ++t) {
           float* out = s.conv_out.data() + size_t(t) * C + c0;
           std::fill(out, out + n, 0.0f);
           for (int j = 0; j < K; ++j) {
             const int src = t + j - (K - 1);  // < 0: from the carried state
             const float* xin = (src >= 0 ? s.qkv.data() + size_t(src) * C : st.conv.data() + size_t(K - 1 + src) * C) + c0;
-            const float* tap = s.taps.data() + size_t(j) * C + c0;
+            const float* tap = taps + size_t(j) * C + c0;
             for (int64_t i = 0; i < n; ++i) out[i] += tap[i] * xin[i];
           }
           for (int64_t i = 0; i < n; ++i) out[i] = silu(out[i]);

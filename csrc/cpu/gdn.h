@@ -27,10 +27,14 @@ struct GdnState {
 struct GdnScratch {
   Matmul matmul = Matmul::F32;  // the backend's choice for the projections
   std::vector<float> qkv, qkvz, z, b, a, ba, conv_out, o;
-  std::vector<float> taps;  // conv1d weights transposed to [K, C]
 };
 
-void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, GdnState& st, const float* h, int T, float* y,
-                          GdnScratch& s, ThreadPool& pool);
+// taps: the layer's conv1d weights transposed to [K, C] (transpose_conv_taps, once per model).
+void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, const float* taps, GdnState& st, const float* h,
+                          int T, float* y, GdnScratch& s, ThreadPool& pool);
+
+// conv1d [C, K] -> [K, C]: the conv reads one row of taps per kernel position, contiguous over
+// the channels each thread owns.
+std::vector<float> transpose_conv_taps(const ModelConfig& c, const GdnWeights& w);
 
 }  // namespace lily::cpu

@@ -139,12 +139,13 @@ std::vector<int32_t> Engine::generate_greedy(State& st, const int32_t* prompt, i
   if (n > last) prefill(st, prompt, n - last, nullptr, false);
   const int32_t* first = prompt + (n - last);
   if (!begin_device_decode(st, first, last, max_tokens, nullptr)) {
-    if (last > 1) prefill(st, first, last - 1, nullptr, false);
-    int32_t token = first[last - 1];
+    // Host loop: the last chunk in one prefill (its last row's argmax is the first token), then
+    // one decode per further token.
     std::vector<float> logits(config().vocab);
+    prefill(st, first, last, logits.data(), false);
     for (int i = 0; i < max_tokens; ++i) {
-      decode(st, token, logits.data());
-      token = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+      if (i > 0) decode(st, out.back(), logits.data());
+      const auto token = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
       out.push_back(token);
       if (!keep_going(token)) break;
     }
@@ -178,11 +179,15 @@ bool Engine::begin_device_decode(State& st, const int32_t* first, int n, int max
                        " tokens + " + std::to_string(max_steps) + " decode steps exceed the context of " +
                        std::to_string(st.max_context()));
   DeviceSampling ds;
-  if (sampler && sampler->draws()) {
+  if (sampler) {
+    // Greedy or not: the device argmax / draw would silently skip these.
     const SamplingParams& p = sampler->params();
     if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f ||
         p.top_logprobs > 0)
       throw RequestError("[engine] penalties and logprobs need the logits on the host: use the host loop");
+  }
+  if (sampler && sampler->draws()) {
+    const SamplingParams& p = sampler->params();
     ds.draw = true;
     ds.top_k = p.top_k;
     ds.top_p_fixed = sampler->top_p_fixed();
@@ -191,7 +196,7 @@ bool Engine::begin_device_decode(State& st, const int32_t* first, int n, int max
     ds.min_p_offset = sampler->min_p_offset();
     for (int i = 0; i < 4; ++i) ds.rng[i] = sampler->rng().state()[i];
   }
-  if (!backend_->begin_device_decode(st, first[n - 1], n - 1 + max_steps, ds)) return false;
+  if (!backend_->begin_device_decode(st, n - 1 + max_steps, ds)) return false;
   loop_ = {&st, max_steps, 0, 0};
   try {  // step 0 brings its tokens from the host; the rest read theirs on the device
     forward_chunk(*backend_, *weights_, st, first, n, LogitRows::Last, nullptr);

@@ -2,9 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <set>
 #include <sstream>
 
@@ -17,7 +15,6 @@
 // The argument structs shared with the kernels (plain 32-bit fields).
 #include <cstdint>
 #include "metal/attention_args.h"
-#include "metal/gdn_args.h"
 #include "metal/moe_args.h"
 #include "metal/norm_args.h"
 #include "metal/quant_args.h"
@@ -343,6 +340,7 @@ void GpuBackend::embed(State& state, const int32_t* tokens, int T) {
     token_src = Ref{tokens_, 0};
   } else {  // the previous step's token (sized and reserved by begin_device_decode)
     if (T != 1) throw Error("[gpu] device-loop steps take their token from the device");
+    if (step_ == 0) throw Error("[gpu] the first device-loop step brings its tokens from the host");
     token_src = Ref{ring_, size_t((step_ + 1) % 2) * 4};
   }
   in_ = st.parity;
@@ -480,7 +478,7 @@ void GpuBackend::gated_deltanet(State& state, int layer, const GdnWeights& w) {
     gemv(w.in_a, {h_, 0}, H, {a_, 0}, Hv, T);
   }
   const int out = in_ ^ 1;
-  if (prefill_gated_deltanet(st, layer, w)) {  // chunks of T > 1: csrc/gpu/prefill_mixers.cpp
+  if (prefill_gated_deltanet(st, layer, w, args)) {  // chunks of T > 1: csrc/gpu/prefill_mixers.cpp
     gemv(w.out_proj, {go_, 0}, vdim, {y_, 0}, H, T);
     return;
   }

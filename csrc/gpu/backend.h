@@ -35,6 +35,7 @@
 
 #include "gpu/device.h"
 #include "gpu/hazards.h"
+#include "metal/gdn_args.h"
 #include "metal/sampling_args.h"
 #include "model/backend.h"
 
@@ -132,7 +133,7 @@ class GpuBackend : public Backend {
   void lm_head(const Linear& head, int first, int n, float* logits) override;
 
   // Device decode loop (csrc/gpu/sampling.cpp).
-  bool begin_device_decode(State& st, int32_t first_token, int max_steps, const DeviceSampling& sampling) override;
+  bool begin_device_decode(State& st, int max_steps, const DeviceSampling& sampling) override;
   int32_t wait_device_token() override;
   void discard_last_step(State& st) override;
   void end_device_decode() override;
@@ -192,7 +193,7 @@ class GpuBackend : public Backend {
   // out_proj) with the prefill kernels and return true, or return false (T == 1 or a shape
   // they do not take) for the decode kernels.
   bool prefill_attention(GpuState& st, int layer);
-  bool prefill_gated_deltanet(GpuState& st, int layer, const GdnWeights& w);
+  bool prefill_gated_deltanet(GpuState& st, int layer, const GdnWeights& w, const GdnArgs& args);
 
   std::shared_ptr<const ModelWeights> weights_;
   const ModelConfig& c_;

@@ -56,15 +56,19 @@ std::string source_tree(const std::string& cache_root) {
     for (size_t i = 0; i < kEmbeddedCount && all; ++i) all = access((dir + "/" + kEmbeddedFiles[i].path).c_str(), R_OK) == 0;
     if (all) return dir;
   }
-  // FNV-1a of every path and text: a folder per distinct set of sources.
-  uint64_t h = 1469598103934665603ull;
-  auto mix = [&](const char* p, size_t n) {
-    for (size_t i = 0; i < n; ++i) h = (h ^ uint8_t(p[i])) * 1099511628211ull;
-  };
-  for (size_t i = 0; i < kEmbeddedCount; ++i) {
-    mix(kEmbeddedFiles[i].path, std::strlen(kEmbeddedFiles[i].path) + 1);
-    mix(kEmbeddedFiles[i].text, kEmbeddedFiles[i].size);
-  }
+  // FNV-1a of every path and text: a folder per distinct set of sources (the set is fixed at
+  // build time, so hashed once per process, not once per kernel build).
+  static const uint64_t h = [] {
+    uint64_t v = 1469598103934665603ull;
+    auto mix = [&](const char* p, size_t n) {
+      for (size_t i = 0; i < n; ++i) v = (v ^ uint8_t(p[i])) * 1099511628211ull;
+    };
+    for (size_t i = 0; i < kEmbeddedCount; ++i) {
+      mix(kEmbeddedFiles[i].path, std::strlen(kEmbeddedFiles[i].path) + 1);
+      mix(kEmbeddedFiles[i].text, kEmbeddedFiles[i].size);
+    }
+    return v;
+  }();
   char name[40];
   std::snprintf(name, sizeof name, "/sources-%016llx", static_cast<unsigned long long>(h));
   const std::string root = cache_root + name;

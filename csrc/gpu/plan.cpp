@@ -224,7 +224,7 @@ PrefillPlan plan_prefill(const ModelConfig& c, const PlanQuantization& q, const 
     if (last) {
       // The engine's generate_greedy: the last chunk is device-loop step 0, its argmax the
       // first token, committed without a wait.
-      be.begin_device_decode(*st, 0, T, DeviceSampling{});
+      be.begin_device_decode(*st, T, DeviceSampling{});
       forward_chunk(be, *w, *st, tokens.data(), T, LogitRows::Last, nullptr);
     } else {
       forward_chunk(be, *w, *st, tokens.data(), T, LogitRows::None, nullptr);

@@ -49,14 +49,12 @@ bool GpuBackend::prefill_attention(GpuState& st, int layer) {
   return true;
 }
 
-bool GpuBackend::prefill_gated_deltanet(GpuState& st, int layer, const GdnWeights& w) {
+bool GpuBackend::prefill_gated_deltanet(GpuState& st, int layer, const GdnWeights& w, const GdnArgs& args) {
   const int T = T_, C = c_.gdn_qkv_dim(), vdim = c_.gdn_value_dim(), Hv = c_.gdn_v_heads, Hk = c_.gdn_k_heads;
   const int Dk = c_.gdn_k_dim, Dv = c_.gdn_v_dim;
   if (T < 2 || Dk % LILY_GDN_SCAN_SPLIT != 0 || Dk > LILY_GDN_SCAN_MAX_DK ||
       uint64_t(LILY_GDN_SCAN_SPLIT) * Dv > 1024)
     return false;
-  GdnArgs args{uint32_t(T), uint32_t(Hk), uint32_t(Hv), uint32_t(Dk), uint32_t(Dv),
-                      uint32_t(c_.conv_kernel), uint32_t(C), c_.rms_eps, 1.0f / std::sqrt(float(Dk))};
   const size_t f = size_t(T) * 4;
   const int out = in_ ^ 1;
   auto& win = st.conv[in_][layer];

@@ -22,7 +22,7 @@
 
 namespace lily::gpu {
 
-bool GpuBackend::begin_device_decode(State& state, int32_t first_token, int max_steps, const DeviceSampling& s) {
+bool GpuBackend::begin_device_decode(State& state, int max_steps, const DeviceSampling& s) {
   auto& st = static_cast<GpuState&>(state);
   finish();
   reserve_kv(st, st.position() + max_steps);
@@ -34,7 +34,6 @@ bool GpuBackend::begin_device_decode(State& state, int32_t first_token, int max_
   grow(rng_, 32);
   step_ = read_step_ = 0;
   inflight_.clear();
-  if (auto* r = static_cast<int32_t*>(ring_->contents())) r[1] = first_token;  // "step -1"'s token
   if (auto* p = static_cast<uint64_t*>(rng_->contents())) std::memcpy(p, s.rng, 32);
   sample_args_ = SampleArgs{};
   sample_args_.vocab = uint32_t(c_.vocab);

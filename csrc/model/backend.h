@@ -103,11 +103,11 @@ class Backend {
   // already on the device) and logits == nullptr (lm_head chooses the token on the device, as
   // `sampling` says, writes it into the next step's input slot and commits without waiting),
   // so step N+1 is encoded and committed before step N's token is read.
-  // The first pass may instead bring its own tokens (a prompt's last chunk, T >= 1): the token
-  // it chooses is then the first generated one. max_steps counts positions (that chunk's and 1
-  // per step).
+  // The first pass brings its own tokens instead (a prompt's last chunk or the last token, T >= 1):
+  // the token it chooses is the first generated one. max_steps counts positions (that chunk's
+  // and 1 per step).
   // Backends without it return false from begin and the engine loops on the host.
-  virtual bool begin_device_decode(State& st, int32_t first_token, int max_steps, const DeviceSampling& sampling) {
+  virtual bool begin_device_decode(State& st, int max_steps, const DeviceSampling& sampling) {
     return false;
   }
   // Waits for the oldest step in flight and returns the token it chose. Throws lily::Error (as

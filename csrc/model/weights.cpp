@@ -29,8 +29,8 @@ void ModelWeights::check_files_unchanged() const {
 }
 
 void ModelWeights::check_files_unchanged_if_touched() const {
-  if (!any_mapped) return;  // resident copies cannot change under us
-  if (stale_.load(std::memory_order_relaxed) || !watch || watch->maybe_changed()) check_files_unchanged();
+  if (!watch) return;  // no file is mapped: resident copies cannot change under us
+  if (stale_.load(std::memory_order_relaxed) || watch->maybe_changed()) check_files_unchanged();
 }
 
 WeightsBuilder::WeightsBuilder(ModelConfig config) : w_(std::make_shared<ModelWeights>()) {
@@ -288,8 +288,7 @@ std::shared_ptr<ModelWeights> WeightsBuilder::finish() {
   std::vector<std::string> paths;
   for (const auto& f : w_->files)
     if (f->residency() == Residency::Mapped) paths.push_back(f->path());
-  w_->any_mapped = !paths.empty();
-  if (w_->any_mapped) w_->watch = std::make_shared<FileWatch>(paths);
+  if (!paths.empty()) w_->watch = std::make_shared<FileWatch>(paths);
   w_->check_files_unchanged();
   return w_;
 }

@@ -89,8 +89,7 @@ struct ModelWeights {
   std::vector<float> final_norm;
   std::vector<LayerWeights> layers;
   std::vector<std::shared_ptr<SafetensorsFile>> files;  // keep the mappings alive
-  std::shared_ptr<FileWatch> watch;                     // over the mapped `files`, set by finish()
-  bool any_mapped = false;                              // set by finish()
+  std::shared_ptr<FileWatch> watch;                     // over the mapped `files` (none: no file is mapped)
 
   // Throws CheckpointError if any mapped file changed on disk since load: one stat per file.
   void check_files_unchanged() const;

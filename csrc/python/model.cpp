@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 
 #include "cpu/backend.h"
 #include "cpu/linear.h"
@@ -130,6 +131,11 @@ Linear affine_from_arrays(const char* op, const PackedArray& packed, const F32In
   W.scales = reinterpret_cast<const uint8_t*>(scales.data());
   W.biases = reinterpret_cast<const uint8_t*>(biases.data());
   return W;
+}
+
+// generate_greedy's keep_going: false once a stop token was generated.
+std::function<bool(int32_t)> until_stop(const std::vector<int32_t>& stop) {
+  return [&stop](int32_t t) { return std::find(stop.begin(), stop.end(), t) == stop.end(); };
 }
 
 }  // namespace
@@ -342,9 +348,7 @@ void init_model(nb::module_& m) {
           "generate_greedy",
           [](Engine& e, State& st, int32_t token, int max_tokens, const std::vector<int32_t>& stop_tokens) {
             nb::gil_scoped_release release;
-            return e.generate_greedy(st, token, max_tokens, [&](int32_t t) {
-              return std::find(stop_tokens.begin(), stop_tokens.end(), t) == stop_tokens.end();
-            });
+            return e.generate_greedy(st, token, max_tokens, until_stop(stop_tokens));
           },
           nb::arg("state"), nb::arg("token"), nb::arg("max_tokens"), nb::arg("stop_tokens") = std::vector<int32_t>{},
           "Greedy tokens after `token` (argmax, ties to the lowest id), stopping after a stop token; on a GPU "
@@ -354,9 +358,7 @@ void init_model(nb::module_& m) {
           [](Engine& e, State& st, const std::vector<int32_t>& prompt, int max_tokens,
              const std::vector<int32_t>& stop_tokens) {
             nb::gil_scoped_release release;
-            return e.generate_greedy(st, prompt.data(), int(prompt.size()), max_tokens, [&](int32_t t) {
-              return std::find(stop_tokens.begin(), stop_tokens.end(), t) == stop_tokens.end();
-            });
+            return e.generate_greedy(st, prompt.data(), int(prompt.size()), max_tokens, until_stop(stop_tokens));
           },
           nb::arg("state"), nb::arg("prompt"), nb::arg("max_tokens"), nb::arg("stop_tokens") = std::vector<int32_t>{},
           "The same after a prompt (a list of token ids, none in the state yet), prefilled in chunks; on a GPU "
