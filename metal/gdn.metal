@@ -5,8 +5,9 @@
 //   gdn_conv        causal depthwise conv1d over [carried K-1 inputs ; chunk] + SiLU, one
 //                   thread per channel walking the chunk's tokens; the new window is written to
 //                   window_out.                               grid (ceil(C / 256)), 256 threads
-//   gdn_recurrence  one threadgroup per value head, one thread per value column j: the
-//                   column S[:, j] (Dk floats) stays in registers for the whole chunk. Per token:
+//   gdn_recurrence_dk<Dk>  one threadgroup per value head, one thread per value column j: the
+//                   column S[:, j] (Dk floats, Dk a template parameter: LILY_GDN_KEY_DIMS)
+//                   stays in registers for the whole chunk. Per token:
 //                   l2-norm q and k (threadgroup reductions), beta = sigmoid(b),
 //                   decay = exp(-exp(A_log) * softplus(a + dt_bias)),
 //                   S <- S * decay; delta = (v - S^T k) * beta; S <- S + k delta^T; o = S^T q,
@@ -81,6 +82,7 @@ kernel void gdn_conv(device const float* qkv [[buffer(0)]],        // [T, C]
   }
 }
 
+template <int Dk>
 kernel void gdn_recurrence(device const float* conv_out [[buffer(0)]],  // [T, C]
                            device const float* b [[buffer(1)]],         // [T, Hv]
                            device const float* a [[buffer(2)]],         // [T, Hv]
@@ -99,21 +101,21 @@ kernel void gdn_recurrence(device const float* conv_out [[buffer(0)]],  // [T, C
                            uint lane [[thread_index_in_simdgroup]],
                            uint n_simd [[simdgroups_per_threadgroup]]) {
   LILY_THREADGROUP(float, scratch, [32]);
-  LILY_THREADGROUP(float, qs, [LILY_GDN_MAX_DK]);
-  LILY_THREADGROUP(float, ks, [LILY_GDN_MAX_DK]);
-  const uint Dk = args.Dk, Dv = args.Dv, Hv = args.Hv, C = args.C;
+  LILY_THREADGROUP(float, qs, [Dk]);
+  LILY_THREADGROUP(float, ks, [Dk]);
+  const uint Dv = args.Dv, Hv = args.Hv, C = args.C;
   const uint hk = hv / (Hv / args.Hk), key_dim = args.Hk * Dk, vdim = Hv * Dv;
   const bool owner = j < Dv;  // threads is Dv rounded up to the simdgroup width
 
-  float col[LILY_GDN_MAX_DK];  // S[:, j] of this head
+  float col[Dk];  // S[:, j] of this head
   device const float* Sh = S + ulong(hv) * Dk * Dv;
-  for (uint i = 0; i < Dk; ++i) col[i] = owner ? Sh[ulong(i) * Dv + j] : 0.0f;
+  LILY_UNROLL for (int i = 0; i < Dk; ++i) col[i] = owner ? Sh[ulong(i) * Dv + j] : 0.0f;
 
   for (uint t = 0; t < args.T; ++t) {
     device const float* row = conv_out + ulong(t) * C;
     threadgroup_barrier(mem_flags::mem_threadgroup);  // last token's qs / ks fully read
     float sq = 0.0f, sk = 0.0f;
-    for (uint i = j; i < Dk; i += threads) {
+    for (uint i = j; i < uint(Dk); i += threads) {
       const float qv = row[hk * Dk + i], kv = row[key_dim + hk * Dk + i];
       qs[i] = qv;
       ks[i] = kv;
@@ -129,14 +131,14 @@ kernel void gdn_recurrence(device const float* conv_out [[buffer(0)]],  // [T, C
     const float decay = exp(a_neg[hv] * softplus);
 
     float kv_mem = 0.0f;
-    for (uint i = 0; i < Dk; ++i) {
+    LILY_UNROLL for (int i = 0; i < Dk; ++i) {
       col[i] *= decay;
       kv_mem += (ks[i] * rk) * col[i];
     }
     const float v = owner ? row[2 * key_dim + hv * Dv + j] : 0.0f;
     const float delta = (v - kv_mem) * beta;
     float out = 0.0f;
-    for (uint i = 0; i < Dk; ++i) {
+    LILY_UNROLL for (int i = 0; i < Dk; ++i) {
       col[i] += (ks[i] * rk) * delta;
       out += ((qs[i] * rq) * args.q_scale) * col[i];
     }
@@ -150,6 +152,8 @@ kernel void gdn_recurrence(device const float* conv_out [[buffer(0)]],  // [T, C
     }
   }
   device float* So = S_out + ulong(hv) * Dk * Dv;  // may be S itself: each thread owns its column
-  if (owner)
-    for (uint i = 0; i < Dk; ++i) So[ulong(i) * Dv + j] = col[i];
+  if (owner) LILY_UNROLL for (int i = 0; i < Dk; ++i) So[ulong(i) * Dv + j] = col[i];
 }
+
+#define LILY_GDN_RECURRENCE_INSTANTIATE(Dk) LILY_KERNEL_INSTANTIATE("gdn_recurrence_dk" #Dk, gdn_recurrence, Dk)
+LILY_GDN_KEY_DIMS(LILY_GDN_RECURRENCE_INSTANTIATE)

@@ -75,6 +75,7 @@ inline uint tg_min_u32(uint v, threadgroup uint* scratch, uint simd_id, uint lan
 
 }  // namespace
 
+[[max_total_threads_per_threadgroup(LILY_SAMPLE_THREADS)]]
 kernel void sample(device const float* logits [[buffer(0)]],  // [vocab]
                    device float* w [[buffer(1)]],              // [vocab] scratch: e^((l - max) / T)
                    device ulong* rng [[buffer(2)]],            // [4] xoshiro256** state

@@ -77,8 +77,8 @@ def test_prefill_plan_matches_executed_dispatches(store, lily, prompt, chunk):
     assert p["chunks"] == -(-prompt // chunk) and waits == p["chunks"] - 1
     assert p["waits_inside_chunks"] == 0
     names = {r[0] for r in p["last_chunk"]}
-    assert {"attn_prefill_float", "gdn_prepare", "gdn_scan", "sample"} <= names
-    assert not names & {"attn_decode_float", "gdn_conv", "gdn_recurrence"}
+    assert {"attn_prefill_float_d96", "gdn_prepare", "gdn_scan_dk48", "sample"} <= names
+    assert not names & {"attn_decode_float_d96", "gdn_conv", "gdn_recurrence_dk48"}
 
 
 def test_prefill_plan_at_35b_shape():

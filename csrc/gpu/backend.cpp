@@ -209,7 +209,12 @@ std::shared_ptr<Pipeline> GpuBackend::pipeline(const std::string& file, const st
   auto& p = pipelines_[kernel];
   if (!p) {
     auto& lib = libraries_[file];
-    if (!lib) lib = device_->new_library(kernel_source(file), "metal/" + file);
+    if (!lib) {
+      LibraryOptions o;
+      o.safe_math = file == "sampling.metal";
+      if (file.find("_tensor.metal") != std::string::npos) o.language = LibraryOptions::Language::MSL4_0;
+      lib = device_->new_library(kernel_source(file), "metal/" + file, o);
+    }
     p = lib->pipeline(kernel);
   }
   return p;
@@ -218,7 +223,7 @@ std::shared_ptr<Pipeline> GpuBackend::pipeline(const std::string& file, const st
 void GpuBackend::begin() {
   if (cb_) return;
   cb_ = device_->new_command_buffer();
-  enc_ = cb_->compute_encoder(DispatchType::Concurrent);
+  enc_ = cb_->compute_encoder(DispatchType::Concurrent, "lily forward pass");
   hazards_.barrier();
   stage_ = 0;
   ++stats_.command_buffers;
@@ -435,7 +440,7 @@ void GpuBackend::attention(State& state, int layer, const AttentionWeights& w) {
              uint32_t(splits), uint32_t(split_len), 1.0f / std::sqrt(float(D))};
   const size_t part_o = size_t(Hq) * splits * D * 4, part_ml = size_t(Hq) * splits * 2 * 4;
   {
-    Dispatch d(*this, "attention.metal", "attn_decode_" + layout + kv);
+    Dispatch d(*this, "attention.metal", "attn_decode_" + layout + kv + "_d" + std::to_string(D));
     d.buf(0, qg_).buf(3, o_).buf(4, part_o_).buf(5, part_ml_).args(6, a)
         .reads(qg_, size_t(T) * Hq * 2 * D * 4);
     bind_kv(d, st, layer, 1, false, uint64_t(Hkv) * n_ctx * row);
@@ -492,7 +497,7 @@ void GpuBackend::gated_deltanet(State& state, int layer, const GdnWeights& w) {
     d.run({div_up(C, 256), 1, 1}, {256, 1, 1});
   }
   {
-    Dispatch d(*this, "gdn.metal", "gdn_recurrence");
+    Dispatch d(*this, "gdn.metal", "gdn_recurrence_dk" + std::to_string(c_.gdn_k_dim));
     d.buf(0, conv_out_).buf(1, b_).buf(2, a_).buf(3, z_).buf(4, vec(w.a_neg)).buf(5, vec(w.dt_bias))
         .buf(6, vec(w.norm)).buf(7, st.S[in_][layer]).buf(8, go_).args(9, args).buf(10, st.S[out][layer])
         .reads(conv_out_, f * C).reads(b_, f * Hv).reads(a_, f * Hv).reads(z_, f * vdim)

@@ -40,7 +40,8 @@ bool GpuBackend::prefill_attention(GpuState& st, int layer) {
   uint64_t positions = 0;
   for (uint32_t i = 0; i < tiles; ++i) positions += uint64_t(pos0_) + std::min<uint32_t>(T, (i + 1) * tile);
   Dispatch d(*this, "attention_prefill.metal",
-             std::string("attn_prefill_") + (blocks ? "blocks_" : "") + (options_.kv_half ? "half" : "float"));
+             std::string("attn_prefill_") + (blocks ? "blocks_" : "") + (options_.kv_half ? "half" : "float") + "_d" +
+                 std::to_string(D));
   d.buf(0, qg_).buf(3, o_).args(4, a)
       .reads(qg_, size_t(T) * Hq * 2 * D * 4)
       .writes(o_, size_t(T) * Hq * D * 4);
@@ -73,7 +74,7 @@ bool GpuBackend::prefill_gated_deltanet(GpuState& st, int layer, const GdnWeight
   {
     auto& S = st.S[in_][layer];
     auto& S_out = st.S[out][layer];
-    Dispatch d(*this, "gdn_prefill.metal", "gdn_scan");
+    Dispatch d(*this, "gdn_prefill.metal", "gdn_scan_dk" + std::to_string(Dk));
     d.buf(0, conv_out_).buf(1, gdn_gates_).buf(2, z_).buf(3, vec(w.norm)).buf(4, S).buf(5, S_out)
         .buf(6, go_).args(7, args)
         .reads(conv_out_, f * C).reads(gdn_gates_, f * Hv * 2).reads(z_, f * vdim)

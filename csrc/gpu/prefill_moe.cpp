@@ -62,7 +62,7 @@ void GpuBackend::gemm(const Linear& W, const Ref& x, int ldx, const Ref& y, int 
   args.ldx = uint32_t(ldx);
   args.ldy = uint32_t(ldy);
   const int bm = block_rows(uint64_t(T));
-  Dispatch d(*this, "quant.metal", gemm_name("gemm", tensor_gemm_, W.dtype, bm));
+  Dispatch d(*this, tensor_gemm_ ? "quant_tensor.metal" : "quant.metal", gemm_name("gemm", tensor_gemm_, W.dtype, bm));
   d.projection(W, x, ldx, y, ldy, T).args(5, args);
   d.run({div_up(W.out, LILY_GEMM_BN), div_up(T, bm), 1}, {kGemmThreads, 1, 1});
 }
@@ -73,7 +73,7 @@ void GpuBackend::gate_up_gemm(const ExpertMatrix& gate, const ExpertMatrix& up, 
                               uint32_t blocks, const std::shared_ptr<Buffer>& act) {
   const uint32_t n = uint32_t(routed ? T_ * k : T_), I = gate.m.out;
   MoeGemmArgs a{gate.m, up.m, uint32_t(routed ? k : 1), routed ? 1u : 0u, n};
-  Dispatch d(*this, "moe.metal", gemm_name("moe_gemm_gate_up", tensor_gemm_, gate.dtype, bm));
+  Dispatch d(*this, tensor_gemm_ ? "moe_tensor.metal" : "moe.metal", gemm_name("moe_gemm_gate_up", tensor_gemm_, gate.dtype, bm));
   d.experts(0, gate).experts(4, up)
       .buf(8, routed ? plan_blocks_ : dummy_).buf(9, routed ? plan_header_ : dummy_)
       .buf(10, routed ? plan_rows_ : dummy_).buf(11, h_).buf(12, act).args(13, a)
@@ -88,7 +88,7 @@ void GpuBackend::down_gemm(const ExpertMatrix& down, bool routed, int k, int bm,
                            const std::shared_ptr<Buffer>& act, const std::shared_ptr<Buffer>& out) {
   const uint32_t n = uint32_t(routed ? T_ * k : T_), H = down.m.out;
   MoeGemmArgs a{down.m, down.m, uint32_t(routed ? k : 1), routed ? 1u : 0u, n};
-  Dispatch d(*this, "moe.metal", gemm_name("moe_gemm_down", tensor_gemm_, down.dtype, bm));
+  Dispatch d(*this, tensor_gemm_ ? "moe_tensor.metal" : "moe.metal", gemm_name("moe_gemm_down", tensor_gemm_, down.dtype, bm));
   d.experts(0, down)
       .buf(4, routed ? plan_blocks_ : dummy_).buf(5, routed ? plan_header_ : dummy_)
       .buf(6, routed ? plan_rows_ : dummy_).buf(7, routed ? wts_ : dummy_).buf(8, act).buf(9, out).args(10, a)

@@ -19,7 +19,7 @@ namespace {
 [[noreturn]] void fail(const std::string& what) { throw lily::Error("[msl_cpu] " + what); }
 
 constexpr uint32_t kMaxThreadsPerThreadgroup = 1024;
-constexpr size_t kMaxThreadgroupMemory = 32768;
+constexpr size_t kMaxThreadgroupMemory = gpu::kMaxThreadgroupMemory;
 
 class CpuBuffer final : public gpu::Buffer {
  public:
@@ -46,11 +46,21 @@ class CpuPipeline final : public gpu::Pipeline {
   CpuPipeline(std::shared_ptr<Module> module, const lily_msl_kernel* kernel)
       : module_(std::move(module)), kernel_(kernel), name_(kernel->name) {}
   const std::string& name() const override { return name_; }
+  // Without [[max_total_threads_per_threadgroup(N)]] a Metal pipeline may allow as few threads as
+  // register pressure leaves; 256 is what lily counts on (gpu::kDefaultMaxThreadsPerThreadgroup).
+  // Reporting that here makes a kernel dispatched wider without declaring it fail in CI.
   uint32_t max_total_threads_per_threadgroup() const override {
     uint32_t declared = kernel_->max_total_threads_per_threadgroup;
-    return declared ? std::min(declared, kMaxThreadsPerThreadgroup) : kMaxThreadsPerThreadgroup;
+    return declared ? std::min(declared, kMaxThreadsPerThreadgroup) : gpu::kDefaultMaxThreadsPerThreadgroup;
   }
   uint32_t thread_execution_width() const override { return LILY_MSL_SIMD_WIDTH; }
+  std::string buffer_name(uint32_t index) const override {
+    for (const lily_msl_param* p = kernel_->params; p->kind != LILY_MSL_PARAM_END; ++p)
+      if ((p->kind == LILY_MSL_PARAM_BUFFER || p->kind == LILY_MSL_PARAM_BUFFER_REF ||
+           p->kind == LILY_MSL_PARAM_ABSENT) && p->index == index)
+        return p->name;
+    return {};
+  }
   const Module* module() const { return module_.get(); }
   const lily_msl_kernel* kernel() const { return kernel_; }
 
@@ -62,10 +72,17 @@ class CpuPipeline final : public gpu::Pipeline {
 
 class CpuLibrary final : public gpu::Library {
  public:
-  CpuLibrary(const DeviceOptions& options, std::string source, std::string file_name)
+  CpuLibrary(const DeviceOptions& options, std::string source, std::string file_name,
+             const gpu::LibraryOptions& library)
       : source_(std::move(source)), file_name_(std::move(file_name)) {
+    const bool msl4 = library.language == gpu::LibraryOptions::Language::MSL4_0;
+    if (msl4 && !options.metal4)
+      fail("compiling " + file_name_ + ": MSL 4.0 needs a Metal 4 device (this one has no tensors)");
+    if (!options.fail_library.empty() && file_name_.find(options.fail_library) != std::string::npos)
+      fail("compiling " + file_name_ + " failed: injected failure (DeviceOptions::fail_library)");
+    // Safe math changes nothing here: the CPU build is IEEE already (no -ffast-math).
     build_.asan = options.asan;
-    build_.metal4 = options.metal4;
+    build_.metal4 = msl4;
     build_.include_dirs = options.include_dirs;
     size_t slash = file_name_.rfind('/');
     if (slash != std::string::npos) build_.include_dirs.push_back(file_name_.substr(0, slash));
@@ -112,6 +129,7 @@ struct Binding {
 
 struct Command {
   bool barrier = false;
+  std::string signpost;  // the last debug signpost before this dispatch
   std::shared_ptr<CpuPipeline> pipeline;
   std::array<Binding, LILY_MSL_MAX_BINDINGS> buffers;
   std::array<size_t, LILY_MSL_MAX_BINDINGS> threadgroup_lengths{};
@@ -124,9 +142,16 @@ std::string param_name(const lily_msl_kernel* k, int kind_a, int kind_b, uint32_
   return "?";
 }
 
+// Fault injection shared by a device's encoders: dispatches of one kernel left to fail.
+struct Faults {
+  std::string kernel;
+  int remaining = 0;
+};
+
 class CpuEncoder final : public gpu::ComputeEncoder {
  public:
-  explicit CpuEncoder(gpu::DispatchType type) : type_(type) {}
+  CpuEncoder(gpu::DispatchType type, std::string label, std::shared_ptr<Faults> faults)
+      : type_(type), label_(std::move(label)), faults_(std::move(faults)) {}
 
   void set_pipeline(const std::shared_ptr<gpu::Pipeline>& pipeline) override {
     check_open();
@@ -147,6 +172,9 @@ class CpuEncoder final : public gpu::ComputeEncoder {
   void set_bytes(uint32_t index, const void* bytes, size_t length) override {
     check_open();
     check_index(index, "set_bytes");
+    if (length > gpu::kMaxSetBytes)
+      fail("set_bytes: " + std::to_string(length) + " bytes at index " + std::to_string(index) +
+           " are more than the " + std::to_string(gpu::kMaxSetBytes) + " Metal's setBytes takes; use a buffer");
     Binding& b = state_.buffers[index];
     b = Binding{nullptr, 0, std::vector<uint8_t>(length), true};
     if (length) std::memcpy(b.bytes.data(), bytes, length);
@@ -166,12 +194,21 @@ class CpuEncoder final : public gpu::ComputeEncoder {
     if (!p) fail("dispatch_threadgroups: no pipeline set");
     const lily_msl_kernel* k = p->kernel();
     const std::string where = "kernel '" + p->name() + "': ";
+    if (faults_ && faults_->remaining > 0 && faults_->kernel == p->name()) {
+      --faults_->remaining;
+      fail(where + "injected failure while encoding (DeviceOptions::fail_dispatch)");
+    }
     uint64_t n = uint64_t(threads.width) * threads.height * threads.depth;
     if (n == 0 || uint64_t(grid.width) * grid.height * grid.depth == 0)
       fail(where + "a threadgroup or grid size is zero");
     if (n > p->max_total_threads_per_threadgroup())
       fail(where + std::to_string(n) + " threads per threadgroup exceed the pipeline's maximum of " +
-           std::to_string(p->max_total_threads_per_threadgroup()));
+           std::to_string(p->max_total_threads_per_threadgroup()) +
+           (k->max_total_threads_per_threadgroup == 0
+                ? " (a kernel dispatched with more than " + std::to_string(gpu::kDefaultMaxThreadsPerThreadgroup) +
+                      " threads declares [[max_total_threads_per_threadgroup(N)]], N at least what the host "
+                      "dispatches: without it Metal may allow fewer)"
+                : ""));
     size_t tg_bytes = 0;
     for (const lily_msl_param* q = k->params; q->kind != LILY_MSL_PARAM_END; ++q) {
       const std::string arg = "(" + std::string(q->name) + ")";
@@ -193,9 +230,14 @@ class CpuEncoder final : public gpu::ComputeEncoder {
       fail(where + std::to_string(tg_bytes) +
            " bytes of threadgroup memory exceed the 32768 that Apple GPUs have");
     Command c = state_;
+    c.signpost = signpost_;
     c.threadgroups = grid;
     c.threads = threads;
     commands_.push_back(std::move(c));
+  }
+  void insert_debug_signpost(const std::string& text) override {
+    check_open();
+    signpost_ = text;
   }
   void memory_barrier() override {
     check_open();
@@ -210,6 +252,7 @@ class CpuEncoder final : public gpu::ComputeEncoder {
 
   bool ended() const { return ended_; }
   gpu::DispatchType type() const { return type_; }
+  const std::string& label() const { return label_; }
   const std::vector<Command>& commands() const { return commands_; }
 
  private:
@@ -221,6 +264,8 @@ class CpuEncoder final : public gpu::ComputeEncoder {
       fail(std::string(what) + ": index " + std::to_string(index) + " is past Metal's 31");
   }
   gpu::DispatchType type_;
+  std::string label_, signpost_;
+  std::shared_ptr<Faults> faults_;
   Command state_;  // the current bindings (they persist across dispatches, as in Metal)
   std::vector<Command> commands_;
   bool ended_ = false;
@@ -279,13 +324,14 @@ std::string first_difference(const Snapshot& a, const Snapshot& b,
 
 class CpuCommandBuffer final : public gpu::CommandBuffer {
  public:
-  explicit CpuCommandBuffer(const DeviceOptions& options) : options_(options) {}
+  CpuCommandBuffer(const DeviceOptions& options, std::shared_ptr<Faults> faults)
+      : options_(options), faults_(std::move(faults)) {}
 
-  std::shared_ptr<gpu::ComputeEncoder> compute_encoder(gpu::DispatchType type) override {
+  std::shared_ptr<gpu::ComputeEncoder> compute_encoder(gpu::DispatchType type, const std::string& label) override {
     if (committed_) fail("compute_encoder: the command buffer is already committed");
     for (const auto& e : encoders_)
       if (!e->ended()) fail("compute_encoder: the previous encoder was not ended (end_encoding)");
-    encoders_.push_back(std::make_shared<CpuEncoder>(type));
+    encoders_.push_back(std::make_shared<CpuEncoder>(type, label, faults_));
     return encoders_.back();
   }
   void commit() override {
@@ -294,7 +340,15 @@ class CpuCommandBuffer final : public gpu::CommandBuffer {
     try {
       for (const auto& e : encoders_) {
         if (!e->ended()) fail("commit: an encoder was not ended (end_encoding)");
-        run_encoder(*e);
+        try {
+          run_encoder(*e);
+        } catch (const lily::Error& err) {
+          // Which encoder failed, as Metal's encoder execution status reports it.
+          const std::string label = e->label().empty() ? "(no label)" : "'" + e->label() + "'";
+          const std::string after = last_signpost_.empty() ? "" : " after signpost '" + last_signpost_ + "'";
+          error_ = std::string(err.what()) + " [encoder " + label + after + "]";
+          break;
+        }
       }
     } catch (const lily::Error& err) {
       error_ = err.what();
@@ -308,6 +362,7 @@ class CpuCommandBuffer final : public gpu::CommandBuffer {
 
  private:
   void run_dispatch(const Command& c) {
+    last_signpost_ = c.signpost;
     DispatchRun r;
     r.module = c.pipeline->module();
     r.kernel = c.pipeline->kernel();
@@ -415,36 +470,46 @@ class CpuCommandBuffer final : public gpu::CommandBuffer {
   }
 
   DeviceOptions options_;
+  std::shared_ptr<Faults> faults_;
   std::vector<std::shared_ptr<CpuEncoder>> encoders_;
   bool committed_ = false;
-  std::string error_;
+  std::string error_, last_signpost_;
 };
 
 class CpuDevice final : public gpu::Device {
  public:
-  explicit CpuDevice(DeviceOptions options) : options_(std::move(options)) {}
+  explicit CpuDevice(DeviceOptions options) : options_(std::move(options)), faults_(std::make_shared<Faults>()) {
+    faults_->kernel = options_.fail_dispatch;
+    faults_->remaining = options_.fail_dispatch.empty() ? 0 : options_.fail_dispatch_count;
+    if (options_.apple_gpu_family < 7 || options_.apple_gpu_family > 10)
+      fail("apple_gpu_family must be 7 (M1) to 10 (M5), not " + std::to_string(options_.apple_gpu_family));
+  }
   std::string name() const override {
     return std::string("msl_cpu (MSL on the CPU, 32-wide simdgroups") +
            (options_.asan ? ", AddressSanitizer" : "") + (options_.metal4 ? ", Metal 4 tensors emulated" : "") +
            ")";
   }
   bool supports_tensor_ops() const override { return options_.metal4; }
+  int apple_gpu_family() const override { return options_.apple_gpu_family; }
+  uint64_t recommended_max_working_set_size() const override { return options_.working_set; }
+  void make_resident(const std::vector<std::shared_ptr<gpu::Buffer>>&) override {}  // all memory is the CPU's
   std::shared_ptr<gpu::Buffer> new_buffer(size_t length) override {
     return std::make_shared<CpuBuffer>(length);
   }
   std::shared_ptr<gpu::Buffer> wrap_buffer(void* pointer, size_t length) override {
     return std::make_shared<CpuBuffer>(pointer, length);
   }
-  std::shared_ptr<gpu::Library> new_library(const std::string& source,
-                                            const std::string& file_name) override {
-    return std::make_shared<CpuLibrary>(options_, source, file_name);
+  std::shared_ptr<gpu::Library> new_library(const std::string& source, const std::string& file_name,
+                                            const gpu::LibraryOptions& library) override {
+    return std::make_shared<CpuLibrary>(options_, source, file_name, library);
   }
   std::shared_ptr<gpu::CommandBuffer> new_command_buffer() override {
-    return std::make_shared<CpuCommandBuffer>(options_);
+    return std::make_shared<CpuCommandBuffer>(options_, faults_);
   }
 
  private:
   DeviceOptions options_;
+  std::shared_ptr<Faults> faults_;
 };
 
 }  // namespace
