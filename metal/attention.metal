@@ -1,4 +1,5 @@
-// Attention family for the gated full-attention layers.
+// Attention family for the gated full-attention layers. Buffers: the argument struct at 0, then
+// what a kernel reads, then what it writes (csrc/gpu/encoder.h).
 //
 //   attn_prepare  q/k zero-centred RMSNorm + partial rotate-half RoPE in place, k and v written
 //                 into the cache at their positions.   grid (Hq + Hkv, T), 128 threads
@@ -76,15 +77,15 @@ inline void attn_prepare_impl(device float* qg, device const float* k, device co
 }
 
 template <typename KV>
-kernel void attn_prepare(device float* qg [[buffer(0)]],            // [T, Hq, 2D]
-                         device const float* k [[buffer(1)]],       // [T, Hkv, D]
-                         device const float* v [[buffer(2)]],       // [T, Hkv, D]
-                         device const float* q_norm [[buffer(3)]],  // [D]
-                         device const float* k_norm [[buffer(4)]],  // [D]
+kernel void attn_prepare(constant AttnPrepareArgs& args [[buffer(0)]],
+                         device const float* k [[buffer(1)]],         // [T, Hkv, D]
+                         device const float* v [[buffer(2)]],         // [T, Hkv, D]
+                         device const float* q_norm [[buffer(3)]],    // [D]
+                         device const float* k_norm [[buffer(4)]],    // [D]
                          device const float* inv_freq [[buffer(5)]],  // [rot / 2]
-                         device KV* k_cache [[buffer(6)]],          // [Hkv, cap, D]
-                         device KV* v_cache [[buffer(7)]],          // [Hkv, cap, D]
-                         constant AttnPrepareArgs& args [[buffer(8)]],
+                         device float* qg [[buffer(6)]],              // [T, Hq, 2D] (q in place)
+                         device KV* k_cache [[buffer(7)]],            // [Hkv, cap, D]
+                         device KV* v_cache [[buffer(8)]],            // [Hkv, cap, D]
                          uint2 tg [[threadgroup_position_in_grid]],
                          uint2 threads [[threads_per_threadgroup]],
                          uint tid [[thread_index_in_threadgroup]],
@@ -98,22 +99,23 @@ kernel void attn_prepare(device float* qg [[buffer(0)]],            // [T, Hq, 2
                         simd_id, lane, n_simd);
 }
 
-// Block layout: the table at 9, K arenas at 10.., V arenas at 10 + LILY_ATTN_MAX_ARENAS...
+// Block layout: the block table among the reads, the LILY_ATTN_MAX_ARENAS K and V arenas among
+// the writes (in place of k_cache, v_cache).
 template <typename KV>
-kernel void attn_prepare_blocks(device float* qg [[buffer(0)]],
+kernel void attn_prepare_blocks(constant AttnPrepareArgs& args [[buffer(0)]],
                                 device const float* k [[buffer(1)]],
                                 device const float* v [[buffer(2)]],
                                 device const float* q_norm [[buffer(3)]],
                                 device const float* k_norm [[buffer(4)]],
                                 device const float* inv_freq [[buffer(5)]],
-                                constant AttnPrepareArgs& args [[buffer(8)]],
-                                device const uint* table [[buffer(9)]],  // [n_blocks]
-                                device KV* k0 [[buffer(10)]], device KV* k1 [[buffer(11)]],
-                                device KV* k2 [[buffer(12)]], device KV* k3 [[buffer(13)]],
-                                device KV* k4 [[buffer(14)]], device KV* k5 [[buffer(15)]],
-                                device KV* v0 [[buffer(16)]], device KV* v1 [[buffer(17)]],
-                                device KV* v2 [[buffer(18)]], device KV* v3 [[buffer(19)]],
-                                device KV* v4 [[buffer(20)]], device KV* v5 [[buffer(21)]],
+                                device const uint* table [[buffer(6)]],  // [n_blocks]
+                                device float* qg [[buffer(7)]],
+                                device KV* k0 [[buffer(8)]], device KV* k1 [[buffer(9)]],
+                                device KV* k2 [[buffer(10)]], device KV* k3 [[buffer(11)]],
+                                device KV* k4 [[buffer(12)]], device KV* k5 [[buffer(13)]],
+                                device KV* v0 [[buffer(14)]], device KV* v1 [[buffer(15)]],
+                                device KV* v2 [[buffer(16)]], device KV* v3 [[buffer(17)]],
+                                device KV* v4 [[buffer(18)]], device KV* v5 [[buffer(19)]],
                                 uint2 tg [[threadgroup_position_in_grid]],
                                 uint2 threads [[threads_per_threadgroup]],
                                 uint tid [[thread_index_in_threadgroup]],
@@ -201,13 +203,13 @@ inline void attn_decode_impl(device const float* qg, Cache kc, Cache vc, device 
 }
 
 template <typename KV, int D>
-kernel void attn_decode(device const float* qg [[buffer(0)]],       // [T, Hq, 2D]
-                        device const KV* k_cache [[buffer(1)]],     // [Hkv, cap, D]
-                        device const KV* v_cache [[buffer(2)]],     // [Hkv, cap, D]
-                        device float* o [[buffer(3)]],              // [T, Hq, D]
-                        device float* part_o [[buffer(4)]],         // [T, Hq, n_splits, D]
-                        device float* part_ml [[buffer(5)]],        // [T, Hq, n_splits, 2]
-                        constant AttnArgs& args [[buffer(6)]],
+kernel void attn_decode(constant AttnArgs& args [[buffer(0)]],
+                        device const float* qg [[buffer(1)]],       // [T, Hq, 2D]
+                        device const KV* k_cache [[buffer(2)]],     // [Hkv, cap, D]
+                        device const KV* v_cache [[buffer(3)]],     // [Hkv, cap, D]
+                        device float* o [[buffer(4)]],              // [T, Hq, D]
+                        device float* part_o [[buffer(5)]],         // [T, Hq, n_splits, D]
+                        device float* part_ml [[buffer(6)]],        // [T, Hq, n_splits, 2]
                         uint3 tg [[threadgroup_position_in_grid]],
                         uint simd_id [[simdgroup_index_in_threadgroup]],
                         uint lane [[thread_index_in_simdgroup]]) {
@@ -215,21 +217,21 @@ kernel void attn_decode(device const float* qg [[buffer(0)]],       // [T, Hq, 2
   attn_decode_impl<KV, D>(qg, kc, vc, o, part_o, part_ml, args, tg, simd_id, lane);
 }
 
-// Block layout (split_len is a multiple of the block length): the table at 9, K arenas at
-// 10.., V arenas at 10 + LILY_ATTN_MAX_ARENAS...
+// Block layout (split_len is a multiple of the block length): the block table and the K and V
+// arenas in place of k_cache, v_cache.
 template <typename KV, int D>
-kernel void attn_decode_blocks(device const float* qg [[buffer(0)]],
-                               device float* o [[buffer(3)]],
-                               device float* part_o [[buffer(4)]],
-                               device float* part_ml [[buffer(5)]],
-                               constant AttnArgs& args [[buffer(6)]],
-                               device const uint* table [[buffer(9)]],  // [n_blocks]
-                               device const KV* k0 [[buffer(10)]], device const KV* k1 [[buffer(11)]],
-                               device const KV* k2 [[buffer(12)]], device const KV* k3 [[buffer(13)]],
-                               device const KV* k4 [[buffer(14)]], device const KV* k5 [[buffer(15)]],
-                               device const KV* v0 [[buffer(16)]], device const KV* v1 [[buffer(17)]],
-                               device const KV* v2 [[buffer(18)]], device const KV* v3 [[buffer(19)]],
-                               device const KV* v4 [[buffer(20)]], device const KV* v5 [[buffer(21)]],
+kernel void attn_decode_blocks(constant AttnArgs& args [[buffer(0)]],
+                               device const float* qg [[buffer(1)]],
+                               device const uint* table [[buffer(2)]],  // [n_blocks]
+                               device const KV* k0 [[buffer(3)]], device const KV* k1 [[buffer(4)]],
+                               device const KV* k2 [[buffer(5)]], device const KV* k3 [[buffer(6)]],
+                               device const KV* k4 [[buffer(7)]], device const KV* k5 [[buffer(8)]],
+                               device const KV* v0 [[buffer(9)]], device const KV* v1 [[buffer(10)]],
+                               device const KV* v2 [[buffer(11)]], device const KV* v3 [[buffer(12)]],
+                               device const KV* v4 [[buffer(13)]], device const KV* v5 [[buffer(14)]],
+                               device float* o [[buffer(15)]],
+                               device float* part_o [[buffer(16)]],
+                               device float* part_ml [[buffer(17)]],
                                uint3 tg [[threadgroup_position_in_grid]],
                                uint simd_id [[simdgroup_index_in_threadgroup]],
                                uint lane [[thread_index_in_simdgroup]]) {
@@ -246,11 +248,11 @@ kernel void attn_decode_blocks(device const float* qg [[buffer(0)]],
   LILY_KERNEL_INSTANTIATE("attn_decode_blocks_half_d" #D, attn_decode_blocks, half, D)
 LILY_ATTN_HEAD_DIMS(LILY_ATTN_DECODE_INSTANTIATE)
 
-kernel void attn_combine(device const float* qg [[buffer(0)]],       // [T, Hq, 2D] (gate)
-                         device const float* part_o [[buffer(1)]],   // [T, Hq, n_splits, D]
-                         device const float* part_ml [[buffer(2)]],  // [T, Hq, n_splits, 2]
-                         device float* o [[buffer(3)]],              // [T, Hq, D]
-                         constant AttnArgs& args [[buffer(4)]],
+kernel void attn_combine(constant AttnArgs& args [[buffer(0)]],
+                         device const float* qg [[buffer(1)]],       // [T, Hq, 2D] (gate)
+                         device const float* part_o [[buffer(2)]],   // [T, Hq, n_splits, D]
+                         device const float* part_ml [[buffer(3)]],  // [T, Hq, n_splits, 2]
+                         device float* o [[buffer(4)]],              // [T, Hq, D]
                          uint2 tg [[threadgroup_position_in_grid]],
                          uint2 threads [[threads_per_threadgroup]],
                          uint tid [[thread_index_in_threadgroup]]) {

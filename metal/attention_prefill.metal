@@ -9,8 +9,8 @@
 //                 times (the decode kernel's grid). K and V tiles of LILY_ATTN_PF_KV_TILE
 //                 positions are staged in threadgroup memory by all threads, then each
 //                 simdgroup scores its rows against the tile (a lane holds D/32 elements,
-//                 strided by 32, one simd_sum per score) and updates its rows' online softmax
-//                 once per tile: running max, rescale of the accumulator, sum. Positions past a
+//                 strided by 32, one simd_sum per score) and updates each row's online softmax
+//                 position by position: running max, rescale of the accumulator, sum. Positions past a
 //                 row's causal end are skipped; the tile loop stops at the tile's last token.
 //                 The sigmoid output gate is applied on the way out.
 //                        grid (Hkv, ceil(T / tile_tokens)), 32 * LILY_ATTN_PF_SIMDGROUPS threads
@@ -68,29 +68,17 @@ inline void attn_prefill_impl(device const float* qg, Cache kc, Cache vc, device
         float q[PER_LANE];
         LILY_UNROLL for (int e = 0; e < PER_LANE; ++e) q[e] = qh[lane + 32 * e];
         const uint valid = min(n, len[i] - p0);
-        float s[KT];
-        float mt = -INFINITY;
-        LILY_UNROLL for (int c = 0; c < KT; ++c) {
-          s[c] = -INFINITY;
-          if (uint(c) < valid) {
-            float d = 0.0f;
-            LILY_UNROLL for (int e = 0; e < PER_LANE; ++e) d += q[e] * ktile[c * D + lane + 32 * e];
-            s[c] = simd_sum(d) * args.scale;
-            mt = max(mt, s[c]);
-          }
+        // Online softmax over the tile's positions in order: running max, rescale, sum.
+        for (uint c = 0; c < valid; ++c) {
+          float d = 0.0f;
+          LILY_UNROLL for (int e = 0; e < PER_LANE; ++e) d += q[e] * ktile[c * D + lane + 32 * e];
+          const float s = simd_sum(d) * args.scale;
+          const float mn = max(m[i], s);
+          const float corr = exp(m[i] - mn), w = exp(s - mn);  // corr = 0 at the first (m = -inf)
+          l[i] = l[i] * corr + w;
+          LILY_UNROLL for (int e = 0; e < PER_LANE; ++e) acc[i][e] = acc[i][e] * corr + w * vtile[c * D + lane + 32 * e];
+          m[i] = mn;
         }
-        const float mn = max(m[i], mt);
-        const float corr = exp(m[i] - mn);  // 0 on the first tile (m = -inf)
-        l[i] *= corr;
-        LILY_UNROLL for (int e = 0; e < PER_LANE; ++e) acc[i][e] *= corr;
-        LILY_UNROLL for (int c = 0; c < KT; ++c) {
-          if (uint(c) < valid) {
-            const float w = exp(s[c] - mn);
-            l[i] += w;
-            LILY_UNROLL for (int e = 0; e < PER_LANE; ++e) acc[i][e] += w * vtile[c * D + lane + 32 * e];
-          }
-        }
-        m[i] = mn;
       }
     }
   }
@@ -110,11 +98,11 @@ inline void attn_prefill_impl(device const float* qg, Cache kc, Cache vc, device
 }
 
 template <typename KV, int D>
-kernel void attn_prefill(device const float* qg [[buffer(0)]],     // [T, Hq, 2D]
-                         device const KV* k_cache [[buffer(1)]],   // [Hkv, cap, D]
-                         device const KV* v_cache [[buffer(2)]],   // [Hkv, cap, D]
-                         device float* o [[buffer(3)]],            // [T, Hq, D]
-                         constant AttnPrefillArgs& args [[buffer(4)]],
+kernel void attn_prefill(constant AttnPrefillArgs& args [[buffer(0)]],
+                         device const float* qg [[buffer(1)]],     // [T, Hq, 2D]
+                         device const KV* k_cache [[buffer(2)]],   // [Hkv, cap, D]
+                         device const KV* v_cache [[buffer(3)]],   // [Hkv, cap, D]
+                         device float* o [[buffer(4)]],            // [T, Hq, D]
                          uint2 tg [[threadgroup_position_in_grid]],
                          uint2 threads [[threads_per_threadgroup]],
                          uint tid [[thread_index_in_threadgroup]],
@@ -126,19 +114,19 @@ kernel void attn_prefill(device const float* qg [[buffer(0)]],     // [T, Hq, 2D
   attn_prefill_impl<KV, D>(qg, kc, vc, o, args, ktile, vtile, tg, tid, threads.x, simd_id, lane);
 }
 
-// The fixed-block layout (kv_cache.h; args.cap = block length): the table at 9, K arenas at
-// 10.., V arenas at 10 + LILY_ATTN_MAX_ARENAS...
+// The fixed-block layout (kv_cache.h; args.cap = block length): the block table and the K and V
+// arenas in place of k_cache, v_cache.
 template <typename KV, int D>
-kernel void attn_prefill_blocks(device const float* qg [[buffer(0)]],
-                                device float* o [[buffer(3)]],
-                                constant AttnPrefillArgs& args [[buffer(4)]],
-                                device const uint* table [[buffer(9)]],
-                                device const KV* k0 [[buffer(10)]], device const KV* k1 [[buffer(11)]],
-                                device const KV* k2 [[buffer(12)]], device const KV* k3 [[buffer(13)]],
-                                device const KV* k4 [[buffer(14)]], device const KV* k5 [[buffer(15)]],
-                                device const KV* v0 [[buffer(16)]], device const KV* v1 [[buffer(17)]],
-                                device const KV* v2 [[buffer(18)]], device const KV* v3 [[buffer(19)]],
-                                device const KV* v4 [[buffer(20)]], device const KV* v5 [[buffer(21)]],
+kernel void attn_prefill_blocks(constant AttnPrefillArgs& args [[buffer(0)]],
+                                device const float* qg [[buffer(1)]],
+                                device const uint* table [[buffer(2)]],
+                                device const KV* k0 [[buffer(3)]], device const KV* k1 [[buffer(4)]],
+                                device const KV* k2 [[buffer(5)]], device const KV* k3 [[buffer(6)]],
+                                device const KV* k4 [[buffer(7)]], device const KV* k5 [[buffer(8)]],
+                                device const KV* v0 [[buffer(9)]], device const KV* v1 [[buffer(10)]],
+                                device const KV* v2 [[buffer(11)]], device const KV* v3 [[buffer(12)]],
+                                device const KV* v4 [[buffer(13)]], device const KV* v5 [[buffer(14)]],
+                                device float* o [[buffer(15)]],
                                 uint2 tg [[threadgroup_position_in_grid]],
                                 uint2 threads [[threads_per_threadgroup]],
                                 uint tid [[thread_index_in_threadgroup]],

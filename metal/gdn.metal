@@ -22,13 +22,13 @@
 #include "reduce.h"
 using namespace metal;
 
-kernel void gdn_ungroup(device const float* qkvz [[buffer(0)]],  // [T, C + Hv*Dv]
-                        device const float* ba [[buffer(1)]],    // [T, 2*Hv]
-                        device float* qkv [[buffer(2)]],         // [T, C]
-                        device float* z [[buffer(3)]],           // [T, Hv*Dv]
-                        device float* b [[buffer(4)]],           // [T, Hv]
-                        device float* a [[buffer(5)]],           // [T, Hv]
-                        constant GdnArgs& args [[buffer(6)]],
+kernel void gdn_ungroup(constant GdnArgs& args [[buffer(0)]],
+                        device const float* qkvz [[buffer(1)]],  // [T, C + Hv*Dv]
+                        device const float* ba [[buffer(2)]],    // [T, 2*Hv]
+                        device float* qkv [[buffer(3)]],         // [T, C]
+                        device float* z [[buffer(4)]],           // [T, Hv*Dv]
+                        device float* b [[buffer(5)]],           // [T, Hv]
+                        device float* a [[buffer(6)]],           // [T, Hv]
                         uint2 gid [[thread_position_in_grid]]) {
   const uint Dk = args.Dk, Dv = args.Dv, r = args.Hv / args.Hk;
   const uint key_dim = args.Hk * Dk, vdim = args.Hv * Dv, C = args.C;
@@ -55,11 +55,11 @@ kernel void gdn_ungroup(device const float* qkvz [[buffer(0)]],  // [T, C + Hv*D
   }
 }
 
-kernel void gdn_conv(device const float* qkv [[buffer(0)]],        // [T, C]
-                     device const float* taps [[buffer(1)]],       // [C, K]
-                     device const float* window [[buffer(2)]],     // [K-1, C] carried inputs
-                     device float* out [[buffer(3)]],              // [T, C]
-                     constant GdnArgs& args [[buffer(4)]],
+kernel void gdn_conv(constant GdnArgs& args [[buffer(0)]],
+                     device const float* qkv [[buffer(1)]],        // [T, C]
+                     device const float* taps [[buffer(2)]],       // [C, K]
+                     device const float* window [[buffer(3)]],     // [K-1, C] carried inputs
+                     device float* out [[buffer(4)]],              // [T, C]
                      device float* window_out [[buffer(5)]],       // [K-1, C] for the next pass
                      uint ch [[thread_position_in_grid]]) {
   const uint C = args.C, K = args.K, T = args.T;
@@ -83,16 +83,16 @@ kernel void gdn_conv(device const float* qkv [[buffer(0)]],        // [T, C]
 }
 
 template <int Dk>
-kernel void gdn_recurrence(device const float* conv_out [[buffer(0)]],  // [T, C]
-                           device const float* b [[buffer(1)]],         // [T, Hv]
-                           device const float* a [[buffer(2)]],         // [T, Hv]
-                           device const float* z [[buffer(3)]],         // [T, Hv*Dv]
-                           device const float* a_neg [[buffer(4)]],     // [Hv] -exp(A_log)
-                           device const float* dt_bias [[buffer(5)]],   // [Hv]
-                           device const float* norm_w [[buffer(6)]],    // [Dv]
-                           device const float* S [[buffer(7)]],         // [Hv, Dk, Dv] in
-                           device float* o [[buffer(8)]],               // [T, Hv*Dv]
-                           constant GdnArgs& args [[buffer(9)]],
+kernel void gdn_recurrence(constant GdnArgs& args [[buffer(0)]],
+                           device const float* conv_out [[buffer(1)]],  // [T, C]
+                           device const float* b [[buffer(2)]],         // [T, Hv]
+                           device const float* a [[buffer(3)]],         // [T, Hv]
+                           device const float* z [[buffer(4)]],         // [T, Hv*Dv]
+                           device const float* a_neg [[buffer(5)]],     // [Hv] -exp(A_log)
+                           device const float* dt_bias [[buffer(6)]],   // [Hv]
+                           device const float* norm_w [[buffer(7)]],    // [Dv]
+                           device const float* S [[buffer(8)]],         // [Hv, Dk, Dv] in
+                           device float* o [[buffer(9)]],               // [T, Hv*Dv]
                            device float* S_out [[buffer(10)]],          // [Hv, Dk, Dv] out
                            uint hv [[threadgroup_position_in_grid]],
                            uint j [[thread_index_in_threadgroup]],

@@ -30,17 +30,17 @@
 #include "reduce.h"
 using namespace metal;
 
-kernel void gdn_prepare(device const float* qkv [[buffer(0)]],       // [T, C]
-                        device const float* taps [[buffer(1)]],      // [C, K]
-                        device const float* window [[buffer(2)]],    // [K-1, C] carried inputs
-                        device const float* b [[buffer(3)]],         // [T, Hv]
-                        device const float* a [[buffer(4)]],         // [T, Hv]
-                        device const float* a_neg [[buffer(5)]],     // [Hv] -exp(A_log)
-                        device const float* dt_bias [[buffer(6)]],   // [Hv]
-                        device float* x [[buffer(7)]],               // [T, C]
-                        device float* gates [[buffer(8)]],           // [T, Hv, 2]
-                        device float* window_out [[buffer(9)]],      // [K-1, C]
-                        constant GdnArgs& args [[buffer(10)]],
+kernel void gdn_prepare(constant GdnArgs& args [[buffer(0)]],
+                        device const float* qkv [[buffer(1)]],       // [T, C]
+                        device const float* taps [[buffer(2)]],      // [C, K]
+                        device const float* window [[buffer(3)]],    // [K-1, C] carried inputs
+                        device const float* b [[buffer(4)]],         // [T, Hv]
+                        device const float* a [[buffer(5)]],         // [T, Hv]
+                        device const float* a_neg [[buffer(6)]],     // [Hv] -exp(A_log)
+                        device const float* dt_bias [[buffer(7)]],   // [Hv]
+                        device float* x [[buffer(8)]],               // [T, C]
+                        device float* gates [[buffer(9)]],           // [T, Hv, 2]
+                        device float* window_out [[buffer(10)]],     // [K-1, C]
                         uint2 tg [[threadgroup_position_in_grid]],
                         uint2 threads_per_group [[threads_per_threadgroup]],
                         uint tid [[thread_index_in_threadgroup]],
@@ -99,14 +99,14 @@ kernel void gdn_prepare(device const float* qkv [[buffer(0)]],       // [T, C]
 // 4 * Dv threads: 512 at the family's Dv = 128, up to 1024 (the host checks Dv <= 256).
 template <int Dk>
 [[max_total_threads_per_threadgroup(1024)]]
-kernel void gdn_scan(device const float* x [[buffer(0)]],         // [T, C] from gdn_prepare
-                     device const float* gates [[buffer(1)]],     // [T, Hv, 2]
-                     device const float* z [[buffer(2)]],         // [T, Hv*Dv]
-                     device const float* norm_w [[buffer(3)]],    // [Dv]
-                     device const float* S [[buffer(4)]],         // [Hv, Dk, Dv] in
-                     device float* S_out [[buffer(5)]],           // [Hv, Dk, Dv] out
+kernel void gdn_scan(constant GdnArgs& args [[buffer(0)]],
+                     device const float* x [[buffer(1)]],         // [T, C] from gdn_prepare
+                     device const float* gates [[buffer(2)]],     // [T, Hv, 2]
+                     device const float* z [[buffer(3)]],         // [T, Hv*Dv]
+                     device const float* norm_w [[buffer(4)]],    // [Dv]
+                     device const float* S [[buffer(5)]],         // [Hv, Dk, Dv] in
                      device float* o [[buffer(6)]],               // [T, Hv*Dv]
-                     constant GdnArgs& args [[buffer(7)]],
+                     device float* S_out [[buffer(7)]],           // [Hv, Dk, Dv] out
                      uint hv [[threadgroup_position_in_grid]],
                      uint tid [[thread_index_in_threadgroup]],
                      uint simd_id [[simdgroup_index_in_threadgroup]],

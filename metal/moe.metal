@@ -37,10 +37,10 @@ using namespace metal;
 
 // E threads rounded up to 32: up to 1024 (LILY_MOE_PLAN_THREADS bounds E).
 [[max_total_threads_per_threadgroup(1024)]]
-kernel void moe_route(device const float* logits [[buffer(0)]],  // [T, E]
-                      device uint* ids [[buffer(1)]],            // [T, k]
-                      device float* weights [[buffer(2)]],       // [T, k]
-                      constant MoeRouteArgs& args [[buffer(3)]],
+kernel void moe_route(constant MoeRouteArgs& args [[buffer(0)]],
+                      device const float* logits [[buffer(1)]],  // [T, E]
+                      device uint* ids [[buffer(2)]],            // [T, k]
+                      device float* weights [[buffer(3)]],       // [T, k]
                       uint t [[threadgroup_position_in_grid]],
                       uint e [[thread_index_in_threadgroup]],
                       uint simd_id [[simdgroup_index_in_threadgroup]],
@@ -75,18 +75,18 @@ kernel void moe_route(device const float* logits [[buffer(0)]],  // [T, E]
 }
 
 template <typename S>
-kernel void moe_gate_up(device const uchar* gate_w [[buffer(0)]],
-                        device const uchar* gate_s [[buffer(1)]],
-                        device const uchar* gate_b [[buffer(2)]],
-                        device const ulong* gate_table [[buffer(3)]],  // [E, 3]
-                        device const uchar* up_w [[buffer(4)]],
-                        device const uchar* up_s [[buffer(5)]],
-                        device const uchar* up_b [[buffer(6)]],
-                        device const ulong* up_table [[buffer(7)]],    // [E, 3]
-                        device const uint* ids [[buffer(8)]],          // [T, k]
-                        device const float* h [[buffer(9)]],           // [T, H]
-                        device float* act [[buffer(10)]],              // [T, k, I]
-                        constant MoeGateUpArgs& args [[buffer(11)]],
+kernel void moe_gate_up(constant MoeGateUpArgs& args [[buffer(0)]],
+                        device const uchar* gate_w [[buffer(1)]],
+                        device const uchar* gate_s [[buffer(2)]],
+                        device const uchar* gate_b [[buffer(3)]],
+                        device const ulong* gate_table [[buffer(4)]],  // [E, 3]
+                        device const uchar* up_w [[buffer(5)]],
+                        device const uchar* up_s [[buffer(6)]],
+                        device const uchar* up_b [[buffer(7)]],
+                        device const ulong* up_table [[buffer(8)]],    // [E, 3]
+                        device const uint* ids [[buffer(9)]],          // [T, k]
+                        device const float* h [[buffer(10)]],          // [T, H]
+                        device float* act [[buffer(11)]],              // [T, k, I]
                         uint3 tg [[threadgroup_position_in_grid]],
                         uint simd_id [[simdgroup_index_in_threadgroup]],
                         uint lane [[thread_index_in_simdgroup]]) {
@@ -111,21 +111,21 @@ LILY_KERNEL_INSTANTIATE("moe_gate_up_half", moe_gate_up, half)
 LILY_KERNEL_INSTANTIATE("moe_gate_up_bfloat", moe_gate_up, bfloat)
 
 template <typename S>
-kernel void moe_down(device const uchar* down_w [[buffer(0)]],
-                     device const uchar* down_s [[buffer(1)]],
-                     device const uchar* down_b [[buffer(2)]],
-                     device const ulong* down_table [[buffer(3)]],    // [E, 3]
-                     device const uint* ids [[buffer(4)]],            // [T, k]
-                     device const float* weights [[buffer(5)]],       // [T, k]
-                     device const float* act [[buffer(6)]],           // [T, k, I]
-                     device const uchar* shared_w [[buffer(7)]],
-                     device const uchar* shared_s [[buffer(8)]],
-                     device const uchar* shared_b [[buffer(9)]],
-                     device const ulong* shared_table [[buffer(10)]],  // [1, 3]
-                     device const float* shared_act [[buffer(11)]],    // [T, Is]
-                     device const float* shared_gate [[buffer(12)]],   // [T] logit
-                     device float* y [[buffer(13)]],                   // [T, H]
-                     constant MoeDownArgs& args [[buffer(14)]],
+kernel void moe_down(constant MoeDownArgs& args [[buffer(0)]],
+                     device const uchar* down_w [[buffer(1)]],
+                     device const uchar* down_s [[buffer(2)]],
+                     device const uchar* down_b [[buffer(3)]],
+                     device const ulong* down_table [[buffer(4)]],    // [E, 3]
+                     device const uint* ids [[buffer(5)]],            // [T, k]
+                     device const float* weights [[buffer(6)]],       // [T, k]
+                     device const float* act [[buffer(7)]],           // [T, k, I]
+                     device const uchar* shared_w [[buffer(8)]],
+                     device const uchar* shared_s [[buffer(9)]],
+                     device const uchar* shared_b [[buffer(10)]],
+                     device const ulong* shared_table [[buffer(11)]],  // [1, 3]
+                     device const float* shared_act [[buffer(12)]],    // [T, Is]
+                     device const float* shared_gate [[buffer(13)]],   // [T] logit
+                     device float* y [[buffer(14)]],                   // [T, H]
                      uint2 tg [[threadgroup_position_in_grid]],
                      uint simd_id [[simdgroup_index_in_threadgroup]],
                      uint lane [[thread_index_in_simdgroup]]) {
@@ -160,11 +160,11 @@ LILY_KERNEL_INSTANTIATE("moe_down_bfloat", moe_down, bfloat)
 // ---- prefill ------------------------------------------------------------------------------------
 
 [[max_total_threads_per_threadgroup(LILY_MOE_PLAN_THREADS)]]
-kernel void moe_plan(device const uint* ids [[buffer(0)]],  // [n] expert of slot s = t*k + j
-                     device uint* rows [[buffer(1)]],       // [n] slots sorted by expert
-                     device uint4* blocks [[buffer(2)]],    // [max_blocks]
-                     device uint* header [[buffer(3)]],     // [4]
-                     constant MoePlanArgs& args [[buffer(4)]],
+kernel void moe_plan(constant MoePlanArgs& args [[buffer(0)]],
+                     device const uint* ids [[buffer(1)]],  // [n] expert of slot s = t*k + j
+                     device uint* rows [[buffer(2)]],       // [n] slots sorted by expert
+                     device uint4* blocks [[buffer(3)]],    // [max_blocks]
+                     device uint* header [[buffer(4)]],     // [4]
                      uint e [[thread_index_in_threadgroup]],
                      uint simd_id [[simdgroup_index_in_threadgroup]],
                      uint lane [[thread_index_in_simdgroup]],
@@ -227,11 +227,11 @@ kernel void moe_plan(device const uint* ids [[buffer(0)]],  // [n] expert of slo
 LILY_MOE_GEMM_INSTANTIATE(gate_up, "", false)
 LILY_MOE_GEMM_INSTANTIATE(down, "", false)
 
-kernel void moe_combine(device const float* yr [[buffer(0)]],      // [T*k, H] weighted expert rows
-                        device const float* ys [[buffer(1)]],      // [T, H] shared expert
-                        device const float* sg [[buffer(2)]],      // [T] shared gate logit
-                        device float* y [[buffer(3)]],             // [T, H]
-                        constant MoeCombineArgs& args [[buffer(4)]],
+kernel void moe_combine(constant MoeCombineArgs& args [[buffer(0)]],
+                        device const float* yr [[buffer(1)]],      // [T*k, H] weighted expert rows
+                        device const float* ys [[buffer(2)]],      // [T, H] shared expert
+                        device const float* sg [[buffer(3)]],      // [T] shared gate logit
+                        device float* y [[buffer(4)]],             // [T, H]
                         uint2 gid [[thread_position_in_grid]]) {
   const uint c = gid.x, t = gid.y;
   if (c >= args.H) return;

@@ -35,20 +35,20 @@ inline bool moe_block(device const uint4* blocks, device const uint* header, con
 }
 
 template <typename S, int BM, bool TENSOR>
-kernel void moe_gemm_gate_up(device const uchar* gate_w [[buffer(0)]],
-                             device const uchar* gate_s [[buffer(1)]],
-                             device const uchar* gate_b [[buffer(2)]],
-                             device const ulong* gate_table [[buffer(3)]],  // [E, 3]
-                             device const uchar* up_w [[buffer(4)]],
-                             device const uchar* up_s [[buffer(5)]],
-                             device const uchar* up_b [[buffer(6)]],
-                             device const ulong* up_table [[buffer(7)]],    // [E, 3]
-                             device const uint4* blocks [[buffer(8)]],      // moe_plan
-                             device const uint* header [[buffer(9)]],
-                             device const uint* rows [[buffer(10)]],        // [T*k] sorted slots
-                             device const float* h [[buffer(11)]],          // [T, H]
-                             device float* act [[buffer(12)]],              // [n, I] sorted rows
-                             constant MoeGemmArgs& args [[buffer(13)]],
+kernel void moe_gemm_gate_up(constant MoeGemmArgs& args [[buffer(0)]],
+                             device const uchar* gate_w [[buffer(1)]],
+                             device const uchar* gate_s [[buffer(2)]],
+                             device const uchar* gate_b [[buffer(3)]],
+                             device const ulong* gate_table [[buffer(4)]],  // [E, 3]
+                             device const uchar* up_w [[buffer(5)]],
+                             device const uchar* up_s [[buffer(6)]],
+                             device const uchar* up_b [[buffer(7)]],
+                             device const ulong* up_table [[buffer(8)]],    // [E, 3]
+                             device const uint4* blocks [[buffer(9)]],      // moe_plan
+                             device const uint* header [[buffer(10)]],
+                             device const uint* rows [[buffer(11)]],        // [T*k] sorted slots
+                             device const float* h [[buffer(12)]],          // [T, H]
+                             device float* act [[buffer(13)]],              // [n, I] sorted rows
                              uint2 tg [[threadgroup_position_in_grid]],
                              uint tid [[thread_index_in_threadgroup]],
                              uint simd_id [[simdgroup_index_in_threadgroup]]) {
@@ -91,17 +91,17 @@ kernel void moe_gemm_gate_up(device const uchar* gate_w [[buffer(0)]],
 }
 
 template <typename S, int BM, bool TENSOR>
-kernel void moe_gemm_down(device const uchar* down_w [[buffer(0)]],
-                          device const uchar* down_s [[buffer(1)]],
-                          device const uchar* down_b [[buffer(2)]],
-                          device const ulong* down_table [[buffer(3)]],  // [E, 3]
-                          device const uint4* blocks [[buffer(4)]],      // moe_plan
-                          device const uint* header [[buffer(5)]],
-                          device const uint* rows [[buffer(6)]],         // [T*k] sorted slots
-                          device const float* weights [[buffer(7)]],     // [T*k] routing weights
-                          device const float* act [[buffer(8)]],         // [n, I] sorted rows
-                          device float* out [[buffer(9)]],               // routed: yr [T*k, H]; else y [T, H]
-                          constant MoeGemmArgs& args [[buffer(10)]],
+kernel void moe_gemm_down(constant MoeGemmArgs& args [[buffer(0)]],
+                          device const uchar* down_w [[buffer(1)]],
+                          device const uchar* down_s [[buffer(2)]],
+                          device const uchar* down_b [[buffer(3)]],
+                          device const ulong* down_table [[buffer(4)]],  // [E, 3]
+                          device const uint4* blocks [[buffer(5)]],      // moe_plan
+                          device const uint* header [[buffer(6)]],
+                          device const uint* rows [[buffer(7)]],         // [T*k] sorted slots
+                          device const float* weights [[buffer(8)]],     // [T*k] routing weights
+                          device const float* act [[buffer(9)]],         // [n, I] sorted rows
+                          device float* out [[buffer(10)]],              // routed: yr [T*k, H]; else y [T, H]
                           uint2 tg [[threadgroup_position_in_grid]],
                           uint tid [[thread_index_in_threadgroup]],
                           uint simd_id [[simdgroup_index_in_threadgroup]]) {

@@ -18,12 +18,12 @@ using namespace metal;
 // Each simdgroup owns LILY_GEMV_ROWS_PER_SIMDGROUP rows and walks them one after another, so a
 // threadgroup covers 8 consecutive rows; f32 partials per lane, one simd_sum per row.
 template <typename S>
-kernel void gemv(device const uchar* w [[buffer(0)]],       // packed or dense W
-                 device const uchar* scales [[buffer(1)]],  // [out, in/group] (affine)
-                 device const uchar* biases [[buffer(2)]],  // [out, in/group] (affine)
-                 device const float* x [[buffer(3)]],       // [T, ldx]
-                 device float* y [[buffer(4)]],             // [T, ldy]
-                 constant GemvArgs& args [[buffer(5)]],
+kernel void gemv(constant GemvArgs& args [[buffer(0)]],
+                 device const uchar* w [[buffer(1)]],       // packed or dense W
+                 device const uchar* scales [[buffer(2)]],  // [out, in/group] (affine)
+                 device const uchar* biases [[buffer(3)]],  // [out, in/group] (affine)
+                 device const float* x [[buffer(4)]],       // [T, ldx]
+                 device float* y [[buffer(5)]],             // [T, ldy]
                  uint2 tg [[threadgroup_position_in_grid]],
                  uint simd_id [[simdgroup_index_in_threadgroup]],
                  uint lane [[thread_index_in_simdgroup]]) {
@@ -43,12 +43,12 @@ LILY_KERNEL_INSTANTIATE("gemv_half", gemv, half)
 LILY_KERNEL_INSTANTIATE("gemv_bfloat", gemv, bfloat)
 
 template <typename S>
-kernel void embed(device const uchar* w [[buffer(0)]],
-                  device const uchar* scales [[buffer(1)]],
-                  device const uchar* biases [[buffer(2)]],
-                  device const int* tokens [[buffer(3)]],  // [T], range-checked by the engine
-                  device float* x [[buffer(4)]],           // [T, in]
-                  constant EmbedArgs& args [[buffer(5)]],
+kernel void embed(constant EmbedArgs& args [[buffer(0)]],
+                  device const uchar* w [[buffer(1)]],
+                  device const uchar* scales [[buffer(2)]],
+                  device const uchar* biases [[buffer(3)]],
+                  device const int* tokens [[buffer(4)]],  // [T], range-checked by the engine
+                  device float* x [[buffer(5)]],           // [T, in]
                   uint2 gid [[thread_position_in_grid]]) {
   const uint j = gid.x, t = gid.y;
   if (j >= args.w.in) return;

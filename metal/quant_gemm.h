@@ -12,12 +12,12 @@ using namespace metal;
 // Prefill's dense projections. The skinny route (T below GpuOptions::gemm_min_rows) keeps
 // gemv: with a few rows, a GEMV re-reading W per row costs less than padding tiles to 8.
 template <typename S, int BM, bool TENSOR>
-kernel void gemm(device const uchar* w [[buffer(0)]],       // packed or dense W [out, in]
-                 device const uchar* scales [[buffer(1)]],  // [out, in/group] (affine)
-                 device const uchar* biases [[buffer(2)]],  // [out, in/group] (affine)
-                 device const float* x [[buffer(3)]],       // [T, ldx]
-                 device float* y [[buffer(4)]],             // [T, ldy]
-                 constant GemmArgs& args [[buffer(5)]],
+kernel void gemm(constant GemmArgs& args [[buffer(0)]],
+                 device const uchar* w [[buffer(1)]],       // packed or dense W [out, in]
+                 device const uchar* scales [[buffer(2)]],  // [out, in/group] (affine)
+                 device const uchar* biases [[buffer(3)]],  // [out, in/group] (affine)
+                 device const float* x [[buffer(4)]],       // [T, ldx]
+                 device float* y [[buffer(5)]],             // [T, ldy]
                  uint2 tg [[threadgroup_position_in_grid]],
                  uint tid [[thread_index_in_threadgroup]],
                  uint simd_id [[simdgroup_index_in_threadgroup]]) {

@@ -28,6 +28,9 @@ Threadgroup memory:
 Simdgroup matrices:
   - no simdgroup_load / simdgroup_store with transpose = true: tiles are written in the layout the
     multiply needs (while dequantizing), as MLX's and ggml-metal's kernels do
+Buffer order (product kernels, files in metal/; csrc/gpu/encoder.h binds in this order):
+  - [[buffer(0)]] is `constant <Args>& args`, then the buffers the kernel only reads
+    (`device const` / `constant`), then the ones it writes, numbered consecutively
 Metal 4:
   - in product kernels (files in a folder named metal/, which must build on every Apple GPU from
     M1) the tensor headers (<metal_tensor>, MetalPerformancePrimitives) only in files named
@@ -505,6 +508,50 @@ def check_simdgroup_transpose(toks):
     return found
 
 
+def check_buffer_order(toks, functions):
+    """Kernel parameters: args at 0, reads, then writes, numbered 0, 1, 2, ..."""
+    found = []
+    for f in functions:
+        if not f.kernel:
+            continue
+        a, b = f.params
+        params, depth, cur = [], 0, []
+        for t in toks[a + 1:b]:
+            if t.s in "([<" and len(t.s) == 1:
+                depth += 1
+            elif t.s in ")]>" and len(t.s) == 1:
+                depth -= 1
+            if t.s == "," and depth == 0:
+                params.append(cur)
+                cur = []
+            else:
+                cur.append(t)
+        params.append(cur)
+        expect, seen_write = 0, False
+        for p in params:
+            words = [t.s for t in p]
+            if "buffer" not in words:
+                continue
+            i = words.index("buffer")
+            if i + 2 >= len(words) or not words[i + 2].isdigit():
+                continue
+            index = int(words[i + 2])
+            decl = words[:max(0, words.index("[") if "[" in words else len(words))]
+            name = decl[-1] if decl else "?"
+            reads = "constant" in decl or ("const" in decl and "device" in decl)
+            where = f"kernel '{f.name}': buffer({index}) '{name}'"
+            if index != expect:
+                found.append((p[0].pos, f"{where}: buffers are numbered in parameter order from 0 (expected {expect})"))
+            elif index == 0 and not ("constant" in decl and name == "args"):
+                found.append((p[0].pos, f"{where}: [[buffer(0)]] is the argument struct, `constant <Args>& args`"))
+            elif index > 0 and reads and seen_write:
+                found.append((p[0].pos, f"{where}: a buffer the kernel only reads comes before every buffer it "
+                                        "writes (args, reads, writes: csrc/gpu/encoder.h)"))
+            seen_write |= index > 0 and not reads
+            expect = index + 1
+    return found
+
+
 def recursion(toks, functions):
     bodies = {}
     for f in functions:
@@ -575,6 +622,8 @@ def lint_file(path, shared_types=frozenset()):
     pos_found += check_threadgroup_in_helpers(toks, functions)
     pos_found += check_simdgroup_transpose(toks)
     pos_found += check_attributes(structural, tensor_file)
+    if product:
+        pos_found += check_buffer_order(toks, functions)
     for pos, cycle in recursion(toks, functions):
         pos_found.append((pos, f"recursion ({cycle}) is not supported by Metal"))
     problems += [(line_at(code, pos), msg) for pos, msg in pos_found]

@@ -198,3 +198,26 @@ def test_allowed_forms_pass(tmp_path):
     )
     r = lint(good)
     assert r.returncode == 0, r.stdout
+
+
+def test_product_kernels_bind_args_then_reads_then_writes(tmp_path):
+    """metal/ kernels number their buffers args, reads, writes (the order the host binds them
+    in, csrc/gpu/encoder.h); test kernels may use any order."""
+    (tmp_path / "metal").mkdir()
+    bad = tmp_path / "metal" / "k.metal"
+    bad.write_text(
+        "struct Args { uint n; };\n"
+        "kernel void late_args(device const float* x [[buffer(0)]],\n"
+        "                      constant Args& args [[buffer(1)]]) {}\n"
+        "kernel void read_after_write(constant Args& args [[buffer(0)]], device float* y [[buffer(1)]],\n"
+        "                             device const float* x [[buffer(2)]]) {}\n"
+        "kernel void gap(constant Args& args [[buffer(0)]], device float* y [[buffer(2)]]) {}\n"
+        "kernel void good(constant Args& args [[buffer(0)]], device const float* x [[buffer(1)]],\n"
+        "                 device float* y [[buffer(2)]], uint i [[thread_position_in_grid]]) {}\n"
+    )
+    r = lint(bad)
+    assert r.returncode == 1
+    assert f"{bad}:2: kernel 'late_args': buffer(0) 'x': [[buffer(0)]] is the argument struct" in r.stdout, r.stdout
+    assert f"{bad}:5: kernel 'read_after_write': buffer(2) 'x': a buffer the kernel only reads comes before" in r.stdout
+    assert f"{bad}:6: kernel 'gap': buffer(2) 'y': buffers are numbered in parameter order from 0 (expected 1)" in r.stdout
+    assert "'good'" not in r.stdout

@@ -60,7 +60,7 @@ class GpuSampler:
         """One draw: the token and the first three status words."""
         dispatch(self.dev, self.pipeline, (1,), (threads,),
                  {"logits": self.logits, "w": self.w, "rng": self.rng, "token": self.token, "status": self.status,
-                  "a": self.args})
+                  "args": self.args})
         return int(read(self.token, np.int32)[0]), read(self.status, np.uint32)[:3].tolist()
 
     def draw(self, threads: int = THREADS) -> int:

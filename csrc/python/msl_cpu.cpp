@@ -20,8 +20,8 @@
 
 #include <cstring>
 
-#include "gpu/backend.h"
 #include "gpu/device.h"
+#include "gpu/embedded.h"
 #include "gpu/hazards.h"
 #include "model/error.h"
 #include "msl_cpu/compiler.h"
