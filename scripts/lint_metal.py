@@ -18,8 +18,9 @@ Language (MSL 3 is C++14 with restrictions; the MSL spec, "C++14 features not su
   - program-scope variables (and static ones anywhere) live in the `constant` address space
   - every [[attribute]] is one MSL knows (a misspelt one is silently ignored by C++); the C++17
     attributes (nodiscard, maybe_unused, fallthrough, ...) only in Metal 4 tensor files (MSL 4 is
-    C++17-based). Other constructs newer than C++14 are errors of the kernel compile itself
-    (csrc/msl_cpu/compiler.cpp, clang's -Wpre-c++17-compat turned into errors).
+    C++17-based); no C++20 keyword (concept, requires, consteval, coroutines, ...). Other
+    constructs newer than the library's language are errors of the kernel compile itself
+    (csrc/msl_cpu/compiler.cpp: clang's -Wpre-c++17-compat / -Wpre-c++20-compat as errors).
 Threadgroup memory:
   - declared only in `kernel` functions (MLX's and ggml-metal's kernels all do this; Apple's
     compiler rejects it in other functions): helpers take a `threadgroup T*`
@@ -58,6 +59,10 @@ TOKEN_RULES = [
     ),
     (re.compile(r"\bvirtual\b"), "virtual functions are not supported by Metal"),
     (re.compile(r"\b(dynamic_cast|typeid)\b"), "RTTI is not supported by Metal"),
+    (
+        re.compile(r"\b(concept|requires|consteval|constinit|co_await|co_yield|co_return|char8_t)\b"),
+        "C++20, newer than any MSL (MSL 3 is C++14, MSL 4 C++17; clang's compatibility warnings miss these)",
+    ),
     (
         re.compile(r"\btemplate\s*\[\[\s*host_name"),
         "explicit instantiation with [[host_name]] does not compile for the CPU; use LILY_KERNEL_INSTANTIATE",

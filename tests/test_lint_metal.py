@@ -160,6 +160,8 @@ RULES = [
      "unknown attribute [[bufer]]"),
     ("C++17 attribute", "inline float f(float x) {\n  [[maybe_unused]] float y = x;\n  return x;\n}\n", 2,
      "[[maybe_unused]] is C++17, newer than the C++14 that MSL 3 is based on"),
+    ("C++20 keyword", "template <typename T>\nconcept Small = sizeof(T) <= 4;\n", 2,
+     "C++20, newer than any MSL"),
     ("transposed simdgroup_load",
      "kernel void k(threadgroup float* t [[threadgroup(0)]]) {\n  simdgroup_float8x8 m;\n"
      "  simdgroup_load(m, t, 8, ulong2(0, 0), true);\n}\n", 3, "simdgroup_load with transpose = true"),

@@ -191,16 +191,20 @@ int GpuBackend::max_fitting_context() const {
   return int(std::min<uint64_t>((ws - fixed) / per_token, INT_MAX));
 }
 
+void GpuBackend::check_context(int max_context) const {
+  Device& dev = const_cast<EncoderContext&>(ctx_).device();
+  const uint64_t ws = dev.recommended_max_working_set_size();
+  if (!ws || weight_bytes() + state_bytes(max_context) <= ws) return;
+  const int fits = max_fitting_context();
+  throw ConfigError("[gpu] a context of " + std::to_string(max_context) + " tokens needs " +
+                    gib(weight_bytes() + state_bytes(max_context)) + " on '" + dev.name() + "' (weights " +
+                    gib(weight_bytes()) + " + KV cache and recurrent state " + gib(state_bytes(max_context)) +
+                    "), more than the GPU's recommended working set of " + gib(ws) +
+                    (fits > 0 ? "; at most " + std::to_string(fits) + " tokens fit" : "; the weights alone do not fit"));
+}
+
 std::unique_ptr<State> GpuBackend::new_state(int max_context) {
-  const uint64_t ws = ctx_.device().recommended_max_working_set_size();
-  if (ws && weight_bytes() + state_bytes(max_context) > ws) {
-    const int fits = max_fitting_context();
-    throw ConfigError("[gpu] a context of " + std::to_string(max_context) + " tokens needs " +
-                      gib(weight_bytes() + state_bytes(max_context)) + " on '" + ctx_.device().name() + "' (weights " +
-                      gib(weight_bytes()) + " + KV cache and recurrent state " + gib(state_bytes(max_context)) +
-                      "), more than the GPU's recommended working set of " + gib(ws) +
-                      (fits > 0 ? "; at most " + std::to_string(fits) + " tokens fit" : "; the weights alone do not fit"));
-  }
+  check_context(max_context);
   ctx_.finish();
   auto st = std::make_unique<GpuState>();
   st->backend = this;

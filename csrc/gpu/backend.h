@@ -117,6 +117,7 @@ class GpuBackend : public Backend {
   // the device's recommended working set.
   std::unique_ptr<State> new_state(int max_context) override;
   int max_fitting_context() const override;
+  void check_context(int max_context) const override;
   void abandon_pass(State& st) noexcept override;
 
   void embed(State& st, const int32_t* tokens, int T) override;

@@ -86,6 +86,9 @@ class Backend {
   // The longest context whose state fits beside the weights in the memory the backend may use
   // (GPU backends: the device's recommended working set); INT_MAX where nothing limits it.
   virtual int max_fitting_context() const { return std::numeric_limits<int>::max(); }
+  // Throws ConfigError naming the sizes if a state of max_context positions does not fit (what
+  // new_state would refuse), allocating nothing.
+  virtual void check_context(int max_context) const {}
   // An exception escaped a pass (forward_chunk) before it completed: drop whatever of it was
   // encoded (none of it runs) and return `st` to how it was before the pass, so the next pass
   // starts clean. The engine calls it, then rethrows.

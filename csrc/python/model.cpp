@@ -322,6 +322,10 @@ void init_model(nb::module_& m) {
       .def_prop_ro("max_fitting_context", [](Engine& e) { return e.backend().max_fitting_context(); },
                    "The longest context whose state fits beside the weights in the memory the backend may use "
                    "(GPU: the device's recommended working set); a very large number where nothing limits it.")
+      .def("check_context", [](Engine& e, int max_context) { e.backend().check_context(max_context); },
+           nb::arg("max_context"),
+           "Raises ConfigError (naming the sizes) if a sequence of max_context positions does not fit beside "
+           "the weights; allocates nothing.")
       .def_prop_ro("gpu_gemm_path", [](Engine& e) {
         auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
         if (!g) throw Error("[engine] gpu_gemm_path: the backend is not a GPU backend");
