@@ -489,23 +489,28 @@ def check_attributes(code, tensor_file):
     return found
 
 
+def split_list(toks, open_, close):
+    """The comma-separated items (token lists) between toks[open_] and toks[close]."""
+    items, depth, cur = [], 0, []
+    for t in toks[open_ + 1:close]:
+        if t.s in "([{<" and len(t.s) == 1:
+            depth += 1
+        elif t.s in ")]}>" and len(t.s) == 1:
+            depth -= 1
+        if t.s == "," and depth == 0:
+            items.append(cur)
+            cur = []
+        else:
+            cur.append(t)
+    items.append(cur)
+    return items
+
+
 def check_simdgroup_transpose(toks):
     found = []
     for i, t in enumerate(toks):
         if t.s in ("simdgroup_load", "simdgroup_store") and i + 1 < len(toks) and toks[i + 1].s == "(":
-            close = match_forward(toks, i + 1, "(", ")")
-            args, depth, cur = [], 0, []
-            for x in toks[i + 2:close]:
-                if x.s in "([{<" and len(x.s) == 1:
-                    depth += 1
-                elif x.s in ")]}>" and len(x.s) == 1:
-                    depth -= 1
-                if x.s == "," and depth == 0:
-                    args.append(cur)
-                    cur = []
-                else:
-                    cur.append(x.s)
-            args.append(cur)
+            args = [[x.s for x in item] for item in split_list(toks, i + 1, match_forward(toks, i + 1, "(", ")"))]
             if len(args) >= 5 and args[4] != ["false"]:
                 found.append((t.pos, f"{t.s} with transpose = {' '.join(args[4])}: write the tile in the "
                                      "layout the multiply needs while dequantizing (as ggml-metal's mul_mm "
@@ -519,19 +524,7 @@ def check_buffer_order(toks, functions):
     for f in functions:
         if not f.kernel:
             continue
-        a, b = f.params
-        params, depth, cur = [], 0, []
-        for t in toks[a + 1:b]:
-            if t.s in "([<" and len(t.s) == 1:
-                depth += 1
-            elif t.s in ")]>" and len(t.s) == 1:
-                depth -= 1
-            if t.s == "," and depth == 0:
-                params.append(cur)
-                cur = []
-            else:
-                cur.append(t)
-        params.append(cur)
+        params = split_list(toks, *f.params)
         expect, seen_write = 0, False
         for p in params:
             words = [t.s for t in p]
@@ -603,7 +596,7 @@ def lint_file(path, shared_types=frozenset()):
     product = path.resolve().parent.name == "metal"
     tensor_file = path.stem.endswith("_tensor")
     text_lines = text.splitlines()  # unmasked: an include names its header in a "literal"
-    for i, line in enumerate(code.splitlines(), 1):
+    for i in range(1, len(code.splitlines()) + 1):
         m = INCLUDE.match(text_lines[i - 1])
         if not m or m.group(1) != "<":
             continue

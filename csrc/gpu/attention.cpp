@@ -42,14 +42,10 @@ std::string KvCacheView::kernel_suffix() const {
 }
 
 void check_attention_head_dim(int D) {
-  std::string dims;
-  bool ok = false;
-#define LILY_CHECK_DIM(X) ok |= D == X, dims += (dims.empty() ? "" : ", ") + std::to_string(X);
-  LILY_ATTN_HEAD_DIMS(LILY_CHECK_DIM)
-#undef LILY_CHECK_DIM
-  if (!ok)
-    throw ConfigError("[gpu] head_dim " + std::to_string(D) + " has no attention kernels: they are instantiated for " +
-                      dims + " (LILY_ATTN_HEAD_DIMS, metal/attention_args.h)");
+#define LILY_LIST(X) X,
+  check_instantiated(D, {LILY_ATTN_HEAD_DIMS(LILY_LIST)}, "head_dim " + std::to_string(D) + " has no attention kernels",
+                     "LILY_ATTN_HEAD_DIMS, metal/attention_args.h");
+#undef LILY_LIST
 }
 
 void encode_attn_prepare(EncoderContext& ctx, const AttnPrepareArgs& args, int T, const BufferRange& k,

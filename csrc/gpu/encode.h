@@ -59,6 +59,9 @@ struct ExpertTables {
 
 // "float", "half", "bfloat": the S of kernel names (throws ConfigError for other dtypes).
 const char* scalar_name(DType t);
+// Throws ConfigError unless `value` is one of the sizes a kernel family is instantiated for
+// (`what`: "head_dim 80 has no attention kernels", `where`: the list's macro).
+void check_instantiated(int value, const std::vector<int>& sizes, const std::string& what, const char* where);
 
 // ---- quant.cpp -----------------------------------------------------------------------------------
 

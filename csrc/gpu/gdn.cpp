@@ -13,15 +13,11 @@
 namespace lily::gpu {
 
 void check_gdn_key_dim(int Dk, int Dv) {
-  std::string dims;
-  bool ok = false;
-#define LILY_CHECK_DIM(X) ok |= Dk == X, dims += (dims.empty() ? "" : ", ") + std::to_string(X);
-  LILY_GDN_KEY_DIMS(LILY_CHECK_DIM)
-#undef LILY_CHECK_DIM
-  if (!ok)
-    throw ConfigError("[gpu] DeltaNet key head dim " + std::to_string(Dk) +
-                      " has no recurrence kernels: they are instantiated for " + dims +
-                      " (LILY_GDN_KEY_DIMS, metal/gdn_args.h)");
+#define LILY_LIST(X) X,
+  check_instantiated(Dk, {LILY_GDN_KEY_DIMS(LILY_LIST)},
+                     "DeltaNet key head dim " + std::to_string(Dk) + " has no recurrence kernels",
+                     "LILY_GDN_KEY_DIMS, metal/gdn_args.h");
+#undef LILY_LIST
   if (Dv > 1024)
     throw ConfigError("[gpu] DeltaNet value head dim " + std::to_string(Dv) + " exceeds the kernels' 1024");
 }

@@ -30,6 +30,15 @@ const char* scalar_name(DType t) {
   }
 }
 
+void check_instantiated(int value, const std::vector<int>& sizes, const std::string& what, const char* where) {
+  std::string list;
+  for (int d : sizes) {
+    if (d == value) return;
+    list += (list.empty() ? "" : ", ") + std::to_string(d);
+  }
+  throw ConfigError("[gpu] " + what + ": the kernels are instantiated for " + list + " (" + where + ")");
+}
+
 bool tiles_fit(const QuantMatrix& m) { return m.bits == 0 || m.in % LILY_GEMM_BK == 0; }
 
 int gemm_block_rows(uint64_t rows) { return rows >= 32 ? 32 : 8; }
