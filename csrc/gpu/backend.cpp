@@ -183,7 +183,7 @@ uint64_t GpuBackend::state_bytes(int64_t max_context) const {
 }
 
 int GpuBackend::max_fitting_context() const {
-  const uint64_t ws = const_cast<EncoderContext&>(ctx_).device().recommended_max_working_set_size();
+  const uint64_t ws = ctx_.device().recommended_max_working_set_size();
   if (ws == 0) return INT_MAX;
   const uint64_t fixed = weight_bytes() + state_bytes(0), per_token = state_bytes(1) - state_bytes(0);
   if (fixed >= ws) return 0;
@@ -192,7 +192,7 @@ int GpuBackend::max_fitting_context() const {
 }
 
 void GpuBackend::check_context(int max_context) const {
-  Device& dev = const_cast<EncoderContext&>(ctx_).device();
+  Device& dev = ctx_.device();
   const uint64_t ws = dev.recommended_max_working_set_size();
   if (!ws || weight_bytes() + state_bytes(max_context) <= ws) return;
   const int fits = max_fitting_context();

@@ -143,7 +143,7 @@ class GpuBackend : public Backend {
   // and why (e.g. "simdgroup: the GPU family is Apple9; tensor ops run fast from Apple10").
   bool tensor_gemm() const { return tensor_gemm_; }
   const std::string& gemm_path() const { return gemm_path_; }
-  const GpuStats& stats() const { return const_cast<EncoderContext&>(ctx_).stats(); }
+  const GpuStats& stats() const { return ctx_.stats(); }
   // Recording of every dispatch (off by default).
   void set_recording(bool on) { ctx_.recording = on; }
   std::vector<DispatchRecord>& records() { return ctx_.records; }

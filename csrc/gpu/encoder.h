@@ -52,7 +52,7 @@ class EncoderContext {
  public:
   explicit EncoderContext(std::shared_ptr<Device> device);
 
-  Device& device() { return *device_; }
+  Device& device() const { return *device_; }
   const std::shared_ptr<Device>& device_ptr() const { return device_; }
 
   // The pipeline of `kernel` in metal/<file>; libraries and pipelines are compiled once.
@@ -79,6 +79,7 @@ class EncoderContext {
   HazardTracker& hazards() { return hazards_; }
   int& stage() { return stage_; }
   GpuStats& stats() { return stats_; }
+  const GpuStats& stats() const { return stats_; }
   // Recording of every dispatch (plan reports and tests; off by default).
   bool recording = false;
   std::vector<DispatchRecord> records;
