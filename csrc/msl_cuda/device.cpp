@@ -75,11 +75,16 @@ void check_span(size_t offset, size_t n, size_t length, const char* what) {
 
 class CudaBuffer final : public gpu::Buffer {
  public:
-  CudaBuffer(std::shared_ptr<Context> c, size_t length) : c_(std::move(c)), length_(length) {
+  // Zero-filled, as msl_cpu's (calloc) are, unless `initial` (length bytes) is copied in.
+  CudaBuffer(std::shared_ptr<Context> c, size_t length, const void* initial = nullptr)
+      : c_(std::move(c)), length_(length) {
     c_->current();
     c_->check(c_->d.cuMemAlloc(&ptr_, length ? length : 1),
               "cuMemAlloc of " + std::to_string(length) + " bytes");
-    fill(0, 0, length);  // zero-filled, as msl_cpu's (calloc) are
+    if (initial)
+      write(0, initial, length);
+    else
+      fill(0, 0, length);
   }
   ~CudaBuffer() override {
     c_->d.cuCtxSetCurrent(c_->ctx);
@@ -432,9 +437,7 @@ class CudaDevice final : public gpu::Device {
     return std::make_shared<CudaBuffer>(c_, length);
   }
   std::shared_ptr<gpu::Buffer> wrap_buffer(void* pointer, size_t length) override {
-    auto b = std::make_shared<CudaBuffer>(c_, length);
-    b->write(0, pointer, length);
-    return b;
+    return std::make_shared<CudaBuffer>(c_, length, pointer);
   }
   void copy(gpu::Buffer& dst, size_t dst_offset, gpu::Buffer& src, size_t src_offset, size_t n) override {
     auto* d = dynamic_cast<CudaBuffer*>(&dst);

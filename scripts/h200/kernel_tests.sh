@@ -12,7 +12,9 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 OUT=${OUT:-$root/.carry/out}
 mkdir -p "$OUT"
-{ nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 --version; } > "$OUT/env.txt" 2>&1
+{ nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 --version
+  python3 -c "import sysconfig, os; h = sysconfig.get_paths()['include']; print('Python.h:', os.path.exists(h + '/Python.h'), h)"
+} > "$OUT/env.txt" 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl >> "$OUT/env.txt" 2>&1
 start=$(date +%s)
 if ! bash scripts/dev_build.sh > "$OUT/build.log" 2>&1; then
