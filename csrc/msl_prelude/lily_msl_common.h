@@ -564,22 +564,16 @@ inline detail::if_arith<T> abs(T x) {
       return a < 0 ? (decltype(a))-a : a;
   });
 }
-template <class T>
-inline enable_if_t<detail::is_float_v<T>, bool> isnan(T x) {
-  return __builtin_isnan((float)x);
-}
-template <class T>
-inline enable_if_t<detail::is_float_v<T>, bool> isinf(T x) {
-  return __builtin_isinf((float)x);
-}
-template <class T>
-inline enable_if_t<detail::is_float_v<T>, bool> isfinite(T x) {
-  return __builtin_isfinite((float)x);
-}
-template <class T>
-inline enable_if_t<detail::is_float_v<T>, bool> signbit(T x) {
-  return __builtin_signbit((float)x);
-}
+#define LILY_MSL_CLASSIFY(name)                                   \
+  template <class T>                                              \
+  inline enable_if_t<detail::is_float_v<T>, bool> name(T x) {     \
+    return __builtin_##name((float)x);                            \
+  }
+LILY_MSL_CLASSIFY(isnan)
+LILY_MSL_CLASSIFY(isinf)
+LILY_MSL_CLASSIFY(isfinite)
+LILY_MSL_CLASSIFY(signbit)
+#undef LILY_MSL_CLASSIFY
 
 // Integer bit functions.
 template <class T>

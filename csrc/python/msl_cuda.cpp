@@ -67,14 +67,8 @@ void init_msl_cuda(nb::module_& parent) {
   m.def("device",
         [](int ordinal, bool permute_threadgroups, uint64_t seed, bool timing, bool synchronous,
            const std::vector<std::string>& include_dirs) {
-          msl_cuda::DeviceOptions o;
-          o.ordinal = ordinal;
-          o.permute_threadgroups = permute_threadgroups;
-          o.seed = seed;
-          o.timing = timing;
-          o.synchronous = synchronous;
-          o.include_dirs = include_dirs;
-          return msl_cuda::make_device(o);
+          return msl_cuda::make_device(
+              {ordinal, permute_threadgroups, seed, timing, synchronous, include_dirs});
         },
         nb::arg("ordinal") = 0, nb::arg("permute_threadgroups") = false, nb::arg("seed") = 0,
         nb::arg("timing") = false, nb::arg("synchronous") = false,
