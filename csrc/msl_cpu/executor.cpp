@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "model/error.h"
+#include "msl_cpu/encoder.h"
 
 namespace lily::msl_cpu {
 namespace {
@@ -107,8 +108,6 @@ Scheduler& sched() {
   static Scheduler s;
   return s;
 }
-
-constexpr size_t kMaxThreadgroupMemory = 32768;  // Apple GPUs (M1 and later)
 
 [[noreturn]] void raise(const std::string& kernel, const std::string& what) {
   throw lily::Error("[msl_cpu] kernel '" + kernel + "': " + what);

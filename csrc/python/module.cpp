@@ -8,5 +8,6 @@ NB_MODULE(_core, m) {
   lily::python::init_model(m);
   lily::python::init_sampler(m);
   lily::python::init_msl_cpu(m);
+  lily::python::init_msl_cuda(m);
 
 }

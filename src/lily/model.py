@@ -32,8 +32,9 @@ from lily.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from lily.chat import Chat
 
-# "msl-cpu" runs the Metal backend's dispatch sequence on the MSL-on-CPU runtime (tests; slow).
-BACKENDS = ("cpu", "metal", "msl-cpu")
+# "msl-cpu" runs the Metal backend's dispatch sequence on the MSL-on-CPU runtime (tests; slow);
+# "msl-cuda" the same kernels on an NVIDIA GPU (docs/msl-on-cuda.md: kernels only, so far).
+BACKENDS = ("cpu", "metal", "msl-cpu", "msl-cuda")
 
 
 def _token_array(tokens: Sequence[int] | np.ndarray, what: str = "token_ids") -> np.ndarray:
@@ -131,8 +132,9 @@ class Model:
         standard HF cache, only the files lily needs; offline when cached). With no argument,
         the small demo model shipped inside the package.
 
-        backend: "auto" (Metal where it exists, else CPU), "cpu", "metal" (macOS builds) or
-        "msl-cpu" (the Metal kernels run on the CPU, for tests). threads: CPU worker threads
+        backend: "auto" (Metal where it exists, else CPU), "cpu", "metal" (macOS builds),
+        "msl-cpu" (the Metal kernels run on the CPU, for tests) or "msl-cuda" (on an NVIDIA GPU;
+        not yet a whole model: it raises, naming what is missing). threads: CPU worker threads
         (default: all cores). prefill_chunk: tokens per prefill step (bounds scratch memory).
         max_context: default context of new sequences (default: the model's
         max_position_embeddings). backend_options: GPU backends' test knobs (split_threshold,
