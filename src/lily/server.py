@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from lily._core import LilyError
-from lily.generate import sampling_params
+from lily.generation import sampling_params
 from lily.scheduler import Job, Scheduler
 from lily.tool_calls import CALL_OPEN, THINK_CLOSE, THINK_OPEN, _split_reasoning, parse_output
 
