@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
@@ -101,6 +101,15 @@ class Chat:
 
     # -- turns -----------------------------------------------------------------------------
 
+    @overload
+    def send(self, content: str, *, stream: Literal[False] = ..., **sampling: Any) -> GenerationResult: ...
+
+    @overload
+    def send(self, content: str, *, stream: Literal[True], **sampling: Any) -> GenerationStream: ...
+
+    @overload
+    def send(self, content: str, *, stream: bool, **sampling: Any) -> GenerationResult | GenerationStream: ...
+
     def send(self, content: str, *, stream: bool = False, **sampling: Any) -> GenerationResult | GenerationStream:
         """Adds a user message and generates the assistant's answer.
 
@@ -117,6 +126,15 @@ class Chat:
         except BaseException:
             del self.messages[turn_start:]
             raise
+
+    @overload
+    def respond(self, *, stream: Literal[False] = ..., **sampling: Any) -> GenerationResult: ...
+
+    @overload
+    def respond(self, *, stream: Literal[True], **sampling: Any) -> GenerationStream: ...
+
+    @overload
+    def respond(self, *, stream: bool, **sampling: Any) -> GenerationResult | GenerationStream: ...
 
     def respond(self, *, stream: bool = False, **sampling: Any) -> GenerationResult | GenerationStream:
         """Generates the assistant's next message for the conversation as it stands (after a

@@ -309,6 +309,17 @@ class Model:
                  enable_thinking: bool | None = ...,
                  on_prefill_progress: Callable[[int, int], None] | None = ...) -> GenerationStream: ...
 
+    @overload
+    def generate(self, prompt: str | Sequence[dict] | Sequence[int] | np.ndarray, *,
+                 max_tokens: int | None = ..., temperature: float | None = ..., top_p: float | None = ...,
+                 top_k: int | None = ..., min_p: float | None = ..., repetition_penalty: float | None = ...,
+                 presence_penalty: float | None = ..., frequency_penalty: float | None = ...,
+                 seed: int | None = ..., stop: str | Sequence[str] | None = ..., logprobs: bool | int | None = ...,
+                 stream: bool, tools: Sequence[dict] | None = ...,
+                 enable_thinking: bool | None = ...,
+                 on_prefill_progress: Callable[[int, int], None] | None = ...
+                 ) -> GenerationResult | GenerationStream: ...
+
     def generate(
         self,
         prompt: str | Sequence[dict] | Sequence[int] | np.ndarray,
