@@ -20,7 +20,6 @@ Memory: a snapshot holds every DeltaNet layer's state and conv window — for Qw
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
@@ -35,7 +34,7 @@ from lily.generation import (
     token_loop,
 )
 from lily.prefix_cache import CachedSequence
-from lily.tool_calls import THINK_OPEN, ParsedOutput, parse_output
+from lily.tool_calls import ParsedOutput, opens_reasoning
 
 if TYPE_CHECKING:
     from lily.model import Model
@@ -185,9 +184,9 @@ class Chat:
                 self.messages.append(ParsedOutput(result.content or "", result.reasoning,
                                                   result.tool_calls).to_message())
 
-        parse = partial(parse_output, tools=self.tools, reasoning_started=text.rstrip().endswith(THINK_OPEN))
         stream_obj = GenerationStream(chunks, stats, model._generation, want_logprobs=want_lp,
-                                      token_text=model._token_text, parse=parse, on_finish=finish)
+                                      token_text=model._token_text, chat=True, tools=self.tools,
+                                      reasoning_started=opens_reasoning(text), on_finish=finish)
         return stream_obj if stream else stream_obj.drain()
 
     def __repr__(self) -> str:

@@ -30,7 +30,7 @@ import numpy as np
 from lily import _core
 from lily._core import RequestError
 from lily.stopping import StopStringMatcher
-from lily.tool_calls import ParsedOutput
+from lily.tool_calls import parse_output
 
 #: Tokens of recent context the repetition penalties look at (prompt tail + completion), as in
 #: llama.cpp's default ``repeat_last_n``.
@@ -372,18 +372,22 @@ class GenerationStream:
     """
 
     def __init__(self, chunks: Iterator[GenerationChunk], stats: GenerationStats, lock: GenerationLock, *,
-                 want_logprobs: bool, token_text: Callable[[int], str] | None = None,
-                 parse: Callable[[str], ParsedOutput] | None = None,
+                 want_logprobs: bool, token_text: Callable[[int], str] | None = None, chat: bool = False,
+                 tools: Sequence[dict] | None = None, reasoning_started: bool = False,
                  on_finish: Callable[[GenerationResult], None] | None = None):
         """Takes over ``lock`` (already acquired) until the stream ends. ``token_text(id)``
-        gives logprob entries their text; ``parse`` splits the text into content, reasoning
-        and tool calls; ``on_finish(result)`` runs once, before the lock is released."""
+        gives logprob entries their text. ``chat``: the prompt was a chat turn, so the text is
+        split into content, reasoning and calls to ``tools``; ``reasoning_started``: the prompt
+        opened a ``<think>`` block, so the text starts as reasoning. ``on_finish(result)`` runs
+        once, before the lock is released."""
         self._chunks = chunks
         self._stats = stats
         self._lock = lock
         self._want_logprobs = want_logprobs
         self._token_text = token_text or (lambda _tok: "")
-        self._parse = parse
+        self._chat = chat
+        self._tools = tools
+        self.reasoning_started = reasoning_started
         self._on_finish = on_finish
         self._texts: list[str] = []
         self._tokens: list[int] = []
@@ -433,8 +437,8 @@ class GenerationStream:
                 self._stats.finish_reason = "cancelled"
             text = "".join(self._texts)
             result = result_from(self._stats, text, self._tokens, self._lps if self._want_logprobs else None)
-            if self._parse is not None:
-                parsed = self._parse(text)
+            if self._chat:
+                parsed = parse_output(text, tools=self._tools, reasoning_started=self.reasoning_started)
                 result.content, result.reasoning, result.tool_calls = (
                     parsed.content, parsed.reasoning, parsed.tool_calls)
             else:

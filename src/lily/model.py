@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -31,7 +30,7 @@ from lily.generation import (
 from lily.generation_config import GenerationDefaults, load_generation_config
 from lily.hub import resolve_model_path
 from lily.tokenizer import Tokenizer
-from lily.tool_calls import THINK_OPEN, parse_output
+from lily.tool_calls import opens_reasoning
 
 if TYPE_CHECKING:
     from lily.chat import Chat
@@ -371,9 +370,6 @@ class Model:
         stats = GenerationStats(prompt_tokens=int(ids.size))
         want_lp = bool(logprobs)
         detok = self.tokenizer.detokenizer(skip_special_tokens=True) if self.tokenizer else None
-        parse = None
-        if rendered is not None:  # a chat prompt: split reasoning and tool calls out of the answer
-            parse = partial(parse_output, tools=tools, reasoning_started=rendered.rstrip().endswith(THINK_OPEN))
         self._generation.acquire()
         try:
             # GPU backends choose each token on the device and feed it to the next step there, unless
@@ -387,8 +383,10 @@ class Model:
         except BaseException:
             self._generation.release()
             raise
+        # A chat prompt: reasoning and tool calls are split out of the answer.
         stream_obj = GenerationStream(chunks, stats, self._generation, want_logprobs=want_lp,
-                                      token_text=self._token_text, parse=parse)
+                                      token_text=self._token_text, chat=rendered is not None, tools=tools,
+                                      reasoning_started=rendered is not None and opens_reasoning(rendered))
         return stream_obj if stream else stream_obj.drain()
 
     def _token_text(self, token: int) -> str:
