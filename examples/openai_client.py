@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Talk to `lily serve` with the official OpenAI Python client.
 
-    pip install "lily[server]" openai
+    pip install ".[server]" openai   # in a lily checkout (the distribution is named lily-llm)
     lily serve                       # the built-in demo model on http://127.0.0.1:8000
     python examples/openai_client.py [--base-url http://127.0.0.1:8000/v1]
 

@@ -109,6 +109,7 @@ class Model:
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
+        """Not for direct use: a model is created by :meth:`Model.load` (or ``lily.load``)."""
         raise TypeError("lily.Model is not constructed directly: use lily.Model.load(path_or_repo_id, ...) "
                         "(or lily.load(...))")
 

@@ -47,7 +47,8 @@ try:
     from starlette.routing import Route
 except ImportError as e:  # pragma: no cover - depends on the install
     raise ImportError(
-        "lily serve needs the server extra: pip install \"lily[server]\" (starlette, uvicorn, sse-starlette)"
+        "lily serve needs the server extra: pip install \".[server]\" in a lily checkout (the distribution "
+        "lily-llm; or pip install starlette uvicorn sse-starlette)"
     ) from e
 
 MAX_BODY_BYTES = 16 << 20
