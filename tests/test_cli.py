@@ -167,17 +167,28 @@ def test_bench_json_to_stdout_is_json_alone():
     assert "prefill tok/s" in p.stderr
 
 
-def test_eval_without_mlx_is_a_clear_error(tmp_path):
-    # A stand-in `mlx` package that is "not installed" for this subprocess only.
-    (tmp_path / "mlx").mkdir()
-    (tmp_path / "mlx" / "__init__.py").write_text(
-        "raise ModuleNotFoundError(\"No module named 'mlx'\", name='mlx')\n")
+def run_without(module: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """`lily ARGS` with `module` "not installed": a stand-in package that fails to import, for
+    this subprocess only."""
+    (tmp_path / module).mkdir()
+    (tmp_path / module / "__init__.py").write_text(
+        f"raise ModuleNotFoundError(\"No module named '{module}'\", name='{module}')\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), LILY_PARENT, os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-m", "lily", "eval", "-N", "8"], capture_output=True, text=True, env=env,
-                       timeout=120)
+    return subprocess.run([sys.executable, "-m", "lily", *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_eval_without_mlx_is_a_clear_error(tmp_path):
+    p = run_without("mlx", tmp_path, "eval", "-N", "8")
     assert p.returncode == 2, p.stderr
     assert p.stderr.startswith("lily: error:") and "mlx" in p.stderr and "Traceback" not in p.stderr
     assert p.stderr.count("\n") == 1
+
+
+def test_serve_without_the_server_extra_is_a_clear_error(tmp_path):
+    p = run_without("starlette", tmp_path, "serve", "--port", "1")
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith("lily: error:") and '".[server]"' in p.stderr and "Traceback" not in p.stderr
 
 
 def test_eval_against_mlx_lm_in_float32_by_default():

@@ -33,7 +33,29 @@ from lily.tokenizer import Tokenizer
 from lily.tool_calls import opens_reasoning
 
 if TYPE_CHECKING:
+    from typing_extensions import TypedDict, Unpack  # typing's own from Python 3.11 / 3.12
+
     from lily.chat import Chat
+
+    Prompt = str | Sequence[dict] | Sequence[int] | np.ndarray
+
+    class GenerateOptions(TypedDict, total=False):
+        """Model.generate's keyword arguments but ``stream`` (what its overloads share)."""
+
+        max_tokens: int | None
+        temperature: float | None
+        top_p: float | None
+        top_k: int | None
+        min_p: float | None
+        repetition_penalty: float | None
+        presence_penalty: float | None
+        frequency_penalty: float | None
+        seed: int | None
+        stop: str | Sequence[str] | None
+        logprobs: bool | int | None
+        tools: Sequence[dict] | None
+        enable_thinking: bool | None
+        on_prefill_progress: Callable[[int, int], None] | None
 
 # "msl-cpu" runs the Metal backend's dispatch sequence on the MSL-on-CPU runtime (tests; slow).
 BACKENDS = ("cpu", "metal", "msl-cpu")
@@ -290,35 +312,15 @@ class Model:
         return ids, rendered
 
     @overload
-    def generate(self, prompt: str | Sequence[dict] | Sequence[int] | np.ndarray, *,
-                 max_tokens: int | None = ..., temperature: float | None = ..., top_p: float | None = ...,
-                 top_k: int | None = ..., min_p: float | None = ..., repetition_penalty: float | None = ...,
-                 presence_penalty: float | None = ..., frequency_penalty: float | None = ...,
-                 seed: int | None = ..., stop: str | Sequence[str] | None = ..., logprobs: bool | int | None = ...,
-                 stream: Literal[False] = ..., tools: Sequence[dict] | None = ...,
-                 enable_thinking: bool | None = ...,
-                 on_prefill_progress: Callable[[int, int], None] | None = ...) -> GenerationResult: ...
+    def generate(self, prompt: Prompt, *, stream: Literal[False] = ...,
+                 **options: Unpack[GenerateOptions]) -> GenerationResult: ...
 
     @overload
-    def generate(self, prompt: str | Sequence[dict] | Sequence[int] | np.ndarray, *,
-                 max_tokens: int | None = ..., temperature: float | None = ..., top_p: float | None = ...,
-                 top_k: int | None = ..., min_p: float | None = ..., repetition_penalty: float | None = ...,
-                 presence_penalty: float | None = ..., frequency_penalty: float | None = ...,
-                 seed: int | None = ..., stop: str | Sequence[str] | None = ..., logprobs: bool | int | None = ...,
-                 stream: Literal[True], tools: Sequence[dict] | None = ...,
-                 enable_thinking: bool | None = ...,
-                 on_prefill_progress: Callable[[int, int], None] | None = ...) -> GenerationStream: ...
+    def generate(self, prompt: Prompt, *, stream: Literal[True], **options: Unpack[GenerateOptions]) -> GenerationStream: ...
 
     @overload
-    def generate(self, prompt: str | Sequence[dict] | Sequence[int] | np.ndarray, *,
-                 max_tokens: int | None = ..., temperature: float | None = ..., top_p: float | None = ...,
-                 top_k: int | None = ..., min_p: float | None = ..., repetition_penalty: float | None = ...,
-                 presence_penalty: float | None = ..., frequency_penalty: float | None = ...,
-                 seed: int | None = ..., stop: str | Sequence[str] | None = ..., logprobs: bool | int | None = ...,
-                 stream: bool, tools: Sequence[dict] | None = ...,
-                 enable_thinking: bool | None = ...,
-                 on_prefill_progress: Callable[[int, int], None] | None = ...
-                 ) -> GenerationResult | GenerationStream: ...
+    def generate(self, prompt: Prompt, *, stream: bool,
+                 **options: Unpack[GenerateOptions]) -> GenerationResult | GenerationStream: ...
 
     def generate(
         self,
