@@ -40,7 +40,7 @@ def c_unescape(text: str) -> str:
     turned into the characters they name, so ``--stop "\\n\\n"`` stops at a blank line."""
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error")  # an unknown escape (\\q) is an error, not kept as is
+            warnings.simplefilter("error")  # an unknown escape (\q) is an error, not kept as is
             return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
     except (UnicodeDecodeError, DeprecationWarning, SyntaxWarning) as e:
         reason = str(e).split(": ", 1)[-1].removeprefix("decoding with 'unicode_escape' codec failed (")
