@@ -1,19 +1,28 @@
 """Build step: the extension is compiled as a top-level `_core`; its generated stub is
 installed as lily/_core.pyi, so references to `_core` become `lily._core`.
 
-The submodule `msl_cpu` (the MSL-on-CPU runtime, for tests) gets no stub file of its own (a
-stub package `lily/_core/` beside the extension would shadow nothing but confuse tools), so
-the stub types it as a module whose attributes are untyped, rather than importing a
-`lily._core.msl_cpu` that no stub defines: a type checker then sees no unresolved import.
+The extension's submodules (`msl_cpu`, `msl_cuda`: the GPU runtimes, for tests) get no stub
+files of their own (a stub package `lily/_core/` beside the extension would shadow nothing but
+confuse tools), so the stub types each as a module whose attributes are untyped, instead of the
+`from lily._core import msl_cpu as msl_cpu, ...` that nanobind writes and no stub resolves: a
+type checker then meets no unresolved import.
 """
 
+import re
 import sys
 
 src, dst = sys.argv[1], sys.argv[2]
 text = open(src, encoding="utf-8").read().replace("from _core import", "from lily._core import")
-submodule = "from lily._core import msl_cpu as msl_cpu\n"
-if submodule in text:
-    text = text.replace(submodule, "")
+submodules: list[str] = []
+
+
+def _drop(m: re.Match) -> str:
+    submodules.extend(name.split(" as ")[0].strip() for name in m.group(1).split(","))
+    return ""
+
+
+text = re.sub(r"^from lily\._core import ([\w ,]+)\n", _drop, text, flags=re.M)
+if submodules:
     text = text.replace("\nimport numpy\n", "\nimport types\n\nimport numpy\n", 1)
-    text = text.rstrip("\n") + "\n\nmsl_cpu: types.ModuleType\n"
+    text = text.rstrip("\n") + "\n\n" + "".join(f"{name}: types.ModuleType\n" for name in submodules)
 open(dst, "w", encoding="utf-8").write(text)
