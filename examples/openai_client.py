@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Talk to `lily serve` with the official OpenAI Python client.
 
-    pip install "lily[server]" openai
+    pip install ".[server]" openai   # in a lily checkout (the distribution is named lily-llm)
     lily serve                       # the built-in demo model on http://127.0.0.1:8000
     python examples/openai_client.py [--base-url http://127.0.0.1:8000/v1]
 
@@ -12,6 +12,7 @@ request with tools, and a plain completion.
 import argparse
 
 import openai
+from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
@@ -23,15 +24,17 @@ model = client.models.list().data[0].id
 print("model:", model)
 
 # 1. A chat completion (greedy).
-messages = [{"role": "system", "content": "You are a concise Python tutor."},
-            {"role": "user", "content": "What is a list?"}]
+messages: list[ChatCompletionMessageParam] = [
+    {"role": "system", "content": "You are a concise Python tutor."},
+    {"role": "user", "content": "What is a list?"}]
 r = client.chat.completions.create(model=model, messages=messages, max_tokens=48, temperature=0)
 print("\n[chat]", r.choices[0].message.content)
-print("usage:", r.usage.prompt_tokens, "prompt +", r.usage.completion_tokens, "completion tokens")
+if r.usage:
+    print("usage:", r.usage.prompt_tokens, "prompt +", r.usage.completion_tokens, "completion tokens")
 
 # 2. The same conversation continued, streamed. The server has the earlier turn's state
 #    cached, so only the new tokens are prefilled (usage reports them as cached_tokens).
-messages += [{"role": "assistant", "content": r.choices[0].message.content},
+messages += [{"role": "assistant", "content": r.choices[0].message.content or ""},
              {"role": "user", "content": "And a tuple?"}]
 print("\n[stream] ", end="", flush=True)
 stream = client.chat.completions.create(model=model, messages=messages, max_tokens=48, temperature=0.7, seed=1,
@@ -39,12 +42,12 @@ stream = client.chat.completions.create(model=model, messages=messages, max_toke
 for chunk in stream:
     if chunk.choices and chunk.choices[0].delta.content:
         print(chunk.choices[0].delta.content, end="", flush=True)
-    if chunk.usage:
+    if chunk.usage and chunk.usage.prompt_tokens_details:
         print(f"\ncached prompt tokens: {chunk.usage.prompt_tokens_details.cached_tokens} "
               f"of {chunk.usage.prompt_tokens}")
 
 # 3. Tools: the model may answer with tool_calls (OpenAI's structure) instead of text.
-tools = [{"type": "function", "function": {
+tools: list[ChatCompletionFunctionToolParam] = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather in Oslo?"}],
@@ -52,11 +55,15 @@ r = client.chat.completions.create(model=model, messages=[{"role": "user", "cont
 msg = r.choices[0].message
 if msg.tool_calls:
     for call in msg.tool_calls:
-        print("\n[tool call]", call.function.name, call.function.arguments)
+        if call.type == "function":
+            print("\n[tool call]", call.function.name, call.function.arguments)
 else:
     print("\n[tools] no call; answer:", msg.content)
 
 # 4. A plain completion with log-probabilities.
-r = client.completions.create(model=model, prompt="The standard library", max_tokens=12, temperature=0, logprobs=2)
-print("\n[completion]", repr(r.choices[0].text))
-print("first token logprob:", r.choices[0].logprobs.token_logprobs[0])
+completion = client.completions.create(model=model, prompt="The standard library", max_tokens=12, temperature=0,
+                                       logprobs=2)
+choice = completion.choices[0]
+print("\n[completion]", repr(choice.text))
+if choice.logprobs and choice.logprobs.token_logprobs:
+    print("first token logprob:", choice.logprobs.token_logprobs[0])

@@ -21,8 +21,8 @@
 // never drawn. Over the whole vocabulary that mass is below V * 2^-shift < 2^-44 of the total.
 #pragma once
 
-#if defined(__METAL_VERSION__) || defined(LILY_MSL_CPU_METAL_STDLIB)
-// Kernel side: MSL, or MSL compiled as C++ by the MSL-on-CPU runtime.
+#if defined(__METAL_VERSION__) || defined(LILY_MSL_PRELUDE)
+// Kernel side: MSL, or MSL compiled as C++ by the MSL-on-CPU / MSL-on-CUDA runtimes.
 #if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 320
 // Metal compiles with fast math by default, which may reassociate and contract the float steps
 // below; the bit-exact agreement with the CPU needs IEEE semantics (MSL 3.2 pragmas).

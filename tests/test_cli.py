@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,171 @@ def test_prefill_progress_reports_each_chunk():
     res = model.generate(ids, max_tokens=2, temperature=0, on_prefill_progress=lambda d, t: calls.append((d, t)))
     assert calls == [(64, 200), (128, 200), (192, 200), (200, 200)]
     assert res.tokens == model.generate(ids, max_tokens=2, temperature=0).tokens
+
+
+# -- habits of mlx-lm / llama.cpp users, exit codes, help ----------------------------------------
+
+
+def test_stop_takes_c_escapes(model):
+    ref = model.generate("The json module", max_tokens=40, temperature=0, stop=["\n\n"])
+    assert ref.finish_reason == "stop"  # the greedy text has a blank line within 40 tokens
+    p = run_lily("generate", "The json module", "-n", "40", "-t", "0", "--stop", r"\n\n")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == ref.text + "\n"
+    p = run_lily("generate", "x", "--stop", "\\q")
+    assert p.returncode == 2 and "--stop" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_prompt_flag_as_in_mlx_lm(model):
+    ref = model.generate("The standard library", max_tokens=12, temperature=0)
+    p = run_lily("generate", "-p", "The standard library", "-n", "12", "-t", "0")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.rstrip("\n") == ref.text.rstrip("\n")
+
+
+@pytest.mark.parametrize("args, what", [
+    (("generate", ""), "empty"),
+    (("generate", "x", "--max-tokens", "abc"), "max-tokens"),
+    (("generate", "x", "--no-such-flag"), "unrecognized"),
+    (("generate", "x", "--system", "Be brief."), "--chat"),
+    (("generate", "x", "--think"), "--chat"),
+    (("generate", "x", "-p", "y"), "once"),
+    (("bench", "-p", "16,abc"), "prompt-lengths"),
+])
+def test_user_errors_exit_2_with_one_line(args, what):
+    p = run_lily(*args)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert what in p.stderr and "Traceback" not in p.stderr
+
+
+def test_help_states_each_default_once():
+    sub = build_parser()._subparsers._group_actions[0].choices
+    for cmd, parser in sub.items():
+        for action in parser._actions:
+            text = parser._get_formatter()._expand_help(action) if action.help else ""
+            assert text.count("default") <= 1, (cmd, action.dest, text)
+            assert "(default: None)" not in text, (cmd, action.dest, text)
+    gen = sub["generate"].format_help()
+    assert "else 256" in gen  # the default --max-tokens
+
+
+def test_bench_json_to_stdout_is_json_alone():
+    p = run_lily("bench", "-p", "16", "-d", "2", "--json", "-")
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(p.stdout)["rows"]
+    assert [r["prompt_tokens"] for r in rows] == [16]
+    assert "prefill tok/s" in p.stderr
+
+
+def run_without(module: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """`lily ARGS` with `module` "not installed": a stand-in package that fails to import, for
+    this subprocess only."""
+    (tmp_path / module).mkdir()
+    (tmp_path / module / "__init__.py").write_text(
+        f"raise ModuleNotFoundError(\"No module named '{module}'\", name='{module}')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), LILY_PARENT, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "lily", *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_eval_without_mlx_is_a_clear_error(tmp_path):
+    p = run_without("mlx", tmp_path, "eval", "-N", "8")
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith("lily: error:") and "mlx" in p.stderr and "Traceback" not in p.stderr
+    assert p.stderr.count("\n") == 1
+
+
+def test_serve_without_the_server_extra_is_a_clear_error(tmp_path):
+    p = run_without("starlette", tmp_path, "serve", "--port", "1")
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith("lily: error:") and '".[server]"' in p.stderr and "Traceback" not in p.stderr
+
+
+def test_eval_against_mlx_lm_in_float32_by_default():
+    p = run_lily("eval", "--reference", "mlx-lm", "-N", "64", "--json", "-")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["reference"] == "mlx-lm" and r["reference_dtype"] == "float32"
+    assert r["top1_agreement"] == 1.0
+    assert r["reference_perplexity"] == pytest.approx(r["perplexity"], rel=1e-4)
+    assert "(float32)" in p.stderr  # the report names the reference's compute dtype
+    native = json.loads(run_lily("eval", "--reference", "mlx", "--reference-dtype", "native", "-N", "8",
+                                 "--json", "-").stdout)
+    assert native["reference_dtype"] == "bfloat16"
+
+
+def test_thinking_is_printed_apart_from_the_answer(model):
+    messages = [{"role": "user", "content": "What is a list?"}]
+    ref = model.generate(messages, enable_thinking=True, max_tokens=16, temperature=0)
+    assert ref.reasoning
+    p = run_lily("generate", "--chat", "--think", "-n", "16", "-t", "0", stdin="What is a list?")
+    assert p.returncode == 0, p.stderr
+    assert "thinking: " + ref.reasoning in p.stderr
+    assert p.stdout.strip() == ref.content.strip()
+    # The same in a chat, switched on with /think on.
+    p = run_lily("chat", "-n", "16", "-t", "0", stdin="/think on\nWhat is a list?\n")
+    assert p.returncode == 0, p.stderr
+    assert "thinking: " + ref.reasoning in p.stderr and ref.reasoning not in p.stdout
+
+
+def test_answer_printer_splits_like_parse_output():
+    import io
+
+    from lily.cli import AnswerPrinter
+    from lily.tool_calls import parse_output
+
+    pieces = ["  <thi", "nk>\nweigh", "ing it</th", "ink>\n\nThe ans", "wer.", ""]
+    out, err = io.StringIO(), io.StringIO()
+    printer = AnswerPrinter(False, out, err)
+    for piece in pieces:
+        printer.write(piece)
+    printer.end()
+    ref = parse_output("".join(pieces))
+    assert out.getvalue() == ref.content + "\n"
+    assert err.getvalue() == "thinking: " + ref.reasoning + "\n\n"
+    out, err = io.StringIO(), io.StringIO()
+    printer = AnswerPrinter(True, out, err)  # the prompt opened the block; cut off while thinking
+    for piece in ["still ", "thinking </thi"]:
+        printer.write(piece)
+    printer.end()
+    assert out.getvalue() == "\n" and err.getvalue() == "thinking: still thinking </thi\n\n"
+
+
+def test_chat_has_line_editing_and_a_history_file(tmp_path):
+    """In a terminal (a pty), the up arrow recalls the last line, and the history is saved under
+    the user's cache dir."""
+    import pty
+    import select
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: lily chat on the pty
+        os.environ.update(XDG_CACHE_HOME=str(tmp_path), PYTHONPATH=LILY_PARENT, TERM="xterm")
+        os.execv(sys.executable, [sys.executable, "-m", "lily", "chat", "-n", "3", "-t", "0"])
+    seen = b""
+
+    def wait_for(needle: bytes, count: int = 1, timeout: float = 60) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while seen.count(needle) < count and time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(fd, 4096)
+                except OSError:
+                    break
+        assert seen.count(needle) >= count, seen.decode(errors="replace")[-2000:]
+
+    try:
+        wait_for(b">>> ")
+        os.write(fd, b"What is a list?\r")
+        wait_for(b">>> ", 2)
+        os.write(fd, b"\x1b[A")  # up arrow: readline brings the last line back
+        wait_for(b"What is a list?", 2)  # typed (echoed), then recalled
+        os.write(fd, b"\r")
+        wait_for(b">>> ", 3)
+        os.write(fd, b"/quit\r")
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 0
+    history = (tmp_path / "lily" / "chat_history").read_text()
+    assert "What is a list?" in history and "\x1b" not in history

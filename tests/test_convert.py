@@ -165,10 +165,10 @@ def test_eval_against_mlx_lm_reports_figures(checkpoints):
     p = subprocess.run([sys.executable, "-m", "lily", "eval", "--model", str(ckpt), "--reference", "mlx", "-N", "96",
                         "--json", "-"], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr
-    assert "top-1 agreement" in p.stdout
-    report = json.loads(p.stdout[p.stdout.index("{"):])
+    assert "top-1 agreement" in p.stderr  # with --json -, the table goes to stderr, the JSON alone to stdout
+    report = json.loads(p.stdout)
     print(f"\n[eval] {report}")
-    assert report["positions"] == 96 and report["reference"] == "mlx-lm"
+    assert report["positions"] == 96 and report["reference"] == "mlx-lm" and report["reference_dtype"] == "float32"
     # Same 4-bit weights in both: the next-token distributions must agree closely.
     assert report["top1_agreement"] >= 0.97
     assert report["perplexity"] == pytest.approx(report["reference_perplexity"], rel=1e-3)

@@ -23,17 +23,23 @@ def test_mlx_lm_matches_transformers_fp32(model_type, store):
     assert ref.rel_err(got, hf.prompt) <= 1e-5
 
 
+# The same weights in two layouts go through different transformers code (a fused expert
+# GEMM vs a loop over experts), so the float32 sums run in another order: equal on one CPU,
+# ~2e-6 apart on another (CI's AMD EPYC). Same model = equal up to float32 summation order.
+SAME_MODEL_REL = 1e-5
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_5_moe", "qwen3_next"])
 def test_expert_layouts_hold_the_same_model(model_type, store):
     a = store.hf_reference(store.hf(model_type, "fused")).prompt
     b = store.hf_reference(store.hf(model_type, "per_expert")).prompt
-    assert np.array_equal(a, b)
+    assert ref.rel_err(a, b) <= SAME_MODEL_REL
 
 
 def test_text_only_class_holds_the_same_model(store):
     a = store.hf_reference(store.hf("qwen3_5_moe", "fused")).prompt
     b = store.hf_reference(store.hf("qwen3_5_moe_text", "per_expert")).prompt
-    assert np.array_equal(a, b)
+    assert ref.rel_err(a, b) <= SAME_MODEL_REL
 
 
 @pytest.mark.parametrize("model_type, layout", [("qwen3_5_moe", "fused"), ("qwen3_5", None),

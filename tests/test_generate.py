@@ -56,7 +56,7 @@ def test_logprobs_are_log_softmax_of_logits(model):
     lp = res.logprobs[0]
     assert lp["token"] == int(np.argmax(first))
     assert lp["logprob"] == pytest.approx(first[lp["token"]], abs=1e-3)
-    top_ids = [t for t, _ in lp["top_logprobs"]]
+    top_ids = [t["token"] for t in lp["top_logprobs"]]
     assert top_ids == list(np.argsort(-first)[:5])
 
 
@@ -94,18 +94,6 @@ def test_stop_string_spanning_tokens(model):
     streamed = "".join(c.text for c in model.generate("The function returns", max_tokens=40, temperature=0,
                                                     stop=stop, stream=True))
     assert streamed == res.text
-
-
-def test_breaking_out_of_a_stream_frees_the_model(model):
-    stream = model.generate("Errors", max_tokens=200, temperature=0, stream=True)
-    for i, _ in enumerate(stream):
-        if i == 3:
-            break
-    # Same thread, stream still referenced and unfinished: a clear error, not a deadlock.
-    with pytest.raises(lily.RequestError, match="unfinished stream"):
-        model.generate("Errors", max_tokens=2)
-    stream.close()
-    assert model.generate("Errors", max_tokens=2, temperature=0).completion_tokens >= 1
 
 
 def test_over_long_prompt_is_refused_before_compute(model):

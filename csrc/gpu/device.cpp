@@ -2,6 +2,7 @@
 #include "gpu/device.h"
 
 #include <cstdio>
+#include <cstring>
 
 #include "model/error.h"
 
@@ -28,6 +29,33 @@ std::string FunctionConstants::key() const {
     out += buf;
   }
   return out;
+}
+
+namespace {
+// The bytes [offset, offset + n) of b's shared storage, checked.
+uint8_t* span(Buffer& b, size_t offset, size_t n, const char* what) {
+  if (offset > b.length() || n > b.length() - offset)
+    throw Error(std::string("[gpu] Buffer::") + what + ": " + std::to_string(n) + " bytes at offset " +
+                std::to_string(offset) + " do not fit in a buffer of " + std::to_string(b.length()));
+  auto* p = static_cast<uint8_t*>(b.contents());
+  if (!p && n)
+    throw Error(std::string("[gpu] Buffer::") + what + ": this buffer has no host storage and its "
+                "device does not implement " + what);
+  return p + offset;
+}
+}  // namespace
+
+void Buffer::write(size_t offset, const void* data, size_t n) {
+  if (n) std::memcpy(span(*this, offset, n, "write"), data, n);
+}
+void Buffer::read(size_t offset, void* data, size_t n) {
+  if (n) std::memcpy(data, span(*this, offset, n, "read"), n);
+}
+void Buffer::fill(size_t offset, uint8_t value, size_t n) {
+  if (n) std::memset(span(*this, offset, n, "fill"), value, n);
+}
+void Device::copy(Buffer& dst, size_t dst_offset, Buffer& src, size_t src_offset, size_t n) {
+  if (n) std::memmove(span(dst, dst_offset, n, "copy"), span(src, src_offset, n, "copy"), n);
 }
 
 }  // namespace lily::gpu

@@ -1,9 +1,9 @@
 // The one portable GPU interface: devices, buffers, pipelines and compute command encoding.
 //
-// Two backends implement it: csrc/metal/device.mm (real Metal, Apple only) and csrc/msl_cpu/
-// (runs the same .metal kernels on the CPU, for tests on Linux). Everything that encodes work
-// (csrc/gpu/) is written against this header only, so the dispatch sequence tested on Linux is
-// the one that ships.
+// Three backends implement it: csrc/metal/device.mm (real Metal, Apple only), csrc/msl_cpu/
+// (runs the same .metal kernels on the CPU, for tests on Linux) and csrc/msl_cuda/ (runs them on
+// an NVIDIA GPU). Everything that encodes work (csrc/gpu/) is written against this header only,
+// so the dispatch sequence tested on Linux is the one that ships.
 //
 // The interface mirrors Apple's API one to one and keeps its semantics:
 //   Device::new_library(source, options) -> newLibraryWithSource:options:error: (MTLCompileOptions:
@@ -64,12 +64,19 @@ class FunctionConstants {
   std::vector<Value> values_;
 };
 
-// MTLBuffer (shared storage: the CPU sees contents() directly).
+// MTLBuffer. On Metal and msl_cpu the storage is shared: contents() is the buffer's memory.
+// A device with memory of its own (msl_cuda) returns nullptr from contents(); the host then
+// moves bytes with write / read / fill (on shared storage, copies through contents()). Like a
+// CPU access to contents() on Metal, they happen at once: the caller makes sure that no
+// committed, unfinished command buffer uses those bytes.
 class Buffer {
  public:
   virtual ~Buffer() = default;
   virtual void* contents() = 0;
   virtual size_t length() const = 0;
+  virtual void write(size_t offset, const void* data, size_t n);  // host -> buffer
+  virtual void read(size_t offset, void* data, size_t n);         // buffer -> host
+  virtual void fill(size_t offset, uint8_t value, size_t n);      // memset
 };
 
 // The most bytes ComputeEncoder::set_bytes takes (Metal's limit for setBytes:length:atIndex:).
@@ -155,8 +162,14 @@ class Device {
   // OS has it, macOS 15+; elsewhere nothing).
   virtual void make_resident(const std::vector<std::shared_ptr<Buffer>>& buffers) = 0;
   virtual std::shared_ptr<Buffer> new_buffer(size_t length) = 0;
-  // Zero-copy wrap of caller memory (page-aligned on Metal); the caller keeps it alive.
+  // Caller memory as a buffer: a zero-copy wrap (page-aligned on Metal; the caller keeps it
+  // alive), or on a device with memory of its own a copy made now (for weights, which never
+  // change afterwards).
   virtual std::shared_ptr<Buffer> wrap_buffer(void* pointer, size_t length) = 0;
+  // Whether buffers are the host's memory (contents() non-null): true on Metal and msl_cpu.
+  virtual bool unified_memory() const { return true; }
+  // n bytes from src to dst now, with the same rule as Buffer::write.
+  virtual void copy(Buffer& dst, size_t dst_offset, Buffer& src, size_t src_offset, size_t n);
   // file_name names the source in diagnostics ("metal/quant.metal").
   virtual std::shared_ptr<Library> new_library(const std::string& source, const std::string& file_name,
                                                const LibraryOptions& options) = 0;

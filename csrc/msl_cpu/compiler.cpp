@@ -4,11 +4,13 @@
 
 #include "gpu/embedded.h"
 
+#include <dirent.h>
 #include <dlfcn.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -316,6 +318,20 @@ std::string constant_value(const FunctionConstantDecl& d, const gpu::FunctionCon
 
 }  // namespace
 
+bool parameter_present(const SourceInfo& info, const KernelParam& p,
+                       const gpu::FunctionConstants* constants, const std::string& file_name) {
+  if (p.function_constant.empty()) return true;
+  for (const auto& d : info.constants) {
+    if (d.name != p.function_constant) continue;
+    if (constants)
+      for (const auto& v : constants->values())
+        if (v.index == d.index) return v.type == gpu::ConstantType::Bool && v.value != 0;
+    return false;
+  }
+  fail(file_name + ": parameter '" + p.name + "' names an undeclared function constant '" +
+       p.function_constant + "'");
+}
+
 std::string generate_unit(const std::string& original, const SourceInfo& info,
                           const std::string& file_name, const gpu::FunctionConstants* constants) {
   std::string source = original;
@@ -336,21 +352,13 @@ std::string generate_unit(const std::string& original, const SourceInfo& info,
       << (given ? "true" : "false") << ";\n";
     values.push_back(given ? constant_value(d, *given, file_name) : d.type + "()");
   }
-  // A parameter whose function constant is false (or not given) does not exist.
-  auto absent = [&](const KernelParam& p) {
-    if (p.function_constant.empty()) return false;
-    for (size_t i = 0; i < info.constants.size(); ++i)
-      if (info.constants[i].name == p.function_constant) return values[i] != "true";
-    fail(file_name + ": parameter '" + p.name + "' names an undeclared function constant '" +
-         p.function_constant + "'");
-  };
+  auto absent = [&](const KernelParam& p) { return !parameter_present(info, p, constants, file_name); };
   // One binder per kernel: binds parameter i from its attribute, for any instantiation F.
   for (const auto& k : info.kernels) {
     u << "struct lily_msl_binder_" << k.name << " {\n"
       << "  static const uint32_t max_threads;  // defined after the source (it may use its macros)\n"
-      << "  template <class F> static void call(F* f) {\n"
+      << "  template <class F, class Thread> static void call(F* f, const Thread& t) {\n"
       << "    using namespace ::lily_msl::detail;\n"
-      << "    const lily_msl_thread& t = *lily_msl_current;\n"
       << "    (void)t;\n"
       << "    f(";
     for (size_t i = 0; i < k.params.size(); ++i) {
@@ -402,23 +410,27 @@ std::string generate_unit(const std::string& original, const SourceInfo& info,
   for (size_t i = 0; i < info.constants.size(); ++i) {
     const auto& d = info.constants[i];
     u << source.substr(pos, d.begin - pos);
-    u << "constant " << d.type << " " << d.name << " = " << values[i] << ";";
+    u << "constant const " << d.type << " " << d.name << " = " << values[i] << ";";
     for (size_t c = d.begin; c < d.end; ++c)
       if (source[c] == '\n') u << '\n';  // keep the line numbers
     pos = d.end;
   }
-  u << source.substr(pos) << "\n#line 1 \"<msl_cpu registrations>\"\n";
+  u << source.substr(pos) << "\n#line 1 \"<msl registrations>\"\n";
+  // Each binder's [[max_total_threads_per_threadgroup(N)]], after the source: N may be a
+  // constant of the kernel's headers. LILY_MSL_KERNEL_INFO hands it to the target (CUDA's
+  // metadata; the CPU's registrar reads the binder).
   for (const auto& k : info.kernels) {
     const std::string& n = k.max_total_threads_per_threadgroup;
     u << "const uint32_t lily_msl_binder_" << k.name << "::max_threads = " << (n.empty() ? "0" : "uint32_t(" + n + ")")
-      << ";\n";
+      << ";\nLILY_MSL_KERNEL_INFO(" << k.name << ", lily_msl_binder_" << k.name << ")\n";
   }
+  // Each target's prelude defines LILY_MSL_REGISTER (a registration on the CPU, an entry point
+  // on CUDA); #line gives it the kernel's own file:line.
   for (const auto& k : info.kernels) {
     if (k.is_template) continue;  // registered by LILY_KERNEL_INSTANTIATE
-    u << "static ::lily_msl::detail::Registrar lily_msl_registrar_" << k.name << "(\"" << k.name
-      << "\", [] { lily_msl_binder_" << k.name << "::call(&" << k.name << "); }, lily_msl_binder_"
-      << k.name << "::describe<decltype(" << k.name << ")>(), lily_msl_binder_" << k.name
-      << "::max_threads, \"" << file_name << "\", " << k.line << ");\n";
+    u << "#line " << k.line << " \"" << file_name << "\"\n"
+      << "LILY_MSL_REGISTER(\"" << k.name << "\", lily_msl_binder_" << k.name << ", " << k.name
+      << ")\n";
   }
   return u.str();
 }
@@ -426,7 +438,6 @@ std::string generate_unit(const std::string& original, const SourceInfo& info,
 // ---------------------------------------------------------------------------------------------
 // Building and loading
 // ---------------------------------------------------------------------------------------------
-namespace {
 
 std::string read_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -435,15 +446,17 @@ std::string read_file(const std::string& path) {
   return s.str();
 }
 
-uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ull) {
+uint64_t fnv1a(const std::string& s, uint64_t h) {
   for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
   return h;
 }
 
+namespace {
 bool is_executable(const std::string& p) { return access(p.c_str(), X_OK) == 0; }
+}  // namespace
 
 // Run a command (argv), capturing stdout+stderr; returns the exit status.
-int run(const std::vector<std::string>& argv, std::string* output) {
+int run_command(const std::vector<std::string>& argv, std::string* output) {
   int pipefd[2];
   if (pipe(pipefd) != 0) fail("pipe() failed");
   pid_t pid = fork();
@@ -469,16 +482,16 @@ int run(const std::vector<std::string>& argv, std::string* output) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
 }
 
-std::string cache_dir() {
+std::string cache_dir(const char* env, const std::string& name) {
   std::string dir;
-  if (const char* e = std::getenv("LILY_MSL_CPU_CACHE"); e && *e) {
+  if (const char* e = std::getenv(env); e && *e) {
     dir = e;
   } else if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) {
-    dir = std::string(x) + "/lily/msl_cpu";
+    dir = std::string(x) + "/lily/" + name;
   } else if (const char* h = std::getenv("HOME"); h && *h) {
-    dir = std::string(h) + "/.cache/lily/msl_cpu";
+    dir = std::string(h) + "/.cache/lily/" + name;
   } else {
-    dir = "/tmp/lily-msl_cpu-" + std::to_string(getuid());
+    dir = "/tmp/lily-" + name + "-" + std::to_string(getuid());
   }
   std::string partial;
   for (size_t i = 0; i <= dir.size(); ++i) {
@@ -495,7 +508,7 @@ std::string clang_version() {
   static std::string version;
   std::call_once(once, [] {
     std::string out;
-    if (run({clang_path(), "--version"}, &out) != 0)
+    if (run_command({clang_path(), "--version"}, &out) != 0)
       fail("cannot run " + clang_path() + " --version:\n" + out);
     version = out.substr(0, out.find('\n'));
   });
@@ -514,6 +527,24 @@ std::string compiler_errors(const std::string& out) {
   return kept;
 }
 
+uint64_t hash_headers(const std::vector<std::string>& dirs, uint64_t h) {
+  for (const auto& d : dirs) {
+    std::vector<std::string> names;
+    if (DIR* dir = opendir(d.c_str())) {
+      while (const dirent* e = readdir(dir)) {
+        const std::string n = e->d_name;
+        if (n.size() > 2 && n.compare(n.size() - 2, 2, ".h") == 0) names.push_back(n);
+      }
+      closedir(dir);
+    }
+    std::sort(names.begin(), names.end());
+    for (const auto& n : names) h = fnv1a(n + "\x1f" + read_file(d + "/" + n), h);
+  }
+  return h;
+}
+
+namespace {
+std::string cpu_cache_dir() { return cache_dir("LILY_MSL_CPU_CACHE", "msl_cpu"); }
 // The thread-local arrays of the kernel's own code that -O2 left as stack memory: every
 // `alloca` of an array type in the IR, named by its variable's debug record (DILocalVariable:
 // name, file, line). The prelude's (the CPU emulation's own scratch) are not the kernel's.
@@ -582,7 +613,8 @@ std::vector<StackArray> stack_arrays(const std::string& ir) {
     auto v = vars.find(d->second);
     if (v == vars.end()) continue;
     const std::string file = files.count(v->second.file) ? files[v->second.file] : "?";
-    if (file.find("/prelude/") != std::string::npos || file.find("msl_cpu registrations") != std::string::npos)
+    if (file.find("/prelude/") != std::string::npos || file.find("/msl_prelude/") != std::string::npos ||
+        file.find("<msl registrations>") != std::string::npos)
       continue;
     const std::string key = file + ":" + std::to_string(v->second.line) + ":" + v->second.name;
     if (!seen.insert(key).second) continue;
@@ -607,9 +639,10 @@ std::string clang_path() {
 
 // The prelude and metal/ headers: $LILY_SOURCE_DIR when it holds them (a developer's checkout),
 // else the copies embedded in the extension, written once into the cache (gpu/embedded.h).
-std::string source_dir() { return gpu::source_tree(cache_dir()); }
+std::string source_dir() { return gpu::source_tree(cpu_cache_dir()); }
 
 std::string prelude_dir() { return source_dir() + "/csrc/msl_cpu/prelude"; }
+std::string common_prelude_dir() { return source_dir() + "/csrc/msl_prelude"; }
 
 std::shared_ptr<Module> Module::build(const std::string& unit, const std::string& file_name,
                                       const BuildOptions& options) {
@@ -624,8 +657,8 @@ std::shared_ptr<Module> Module::build(const std::string& unit, const std::string
       "-ffp-contract=on", "-fno-exceptions", "-fno-threadsafe-statics", "-fno-rtti", "-Wall",
       "-Wno-unknown-attributes", "-Wno-user-defined-literals", "-Wno-unused-variable",
       "-Wno-unused-function", "-Wl,-Bsymbolic",
-      // The prelude as system headers: the language rules of generate_unit() are the kernel's.
-      "-isystem", prelude_dir()};
+      // The preludes as system headers: the language rules of generate_unit() are the kernel's.
+      "-isystem", prelude_dir(), "-isystem", common_prelude_dir()};
   if (options.metal4) flags.push_back("-D__HAVE_TENSOR__=1");
   if (options.asan) {
     // The runtime's symbols resolve from the ASan library preloaded into the process.
@@ -644,19 +677,15 @@ std::shared_ptr<Module> Module::build(const std::string& unit, const std::string
   uint64_t h = fnv1a(unit);
   h = fnv1a(clang_version(), h);
   for (const auto& f : flags) h = fnv1a(f + "\x1f", h);
+  h = fnv1a(read_file(common_prelude_dir() + "/lily_msl_common.h"), h);
   h = fnv1a(read_file(prelude_dir() + "/metal_stdlib"), h);
   h = fnv1a(read_file(prelude_dir() + "/lily_msl_cpu_abi.h"), h);
   h = fnv1a(read_file(prelude_dir() + "/metal_tensor"), h);
   h = fnv1a(read_file(prelude_dir() + "/MetalPerformancePrimitives/MetalPerformancePrimitives.h"), h);
-  for (const auto& d : includes) {
-    // Headers next to the kernels (a change to one must rebuild every kernel that may use it).
-    std::string listing;
-    if (run({"/bin/sh", "-c", "cat \"$0\"/*.h 2>/dev/null; true", d}, &listing) == 0)
-      h = fnv1a(listing, h);
-  }
+  h = hash_headers(includes, h);
   char key[32];
   std::snprintf(key, sizeof key, "%016llx", static_cast<unsigned long long>(h));
-  const std::string dir = cache_dir();
+  const std::string dir = cpu_cache_dir();
   const std::string so = dir + "/" + key + ".so";
 
   if (access(so.c_str(), R_OK) != 0) {
@@ -673,7 +702,7 @@ std::shared_ptr<Module> Module::build(const std::string& unit, const std::string
     auto compile = [&](std::vector<std::string> argv) {
       argv.insert(argv.begin(), clang);
       std::string out;
-      if (run(argv, &out) != 0) {
+      if (run_command(argv, &out) != 0) {
         std::remove((tmp + ".so").c_str());
         std::remove((tmp + ".ll").c_str());
         fail("compiling " + file_name + " for the CPU failed (" + clang + "):\n" + compiler_errors(out));

@@ -6,8 +6,10 @@
 // 2. generate_unit() wraps the source, unchanged line for line, in a C++ translation unit: a
 //    binder struct per kernel (binds each parameter by attribute from the thread's bindings),
 //    `#line 1 "file.metal"` so every diagnostic points into the .metal file, the function
-//    constants rewritten to the pipeline's values, and a registration for each non-template
-//    kernel (templates register through LILY_KERNEL_INSTANTIATE).
+//    constants rewritten to the pipeline's values, and a LILY_MSL_REGISTER for each
+//    non-template kernel (templates register through LILY_KERNEL_INSTANTIATE). The unit is the
+//    same for every target: the prelude it is compiled against (the CPU's here, CUDA's in
+//    csrc/msl_cuda/) decides what a binder's thread is and what a registration makes.
 // 3. Module::build() compiles it with clang ($LILY_CLANG, else clang-19 / clang on PATH) into a
 //    shared object cached under $LILY_MSL_CPU_CACHE (default ~/.cache/lily/msl_cpu), keyed by a
 //    hash of the unit, the prelude, the included headers, the flags and the clang version; then
@@ -71,6 +73,11 @@ struct SourceInfo {
 
 SourceInfo scan_source(const std::string& source, const std::string& file_name);
 
+// Whether parameter p exists in a pipeline with these function-constant values: one declared
+// [[function_constant(c)]] exists only where c is given as true.
+bool parameter_present(const SourceInfo& info, const KernelParam& p,
+                       const gpu::FunctionConstants* constants, const std::string& file_name);
+
 // constants == nullptr: no value given for any function constant (the library-level compile).
 std::string generate_unit(const std::string& source, const SourceInfo& info,
                           const std::string& file_name, const gpu::FunctionConstants* constants);
@@ -112,5 +119,19 @@ class Module {
 std::string clang_path();
 std::string source_dir();
 std::string prelude_dir();
+std::string common_prelude_dir();  // csrc/msl_prelude: what every target's prelude shares
+
+// Helpers shared with the MSL-on-CUDA compiler (csrc/msl_cuda/compiler.cpp).
+std::string clang_version();  // first line of `clang --version` (run once)
+// $env, else $XDG_CACHE_HOME/lily/<name>, else ~/.cache/lily/<name> (created).
+std::string cache_dir(const char* env, const std::string& name);
+std::string read_file(const std::string& path);
+uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ull);
+// Every *.h directly in each folder, by name: a kernel's cache key covers the headers it may use.
+uint64_t hash_headers(const std::vector<std::string>& dirs, uint64_t h);
+// Runs argv, capturing stdout + stderr; returns the exit status.
+int run_command(const std::vector<std::string>& argv, std::string* output);
+// The first lines of a compiler's output (its errors, without the long tail).
+std::string compiler_errors(const std::string& out);
 
 }  // namespace lily::msl_cpu

@@ -11,15 +11,13 @@
 
 #include "model/error.h"
 #include "msl_cpu/compiler.h"
+#include "msl_cpu/encoder.h"
 #include "msl_cpu/executor.h"
 
 namespace lily::msl_cpu {
 namespace {
 
 [[noreturn]] void fail(const std::string& what) { throw lily::Error("[msl_cpu] " + what); }
-
-constexpr uint32_t kMaxThreadsPerThreadgroup = 1024;
-constexpr size_t kMaxThreadgroupMemory = gpu::kMaxThreadgroupMemory;
 
 class CpuBuffer final : public gpu::Buffer {
  public:
@@ -41,7 +39,7 @@ class CpuBuffer final : public gpu::Buffer {
   bool owned_;
 };
 
-class CpuPipeline final : public gpu::Pipeline {
+class CpuPipeline final : public KernelPipeline {
  public:
   CpuPipeline(std::shared_ptr<Module> module, const lily_msl_kernel* kernel)
       : module_(std::move(module)), kernel_(kernel), name_(kernel->name) {}
@@ -54,13 +52,9 @@ class CpuPipeline final : public gpu::Pipeline {
     return declared ? std::min(declared, kMaxThreadsPerThreadgroup) : gpu::kDefaultMaxThreadsPerThreadgroup;
   }
   uint32_t thread_execution_width() const override { return LILY_MSL_SIMD_WIDTH; }
-  std::string buffer_name(uint32_t index) const override {
-    for (const lily_msl_param* p = kernel_->params; p->kind != LILY_MSL_PARAM_END; ++p)
-      if ((p->kind == LILY_MSL_PARAM_BUFFER || p->kind == LILY_MSL_PARAM_BUFFER_REF ||
-           p->kind == LILY_MSL_PARAM_ABSENT) && p->index == index)
-        return p->name;
-    return {};
-  }
+  const char* runtime() const override { return "msl_cpu"; }
+  const lily_msl_param* params() const override { return kernel_->params; }
+  uint32_t declared_max_threads() const override { return kernel_->max_total_threads_per_threadgroup; }
   const Module* module() const { return module_.get(); }
   const lily_msl_kernel* kernel() const { return kernel_; }
 
@@ -120,157 +114,6 @@ class CpuLibrary final : public gpu::Library {
   std::map<std::string, std::shared_ptr<Module>> specialized_;
 };
 
-struct Binding {
-  std::shared_ptr<gpu::Buffer> buffer;  // set_buffer
-  size_t offset = 0;
-  std::vector<uint8_t> bytes;  // set_bytes (copied at encode time, as Metal does)
-  bool bound = false;
-};
-
-struct Command {
-  bool barrier = false;
-  std::string signpost;  // the last debug signpost before this dispatch
-  std::shared_ptr<CpuPipeline> pipeline;
-  std::array<Binding, LILY_MSL_MAX_BINDINGS> buffers;
-  std::array<size_t, LILY_MSL_MAX_BINDINGS> threadgroup_lengths{};
-  gpu::Size3 threadgroups, threads;
-};
-
-std::string param_name(const lily_msl_kernel* k, int kind_a, int kind_b, uint32_t index) {
-  for (const lily_msl_param* p = k->params; p->kind != LILY_MSL_PARAM_END; ++p)
-    if ((p->kind == kind_a || p->kind == kind_b) && p->index == index) return p->name;
-  return "?";
-}
-
-// Fault injection shared by a device's encoders: dispatches of one kernel left to fail.
-struct Faults {
-  std::string kernel;
-  int remaining = 0;
-};
-
-class CpuEncoder final : public gpu::ComputeEncoder {
- public:
-  CpuEncoder(gpu::DispatchType type, std::string label, std::shared_ptr<Faults> faults)
-      : type_(type), label_(std::move(label)), faults_(std::move(faults)) {}
-
-  void set_pipeline(const std::shared_ptr<gpu::Pipeline>& pipeline) override {
-    check_open();
-    state_.pipeline = std::dynamic_pointer_cast<CpuPipeline>(pipeline);
-    if (!state_.pipeline) fail("set_pipeline: not a pipeline of an msl_cpu device");
-  }
-  void set_buffer(uint32_t index, const std::shared_ptr<gpu::Buffer>& buffer,
-                  size_t offset) override {
-    check_open();
-    check_index(index, "set_buffer");
-    if (!buffer) fail("set_buffer: null buffer at index " + std::to_string(index));
-    if (offset > buffer->length())
-      fail("set_buffer: offset " + std::to_string(offset) + " is past the end of a buffer of " +
-           std::to_string(buffer->length()) + " bytes (index " + std::to_string(index) + ")");
-    Binding& b = state_.buffers[index];
-    b = Binding{buffer, offset, {}, true};
-  }
-  void set_bytes(uint32_t index, const void* bytes, size_t length) override {
-    check_open();
-    check_index(index, "set_bytes");
-    if (length > gpu::kMaxSetBytes)
-      fail("set_bytes: " + std::to_string(length) + " bytes at index " + std::to_string(index) +
-           " are more than the " + std::to_string(gpu::kMaxSetBytes) + " Metal's setBytes takes; use a buffer");
-    Binding& b = state_.buffers[index];
-    b = Binding{nullptr, 0, std::vector<uint8_t>(length), true};
-    if (length) std::memcpy(b.bytes.data(), bytes, length);
-  }
-  void set_threadgroup_memory_length(uint32_t index, size_t length) override {
-    check_open();
-    check_index(index, "set_threadgroup_memory_length");
-    if (length % 16 != 0)
-      fail("set_threadgroup_memory_length: " + std::to_string(length) +
-           " bytes is not a multiple of 16, as Metal requires (index " + std::to_string(index) +
-           ")");
-    state_.threadgroup_lengths[index] = length;
-  }
-  void dispatch_threadgroups(gpu::Size3 grid, gpu::Size3 threads) override {
-    check_open();
-    const CpuPipeline* p = state_.pipeline.get();
-    if (!p) fail("dispatch_threadgroups: no pipeline set");
-    const lily_msl_kernel* k = p->kernel();
-    const std::string where = "kernel '" + p->name() + "': ";
-    if (faults_ && faults_->remaining > 0 && faults_->kernel == p->name()) {
-      --faults_->remaining;
-      fail(where + "injected failure while encoding (DeviceOptions::fail_dispatch)");
-    }
-    uint64_t n = uint64_t(threads.width) * threads.height * threads.depth;
-    if (n == 0 || uint64_t(grid.width) * grid.height * grid.depth == 0)
-      fail(where + "a threadgroup or grid size is zero");
-    if (n > p->max_total_threads_per_threadgroup())
-      fail(where + std::to_string(n) + " threads per threadgroup exceed the pipeline's maximum of " +
-           std::to_string(p->max_total_threads_per_threadgroup()) +
-           (k->max_total_threads_per_threadgroup == 0
-                ? " (a kernel dispatched with more than " + std::to_string(gpu::kDefaultMaxThreadsPerThreadgroup) +
-                      " threads declares [[max_total_threads_per_threadgroup(N)]], N at least what the host "
-                      "dispatches: without it Metal may allow fewer)"
-                : ""));
-    size_t tg_bytes = 0;
-    for (const lily_msl_param* q = k->params; q->kind != LILY_MSL_PARAM_END; ++q) {
-      const std::string arg = "(" + std::string(q->name) + ")";
-      if (q->kind == LILY_MSL_PARAM_BUFFER || q->kind == LILY_MSL_PARAM_BUFFER_REF) {
-        const Binding& b = state_.buffers[q->index];
-        if (!b.bound) fail(where + "buffer(" + std::to_string(q->index) + ") " + arg + " is not bound");
-        size_t have = b.buffer ? b.buffer->length() - b.offset : b.bytes.size();
-        if (q->kind == LILY_MSL_PARAM_BUFFER_REF && have < q->size)
-          fail(where + "buffer(" + std::to_string(q->index) + ") " + arg + " has " +
-               std::to_string(have) + " bytes but the kernel reads " + std::to_string(q->size));
-      } else if (q->kind == LILY_MSL_PARAM_THREADGROUP) {
-        if (!state_.threadgroup_lengths[q->index])
-          fail(where + "threadgroup(" + std::to_string(q->index) + ") " + arg +
-               " has no set_threadgroup_memory_length");
-      }
-    }
-    for (size_t len : state_.threadgroup_lengths) tg_bytes += len;
-    if (tg_bytes > kMaxThreadgroupMemory)
-      fail(where + std::to_string(tg_bytes) +
-           " bytes of threadgroup memory exceed the 32768 that Apple GPUs have");
-    Command c = state_;
-    c.signpost = signpost_;
-    c.threadgroups = grid;
-    c.threads = threads;
-    commands_.push_back(std::move(c));
-  }
-  void insert_debug_signpost(const std::string& text) override {
-    check_open();
-    signpost_ = text;
-  }
-  void memory_barrier() override {
-    check_open();
-    Command c;
-    c.barrier = true;
-    commands_.push_back(std::move(c));
-  }
-  void end_encoding() override {
-    check_open();
-    ended_ = true;
-  }
-
-  bool ended() const { return ended_; }
-  gpu::DispatchType type() const { return type_; }
-  const std::string& label() const { return label_; }
-  const std::vector<Command>& commands() const { return commands_; }
-
- private:
-  void check_open() const {
-    if (ended_) fail("the encoder was used after end_encoding()");
-  }
-  static void check_index(uint32_t index, const char* what) {
-    if (index >= LILY_MSL_MAX_BINDINGS)
-      fail(std::string(what) + ": index " + std::to_string(index) + " is past Metal's 31");
-  }
-  gpu::DispatchType type_;
-  std::string label_, signpost_;
-  std::shared_ptr<Faults> faults_;
-  Command state_;  // the current bindings (they persist across dispatches, as in Metal)
-  std::vector<Command> commands_;
-  bool ended_ = false;
-};
-
 // ---- execution and checks --------------------------------------------------------------------
 
 using Snapshot = std::vector<std::pair<gpu::Buffer*, std::vector<uint8_t>>>;
@@ -312,7 +155,7 @@ std::string first_difference(const Snapshot& a, const Snapshot& b,
       for (uint32_t k = 0; k < LILY_MSL_MAX_BINDINGS; ++k)
         if (c->buffers[k].buffer.get() == a[i].first) {
           std::string n = "buffer(" + std::to_string(k) + ") '" +
-                          param_name(c->pipeline->kernel(), LILY_MSL_PARAM_BUFFER,
+                          param_name(c->pipeline->params(), LILY_MSL_PARAM_BUFFER,
                                      LILY_MSL_PARAM_BUFFER_REF, k) +
                           "'";
           if (names.find(n) == std::string::npos) names += (names.empty() ? "" : " / ") + n;
@@ -324,14 +167,14 @@ std::string first_difference(const Snapshot& a, const Snapshot& b,
 
 class CpuCommandBuffer final : public gpu::CommandBuffer {
  public:
-  CpuCommandBuffer(const DeviceOptions& options, std::shared_ptr<Faults> faults)
+  CpuCommandBuffer(const DeviceOptions& options, std::shared_ptr<EncoderFaults> faults)
       : options_(options), faults_(std::move(faults)) {}
 
   std::shared_ptr<gpu::ComputeEncoder> compute_encoder(gpu::DispatchType type, const std::string& label) override {
     if (committed_) fail("compute_encoder: the command buffer is already committed");
     for (const auto& e : encoders_)
       if (!e->ended()) fail("compute_encoder: the previous encoder was not ended (end_encoding)");
-    encoders_.push_back(std::make_shared<CpuEncoder>(type, label, faults_));
+    encoders_.push_back(std::make_shared<RecordingEncoder>("msl_cpu", type, label, faults_));
     return encoders_.back();
   }
   void commit() override {
@@ -363,9 +206,10 @@ class CpuCommandBuffer final : public gpu::CommandBuffer {
  private:
   void run_dispatch(const Command& c) {
     last_signpost_ = c.signpost;
+    const auto* pipeline = static_cast<const CpuPipeline*>(c.pipeline.get());  // set_pipeline checked
     DispatchRun r;
-    r.module = c.pipeline->module();
-    r.kernel = c.pipeline->kernel();
+    r.module = pipeline->module();
+    r.kernel = pipeline->kernel();
     r.threadgroups = c.threadgroups;
     r.threads = c.threads;
     r.stack_bytes = options_.asan ? 1024 * 1024 : 256 * 1024;
@@ -454,7 +298,7 @@ class CpuCommandBuffer final : public gpu::CommandBuffer {
          "them but their result depends on their order: " + diff);
   }
 
-  void run_encoder(const CpuEncoder& e) {
+  void run_encoder(const RecordingEncoder& e) {
     std::vector<const Command*> stage;
     for (const Command& c : e.commands()) {
       if (c.barrier) {
@@ -470,15 +314,15 @@ class CpuCommandBuffer final : public gpu::CommandBuffer {
   }
 
   DeviceOptions options_;
-  std::shared_ptr<Faults> faults_;
-  std::vector<std::shared_ptr<CpuEncoder>> encoders_;
+  std::shared_ptr<EncoderFaults> faults_;
+  std::vector<std::shared_ptr<RecordingEncoder>> encoders_;
   bool committed_ = false;
   std::string error_, last_signpost_;
 };
 
 class CpuDevice final : public gpu::Device {
  public:
-  explicit CpuDevice(DeviceOptions options) : options_(std::move(options)), faults_(std::make_shared<Faults>()) {
+  explicit CpuDevice(DeviceOptions options) : options_(std::move(options)), faults_(std::make_shared<EncoderFaults>()) {
     faults_->kernel = options_.fail_dispatch;
     faults_->remaining = options_.fail_dispatch.empty() ? 0 : options_.fail_dispatch_count;
     if (options_.apple_gpu_family < 7 || options_.apple_gpu_family > 10)
@@ -509,7 +353,7 @@ class CpuDevice final : public gpu::Device {
 
  private:
   DeviceOptions options_;
-  std::shared_ptr<Faults> faults_;
+  std::shared_ptr<EncoderFaults> faults_;
 };
 
 }  // namespace

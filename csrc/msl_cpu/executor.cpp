@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "model/error.h"
+#include "msl_cpu/encoder.h"
 
 namespace lily::msl_cpu {
 namespace {
@@ -108,8 +109,6 @@ Scheduler& sched() {
   static Scheduler s;
   return s;
 }
-
-constexpr size_t kMaxThreadgroupMemory = gpu::kMaxThreadgroupMemory;
 
 [[noreturn]] void raise(const std::string& kernel, const std::string& what) {
   throw lily::Error("[msl_cpu] kernel '" + kernel + "': " + what);

@@ -18,6 +18,7 @@
 #include "gpu/plan.h"
 #include "model/error.h"
 #include "msl_cpu/device.h"
+#include "msl_cuda/device.h"
 #if defined(LILY_HAVE_METAL)
 #include "metal/device.h"
 #endif
@@ -72,7 +73,8 @@ struct BackendArgs {
   std::string fail_dispatch, fail_library;  // msl-cpu: fault injection (tests of error paths)
 };
 
-// "cpu", "msl-cpu" (the Metal backend's dispatches run by the MSL-on-CPU runtime) or "metal".
+// "cpu", "msl-cpu" (the Metal backend's dispatches run by the MSL-on-CPU runtime), "msl-cuda"
+// (run on an NVIDIA GPU) or "metal".
 std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weights, const std::string& name,
                                       const BackendArgs& a) {
   cpu::Matmul matmul;
@@ -95,6 +97,18 @@ std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weigh
   if (a.kv_dtype != "float32" && a.kv_dtype != "float16")
     throw ConfigError("[engine] kv_dtype must be 'float32' or 'float16', not '" + a.kv_dtype + "'");
   opt.kv_half = a.kv_dtype == "float16";
+  if (name == "msl-cuda") {
+    // The msl_cpu checking modes have no CUDA counterpart here: refused by name.
+    for (const auto& [set, option] : {std::pair{a.check_dependencies, "check_dependencies"},
+                                      std::pair{a.interleavings != 0, "interleavings"},
+                                      std::pair{a.asan, "asan"}})
+      if (set) throw ConfigError(std::string("[engine] ") + option + " is an option of the msl-cpu backend, not msl-cuda");
+    auto device = msl_cuda::make_device({});  // raises without an NVIDIA driver, naming libcuda
+    throw ConfigError("[engine] backend 'msl-cuda' (" + device->name() + ") runs kernels "
+                      "(lily._core.msl_cuda) but not yet a whole model: the GPU backend still "
+                      "reads buffer contents directly, which device memory has not "
+                      "(docs/msl-on-cuda.md, issue 17 step 4)");
+  }
   if (name == "msl-cpu") {
     msl_cpu::DeviceOptions dev;
     dev.check_dependencies = a.check_dependencies;

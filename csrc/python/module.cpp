@@ -9,5 +9,6 @@ NB_MODULE(_core, m) {
   lily::python::init_sampler(m);
   lily::python::init_msl_cpu(m);
   lily::python::init_kernel_args(m);
+  lily::python::init_msl_cuda(m);
 
 }

@@ -22,6 +22,7 @@
 
 #include "gpu/device.h"
 #include "gpu/embedded.h"
+#include "gpu/encoder.h"
 #include "gpu/hazards.h"
 #include "model/error.h"
 #include "msl_cpu/compiler.h"
@@ -42,6 +43,8 @@ gpu::Size3 size3(const std::vector<uint32_t>& v, const char* what) {
   return s;
 }
 
+using Bytes = nb::ndarray<nb::device::cpu, nb::c_contig>;
+
 gpu::ConstantType constant_type(const std::string& t) {
   if (t == "bool") return gpu::ConstantType::Bool;
   if (t == "int") return gpu::ConstantType::Int;
@@ -53,10 +56,13 @@ gpu::ConstantType constant_type(const std::string& t) {
   throw lily::Error("[msl_cpu] unknown function constant type '" + t +
                     "' (bool, int, uint, short, ushort, float, half)");
 }
-
-using Bytes = nb::ndarray<nb::device::cpu, nb::c_contig>;
-
 }  // namespace
+
+gpu::FunctionConstants function_constants(const ConstantValues& constants) {
+  gpu::FunctionConstants fc;
+  for (const auto& [index, tv] : constants) fc.set(index, constant_type(tv.first), tv.second);
+  return fc;
+}
 
 void init_msl_cpu(nb::module_& parent) {
   nb::module_ m = parent.def_submodule(
@@ -65,15 +71,12 @@ void init_msl_cpu(nb::module_& parent) {
   nb::class_<gpu::Buffer>(m, "Buffer")
       .def_prop_ro("length", &gpu::Buffer::length)
       .def("read", [](gpu::Buffer& b) {
-        return nb::bytes(static_cast<const char*>(b.contents()), b.length());
+        std::string out(b.length(), '\0');
+        b.read(0, out.data(), out.size());
+        return nb::bytes(out.data(), out.size());
       }, "A copy of the buffer's contents.")
       .def("write", [](gpu::Buffer& b, Bytes data, size_t offset) {
-        size_t n = data.nbytes();
-        if (offset + n > b.length())
-          throw lily::Error("[msl_cpu] Buffer.write: " + std::to_string(n) + " bytes at offset " +
-                            std::to_string(offset) + " do not fit in " +
-                            std::to_string(b.length()));
-        std::memcpy(static_cast<char*>(b.contents()) + offset, data.data(), n);
+        b.write(offset, data.data(), data.nbytes());
       }, nb::arg("data"), nb::arg("offset") = 0);
 
   nb::class_<gpu::Pipeline>(m, "Pipeline")
@@ -90,14 +93,10 @@ void init_msl_cpu(nb::module_& parent) {
 
   nb::class_<gpu::Library>(m, "Library")
       .def("pipeline",
-           [](gpu::Library& lib, const std::string& name,
-              const std::map<uint32_t, std::pair<std::string, double>>& constants) {
-             gpu::FunctionConstants fc;
-             for (const auto& [index, tv] : constants)
-               fc.set(index, constant_type(tv.first), tv.second);
-             return lib.pipeline(name, fc);
+           [](gpu::Library& lib, const std::string& name, const ConstantValues& constants) {
+             return lib.pipeline(name, function_constants(constants));
            },
-           nb::arg("name"), nb::arg("constants") = std::map<uint32_t, std::pair<std::string, double>>{});
+           nb::arg("name"), nb::arg("constants") = ConstantValues{});
 
   nb::class_<gpu::ComputeEncoder>(m, "ComputeEncoder")
       .def("set_pipeline", &gpu::ComputeEncoder::set_pipeline)
@@ -132,7 +131,7 @@ void init_msl_cpu(nb::module_& parent) {
       .def_prop_ro("supports_tensor_ops", &gpu::Device::supports_tensor_ops)
       .def("buffer", [](gpu::Device& d, Bytes data) {
         auto b = d.new_buffer(data.nbytes());
-        if (data.nbytes()) std::memcpy(b->contents(), data.data(), data.nbytes());
+        b->write(0, data.data(), data.nbytes());
         return b;
       }, "A new buffer holding a copy of the array's bytes.")
       .def("buffer_empty", &gpu::Device::new_buffer, nb::arg("length"))
@@ -142,7 +141,7 @@ void init_msl_cpu(nb::module_& parent) {
              gpu::LibraryOptions o;
              if (language == "4.0") o.language = gpu::LibraryOptions::Language::MSL4_0;
              else if (language != "3.1")
-               throw lily::Error("[msl_cpu] language must be '3.1' or '4.0', not '" + language + "'");
+               throw lily::Error("[gpu] language must be '3.1' or '4.0', not '" + language + "'");
              o.safe_math = safe_math;
              return d.new_library(source, file_name, o);
            },
@@ -206,6 +205,15 @@ void init_msl_cpu(nb::module_& parent) {
         "MetalPerformancePrimitives matmul2d); apple_gpu_family (7-10) and working_set are what the "
         "device reports; fail_dispatch / fail_library inject failures for tests of error paths.");
   m.def("clang_path", &msl_cpu::clang_path);
+  m.def("library_options",
+        [](const std::string& file) {
+          const gpu::LibraryOptions o = gpu::library_options(file);
+          return std::make_pair(std::string(o.language == gpu::LibraryOptions::Language::MSL4_0 ? "4.0" : "3.1"),
+                                o.safe_math);
+        },
+        nb::arg("file"),
+        "(language, safe_math) the GPU backend compiles metal/<file> with: the *_tensor libraries as "
+        "MSL 4.0, sampling with safe math.");
   m.def("kernel_source", &gpu::kernel_source, nb::arg("file"),
         "metal/<file> as the backend hands it to Device.library: its local #includes inlined (with #line "
         "markers naming the real files), so the kernels of its headers are in the text.");

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,7 @@ def reference(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return g / (1.0 + np.exp(-g)) * up.astype(np.float64)
 
 
-def run_kernel(device, library, gate: np.ndarray, up: np.ndarray, dtype: str) -> np.ndarray:
+def run_kernel(device: Any, library: Any, gate: np.ndarray, up: np.ndarray, dtype: str) -> np.ndarray:
     n = gate.size
     out = device.buffer_empty(gate.nbytes)
     cb = device.command_buffer()
@@ -47,7 +48,7 @@ def run_kernel(device, library, gate: np.ndarray, up: np.ndarray, dtype: str) ->
     return np.frombuffer(out.read(), dtype=gate.dtype).copy()
 
 
-def check(n: int, dtype: str, device=None) -> float:
+def check(n: int, dtype: str, device: Any = None) -> float:
     """Runs one size and dtype; returns the max relative error (raises if over tolerance)."""
     device = device or msl_cpu.device()
     library = device.library((HERE / "swiglu.metal").read_text(), "examples/add_a_kernel/swiglu.metal")

@@ -12,8 +12,16 @@ Sources (install with `apt-get install fortunes fortunes-min python3.11-doc`):
     "What is a decorator?" -> the glossary entry, "Tell me a fortune." -> a fortune. They are
     written with the Qwen chat markup (<|im_start|>role ... <|im_end|>, an empty think block).
 
-Held-out split: whole documents (a doc file, a fortune topic's every 40th fortune, every 40th chat)
-go to the validation set by a stable rule, never by chance, so the split is the same on every run.
+  * With --prose, English prose from more Debian packages (prose_sources.py: the GCIDE, FOLDOC,
+    Jargon File and Devil's dictionaries, the Debian Administrator's Handbook, the GNU coding
+    standards), and chats asking what a word or a computing term means, answered with its
+    definition. --docs-weight repeats the Python documentation (and its chats) in the training
+    text, so windows drawn uniformly from it still see mostly what the held-out test measures;
+    --gcide-share keeps a stable subset of the (large) GCIDE.
+
+Held-out split: whole documents (a doc file, a fortune topic's every 40th fortune, every 40th chat,
+every dictionary entry or manual page whose key hashes to 0 mod 40) go to the validation set by a
+stable rule, never by chance, so the split is the same on every run.
 
 Output (in --out, default scripts/demo_model/data/):
   train.txt, val.txt   documents separated by the line "<|endoftext|>" (chats end in <|im_end|>).
@@ -271,6 +279,31 @@ FORTUNE_ASKS = [
 ]
 
 
+# --- prose from other packages (--prose) ---------------------------------------------------------
+
+WORD_ASKS = ["What does the word {} mean?", "Define {}.", "What is the meaning of {}?"]
+TERM_ASKS = ["What is {}?", "Explain {}.", "What does {} mean in computing?"]
+
+
+def add_prose(train: list[str], val: list[str], train_chats: list[str], val_chats: list[str],
+              gcide_share: float) -> None:
+    from prose_sources import dictionary_documents, manual_documents
+
+    sizes: dict[str, int] = {}
+    for source, key, text in [*dictionary_documents(), *manual_documents()]:
+        if source == "gcide" and stable_bucket("keep:" + key, 1000) >= gcide_share * 1000:
+            continue
+        is_val = stable_bucket(f"{source}:{key}", 40) == 0
+        (val if is_val else train).append(text.strip() + "\n")
+        sizes[source] = sizes.get(source, 0) + len(text)
+        # A chat for one entry in 12: the question names the headword, the answer is the entry.
+        if source in ("gcide", "foldoc", "jargon", "devil") and random.random() < 1 / 12:
+            asks = WORD_ASKS if source in ("gcide", "devil") else TERM_ASKS
+            answer = text.split("\n\n", 1)[0]
+            (val_chats if is_val else train_chats).append(chat(random.choice(asks).format(key), answer))
+    print("prose:", ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sizes.items()))
+
+
 # --- main ----------------------------------------------------------------------------------------
 
 
@@ -281,6 +314,9 @@ def stable_bucket(key: str, n: int) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(Path(__file__).parent / "data"))
+    ap.add_argument("--prose", action="store_true", help="add the dictionaries and manuals (prose_sources.py)")
+    ap.add_argument("--docs-weight", type=int, default=1, help="times the Python docs appear in train.txt")
+    ap.add_argument("--gcide-share", type=float, default=1.0, help="fraction of GCIDE entries kept (stable)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -333,6 +369,10 @@ def main() -> None:
                     chat(random.choice(FORTUNE_ASKS), f)
                 )
 
+    docs_train = list(train)  # the Python docs (and fortunes): what --docs-weight repeats
+    if args.prose:
+        add_prose(train, val, train_chats, val_chats, args.gcide_share)
+
     # Some two-turn chats and a system prompt now and then, so both shapes are seen.
     def with_extras(chats: list[str]) -> list[str]:
         res = []
@@ -348,6 +388,7 @@ def main() -> None:
 
     train.extend(with_extras(train_chats))
     val.extend(with_extras(val_chats))
+    train.extend(docs_train * (args.docs_weight - 1))
     random.shuffle(train)
     random.shuffle(val)
 

@@ -20,6 +20,13 @@ loss.csv and train_summary.json.
 
   python train.py --data data --out /tmp/ckpt --seconds 300          # on the GPU
   python train.py --data data --out /tmp/ckpt --smoke                 # a few CPU steps of a tiny twin
+
+Sizes (--size): "small" is the first shipped demo (13.4M parameters); "medium" (28.4M: hidden 512,
+8 experts of width 128, a shared expert of 256) is the largest whose bf16 checkpoint still comes
+back from the device machine in four 16 MB shards (56.8 MB) and whose 4-bit package stays far
+under 32 MB (about 16 MB). --batch auto times a few steps at batch 32, 64, ... 512 first and
+keeps the fastest in tokens per second: with transformers' PyTorch DeltaNet path a step is
+dominated by kernel launches, so larger batches are nearly free until the GPU is full.
 """
 
 from __future__ import annotations
@@ -39,7 +46,13 @@ VOCAB = 4096
 EOT_ID, IM_START_ID, IM_END_ID = 4087, 4088, 4089  # fixed by train_tokenizer.py (checked below)
 
 
-def text_config(smoke: bool = False) -> dict:
+SIZES = {
+    "small": {},
+    "medium": dict(hidden_size=512, num_experts=8, moe_intermediate_size=128, shared_expert_intermediate_size=256),
+}
+
+
+def text_config(smoke: bool = False, size: str = "small") -> dict:
     """The demo model's text config (real head sizes, everything else scaled down)."""
     cfg = dict(
         vocab_size=VOCAB,
@@ -73,6 +86,7 @@ def text_config(smoke: bool = False) -> dict:
         pad_token_id=EOT_ID,
         bos_token_id=None,
     )
+    cfg.update(SIZES[size])
     if smoke:
         cfg.update(
             num_hidden_layers=4,
@@ -128,11 +142,11 @@ def composite_config(tcfg: dict) -> dict:
 
 
 def export(
-    model: Qwen3_5MoeForCausalLM, tcfg: dict, out: Path, state=None, shard_mb: float = 15.0
+    model: Qwen3_5MoeForCausalLM, tcfg: dict, out: Path, state=None, shard_mb: float = 16.0
 ) -> None:
     """Write the checkpoint in the released composite layout (fused experts): matrices in bf16 like
     the released checkpoints, 1-D tensors (norms, A_log, dt_bias) in fp32; sharded under shard_mb
-    (the device returns files of at most 16 MB) with the usual model.safetensors.index.json."""
+    (the device returns at most 8 files of at most 16 MiB) with the usual model.safetensors.index.json."""
     out.mkdir(parents=True, exist_ok=True)
     state = state if state is not None else model.state_dict()
     tensors = {}
@@ -167,24 +181,65 @@ def export(
     (out / "config.json").write_text(json.dumps(composite_config(tcfg), indent=2) + "\n")
 
 
-def batches(tokens: np.ndarray, batch: int, seq: int, gen: np.random.Generator, device):
-    """Random windows of seq+1 tokens: inputs are [:-1], labels [1:] (HF shifts labels itself)."""
+def batches(tokens: torch.Tensor, batch: int, seq: int, gen: torch.Generator):
+    """Random windows of seq tokens from the token stream (already on the device): inputs and
+    labels alike (HF shifts labels itself)."""
+    offsets = torch.arange(seq, device=tokens.device)
     while True:
-        starts = gen.integers(0, tokens.size - seq - 1, size=batch)
-        x = np.stack([tokens[s : s + seq] for s in starts]).astype(np.int64)
-        yield torch.from_numpy(x).to(device, non_blocking=True)
+        starts = torch.randint(0, tokens.numel() - seq - 1, (batch,), generator=gen, device=tokens.device)
+        yield tokens[starts[:, None] + offsets].long()
+
+
+def pick_batch(model, opt, tokens: torch.Tensor, seq: int, amp, candidates=(32, 64, 128, 256, 512)) -> int:
+    """The batch with the most tokens per second over a few timed steps (the weights are put back
+    afterwards, so the probe does not train the model). Stops at the first that runs out of memory."""
+    cuda = tokens.device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opt_state = opt.state_dict()
+    gen = torch.Generator(device=tokens.device).manual_seed(1)
+    best, best_rate = candidates[0], 0.0
+    for b in candidates:
+        try:
+            stream = batches(tokens, b, seq, gen)
+            for i in range(4):  # 1 warm-up, 3 timed
+                if i == 1:
+                    sync()
+                    t0 = time.time()
+                x = next(stream)
+                with amp():
+                    loss = model(input_ids=x, labels=x).loss
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            sync()
+            rate = 3 * b * seq / (time.time() - t0)
+        except torch.OutOfMemoryError:
+            break
+        print(f"batch {b}: {rate / 1e3:.0f}k tokens/s", flush=True)
+        if rate > best_rate * 1.05:  # a larger batch must pay for its fewer optimizer steps
+            best, best_rate = b, rate
+    model.load_state_dict(state)
+    opt.load_state_dict(opt_state)
+    opt.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.empty_cache()
+    return best
 
 
 @torch.no_grad()
-def evaluate(model, val: np.ndarray, seq: int, n_windows: int, device, amp) -> float:
+def evaluate(model, val: torch.Tensor, seq: int, n_windows: int, amp) -> float:
     """Mean next-token cross-entropy over fixed, evenly spaced validation windows."""
     model.eval()
-    starts = np.linspace(0, val.size - seq - 1, n_windows).astype(np.int64)
+    starts = torch.linspace(0, val.numel() - seq - 1, n_windows, device=val.device).long()
+    offsets = torch.arange(seq, device=val.device)
     total, count = 0.0, 0
     for i in range(0, n_windows, 16):
-        x = torch.from_numpy(
-            np.stack([val[s : s + seq] for s in starts[i : i + 16]]).astype(np.int64)
-        ).to(device)
+        x = val[starts[i : i + 16, None] + offsets].long()
         with amp():
             out = model(input_ids=x, labels=x)
         total += out.loss.item() * x.numel()
@@ -198,11 +253,14 @@ def main() -> None:
     ap.add_argument("--data", default=str(Path(__file__).parent / "data"))
     ap.add_argument("--out", required=True)
     ap.add_argument("--seconds", type=float, default=300.0, help="wall-time budget for the steps")
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    ap.add_argument("--batch", default="64", help="sequences per step, or auto (timed on the GPU)")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=100, help="steps between validations")
+    ap.add_argument("--eval-seconds", type=float, default=None,
+                    help="validate every this many seconds instead (the step rate is not known ahead)")
     ap.add_argument(
         "--smoke", action="store_true", help="tiny model, few steps, CPU: proves the script"
     )
@@ -218,19 +276,21 @@ def main() -> None:
         IM_START_ID,
         IM_END_ID,
     )
-    train = np.fromfile(data / "train.bin", dtype=np.uint16)
-    val = np.fromfile(data / "val.bin", dtype=np.uint16)
-
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    if args.smoke:
-        args.batch, args.seq, args.eval_every, args.warmup = 2, 64, 4, 2
-    tcfg = text_config(args.smoke)
+    # The whole token stream lives on the device (uint16 -> int32: 4 bytes a token), so a batch
+    # is one gather, whatever its size.
+    train = torch.from_numpy(np.fromfile(data / "train.bin", dtype=np.uint16).astype(np.int32)).to(device)
+    val = torch.from_numpy(np.fromfile(data / "val.bin", dtype=np.uint16).astype(np.int32)).to(device)
+    if args.smoke:  # tiny and quick, but through the same code paths (--batch auto, --eval-seconds)
+        args.seq, args.eval_every, args.warmup = 64, 4, 2
+        args.batch = args.batch if args.batch == "auto" else "2"
+    tcfg = text_config(args.smoke, args.size)
     config = Qwen3_5MoeTextConfig(**tcfg)
     config.output_router_logits = True  # adds router_aux_loss_coef * load-balancing loss
     model = Qwen3_5MoeForCausalLM._from_config(config, attn_implementation="sdpa").to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(
-        f"params {n_params / 1e6:.2f}M  device {device}  train {train.size} val {val.size} tokens",
+        f"params {n_params / 1e6:.2f}M  device {device}  train {train.numel()} val {val.numel()} tokens",
         flush=True,
     )
 
@@ -250,9 +310,14 @@ def main() -> None:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return torch.autocast("cpu", enabled=False)
 
-    gen = np.random.default_rng(args.seed)
-    stream = batches(train, args.batch, args.seq, gen, device)
+    if args.batch == "auto":
+        args.batch = pick_batch(model, opt, train, args.seq, amp, (1, 2) if args.smoke else (32, 64, 128, 256, 512))
+        print(f"batch {args.batch}", flush=True)
+    args.batch = int(args.batch)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    stream = batches(train, args.batch, args.seq, gen)
     log = ["step,tokens,seconds,lr,train_loss,val_loss"]
+    next_eval = args.eval_seconds
     best = (float("inf"), None, 0)
     t0 = time.time()
     step, smooth = 0, None
@@ -285,12 +350,13 @@ def main() -> None:
         )
         if ce is not None:
             smooth = ce if smooth is None else 0.8 * smooth + 0.2 * ce
-        if step % args.eval_every == 0:
-            v = evaluate(model, val, args.seq, 8 if args.smoke else 128, device, amp)
+        due = (time.time() - t0 >= next_eval) if args.eval_seconds else step % args.eval_every == 0
+        if due:
+            if args.eval_seconds:
+                next_eval += args.eval_seconds
+            v = evaluate(model, val, args.seq, 8 if args.smoke else 128, amp)
             el = time.time() - t0
-            log.append(
-                f"{step},{step * args.batch * args.seq},{el:.1f},{lr:.6f},{smooth:.4f},{v:.4f}"
-            )
+            log.append(f"{step},{step * args.batch * args.seq},{el:.1f},{lr:.6f},{smooth or float('nan'):.4f},{v:.4f}")
             print(log[-1], flush=True)
             if v < best[0]:
                 best = (
@@ -298,9 +364,9 @@ def main() -> None:
                     {k: t.detach().to("cpu", copy=True) for k, t in model.state_dict().items()},
                     step,
                 )
-    v = evaluate(model, val, args.seq, 8 if args.smoke else 128, device, amp)
+    v = evaluate(model, val, args.seq, 8 if args.smoke else 128, amp)
     el = time.time() - t0
-    log.append(f"{step},{step * args.batch * args.seq},{el:.1f},{lr:.6f},{smooth:.4f},{v:.4f}")
+    log.append(f"{step},{step * args.batch * args.seq},{el:.1f},{lr:.6f},{smooth or float('nan'):.4f},{v:.4f}")
     print(log[-1], flush=True)
     if v <= best[0]:
         best = (v, None, step)
@@ -311,7 +377,8 @@ def main() -> None:
         steps=step,
         seconds=round(el, 1),
         tokens=step * args.batch * args.seq,
-        epochs=round(step * args.batch * args.seq / train.size, 2),
+        epochs=round(step * args.batch * args.seq / train.numel(), 2),
+        size=args.size,
         params=n_params,
         best_val_loss=round(best[0], 4),
         best_step=best[2],

@@ -12,6 +12,10 @@ The documents in train.txt/val.txt are separated by "\n<|endoftext|>\n"; each do
 on its own and followed by the <|endoftext|> id, so the separator newlines never become tokens.
 
 Writes to --out (default scripts/demo_model/data/): tokenizer.json, train.bin, val.bin (uint16).
+
+--reuse TOKENIZER_JSON encodes with an existing tokenizer instead of training one (the shipped
+demo's, say: then token ids, vocabulary and per-token perplexities stay comparable with the
+model it replaces, and tests keyed on its ids keep their meaning).
 """
 
 from __future__ import annotations
@@ -90,10 +94,16 @@ def encode(tok: Tokenizer, docs: list[str]) -> np.ndarray:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", default=str(Path(__file__).parent / "data"))
+    ap.add_argument("--reuse", default=None, help="an existing tokenizer.json to encode with (no training)")
     args = ap.parse_args()
     data = Path(args.data)
     train_docs, val_docs = documents(data / "train.txt"), documents(data / "val.txt")
-    tok = build(train_docs)
+    if args.reuse:
+        tok = Tokenizer.from_file(args.reuse)
+        assert tok.get_vocab_size() == VOCAB_SIZE
+        assert [tok.token_to_id(t) for t in SPECIAL + ADDED] == list(range(VOCAB_SIZE - 9, VOCAB_SIZE))
+    else:
+        tok = build(train_docs)
     tok.save(str(data / "tokenizer.json"))
     for name, docs in (("train", train_docs), ("val", val_docs)):
         ids = encode(tok, docs)

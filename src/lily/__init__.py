@@ -3,8 +3,9 @@
 from lily._core import CheckpointError, ConfigError, LilyError, RequestError
 from lily.chat import Chat
 from lily.config import ModelConfig
-from lily.generate import GenerationChunk, GenerationResult, GenerationStream
+from lily.generation import GenerationChunk, GenerationResult, GenerationStream
 from lily.model import Model, Session
+from lily.shortcuts import generate, load, stream_generate
 
 __all__ = [
     "Chat",
@@ -18,5 +19,8 @@ __all__ = [
     "ModelConfig",
     "RequestError",
     "Session",
+    "generate",
+    "load",
+    "stream_generate",
 ]
 __version__ = "0.1.0"

@@ -10,7 +10,9 @@ other load), as the anchor's table does.
 
 from __future__ import annotations
 
+import sys
 import time
+from typing import TextIO
 
 import numpy as np
 
@@ -45,8 +47,11 @@ def bench(model, lengths: list[int], *, decode_tokens: int = 64, repeats: int = 
     return rows
 
 
-def print_table(model, rows: list[dict]) -> None:
-    print(f"lily bench - {model.config.family}, backend {model._engine.backend}, {model._engine.threads} threads")
-    print(f"{'prompt':>8} {'prefill tok/s':>14} {'ttft ms':>10} {'decode tok/s':>13}")
+def print_table(model, rows: list[dict], file: TextIO | None = None) -> None:
+    out = file or sys.stdout
+    print(f"lily bench - {model.config.family}, backend {model._engine.backend}, {model._engine.threads} threads",
+          file=out)
+    print(f"{'prompt':>8} {'prefill tok/s':>14} {'ttft ms':>10} {'decode tok/s':>13}", file=out)
     for r in rows:
-        print(f"{r['prompt_tokens']:>8} {r['prefill_tok_s']:>14.1f} {r['ttft_ms']:>10.1f} {r['decode_tok_s']:>13.1f}")
+        print(f"{r['prompt_tokens']:>8} {r['prefill_tok_s']:>14.1f} {r['ttft_ms']:>10.1f} {r['decode_tok_s']:>13.1f}",
+              file=out)

@@ -20,20 +20,21 @@ Memory: a snapshot holds every DeltaNet layer's state and conv window — for Qw
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
 from lily._core import RequestError
-from lily.generate import (
+from lily.generation import (
     GenerationResult,
     GenerationStats,
     GenerationStream,
+    check_stop,
     sampling_params,
     token_loop,
 )
 from lily.prefix_cache import CachedSequence
-from lily.tool_calls import parse_output
+from lily.tool_calls import ParsedOutput, opens_reasoning
 
 if TYPE_CHECKING:
     from lily.model import Model
@@ -99,21 +100,53 @@ class Chat:
 
     # -- turns -----------------------------------------------------------------------------
 
+    @overload
+    def send(self, content: str, *, stream: Literal[False] = ..., **sampling: Any) -> GenerationResult: ...
+
+    @overload
+    def send(self, content: str, *, stream: Literal[True], **sampling: Any) -> GenerationStream: ...
+
+    @overload
+    def send(self, content: str, *, stream: bool, **sampling: Any) -> GenerationResult | GenerationStream: ...
+
     def send(self, content: str, *, stream: bool = False, **sampling: Any) -> GenerationResult | GenerationStream:
-        """Adds a user message and generates the assistant's answer."""
+        """Adds a user message and generates the assistant's answer.
+
+        A turn that does not finish (a stream closed, garbage-collected or ended by the next
+        generation before its end, Ctrl-C, an error) is rolled back: the conversation is left as
+        it was before ``send``, and the partial answer is only in the stream's ``result``
+        (finish_reason "cancelled")."""
+        if not isinstance(content, str):
+            raise RequestError(f"[chat] the message must be a string, got {type(content).__name__}")
+        turn_start = len(self.messages)
         self.add_message("user", content)
         try:
-            return self.respond(stream=stream, **sampling)
+            return self._turn(turn_start, stream=stream, **sampling)
         except BaseException:
-            self.messages.pop()
+            del self.messages[turn_start:]
             raise
 
+    @overload
+    def respond(self, *, stream: Literal[False] = ..., **sampling: Any) -> GenerationResult: ...
+
+    @overload
+    def respond(self, *, stream: Literal[True], **sampling: Any) -> GenerationStream: ...
+
+    @overload
+    def respond(self, *, stream: bool, **sampling: Any) -> GenerationResult | GenerationStream: ...
+
     def respond(self, *, stream: bool = False, **sampling: Any) -> GenerationResult | GenerationStream:
-        """Generates the assistant's next message for the conversation as it stands."""
+        """Generates the assistant's next message for the conversation as it stands (after a
+        tool result, say). An unfinished turn adds nothing, as with :meth:`send`."""
+        return self._turn(len(self.messages), stream=stream, **sampling)
+
+    def _turn(self, turn_start: int, *, stream: bool, **sampling: Any) -> GenerationResult | GenerationStream:
+        """One assistant turn; ``messages[turn_start:]`` are dropped if it does not finish."""
         model = self.model
         opts = {**self.sampling, **sampling}
         max_tokens = model._max_tokens(opts.pop("max_tokens", None))
         stop = opts.pop("stop", None)
+        check_stop(stop)
         logprobs = opts.pop("logprobs", None)
         unknown = set(opts) - set(_SAMPLING_KEYS)
         if unknown:
@@ -127,7 +160,6 @@ class Chat:
             raise RequestError(f"[chat] the conversation has {len(ids)} tokens; the context holds "
                                f"{seq.max_context}")
         max_tokens = min(max_tokens, seq.max_context - len(ids))
-        reasoning_started = text.rstrip().endswith("<think>")
 
         model._generation.acquire()
         try:
@@ -145,21 +177,21 @@ class Chat:
                             want_logprobs=want_lp, history=seq.tokens[:reused], stats=stats,
                             on_prefilled=seq.take_snapshot)
 
-        def finish(result: GenerationResult | None) -> None:
-            try:
-                if result is not None:
-                    parsed = parse_output(result.text, tools=self.tools, reasoning_started=reasoning_started)
-                    result.content, result.reasoning, result.tool_calls = (
-                        parsed.content, parsed.reasoning, parsed.tool_calls)
-                    self.messages.append(parsed.to_message())
-            finally:
-                model._generation.release()
+        def finish(result: GenerationResult) -> None:
+            if result.finish_reason == "cancelled":
+                del self.messages[turn_start:]  # the state is rewound lazily by the next turn
+            else:
+                self.messages.append(ParsedOutput(result.content or "", result.reasoning,
+                                                  result.tool_calls).to_message())
 
-        stream_obj = GenerationStream(chunks, stats, want_lp, finish)
-        if stream:
-            return stream_obj
-        for _ in stream_obj:
-            pass
-        if stream_obj.result is None:  # pragma: no cover - interrupted
-            raise RequestError("[chat] generation did not finish")
-        return stream_obj.result
+        stream_obj = GenerationStream(chunks, stats, model._generation, want_logprobs=want_lp,
+                                      token_text=model._token_text, chat=True, tools=self.tools,
+                                      reasoning_started=opens_reasoning(text), on_finish=finish)
+        return stream_obj if stream else stream_obj.drain()
+
+    def __repr__(self) -> str:
+        roles = [m["role"] for m in self.messages]
+        turns = sum(r == "user" for r in roles)
+        return (f"<lily.Chat {len(self.messages)} messages ({turns} user turns), {self.position} tokens in "
+                f"state, {len(self._seq.snapshots)} snapshots ({self.snapshot_bytes / 2**20:.1f} MiB), "
+                f"thinking={self.enable_thinking}>")

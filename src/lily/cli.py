@@ -12,9 +12,39 @@ import argparse
 import os
 import sys
 import time
+import warnings
+from pathlib import Path
 
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "seed")
+
+
+class UsageError(Exception):
+    """A mistake the user can fix: printed as one `lily: error:` line, exit status 2."""
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to a flag's help unless the help already states its default or
+    there is none worth stating (None, False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default" in text or "default:" in text or action.default in (None, False, argparse.SUPPRESS) \
+                or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+
+def c_unescape(text: str) -> str:
+    """C-style escapes in a command-line string (``\\n``, ``\\t``, ``\\\\``, ``\\xHH``, ``\\uXXXX``, ...)
+    turned into the characters they name, so ``--stop "\\n\\n"`` stops at a blank line."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # an unknown escape (\q) is an error, not kept as is
+            return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except (UnicodeDecodeError, DeprecationWarning, SyntaxWarning) as e:
+        reason = str(e).split(": ", 1)[-1].removeprefix("decoding with 'unicode_escape' codec failed (")
+        raise argparse.ArgumentTypeError(f"bad escape in {text!r}: {reason.rstrip(')')}") from None
 
 
 # -- shared flags ------------------------------------------------------------------------------
@@ -25,7 +55,8 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
                    help="checkpoint folder or Hugging Face repo id (default: the built-in demo model)"
                    if not required else "checkpoint folder or Hugging Face repo id")
     p.add_argument("--revision", default=None, help="Hugging Face revision (branch, tag or commit)")
-    p.add_argument("--backend", default="auto", help="compute backend: auto or cpu (default: auto)")
+    p.add_argument("--backend", default="auto",
+                   help="compute backend: auto (the CPU today), cpu, or metal (macOS; unverified on Apple hardware)")
     p.add_argument("--threads", type=int, default=None, help="CPU worker threads (default: all cores)")
     p.add_argument("--cpu-matmul", choices=("f32", "int8"), default=None,
                    help="CPU products with quantized weights: f32, or int8 activations with integer dot "
@@ -36,7 +67,8 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json, else greedy)")
-    g.add_argument("--max-tokens", "-n", type=int, default=None, help="tokens to generate at most")
+    g.add_argument("--max-tokens", "-n", type=int, default=None,
+                   help="tokens to generate at most (default: the checkpoint's max_new_tokens, else 256)")
     g.add_argument("--temperature", "-t", type=float, default=None, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--top-k", type=int, default=None)
@@ -45,7 +77,8 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     g.add_argument("--presence-penalty", type=float, default=None)
     g.add_argument("--frequency-penalty", type=float, default=None)
     g.add_argument("--seed", type=int, default=None, help="random seed (reproducible sampling)")
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--stop", action="append", default=None, type=c_unescape,
+                   help="stop string (repeatable); C-style escapes such as \\n and \\t are unescaped")
 
 
 def _sampling(args) -> dict:
@@ -77,13 +110,18 @@ def _model_id(args, model) -> str:
 
 
 def cmd_generate(args) -> int:
-    prompt = args.prompt
+    if args.prompt is not None and args.prompt_flag is not None:
+        raise UsageError("give the prompt once: as an argument or with -p/--prompt")
+    prompt = args.prompt if args.prompt is not None else args.prompt_flag
+    if not args.chat and (args.system is not None or args.think is not None):
+        raise UsageError(f"{'--system' if args.system is not None else '--think'} needs --chat "
+                         "(the prompt is used as plain text otherwise)")
     if prompt is None or prompt == "-":
         if sys.stdin.isatty():
             print("lily: reading the prompt from stdin (end with Ctrl-D)", file=sys.stderr)
         prompt = sys.stdin.read()
     if not prompt:
-        raise SystemExit("lily: error: the prompt is empty")
+        raise UsageError("the prompt is empty")
     model = _load(args)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
@@ -94,21 +132,101 @@ def cmd_generate(args) -> int:
     kw = _sampling(args)
     bar = PrefillProgress()
     stream = model.generate(target, stream=True, enable_thinking=args.think, on_prefill_progress=bar, **kw)
-    out = sys.stdout
+    printer = AnswerPrinter(stream.reasoning_started)
     with stream:
         for chunk in stream:
             bar.close()
-            out.write(chunk.text)
-            out.flush()
+            printer.write(chunk.text)
     bar.close()
-    if not stream.result or not stream.result.text.endswith("\n"):
-        out.write("\n")
+    printer.end()
     if args.verbose and stream.result is not None:
         r = stream.result
         print(f"[{r.prompt_tokens} prompt tokens, {r.completion_tokens} generated, ttft {r.ttft_s * 1e3:.0f} ms, "
               f"prefill {r.prefill_tokens_per_s:.1f} tok/s, decode {r.decode_tokens_per_s:.1f} tok/s, "
               f"finish {r.finish_reason}]", file=sys.stderr)
     return 0
+
+
+class AnswerPrinter:
+    """Writes a streamed answer to stdout, its ``<think>`` block (reasoning) apart from it: on
+    stderr, under a "thinking:" line and dimmed on a terminal, so the answer alone goes to
+    stdout. The text starts as reasoning when the prompt opened the block (``reasoning_started``)
+    or when it opens with ``<think>``; it ends at ``</think>``. A tag split across chunks is held
+    back until it is whole."""
+
+    OPEN, CLOSE = "<think>", "</think>"
+
+    def __init__(self, reasoning_started: bool, out=None, err=None):
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+        self.state = "thinking" if reasoning_started else "start"  # start | thinking | answer
+        self.pending = ""
+        self.wrote_reasoning = False
+        self.last = ""  # the last character written to stdout
+
+    def _style(self, on: bool) -> str:
+        return ("\033[2m" if on else "\033[0m") if self.err.isatty() else ""
+
+    def _reason(self, text: str) -> None:
+        if not self.wrote_reasoning:
+            text = text.lstrip()
+            if not text:
+                return
+            self.err.write(self._style(True) + "thinking: ")
+            self.wrote_reasoning = True
+        self.err.write(text)
+        self.err.flush()
+
+    def _answer(self, text: str) -> None:
+        if self.wrote_reasoning and not self.last:
+            text = text.lstrip()  # the blank line after </think>
+        if text:
+            self.out.write(text)
+            self.out.flush()
+            self.last = text[-1]
+
+    def write(self, text: str) -> None:
+        self.pending += text
+        while self.pending:
+            if self.state == "start":
+                stripped = self.pending.lstrip()
+                if self.OPEN.startswith(stripped):  # could still become "<think>": wait
+                    return
+                if stripped.startswith(self.OPEN):
+                    self.pending, self.state = stripped[len(self.OPEN):], "thinking"
+                else:
+                    self.state = "answer"
+            elif self.state == "thinking":
+                at = self.pending.find(self.CLOSE)
+                if at >= 0:
+                    self._reason(self.pending[:at])
+                    self._close_reasoning()
+                    self.pending, self.state = self.pending[at + len(self.CLOSE):], "answer"
+                    continue
+                keep = next((n for n in range(len(self.CLOSE) - 1, 0, -1) if self.CLOSE.startswith(self.pending[-n:])), 0)
+                self._reason(self.pending[: len(self.pending) - keep])
+                self.pending = self.pending[len(self.pending) - keep:]
+                return
+            else:
+                self._answer(self.pending)
+                self.pending = ""
+
+    def _close_reasoning(self) -> None:
+        if self.wrote_reasoning:
+            self.err.write(self._style(False) + "\n\n")
+            self.err.flush()
+
+    def end(self) -> None:
+        """Flushes what was held back and ends the answer's line."""
+        if self.state == "thinking":
+            self._reason(self.pending)
+            self._close_reasoning()
+        else:
+            self._answer(self.pending)
+        self.pending = ""
+        if self.last != "\n":
+            self.out.write("\n")
+            self.out.flush()
 
 
 class PrefillProgress:
@@ -147,14 +265,53 @@ CHAT_HELP = """commands:
   /quit             leave (or Ctrl-D)"""
 
 
+def history_path() -> Path:
+    """The chat's line history: $XDG_CACHE_HOME/lily/chat_history (~/.cache/lily/...)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "lily" / "chat_history"
+
+
+def _line_editing():
+    """readline (arrow keys, Ctrl-R, history across sessions) where Python has it; None else.
+    Returns a function that saves the history."""
+    try:
+        import readline
+    except ImportError:  # Windows without pyreadline: plain input()
+        return None
+    path = history_path()
+    try:
+        readline.read_history_file(path)
+    except OSError:
+        pass  # no history yet
+    readline.set_history_length(1000)
+
+    def save() -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(path)
+        except OSError as e:
+            print(f"lily: could not save the chat history to {path}: {e}", file=sys.stderr)
+
+    return save
+
+
 def cmd_chat(args) -> int:
     model = _load(args)
     interactive = sys.stdin.isatty()
     system = args.system
     chat = model.chat(system, enable_thinking=args.think, **_sampling(args))
+    save_history = _line_editing() if interactive else None
     if interactive:
         print(f"lily chat - {model.config.family} ({_model_id(args, model)}). /help for commands, Ctrl-D to quit.",
               file=sys.stderr)
+    try:
+        return _chat_loop(chat, system, interactive)
+    finally:
+        if save_history is not None:
+            save_history()
+
+
+def _chat_loop(chat, system: str | None, interactive: bool) -> int:
     while True:
         if interactive:
             try:
@@ -199,17 +356,17 @@ def cmd_chat(args) -> int:
             continue
         try:
             stream = chat.send(line, stream=True)
+            printer = AnswerPrinter(stream.reasoning_started)
             with stream:
                 for chunk in stream:
-                    sys.stdout.write(chunk.text)
-                    sys.stdout.flush()
+                    printer.write(chunk.text)
         except KeyboardInterrupt:
             if not interactive:
                 raise
-            print("\n[interrupted]", file=sys.stderr)
+            # The turn is rolled back (lily.Chat's rule): the conversation is as before it.
+            print("\n[interrupted; that message and its partial answer are forgotten]", file=sys.stderr)
             continue
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        printer.end()
 
 
 # -- serve -------------------------------------------------------------------------------------
@@ -219,7 +376,7 @@ def cmd_serve(args) -> int:
     try:
         from lily.server import serve
     except ImportError as e:
-        raise SystemExit(f"lily: error: {e}") from None
+        raise UsageError(str(e)) from None
     model = _load(args)
     api_key = args.api_key or os.environ.get("LILY_API_KEY") or None
     model_id = _model_id(args, model)
@@ -245,21 +402,29 @@ def cmd_convert(args) -> int:
 def cmd_bench(args) -> int:
     from lily.bench import bench, print_table
 
-    lengths = [int(x) for x in args.prompt_lengths.split(",") if x.strip()]
+    try:
+        lengths = [int(x) for x in args.prompt_lengths.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--prompt-lengths must be comma-separated integers, not {args.prompt_lengths!r}") from None
     model = _load(args)
     rows = bench(model, lengths, decode_tokens=args.decode_tokens, repeats=args.repeats)
-    print_table(model, rows)
+    # With --json -, stdout carries the JSON alone (for jq and friends); the table goes to stderr.
+    print_table(model, rows, file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json:
-        import json
-
-        payload = json.dumps({"model": _model_id(args, model), "backend": model._engine.backend,
-                              "threads": model._engine.threads, "rows": rows}, indent=2)
-        if args.json == "-":
-            print(payload)
-        else:
-            with open(args.json, "w") as f:
-                f.write(payload + "\n")
+        _write_json({"model": _model_id(args, model), "backend": model._engine.backend,
+                     "threads": model._engine.threads, "rows": rows}, args.json)
     return 0
+
+
+def _write_json(payload: dict, where: str) -> None:
+    import json
+
+    text = json.dumps(payload, indent=2)
+    if where == "-":
+        print(text)
+    else:
+        with open(where, "w") as f:
+            f.write(text + "\n")
 
 
 def cmd_eval(args) -> int:
@@ -271,17 +436,10 @@ def cmd_eval(args) -> int:
         with open(args.text_file, encoding="utf-8") as f:
             text = f.read()
     report = evaluate(model, reference=args.reference, positions=args.positions, text=text,
-                      reference_model=args.reference_model)
-    print_report(report)
+                      reference_model=args.reference_model, reference_dtype=args.reference_dtype)
+    print_report(report, file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json:
-        import json
-
-        payload = json.dumps(report, indent=2)
-        if args.json == "-":
-            print(payload)
-        else:
-            with open(args.json, "w") as f:
-                f.write(payload + "\n")
+        _write_json(report, args.json)
     return 0
 
 
@@ -299,11 +457,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"lily {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = HelpFormatter
 
     p = sub.add_parser("generate", help="generate a continuation of a prompt (streams to the terminal)",
-                       description="Generate text from a prompt given as an argument or on stdin.")
+                       formatter_class=fmt,
+                       description="Generate text from a prompt given as an argument, with -p/--prompt, or on "
+                                   "stdin. With --chat and thinking on, the reasoning goes to stderr, marked.")
     p.add_argument("prompt", nargs="?", default=None, help="the prompt ('-' or omitted: read stdin)")
+    p.add_argument("--prompt", "-p", dest="prompt_flag", default=None, metavar="PROMPT",
+                   help="the prompt, as mlx_lm.generate takes it (instead of the argument)")
     _add_model(p)
     _add_sampling(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
@@ -313,9 +475,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", "-v", action="store_true", help="print token counts and speeds to stderr")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("chat", help="interactive chat (also works with a pipe on stdin)",
+    p = sub.add_parser("chat", help="interactive chat (also works with a pipe on stdin)", formatter_class=fmt,
                        description="Chat with a model. Each line you type is a user message; the conversation "
-                                   "state is kept between turns. " + CHAT_HELP.replace("\n", " "))
+                                   "state is kept between turns; line editing and history (kept in "
+                                   "~/.cache/lily/chat_history) where Python has readline. With thinking on, the "
+                                   "reasoning goes to stderr, marked. " + CHAT_HELP.replace("\n", " "))
     _add_model(p)
     _add_sampling(p)
     p.add_argument("--system", default=None, help="system prompt")
@@ -351,7 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("bench", help="prefill / decode tokens per second across prompt lengths", formatter_class=fmt)
+    p = sub.add_parser("bench", help="prefill / decode tokens per second across prompt lengths", formatter_class=fmt,
+                       description="Prefill and decode speed of fresh sequences over pseudo-random prompts. With "
+                                   "--json -, stdout carries the JSON alone and the table goes to stderr.")
     _add_model(p)
     p.add_argument("--prompt-lengths", "-p", default="128,512,2048", help="comma-separated prompt lengths")
     p.add_argument("--decode-tokens", "-d", type=int, default=64, help="tokens decoded after each prompt")
@@ -364,7 +530,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the same text through lily and a reference implementation, teacher-forced, "
                                    "and report perplexity of both and how often their top-1 tokens agree.")
     _add_model(p)
-    p.add_argument("--reference", default="mlx", help="mlx (mlx-lm) or lily:BACKEND (another lily backend)")
+    p.add_argument("--reference", default="mlx-lm",
+                   help="mlx-lm (also: mlx), or lily:BACKEND (another lily backend)")
+    p.add_argument("--reference-dtype", default="float32", choices=["float32", "native"],
+                   help="the reference's compute dtype: float32 (lily computes in float32), or native (the "
+                        "checkpoint's own, e.g. bfloat16 for mlx-lm; top-1 then differs where bf16 rounding "
+                        "flips near-ties)")
     p.add_argument("--reference-model", default=None, help="checkpoint for the reference (default: --model)")
     p.add_argument("--positions", "-N", type=int, default=256, help="token positions compared")
     p.add_argument("--text-file", default=None, help="text to evaluate on (default: a built-in passage)")
@@ -388,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
-    except (lily.LilyError, FileNotFoundError, ValueError, OSError) as e:
+    except (UsageError, lily.LilyError, FileNotFoundError, ValueError, OSError) as e:
         print(f"lily: error: {e}", file=sys.stderr)
         return 2
 

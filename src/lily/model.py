@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
@@ -15,12 +15,14 @@ from lily._core import ConfigError, RequestError
 from lily.chat_template import render
 from lily.checkpoint import load_weights, resident_by_default
 from lily.config import ModelConfig, load_config
-from lily.generate import (
+from lily.generation import (
     DeviceLoop,
     GenerationLock,
     GenerationResult,
     GenerationStats,
     GenerationStream,
+    check_stop,
+    check_type,
     device_loop_allowed,
     sampling_params,
     token_loop,
@@ -28,12 +30,37 @@ from lily.generate import (
 from lily.generation_config import GenerationDefaults, load_generation_config
 from lily.hub import resolve_model_path
 from lily.tokenizer import Tokenizer
+from lily.tool_calls import opens_reasoning
 
 if TYPE_CHECKING:
+    from typing_extensions import TypedDict, Unpack  # typing's own from Python 3.11 / 3.12
+
     from lily.chat import Chat
 
-# "msl-cpu" runs the Metal backend's dispatch sequence on the MSL-on-CPU runtime (tests; slow).
-BACKENDS = ("cpu", "metal", "msl-cpu")
+    Prompt = str | Sequence[dict] | Sequence[int] | np.ndarray
+
+    class GenerateOptions(TypedDict, total=False):
+        """Model.generate's keyword arguments but ``stream`` (what its overloads share)."""
+
+        max_tokens: int | None
+        temperature: float | None
+        top_p: float | None
+        top_k: int | None
+        min_p: float | None
+        repetition_penalty: float | None
+        presence_penalty: float | None
+        frequency_penalty: float | None
+        seed: int | None
+        stop: str | Sequence[str] | None
+        logprobs: bool | int | None
+        tools: Sequence[dict] | None
+        enable_thinking: bool | None
+        on_prefill_progress: Callable[[int, int], None] | None
+
+
+# "msl-cpu" runs the Metal backend's dispatch sequence on the MSL-on-CPU runtime (tests; slow);
+# "msl-cuda" the same kernels on an NVIDIA GPU (docs/msl-on-cuda.md: kernels only, so far).
+BACKENDS = ("cpu", "metal", "msl-cpu", "msl-cuda")
 
 
 def _token_array(tokens: Sequence[int] | np.ndarray, what: str = "token_ids") -> np.ndarray:
@@ -77,13 +104,17 @@ class Session:
 
     def decode(self, token_id: int) -> np.ndarray:
         """Appends one token; returns its logits [vocab]."""
+        check_type("decode", "token_id", token_id, (int, np.integer), "an integer")
         with self._model._lock:
             return self._model._engine.decode(self._state, int(token_id))
 
     def device_loop(self, token: int, max_steps: int, sampler) -> DeviceLoop | None:
         """A decode loop from ``token`` whose tokens are chosen on the device (GPU backends), or
-        None where the backend has none (see :class:`lily.generate.DeviceLoop`)."""
+        None where the backend has none (see :class:`lily.generation.DeviceLoop`)."""
         return DeviceLoop.start(self._model._engine, self._state, self._model._lock, token, max_steps, sampler)
+
+    def __repr__(self) -> str:
+        return f"<lily.Session position={self.position} max_context={self.max_context}>"
 
     def fork(self) -> Session:
         """An independent copy of this session's state (a snapshot to branch from)."""
@@ -101,8 +132,20 @@ class Model:
     >>> print(model.generate("The capital of France is", max_tokens=8).text)
     """
 
-    def __init__(self, path: Path, config: ModelConfig, weights, engine, max_context: int,
-                 tokenizer: Tokenizer | None, defaults: GenerationDefaults):
+    def __init__(self, *args: Any, **kwargs: Any):
+        """Not for direct use: a model is created by :meth:`Model.load` (or ``lily.load``)."""
+        raise TypeError("lily.Model is not constructed directly: use lily.Model.load(path_or_repo_id, ...) "
+                        "(or lily.load(...))")
+
+    @classmethod
+    def _from_parts(cls, path: Path, config: ModelConfig, weights: Any, engine: Any, max_context: int,
+                    tokenizer: Tokenizer | None, defaults: GenerationDefaults) -> Model:
+        self = object.__new__(cls)
+        self._setup(path, config, weights, engine, max_context, tokenizer, defaults)
+        return self
+
+    def _setup(self, path: Path, config: ModelConfig, weights: Any, engine: Any, max_context: int,
+               tokenizer: Tokenizer | None, defaults: GenerationDefaults) -> None:
         self.path = path
         self.config = config
         self.tokenizer = tokenizer
@@ -131,8 +174,10 @@ class Model:
         standard HF cache, only the files lily needs; offline when cached). With no argument,
         the small demo model shipped inside the package.
 
-        backend: "auto" (Metal where it exists, else CPU), "cpu", "metal" (macOS builds) or
-        "msl-cpu" (the Metal kernels run on the CPU, for tests). threads: CPU worker threads
+        backend: "auto" (today the CPU: the Metal backend is unverified on Apple hardware, so
+        it is never picked automatically), "cpu", "metal" (macOS builds; unverified on Apple
+        hardware), "msl-cpu" (the Metal kernels run on the CPU, for tests) or "msl-cuda" (on an
+        NVIDIA GPU; not yet a whole model: it raises, naming what is missing). threads: CPU worker threads
         (default: all cores). prefill_chunk: tokens per prefill step (bounds scratch memory).
         max_context: default context of new sequences (default: the model's
         max_position_embeddings, capped on a GPU backend to what fits beside the weights in the
@@ -160,8 +205,19 @@ class Model:
         into memory on the CPU backend when the files take at most 3/4 of the available
         memory, mapped otherwise.
         """
+        for name, value, types, what in (
+                ("path_or_repo_id", path_or_repo_id, (str, os.PathLike, type(None)), "a path or repo id"),
+                ("revision", revision, (str, type(None)), "a string"),
+                ("backend", backend, (str,), "a string"),
+                ("threads", threads, (int, type(None)), "an integer"),
+                ("prefill_chunk", prefill_chunk, (int,), "an integer"),
+                ("max_context", max_context, (int, type(None)), "an integer"),
+                ("backend_options", backend_options, (dict, type(None)), "a dict"),
+                ("cpu_matmul", cpu_matmul, (str,), "a string")):
+            if isinstance(value, bool) or not isinstance(value, types):
+                raise ConfigError(f"[load] {name} must be {what}, got {type(value).__name__} {value!r}")
         if backend == "auto":
-            backend = "cpu"  # the Metal backend is not built yet
+            backend = "cpu"  # Metal is unverified on Apple hardware: only when asked for by name
         if backend not in BACKENDS:
             raise ConfigError(f"[load] unknown backend {backend!r}; available: auto, {', '.join(BACKENDS)}")
         if prefill_chunk < 1:
@@ -199,7 +255,7 @@ class Model:
             engine.check_context(ctx)
         if ctx < 1:
             raise ConfigError("[load] max_context must be at least 1")
-        return cls(root, config, weights, engine, ctx, tokenizer, defaults)
+        return cls._from_parts(root, config, weights, engine, ctx, tokenizer, defaults)
 
     def __repr__(self) -> str:
         c = self.config
@@ -247,23 +303,44 @@ class Model:
         return render(tok.chat_template, list(messages), tools=tools, enable_thinking=enable_thinking,
                       add_generation_prompt=add_generation_prompt)
 
-    def encode_prompt(self, prompt, *, tools=None, enable_thinking: bool | None = None) -> np.ndarray:
+    def encode_prompt(self, prompt: str | Sequence[dict] | Sequence[int] | np.ndarray, *,
+                      tools: Sequence[dict] | None = None, enable_thinking: bool | None = None) -> np.ndarray:
         """A prompt (text, OpenAI chat messages or token ids) as token ids."""
+        return self._encode(prompt, tools=tools, enable_thinking=enable_thinking)[0]
+
+    def _encode(self, prompt: Any, *, tools: Sequence[dict] | None,
+                enable_thinking: bool | None) -> tuple[np.ndarray, str | None]:
+        """Token ids of ``prompt`` and, for a chat prompt, the rendered text."""
+        rendered = None
         if isinstance(prompt, str):
             ids = self._need_tokenizer("a text prompt").encode(prompt)
         elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-            text = self.render_chat(prompt, tools=tools, enable_thinking=enable_thinking)
-            ids = self._need_tokenizer("a chat prompt").encode(text)
+            rendered = self.render_chat(prompt, tools=tools, enable_thinking=enable_thinking)
+            ids = self._need_tokenizer("a chat prompt").encode(rendered)
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            ids = prompt
         else:
-            ids = _token_array(prompt, "prompt")
+            raise RequestError(f"[generate] the prompt must be a string, a list of chat messages or token ids, "
+                               f"got {type(prompt).__name__}")
         ids = _token_array(ids, "prompt")
         if ids.size == 0:
             raise RequestError("[generate] the prompt is empty")
-        return ids
+        return ids, rendered
+
+    @overload
+    def generate(self, prompt: Prompt, *, stream: Literal[False] = ...,
+                 **options: Unpack[GenerateOptions]) -> GenerationResult: ...
+
+    @overload
+    def generate(self, prompt: Prompt, *, stream: Literal[True], **options: Unpack[GenerateOptions]) -> GenerationStream: ...
+
+    @overload
+    def generate(self, prompt: Prompt, *, stream: bool,
+                 **options: Unpack[GenerateOptions]) -> GenerationResult | GenerationStream: ...
 
     def generate(
         self,
-        prompt,
+        prompt: str | Sequence[dict] | Sequence[int] | np.ndarray,
         *,
         max_tokens: int | None = None,
         temperature: float | None = None,
@@ -279,18 +356,23 @@ class Model:
         stream: bool = False,
         tools: Sequence[dict] | None = None,
         enable_thinking: bool | None = None,
-        on_prefill_progress=None,
+        on_prefill_progress: Callable[[int, int], None] | None = None,
     ) -> GenerationResult | GenerationStream:
         """Generates a continuation of ``prompt``: a string, a list of OpenAI-format chat
         messages (rendered with the checkpoint's chat template), or token ids.
 
         Sampling defaults come from the checkpoint's generation_config.json, else greedy.
         ``logprobs``: True for the sampled token's logprob, an int N for the top N as well.
-        ``stream=True`` returns a :class:`GenerationStream` of chunks instead of a result.
+        ``stream=True`` returns a :class:`GenerationStream` of chunks instead of a result; the
+        model runs one generation at a time, and this thread's earlier stream, if still open,
+        is ended (finish_reason "cancelled") before this one starts.
         ``on_prefill_progress(done, total)`` is called after each prefill chunk (progress bars).
+        The result's ``content`` / ``reasoning`` / ``tool_calls`` split the text of a chat
+        prompt (the ``<think>`` block and tool calls); for other prompts ``content`` is the text.
         """
-        ids = self.encode_prompt(prompt, tools=tools, enable_thinking=enable_thinking)
+        ids, rendered = self._encode(prompt, tools=tools, enable_thinking=enable_thinking)
         max_tokens = self._max_tokens(max_tokens)
+        check_stop(stop)
         if ids.size >= self.max_context:
             raise RequestError(
                 f"[generate] the prompt has {ids.size} tokens; the context holds {self.max_context}"
@@ -308,20 +390,26 @@ class Model:
         want_lp = bool(logprobs)
         detok = self.tokenizer.detokenizer(skip_special_tokens=True) if self.tokenizer else None
         self._generation.acquire()
-        # GPU backends choose each token on the device and feed it to the next step there, unless
-        # the request needs the logits on the host (penalties, logprobs).
-        on_device = device_loop_allowed(params, want_lp)
-        chunks = token_loop(session.prefill, session.decode, ids, chunk=self._engine.prefill_chunk,
-                            params=params, max_tokens=max_tokens, eos_ids=self.eos_token_ids,
-                            detokenizer=detok, stop=stop, want_logprobs=want_lp, history=(), stats=stats,
-                            on_prefill_progress=on_prefill_progress,
-                            device_loop=session.device_loop if on_device else None)
-        stream_obj = GenerationStream(chunks, stats, want_lp, lambda _result: self._generation.release())
-        if stream:
-            return stream_obj
-        for _ in stream_obj:
-            pass
-        return stream_obj.result
+        try:
+            # GPU backends choose each token on the device and feed it to the next step there, unless
+            # the request needs the logits on the host (penalties, logprobs).
+            on_device = device_loop_allowed(params, want_lp)
+            chunks = token_loop(session.prefill, session.decode, ids, chunk=self._engine.prefill_chunk,
+                                params=params, max_tokens=max_tokens, eos_ids=self.eos_token_ids,
+                                detokenizer=detok, stop=stop, want_logprobs=want_lp, history=(), stats=stats,
+                                on_prefill_progress=on_prefill_progress,
+                                device_loop=session.device_loop if on_device else None)
+        except BaseException:
+            self._generation.release()
+            raise
+        # A chat prompt: reasoning and tool calls are split out of the answer.
+        stream_obj = GenerationStream(chunks, stats, self._generation, want_logprobs=want_lp,
+                                      token_text=self._token_text, chat=rendered is not None, tools=tools,
+                                      reasoning_started=rendered is not None and opens_reasoning(rendered))
+        return stream_obj if stream else stream_obj.drain()
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else ""
 
     def _max_tokens(self, max_tokens: int | None) -> int:
         if max_tokens is None:
@@ -331,7 +419,7 @@ class Model:
         return int(max_tokens)
 
     def chat(self, system: str | None = None, *, tools: Sequence[dict] | None = None,
-             enable_thinking: bool | None = None, max_snapshots: int = 16, **sampling) -> Chat:
+             enable_thinking: bool | None = None, max_snapshots: int = 16, **sampling: Any) -> Chat:
         """A conversation that keeps its state between turns (see :class:`lily.Chat`)."""
         from lily.chat import Chat
 

@@ -58,15 +58,21 @@ class CachedSequence:
 
     # -- state changes (the token loop calls these) ----------------------------------------
 
+    # The tokens are recorded before the engine call: Ctrl-C can raise between any two Python
+    # steps, and a state that moved on without its tokens recorded could not be matched again.
+    # ``tokens`` may thus run ahead of the state, never behind; ``_sync`` trims it back.
+
     def prefill(self, chunk: np.ndarray) -> np.ndarray:
-        out = self.session.prefill(chunk)
         self.tokens.extend(int(t) for t in chunk)
-        return out
+        return self.session.prefill(chunk)
 
     def decode(self, tok: int) -> np.ndarray:
-        out = self.session.decode(tok)
         self.tokens.append(int(tok))
-        return out
+        return self.session.decode(tok)
+
+    def _sync(self) -> None:
+        """Drops recorded tokens the state never processed (an interrupted or failed step)."""
+        del self.tokens[self.position :]
 
     def take_snapshot(self) -> None:
         if self.snapshots and self.snapshots[-1].position == self.position:
@@ -87,6 +93,7 @@ class CachedSequence:
 
     def reusable(self, ids: Sequence[int]) -> int:
         """Prompt tokens ``rewind(ids)`` would keep (no state change)."""
+        self._sync()
         common = self._common(ids)
         if common == len(self.tokens):
             return common
@@ -97,6 +104,7 @@ class CachedSequence:
 
     def rewind(self, ids: Sequence[int]) -> int:
         """Brings the state to the longest reusable prefix of ``ids``; returns its length."""
+        self._sync()
         common = self._common(ids)
         if common == len(self.tokens):
             return common

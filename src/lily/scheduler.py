@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from lily.generate import GenerationStats, result_from, token_loop
+from lily.generation import GenerationStats, result_from, token_loop
 from lily.prefix_cache import PrefixCache
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from lily._core import LilyError
-from lily.generate import sampling_params
+from lily.generation import sampling_params
 from lily.scheduler import Job, Scheduler
 from lily.tool_calls import CALL_OPEN, THINK_CLOSE, THINK_OPEN, _split_reasoning, parse_output
 
@@ -47,7 +47,8 @@ try:
     from starlette.routing import Route
 except ImportError as e:  # pragma: no cover - depends on the install
     raise ImportError(
-        "lily serve needs the server extra: pip install \"lily[server]\" (starlette, uvicorn, sse-starlette)"
+        "lily serve needs the server extra: pip install \".[server]\" in a lily checkout (the distribution "
+        "lily-llm; or pip install starlette uvicorn sse-starlette)"
     ) from e
 
 MAX_BODY_BYTES = 16 << 20

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ParsedOutput", "parse_output", "parse_tool_call"]
+__all__ = ["ParsedOutput", "opens_reasoning", "parse_output", "parse_tool_call"]
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -136,6 +136,12 @@ def parse_tool_call(body: str, tools: Sequence[Mapping] | None = None) -> tuple[
     if stripped.startswith("{"):
         return _parse_json(stripped)
     return _parse_xml(stripped, _schemas(tools))
+
+
+def opens_reasoning(prompt: str) -> bool:
+    """Whether a rendered chat prompt ends inside an open ``<think>`` block (thinking on): the
+    generated text then starts as reasoning (``parse_output``'s ``reasoning_started``)."""
+    return prompt.rstrip().endswith(THINK_OPEN)
 
 
 def _split_reasoning(text: str, reasoning_started: bool) -> tuple[str | None, str]:

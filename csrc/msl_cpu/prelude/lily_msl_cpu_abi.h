@@ -15,8 +15,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "../../msl_prelude/lily_msl_params.h"
+
 #define LILY_MSL_ABI_VERSION 2
-#define LILY_MSL_MAX_BINDINGS 31     /* Metal's buffer argument table size */
 #define LILY_MSL_SIMD_WIDTH 32       /* Apple GPUs: 32 threads per simdgroup */
 #define LILY_MSL_SIMD_SLOT 64        /* bytes per lane in a simdgroup exchange */
 
@@ -65,22 +66,6 @@ typedef struct lily_msl_host_api {
   /* A GPU error found by the prelude: the thread stops and the dispatch fails. Never returns. */
   void (*fail)(const char* what, const char* file, int line);
 } lily_msl_host_api;
-
-enum {
-  LILY_MSL_PARAM_BUFFER = 1,      /* [[buffer(i)]] pointer */
-  LILY_MSL_PARAM_BUFFER_REF = 2,  /* [[buffer(i)]] reference: size = sizeof(referenced type) */
-  LILY_MSL_PARAM_THREADGROUP = 3, /* [[threadgroup(i)]] pointer */
-  LILY_MSL_PARAM_BUILTIN = 4,     /* thread position attributes */
-  LILY_MSL_PARAM_ABSENT = 5,      /* [[function_constant(c)]] parameter with c false: unbound */
-  LILY_MSL_PARAM_END = 0
-};
-
-typedef struct lily_msl_param {
-  int kind;
-  uint32_t index;
-  uint64_t size;
-  const char* name;
-} lily_msl_param;
 
 typedef struct lily_msl_kernel {
   const char* name;             /* host name */
