@@ -137,6 +137,10 @@ kernel void gdn_recurrence(constant GdnArgs& args [[buffer(0)]],
     }
     const float v = owner ? row[2 * key_dim + hv * Dv + j] : 0.0f;
     const float delta = (v - kv_mem) * beta;
+    // Orders threadgroup memory, so the loop below loads ks[i] again: without it a compiler
+    // forwards the loads of the loop above and keeps Dk more values live beside the Dk-float
+    // column (at Dk = 128, 255 registers and spills on sm_90: docs/msl-on-cuda.md).
+    simdgroup_barrier(mem_flags::mem_threadgroup);
     float out = 0.0f;
     LILY_UNROLL for (int i = 0; i < Dk; ++i) {
       col[i] += (ks[i] * rk) * delta;

@@ -26,7 +26,12 @@ import numpy as np
 import pytest
 
 from lily._core import LilyError, msl_cuda
-from lily.msl_cuda import cuda_kernel_files, ptxas_report, use_wheel_toolchain
+from lily.msl_cuda import (
+    cuda_kernel_files,
+    ptxas_report,
+    register_limited_threads,
+    use_wheel_toolchain,
+)
 from msl_cpu_harness import KERNELS, ROOT, msl_cpu
 
 TESTS = Path(__file__).resolve().parent
@@ -167,6 +172,11 @@ def test_launch_arithmetic():
     assert sorted(order) == list(range(1000)) and order != list(range(1000))
     assert order == msl_cuda.threadgroup_permutation(1000, 3) != msl_cuda.threadgroup_permutation(1000, 4)
     assert msl_cuda.threadgroup_permutation(1, 3) == [0] and msl_cuda.threadgroup_permutation(0, 3) == []
+
+
+def test_register_limited_threads():
+    # sm_90: 64K registers per SM, allocated per warp in units of 256 (NVIDIA's occupancy rules).
+    assert [register_limited_threads(r) for r in (32, 64, 65, 128, 168, 255)] == [1024, 1024, 896, 512, 384, 256]
 
 
 def test_no_driver_is_a_clear_error():

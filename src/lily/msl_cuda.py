@@ -10,8 +10,8 @@
         are left out: msl_cuda has no tensor ops); --metal adds other .metal files (as tests
         load them: paths relative to the checkout).
     python -m lily.msl_cuda ptxas [--cache DIR] [--json OUT]
-        assembles every PTX file of the cache for sm_90 with ``ptxas -v``: registers, spills and
-        stack frame per kernel.
+        assembles every PTX file of the cache for sm_90 with ``ptxas -v``: registers (and the
+        threads per threadgroup they leave room for), spills and stack frame per kernel.
 
 Carry DIR to a machine with the NVIDIA driver and no clang and point LILY_MSL_CUDA_CACHE at
 it: the cache keys need no compiler to compute.
@@ -30,7 +30,8 @@ from pathlib import Path
 
 from lily._core import msl_cpu, msl_cuda
 
-__all__ = ["compile_kernels", "cuda_kernel_files", "ptxas_path", "ptxas_report", "use_wheel_toolchain"]
+__all__ = ["compile_kernels", "cuda_kernel_files", "ptxas_path", "ptxas_report", "register_limited_threads",
+           "use_wheel_toolchain"]
 
 
 def _wheel_file(relative: str) -> Path | None:
@@ -118,6 +119,14 @@ def ptxas_report(path: str | Path, arch: str = "sm_90") -> list[dict]:
     return kernels
 
 
+def register_limited_threads(registers: int) -> int:
+    """The most threads per threadgroup (CUDA block) an sm_90 SM holds at this many registers
+    per thread: 64K registers, allocated per warp in units of 256 (8 per thread); at most 1024.
+    On the GPU the driver's CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK is the authority."""
+    per_warp = 32 * -(-max(registers, 1) // 8) * 8
+    return min(1024, 32 * (65536 // per_warp))
+
+
 def _source_of(ptx: Path) -> str:
     """The .metal file a cached PTX was compiled from (its second line)."""
     with open(ptx) as f:
@@ -152,9 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     for ptx in sorted(Path(msl_cuda.cache_dir()).glob("*.ptx")):
         for k in ptxas_report(ptx):
             rows.append({"file": _source_of(ptx), "ptx": ptx.name, **k})
-    print(f"{'kernel':40} {'file':36} {'regs':>4} {'stack':>6} {'spill st/ld':>12} {'smem':>6}")
+    print(f"{'kernel':40} {'file':36} {'regs':>4} {'threads':>7} {'stack':>6} {'spill st/ld':>12} {'smem':>6}")
     for k in sorted({(r["kernel"], r["file"]): r for r in rows}.values(), key=lambda r: (r["file"], r["kernel"])):
-        print(f"{k['kernel']:40} {k['file']:36} {k.get('registers', 0):4} {k.get('stack', 0):6} "
+        print(f"{k['kernel']:40} {k['file']:36} {k.get('registers', 0):4} "
+              f"{register_limited_threads(k.get('registers', 0)):7} {k.get('stack', 0):6} "
               f"{k.get('spill_stores', 0):5}/{k.get('spill_loads', 0):<6} {k.get('smem', 0):6}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
