@@ -127,6 +127,37 @@ kernel void madd(device const float* a [[buffer(0)]], device float* out [[buffer
     assert "fma.rn.f32" not in safe_ptx and "mul.rn.f32" in safe_ptx and "add.rn.f32" in safe_ptx
 
 
+def test_language_level_and_max_threads_hold_on_cuda():
+    # The unit is msl_cpu's: a C++17 construct in an MSL 3 library is an error here too, naming
+    # the kernel's file:line (the preludes, system headers, may use what they need), and a
+    # [[max_total_threads_per_threadgroup(N)]] written as a macro of the source reaches the PTX
+    # metadata, for a kernel template as for a plain kernel.
+    head = '#include <metal_stdlib>\n#include "lily_msl.h"\nusing namespace metal;\n'
+    cxx17 = head + ("kernel void k(device float* out [[buffer(0)]], uint gid [[thread_position_in_grid]]) {\n"
+                    "  if constexpr (sizeof(float) == 4) out[gid] = 1.0f;\n}\n")
+    with pytest.raises(LilyError, match=r"(?s)lang\.metal:5:.*incompatible with C\+\+ standards before C\+\+17"):
+        msl_cuda.compile(cxx17, "lang.metal")
+    limits = head + ("#define THREADS (2 * 384)\n"
+                     "[[max_total_threads_per_threadgroup(THREADS)]]\n"
+                     "kernel void plain(device float* out [[buffer(0)]], uint gid [[thread_position_in_grid]]) {\n"
+                     "  out[gid] = 1.0f;\n}\n"
+                     "template <typename T>\n[[max_total_threads_per_threadgroup(THREADS / 2)]]\n"
+                     "kernel void tmpl(device T* out [[buffer(0)]], uint gid [[thread_position_in_grid]]) {\n"
+                     "  out[gid] = T(1);\n}\n"
+                     'LILY_KERNEL_INSTANTIATE("tmpl_float", tmpl, float)\n'
+                     "kernel void none(device float* out [[buffer(0)]], uint gid [[thread_position_in_grid]]) {\n"
+                     "  out[gid] = 1.0f;\n}\n")
+    path, _, entries = msl_cuda.compile(limits, "limits.metal")
+    ptx = Path(path).read_text()
+    declared = {}
+    for kernel in ("plain", "tmpl", "none"):
+        m = re.search(rf"lily_msl_kernel_{kernel}\[16\] = \{{([^}}]*)\}}", ptx)
+        values = [int(v) for v in m.group(1).split(",")] + [0] * 16
+        declared[kernel] = int.from_bytes(bytes(values[8:16]), "little")
+    assert declared == {"plain": 768, "tmpl": 384, "none": 0}
+    assert sorted(e[0] for e in entries) == ["none", "plain", "tmpl_float"]
+
+
 def test_constant_specializations_are_separate_modules():
     source, file_name = (KERNELS / "matmul.metal").read_text(), "tests/msl/kernels/matmul.metal"
     keys = {msl_cuda.cache_key(source, file_name, constants=c) for c in
