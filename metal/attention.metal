@@ -1,12 +1,15 @@
-// Attention family for the gated full-attention layers.
+// Attention family for the gated full-attention layers. Buffers: the argument struct at 0, then
+// what a kernel reads, then what it writes (csrc/gpu/encoder.h).
 //
 //   attn_prepare  q/k zero-centred RMSNorm + partial rotate-half RoPE in place, k and v written
 //                 into the cache at their positions.   grid (Hq + Hkv, T), 128 threads
-//   attn_decode   causal softmax(q k^T * scale) v for one KV head and one split of the cache,
-//                 GQA-packed: the query heads sharing a KV head are all in this threadgroup, so
-//                 each K/V row is loaded once for all of them. Single pass (n_splits == 1)
-//                 applies the sigmoid output gate and writes o; split-K (n_splits > 1) writes
-//                 unnormalised partials and (max, sum).   grid (Hkv, n_splits, T), 128 threads
+//   attn_decode_<KV>_d<D>  causal softmax(q k^T * scale) v for one KV head and one split of
+//                 the cache, GQA-packed: the query heads sharing a KV head are all in this
+//                 threadgroup, each owned by one simdgroup (heads s, s + 4, ...), so the K/V
+//                 rows of the split are read from memory once for all of them. Single pass
+//                 (n_splits == 1) applies the sigmoid output gate and writes o; split-K
+//                 (n_splits > 1) writes unnormalised partials and (max, sum).
+//                                                      grid (Hkv, n_splits, T), 128 threads
 //   attn_combine  merges the split partials and applies the gate.  grid (Hq, T), 128 threads
 //   attn_prepare_blocks, attn_decode_blocks  the same over the fixed-block cache layout of long
 //                 contexts (attention_args.h): splits are whole blocks, so split-K walks blocks.
@@ -15,9 +18,10 @@
 // BlockCache) maps (KV head, position) to the row's address. Blocks keep growth free of copies:
 // a longer context allocates a new arena and extends the table, the cached rows stay put.
 //
-// Within attn_decode each simdgroup takes every 4th position with its own online softmax; the
-// 4 running states are merged at the end through threadgroup memory. A lane holds D/32
-// elements of each vector (strided by 32, so a simdgroup reads each row as one coalesced run).
+// Within attn_decode a simdgroup walks the split's positions in order with an online softmax
+// per head it owns (running max, rescale, sum). A lane holds D/32 elements of each vector
+// (strided by 32, so a simdgroup reads each row as one coalesced run); D is a template
+// parameter (LILY_ATTN_HEAD_DIMS), so q, the accumulators and the K/V row stay in registers.
 // Softmax in f32 with the running max subtracted, as the CPU backend computes it.
 //
 // KV is the cache's element type: float (the CPU backend's precision, the default) or half
@@ -33,10 +37,9 @@ template <typename KV, typename Cache>
 inline void attn_prepare_impl(device float* qg, device const float* k, device const float* v,
                               device const float* q_norm, device const float* k_norm,
                               device const float* inv_freq, Cache kc, Cache vc,
-                              constant AttnPrepareArgs& args, uint2 tg, uint tid, uint threads,
+                              constant AttnPrepareArgs& args, threadgroup float* scratch,
+                              threadgroup float* normed, uint2 tg, uint tid, uint threads,
                               uint simd_id, uint lane, uint n_simd) {
-  LILY_THREADGROUP(float, scratch, [32]);
-  LILY_THREADGROUP(float, normed, [LILY_ATTN_MAX_HEAD_DIM]);
   const uint D = args.D, t = tg.y, head = tg.x;
   const bool is_q = head < args.Hq;
   const uint hk = head - args.Hq;
@@ -74,50 +77,57 @@ inline void attn_prepare_impl(device float* qg, device const float* k, device co
 }
 
 template <typename KV>
-kernel void attn_prepare(device float* qg [[buffer(0)]],            // [T, Hq, 2D]
-                         device const float* k [[buffer(1)]],       // [T, Hkv, D]
-                         device const float* v [[buffer(2)]],       // [T, Hkv, D]
-                         device const float* q_norm [[buffer(3)]],  // [D]
-                         device const float* k_norm [[buffer(4)]],  // [D]
+kernel void attn_prepare(constant AttnPrepareArgs& args [[buffer(0)]],
+                         device const float* k [[buffer(1)]],         // [T, Hkv, D]
+                         device const float* v [[buffer(2)]],         // [T, Hkv, D]
+                         device const float* q_norm [[buffer(3)]],    // [D]
+                         device const float* k_norm [[buffer(4)]],    // [D]
                          device const float* inv_freq [[buffer(5)]],  // [rot / 2]
-                         device KV* k_cache [[buffer(6)]],          // [Hkv, cap, D]
-                         device KV* v_cache [[buffer(7)]],          // [Hkv, cap, D]
-                         constant AttnPrepareArgs& args [[buffer(8)]],
+                         device float* qg [[buffer(6)]],              // [T, Hq, 2D] (q in place)
+                         device KV* k_cache [[buffer(7)]],            // [Hkv, cap, D]
+                         device KV* v_cache [[buffer(8)]],            // [Hkv, cap, D]
                          uint2 tg [[threadgroup_position_in_grid]],
+                         uint2 threads [[threads_per_threadgroup]],
                          uint tid [[thread_index_in_threadgroup]],
-                         uint threads [[threads_per_threadgroup]],
                          uint simd_id [[simdgroup_index_in_threadgroup]],
                          uint lane [[thread_index_in_simdgroup]],
                          uint n_simd [[simdgroups_per_threadgroup]]) {
+  LILY_THREADGROUP(float, scratch, [32]);
+  LILY_THREADGROUP(float, normed, [LILY_ATTN_MAX_HEAD_DIM]);
   const ContiguousCache<KV> kc{k_cache, args.cap, args.D}, vc{v_cache, args.cap, args.D};
-  attn_prepare_impl<KV>(qg, k, v, q_norm, k_norm, inv_freq, kc, vc, args, tg, tid, threads, simd_id, lane, n_simd);
+  attn_prepare_impl<KV>(qg, k, v, q_norm, k_norm, inv_freq, kc, vc, args, scratch, normed, tg, tid, threads.x,
+                        simd_id, lane, n_simd);
 }
 
-// Block layout: the table at 9, K arenas at 10.., V arenas at 10 + LILY_ATTN_MAX_ARENAS...
+// Block layout: the block table among the reads, the LILY_ATTN_MAX_ARENAS K and V arenas among
+// the writes (in place of k_cache, v_cache).
 template <typename KV>
-kernel void attn_prepare_blocks(device float* qg [[buffer(0)]],
+kernel void attn_prepare_blocks(constant AttnPrepareArgs& args [[buffer(0)]],
                                 device const float* k [[buffer(1)]],
                                 device const float* v [[buffer(2)]],
                                 device const float* q_norm [[buffer(3)]],
                                 device const float* k_norm [[buffer(4)]],
                                 device const float* inv_freq [[buffer(5)]],
-                                constant AttnPrepareArgs& args [[buffer(8)]],
-                                device const uint* table [[buffer(9)]],  // [n_blocks]
-                                device KV* k0 [[buffer(10)]], device KV* k1 [[buffer(11)]],
-                                device KV* k2 [[buffer(12)]], device KV* k3 [[buffer(13)]],
-                                device KV* k4 [[buffer(14)]], device KV* k5 [[buffer(15)]],
-                                device KV* v0 [[buffer(16)]], device KV* v1 [[buffer(17)]],
-                                device KV* v2 [[buffer(18)]], device KV* v3 [[buffer(19)]],
-                                device KV* v4 [[buffer(20)]], device KV* v5 [[buffer(21)]],
+                                device const uint* table [[buffer(6)]],  // [n_blocks]
+                                device float* qg [[buffer(7)]],
+                                device KV* k0 [[buffer(8)]], device KV* k1 [[buffer(9)]],
+                                device KV* k2 [[buffer(10)]], device KV* k3 [[buffer(11)]],
+                                device KV* k4 [[buffer(12)]], device KV* k5 [[buffer(13)]],
+                                device KV* v0 [[buffer(14)]], device KV* v1 [[buffer(15)]],
+                                device KV* v2 [[buffer(16)]], device KV* v3 [[buffer(17)]],
+                                device KV* v4 [[buffer(18)]], device KV* v5 [[buffer(19)]],
                                 uint2 tg [[threadgroup_position_in_grid]],
+                                uint2 threads [[threads_per_threadgroup]],
                                 uint tid [[thread_index_in_threadgroup]],
-                                uint threads [[threads_per_threadgroup]],
                                 uint simd_id [[simdgroup_index_in_threadgroup]],
                                 uint lane [[thread_index_in_simdgroup]],
                                 uint n_simd [[simdgroups_per_threadgroup]]) {
+  LILY_THREADGROUP(float, scratch, [32]);
+  LILY_THREADGROUP(float, normed, [LILY_ATTN_MAX_HEAD_DIM]);
   const BlockCache<KV> kc{{k0, k1, k2, k3, k4, k5}, table, args.cap, args.Hkv, args.D};
   const BlockCache<KV> vc{{v0, v1, v2, v3, v4, v5}, table, args.cap, args.Hkv, args.D};
-  attn_prepare_impl<KV>(qg, k, v, q_norm, k_norm, inv_freq, kc, vc, args, tg, tid, threads, simd_id, lane, n_simd);
+  attn_prepare_impl<KV>(qg, k, v, q_norm, k_norm, inv_freq, kc, vc, args, scratch, normed, tg, tid, threads.x,
+                        simd_id, lane, n_simd);
 }
 
 LILY_KERNEL_INSTANTIATE("attn_prepare_float", attn_prepare, float)
@@ -125,142 +135,127 @@ LILY_KERNEL_INSTANTIATE("attn_prepare_half", attn_prepare, half)
 LILY_KERNEL_INSTANTIATE("attn_prepare_blocks_float", attn_prepare_blocks, float)
 LILY_KERNEL_INSTANTIATE("attn_prepare_blocks_half", attn_prepare_blocks, half)
 
-template <typename KV, typename Cache>
+// One KV head (tg.x), one split of the cache (tg.y), one query token (tg.z). Simdgroup s owns
+// the query heads s, s + 4, ... of the GQA group; each walks the split's positions in order.
+template <typename KV, int D, typename Cache>
 inline void attn_decode_impl(device const float* qg, Cache kc, Cache vc, device float* o,
                              device float* part_o, device float* part_ml, constant AttnArgs& args,
-                             uint3 tg, uint tid, uint simd_id, uint lane) {
-  constexpr uint per_lane_max = LILY_ATTN_MAX_HEAD_DIM / 32;
-  LILY_THREADGROUP(float, merge_o, [LILY_ATTN_SIMDGROUPS][LILY_ATTN_MAX_HEAD_DIM]);
-  LILY_THREADGROUP(float, merge_m, [LILY_ATTN_SIMDGROUPS]);
-  LILY_THREADGROUP(float, merge_l, [LILY_ATTN_SIMDGROUPS]);
-  const uint D = args.D, per_lane = D / 32, group = args.Hq / args.Hkv;
+                             uint3 tg, uint simd_id, uint lane) {
+  constexpr int PER_LANE = D / 32, ROWS = LILY_ATTN_ROWS_PER_SIMDGROUP, NSG = LILY_ATTN_SIMDGROUPS;
+  const uint group = args.Hq / args.Hkv;
   const uint hk = tg.x, split = tg.y, t = tg.z;
+  const uint rows = group > simd_id ? (group - simd_id + NSG - 1) / NSG : 0u;  // heads this simdgroup owns
+  if (rows == 0) return;  // (uniform over the simdgroup; no threadgroup barrier below)
   const uint len = args.pos0 + t + 1;  // causal: positions [0, pos0 + t]
   const uint begin = split * args.split_len;
   const uint end = min(len, begin + args.split_len);
 
-  float q[LILY_ATTN_MAX_GROUP][per_lane_max];
-  float acc[LILY_ATTN_MAX_GROUP][per_lane_max];
-  float m[LILY_ATTN_MAX_GROUP], l[LILY_ATTN_MAX_GROUP];
-  for (uint g = 0; g < group; ++g) {
+  float q[ROWS][PER_LANE], acc[ROWS][PER_LANE], m[ROWS], l[ROWS];
+  LILY_UNROLL for (int r = 0; r < ROWS; ++r) {
+    const uint g = min(simd_id + NSG * uint(r), group - 1);  // rows past `rows` are never used
     device const float* qh = qg + (ulong(t) * args.Hq + hk * group + g) * 2 * D;
-    for (uint i = 0; i < per_lane; ++i) {
-      q[g][i] = qh[lane + 32 * i];
-      acc[g][i] = 0.0f;
+    LILY_UNROLL for (int i = 0; i < PER_LANE; ++i) {
+      q[r][i] = qh[lane + 32 * i];
+      acc[r][i] = 0.0f;
     }
-    m[g] = -INFINITY;
-    l[g] = 0.0f;
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
   }
 
-  for (uint p = begin + simd_id; p < end; p += LILY_ATTN_SIMDGROUPS) {
-    float kr[per_lane_max], vr[per_lane_max];
+  for (uint p = begin; p < end; ++p) {
+    float kr[PER_LANE], vr[PER_LANE];
     device const KV* kp = kc.row(hk, p);
     device const KV* vp = vc.row(hk, p);
-    for (uint i = 0; i < per_lane; ++i) {
+    LILY_UNROLL for (int i = 0; i < PER_LANE; ++i) {
       kr[i] = float(kp[lane + 32 * i]);
       vr[i] = float(vp[lane + 32 * i]);
     }
-    for (uint g = 0; g < group; ++g) {
-      float d = 0.0f;
-      for (uint i = 0; i < per_lane; ++i) d += q[g][i] * kr[i];
-      const float s = simd_sum(d) * args.scale;
-      const float mn = max(m[g], s);
-      const float c = exp(m[g] - mn), e = exp(s - mn);
-      l[g] = l[g] * c + e;
-      for (uint i = 0; i < per_lane; ++i) acc[g][i] = acc[g][i] * c + e * vr[i];
-      m[g] = mn;
-    }
-  }
-
-  // Merge the simdgroups' running states, one query head at a time.
-  for (uint g = 0; g < group; ++g) {
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint i = 0; i < per_lane; ++i) merge_o[simd_id][lane + 32 * i] = acc[g][i];
-    if (lane == 0) {
-      merge_m[simd_id] = m[g];
-      merge_l[simd_id] = l[g];
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    float mx = -INFINITY;
-    for (uint s = 0; s < LILY_ATTN_SIMDGROUPS; ++s) mx = max(mx, merge_m[s]);
-    float wts[LILY_ATTN_SIMDGROUPS];
-    float total = 0.0f;
-    for (uint s = 0; s < LILY_ATTN_SIMDGROUPS; ++s) {
-      wts[s] = merge_m[s] == -INFINITY ? 0.0f : exp(merge_m[s] - mx);
-      total += merge_l[s] * wts[s];
-    }
-    const uint hq = hk * group + g;
-    device const float* gate = qg + (ulong(t) * args.Hq + hq) * 2 * D + D;
-    const ulong head_row = ulong(t) * args.Hq + hq;
-    for (uint d = tid; d < D; d += 32 * LILY_ATTN_SIMDGROUPS) {
-      float num = 0.0f;
-      for (uint s = 0; s < LILY_ATTN_SIMDGROUPS; ++s) num += merge_o[s][d] * wts[s];
-      if (args.n_splits == 1) {
-        o[head_row * D + d] = num / total * sigmoid_f(gate[d]);
-      } else {
-        part_o[(head_row * args.n_splits + split) * D + d] = num;
+    LILY_UNROLL for (int r = 0; r < ROWS; ++r) {
+      if (uint(r) < rows) {
+        float d = 0.0f;
+        LILY_UNROLL for (int i = 0; i < PER_LANE; ++i) d += q[r][i] * kr[i];
+        const float s = simd_sum(d) * args.scale;
+        const float mn = max(m[r], s);
+        const float c = exp(m[r] - mn), e = exp(s - mn);
+        l[r] = l[r] * c + e;
+        LILY_UNROLL for (int i = 0; i < PER_LANE; ++i) acc[r][i] = acc[r][i] * c + e * vr[i];
+        m[r] = mn;
       }
     }
-    if (args.n_splits > 1 && tid == 0) {
-      part_ml[(head_row * args.n_splits + split) * 2 + 0] = mx;
-      part_ml[(head_row * args.n_splits + split) * 2 + 1] = total;
+  }
+
+  LILY_UNROLL for (int r = 0; r < ROWS; ++r) {
+    if (uint(r) < rows) {
+      const uint hq = hk * group + simd_id + NSG * uint(r);
+      const ulong head_row = ulong(t) * args.Hq + hq;
+      device const float* gate = qg + head_row * 2 * D + D;
+      LILY_UNROLL for (int i = 0; i < PER_LANE; ++i) {
+        const uint d = lane + 32 * i;
+        if (args.n_splits == 1) o[head_row * D + d] = acc[r][i] / l[r] * sigmoid_f(gate[d]);
+        else part_o[(head_row * args.n_splits + split) * D + d] = acc[r][i];
+      }
+      if (args.n_splits > 1 && lane == 0) {
+        part_ml[(head_row * args.n_splits + split) * 2 + 0] = m[r];
+        part_ml[(head_row * args.n_splits + split) * 2 + 1] = l[r];
+      }
     }
   }
 }
 
-template <typename KV>
-kernel void attn_decode(device const float* qg [[buffer(0)]],       // [T, Hq, 2D]
-                        device const KV* k_cache [[buffer(1)]],     // [Hkv, cap, D]
-                        device const KV* v_cache [[buffer(2)]],     // [Hkv, cap, D]
-                        device float* o [[buffer(3)]],              // [T, Hq, D]
-                        device float* part_o [[buffer(4)]],         // [T, Hq, n_splits, D]
-                        device float* part_ml [[buffer(5)]],        // [T, Hq, n_splits, 2]
-                        constant AttnArgs& args [[buffer(6)]],
+template <typename KV, int D>
+kernel void attn_decode(constant AttnArgs& args [[buffer(0)]],
+                        device const float* qg [[buffer(1)]],       // [T, Hq, 2D]
+                        device const KV* k_cache [[buffer(2)]],     // [Hkv, cap, D]
+                        device const KV* v_cache [[buffer(3)]],     // [Hkv, cap, D]
+                        device float* o [[buffer(4)]],              // [T, Hq, D]
+                        device float* part_o [[buffer(5)]],         // [T, Hq, n_splits, D]
+                        device float* part_ml [[buffer(6)]],        // [T, Hq, n_splits, 2]
                         uint3 tg [[threadgroup_position_in_grid]],
-                        uint tid [[thread_index_in_threadgroup]],
                         uint simd_id [[simdgroup_index_in_threadgroup]],
                         uint lane [[thread_index_in_simdgroup]]) {
-  const ContiguousCache<const KV> kc{k_cache, args.cap, args.D}, vc{v_cache, args.cap, args.D};
-  attn_decode_impl<KV>(qg, kc, vc, o, part_o, part_ml, args, tg, tid, simd_id, lane);
+  const ContiguousCache<const KV> kc{k_cache, args.cap, D}, vc{v_cache, args.cap, D};
+  attn_decode_impl<KV, D>(qg, kc, vc, o, part_o, part_ml, args, tg, simd_id, lane);
 }
 
-// Block layout (split_len is a multiple of the block length): the table at 9, K arenas at
-// 10.., V arenas at 10 + LILY_ATTN_MAX_ARENAS...
-template <typename KV>
-kernel void attn_decode_blocks(device const float* qg [[buffer(0)]],
-                               device float* o [[buffer(3)]],
-                               device float* part_o [[buffer(4)]],
-                               device float* part_ml [[buffer(5)]],
-                               constant AttnArgs& args [[buffer(6)]],
-                               device const uint* table [[buffer(9)]],  // [n_blocks]
-                               device const KV* k0 [[buffer(10)]], device const KV* k1 [[buffer(11)]],
-                               device const KV* k2 [[buffer(12)]], device const KV* k3 [[buffer(13)]],
-                               device const KV* k4 [[buffer(14)]], device const KV* k5 [[buffer(15)]],
-                               device const KV* v0 [[buffer(16)]], device const KV* v1 [[buffer(17)]],
-                               device const KV* v2 [[buffer(18)]], device const KV* v3 [[buffer(19)]],
-                               device const KV* v4 [[buffer(20)]], device const KV* v5 [[buffer(21)]],
+// Block layout (split_len is a multiple of the block length): the block table and the K and V
+// arenas in place of k_cache, v_cache.
+template <typename KV, int D>
+kernel void attn_decode_blocks(constant AttnArgs& args [[buffer(0)]],
+                               device const float* qg [[buffer(1)]],
+                               device const uint* table [[buffer(2)]],  // [n_blocks]
+                               device const KV* k0 [[buffer(3)]], device const KV* k1 [[buffer(4)]],
+                               device const KV* k2 [[buffer(5)]], device const KV* k3 [[buffer(6)]],
+                               device const KV* k4 [[buffer(7)]], device const KV* k5 [[buffer(8)]],
+                               device const KV* v0 [[buffer(9)]], device const KV* v1 [[buffer(10)]],
+                               device const KV* v2 [[buffer(11)]], device const KV* v3 [[buffer(12)]],
+                               device const KV* v4 [[buffer(13)]], device const KV* v5 [[buffer(14)]],
+                               device float* o [[buffer(15)]],
+                               device float* part_o [[buffer(16)]],
+                               device float* part_ml [[buffer(17)]],
                                uint3 tg [[threadgroup_position_in_grid]],
-                               uint tid [[thread_index_in_threadgroup]],
                                uint simd_id [[simdgroup_index_in_threadgroup]],
                                uint lane [[thread_index_in_simdgroup]]) {
-  const BlockCache<const KV> kc{{k0, k1, k2, k3, k4, k5}, table, args.cap, args.Hkv, args.D};
-  const BlockCache<const KV> vc{{v0, v1, v2, v3, v4, v5}, table, args.cap, args.Hkv, args.D};
-  attn_decode_impl<KV>(qg, kc, vc, o, part_o, part_ml, args, tg, tid, simd_id, lane);
+  const BlockCache<const KV> kc{{k0, k1, k2, k3, k4, k5}, table, args.cap, args.Hkv, D};
+  const BlockCache<const KV> vc{{v0, v1, v2, v3, v4, v5}, table, args.cap, args.Hkv, D};
+  attn_decode_impl<KV, D>(qg, kc, vc, o, part_o, part_ml, args, tg, simd_id, lane);
 }
 
-LILY_KERNEL_INSTANTIATE("attn_decode_float", attn_decode, float)
-LILY_KERNEL_INSTANTIATE("attn_decode_half", attn_decode, half)
-LILY_KERNEL_INSTANTIATE("attn_decode_blocks_float", attn_decode_blocks, float)
-LILY_KERNEL_INSTANTIATE("attn_decode_blocks_half", attn_decode_blocks, half)
+// attn_decode[_blocks]_<KV>_d<D>
+#define LILY_ATTN_DECODE_INSTANTIATE(D)                                                  \
+  LILY_KERNEL_INSTANTIATE("attn_decode_float_d" #D, attn_decode, float, D)               \
+  LILY_KERNEL_INSTANTIATE("attn_decode_half_d" #D, attn_decode, half, D)                 \
+  LILY_KERNEL_INSTANTIATE("attn_decode_blocks_float_d" #D, attn_decode_blocks, float, D) \
+  LILY_KERNEL_INSTANTIATE("attn_decode_blocks_half_d" #D, attn_decode_blocks, half, D)
+LILY_ATTN_HEAD_DIMS(LILY_ATTN_DECODE_INSTANTIATE)
 
-kernel void attn_combine(device const float* qg [[buffer(0)]],       // [T, Hq, 2D] (gate)
-                         device const float* part_o [[buffer(1)]],   // [T, Hq, n_splits, D]
-                         device const float* part_ml [[buffer(2)]],  // [T, Hq, n_splits, 2]
-                         device float* o [[buffer(3)]],              // [T, Hq, D]
-                         constant AttnArgs& args [[buffer(4)]],
+kernel void attn_combine(constant AttnArgs& args [[buffer(0)]],
+                         device const float* qg [[buffer(1)]],       // [T, Hq, 2D] (gate)
+                         device const float* part_o [[buffer(2)]],   // [T, Hq, n_splits, D]
+                         device const float* part_ml [[buffer(3)]],  // [T, Hq, n_splits, 2]
+                         device float* o [[buffer(4)]],              // [T, Hq, D]
                          uint2 tg [[threadgroup_position_in_grid]],
-                         uint tid [[thread_index_in_threadgroup]],
-                         uint threads [[threads_per_threadgroup]]) {
+                         uint2 threads [[threads_per_threadgroup]],
+                         uint tid [[thread_index_in_threadgroup]]) {
   const uint D = args.D, hq = tg.x, t = tg.y, n = args.n_splits;
   const ulong head_row = ulong(t) * args.Hq + hq;
   device const float* ml = part_ml + head_row * n * 2;
@@ -270,7 +265,7 @@ kernel void attn_combine(device const float* qg [[buffer(0)]],       // [T, Hq, 
   for (uint s = 0; s < n; ++s)
     if (ml[2 * s] != -INFINITY) total += ml[2 * s + 1] * exp(ml[2 * s] - mx);
   device const float* gate = qg + head_row * 2 * D + D;
-  for (uint d = tid; d < D; d += threads) {
+  for (uint d = tid; d < D; d += threads.x) {
     float num = 0.0f;
     for (uint s = 0; s < n; ++s)
       if (ml[2 * s] != -INFINITY) num += part_o[(head_row * n + s) * D + d] * exp(ml[2 * s] - mx);

@@ -10,6 +10,13 @@
 #define LILY_ATTN_SIMDGROUPS 4   // simdgroups of an attn_decode threadgroup
 #define LILY_ATTN_MAX_GROUP 16   // query heads per KV head (GQA packing)
 #define LILY_ATTN_MAX_HEAD_DIM 256
+// Query heads each simdgroup of attn_decode owns (its registers hold their q and accumulators).
+#define LILY_ATTN_ROWS_PER_SIMDGROUP (LILY_ATTN_MAX_GROUP / LILY_ATTN_SIMDGROUPS)
+
+// The head dims the attention kernels are instantiated for (a compile-time D keeps each lane's
+// D/32 elements in registers): the Qwen3.5 / 3.6 / Next family's 256, and smaller ones for
+// tests and tiny checkpoints. X(D) per head dim; the host checks a model's head_dim against it.
+#define LILY_ATTN_HEAD_DIMS(X) X(64) X(96) X(128) X(256)
 #define LILY_ATTN_MAX_ARENAS 6   // block-layout arenas per K and per V (sizes double)
 
 // q, k <- RMSNorm(.) * gain, then rotate-half RoPE on the first `rot` dims; k, v -> cache.
@@ -29,3 +36,6 @@ struct AttnArgs {
   uint32_t split_len;  // positions per split
   float scale;         // 1 / sqrt(D)
 };
+
+static_assert(sizeof(AttnPrepareArgs) == 28, "AttnPrepareArgs: 7 fields of 4 bytes, as the kernels read them");
+static_assert(sizeof(AttnArgs) == 32, "AttnArgs: 8 fields of 4 bytes, as the kernels read them");

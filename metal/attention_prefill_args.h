@@ -2,6 +2,7 @@
 // kernels. Layouts as in attention_args.h: qg [T, Hq, 2D] (query | output gate), cache K, V
 // [Hkv, cap, D] of the cache's element type, o [T, Hq, D].
 #pragma once
+#include "attention_args.h"  // LILY_ATTN_HEAD_DIMS
 
 #define LILY_ATTN_PF_SIMDGROUPS 8   // simdgroups of an attn_prefill threadgroup
 #define LILY_ATTN_PF_ROWS 64        // query rows (token, head) per threadgroup
@@ -18,3 +19,5 @@ struct AttnPrefillArgs {
   uint32_t tile_tokens;  // query tokens per threadgroup: LILY_ATTN_PF_ROWS / (Hq / Hkv), >= 1
   float scale;           // 1 / sqrt(D)
 };
+
+static_assert(sizeof(AttnPrefillArgs) == 32, "AttnPrefillArgs: 8 fields of 4 bytes, as the kernels read them");

@@ -5,8 +5,9 @@
 //   gdn_conv        causal depthwise conv1d over [carried K-1 inputs ; chunk] + SiLU, one
 //                   thread per channel walking the chunk's tokens; the new window is written to
 //                   window_out.                               grid (ceil(C / 256)), 256 threads
-//   gdn_recurrence  one threadgroup per value head, one thread per value column j: the
-//                   column S[:, j] (Dk floats) stays in registers for the whole chunk. Per token:
+//   gdn_recurrence_dk<Dk>  one threadgroup per value head, one thread per value column j: the
+//                   column S[:, j] (Dk floats, Dk a template parameter: LILY_GDN_KEY_DIMS)
+//                   stays in registers for the whole chunk. Per token:
 //                   l2-norm q and k (threadgroup reductions), beta = sigmoid(b),
 //                   decay = exp(-exp(A_log) * softplus(a + dt_bias)),
 //                   S <- S * decay; delta = (v - S^T k) * beta; S <- S + k delta^T; o = S^T q,
@@ -21,13 +22,13 @@
 #include "reduce.h"
 using namespace metal;
 
-kernel void gdn_ungroup(device const float* qkvz [[buffer(0)]],  // [T, C + Hv*Dv]
-                        device const float* ba [[buffer(1)]],    // [T, 2*Hv]
-                        device float* qkv [[buffer(2)]],         // [T, C]
-                        device float* z [[buffer(3)]],           // [T, Hv*Dv]
-                        device float* b [[buffer(4)]],           // [T, Hv]
-                        device float* a [[buffer(5)]],           // [T, Hv]
-                        constant GdnArgs& args [[buffer(6)]],
+kernel void gdn_ungroup(constant GdnArgs& args [[buffer(0)]],
+                        device const float* qkvz [[buffer(1)]],  // [T, C + Hv*Dv]
+                        device const float* ba [[buffer(2)]],    // [T, 2*Hv]
+                        device float* qkv [[buffer(3)]],         // [T, C]
+                        device float* z [[buffer(4)]],           // [T, Hv*Dv]
+                        device float* b [[buffer(5)]],           // [T, Hv]
+                        device float* a [[buffer(6)]],           // [T, Hv]
                         uint2 gid [[thread_position_in_grid]]) {
   const uint Dk = args.Dk, Dv = args.Dv, r = args.Hv / args.Hk;
   const uint key_dim = args.Hk * Dk, vdim = args.Hv * Dv, C = args.C;
@@ -54,11 +55,11 @@ kernel void gdn_ungroup(device const float* qkvz [[buffer(0)]],  // [T, C + Hv*D
   }
 }
 
-kernel void gdn_conv(device const float* qkv [[buffer(0)]],        // [T, C]
-                     device const float* taps [[buffer(1)]],       // [C, K]
-                     device const float* window [[buffer(2)]],     // [K-1, C] carried inputs
-                     device float* out [[buffer(3)]],              // [T, C]
-                     constant GdnArgs& args [[buffer(4)]],
+kernel void gdn_conv(constant GdnArgs& args [[buffer(0)]],
+                     device const float* qkv [[buffer(1)]],        // [T, C]
+                     device const float* taps [[buffer(2)]],       // [C, K]
+                     device const float* window [[buffer(3)]],     // [K-1, C] carried inputs
+                     device float* out [[buffer(4)]],              // [T, C]
                      device float* window_out [[buffer(5)]],       // [K-1, C] for the next pass
                      uint ch [[thread_position_in_grid]]) {
   const uint C = args.C, K = args.K, T = args.T;
@@ -81,16 +82,17 @@ kernel void gdn_conv(device const float* qkv [[buffer(0)]],        // [T, C]
   }
 }
 
-kernel void gdn_recurrence(device const float* conv_out [[buffer(0)]],  // [T, C]
-                           device const float* b [[buffer(1)]],         // [T, Hv]
-                           device const float* a [[buffer(2)]],         // [T, Hv]
-                           device const float* z [[buffer(3)]],         // [T, Hv*Dv]
-                           device const float* a_neg [[buffer(4)]],     // [Hv] -exp(A_log)
-                           device const float* dt_bias [[buffer(5)]],   // [Hv]
-                           device const float* norm_w [[buffer(6)]],    // [Dv]
-                           device const float* S [[buffer(7)]],         // [Hv, Dk, Dv] in
-                           device float* o [[buffer(8)]],               // [T, Hv*Dv]
-                           constant GdnArgs& args [[buffer(9)]],
+template <int Dk>
+kernel void gdn_recurrence(constant GdnArgs& args [[buffer(0)]],
+                           device const float* conv_out [[buffer(1)]],  // [T, C]
+                           device const float* b [[buffer(2)]],         // [T, Hv]
+                           device const float* a [[buffer(3)]],         // [T, Hv]
+                           device const float* z [[buffer(4)]],         // [T, Hv*Dv]
+                           device const float* a_neg [[buffer(5)]],     // [Hv] -exp(A_log)
+                           device const float* dt_bias [[buffer(6)]],   // [Hv]
+                           device const float* norm_w [[buffer(7)]],    // [Dv]
+                           device const float* S [[buffer(8)]],         // [Hv, Dk, Dv] in
+                           device float* o [[buffer(9)]],               // [T, Hv*Dv]
                            device float* S_out [[buffer(10)]],          // [Hv, Dk, Dv] out
                            uint hv [[threadgroup_position_in_grid]],
                            uint j [[thread_index_in_threadgroup]],
@@ -99,21 +101,21 @@ kernel void gdn_recurrence(device const float* conv_out [[buffer(0)]],  // [T, C
                            uint lane [[thread_index_in_simdgroup]],
                            uint n_simd [[simdgroups_per_threadgroup]]) {
   LILY_THREADGROUP(float, scratch, [32]);
-  LILY_THREADGROUP(float, qs, [LILY_GDN_MAX_DK]);
-  LILY_THREADGROUP(float, ks, [LILY_GDN_MAX_DK]);
-  const uint Dk = args.Dk, Dv = args.Dv, Hv = args.Hv, C = args.C;
+  LILY_THREADGROUP(float, qs, [Dk]);
+  LILY_THREADGROUP(float, ks, [Dk]);
+  const uint Dv = args.Dv, Hv = args.Hv, C = args.C;
   const uint hk = hv / (Hv / args.Hk), key_dim = args.Hk * Dk, vdim = Hv * Dv;
   const bool owner = j < Dv;  // threads is Dv rounded up to the simdgroup width
 
-  float col[LILY_GDN_MAX_DK];  // S[:, j] of this head
+  float col[Dk];  // S[:, j] of this head
   device const float* Sh = S + ulong(hv) * Dk * Dv;
-  for (uint i = 0; i < Dk; ++i) col[i] = owner ? Sh[ulong(i) * Dv + j] : 0.0f;
+  LILY_UNROLL for (int i = 0; i < Dk; ++i) col[i] = owner ? Sh[ulong(i) * Dv + j] : 0.0f;
 
   for (uint t = 0; t < args.T; ++t) {
     device const float* row = conv_out + ulong(t) * C;
     threadgroup_barrier(mem_flags::mem_threadgroup);  // last token's qs / ks fully read
     float sq = 0.0f, sk = 0.0f;
-    for (uint i = j; i < Dk; i += threads) {
+    for (uint i = j; i < uint(Dk); i += threads) {
       const float qv = row[hk * Dk + i], kv = row[key_dim + hk * Dk + i];
       qs[i] = qv;
       ks[i] = kv;
@@ -129,14 +131,18 @@ kernel void gdn_recurrence(device const float* conv_out [[buffer(0)]],  // [T, C
     const float decay = exp(a_neg[hv] * softplus);
 
     float kv_mem = 0.0f;
-    for (uint i = 0; i < Dk; ++i) {
+    LILY_UNROLL for (int i = 0; i < Dk; ++i) {
       col[i] *= decay;
       kv_mem += (ks[i] * rk) * col[i];
     }
     const float v = owner ? row[2 * key_dim + hv * Dv + j] : 0.0f;
     const float delta = (v - kv_mem) * beta;
+    // Orders threadgroup memory, so the loop below loads ks[i] again: without it a compiler
+    // forwards the loads of the loop above and keeps Dk more values live beside the Dk-float
+    // column (at Dk = 128, 255 registers and spills on sm_90: docs/msl-on-cuda.md).
+    simdgroup_barrier(mem_flags::mem_threadgroup);
     float out = 0.0f;
-    for (uint i = 0; i < Dk; ++i) {
+    LILY_UNROLL for (int i = 0; i < Dk; ++i) {
       col[i] += (ks[i] * rk) * delta;
       out += ((qs[i] * rq) * args.q_scale) * col[i];
     }
@@ -150,6 +156,8 @@ kernel void gdn_recurrence(device const float* conv_out [[buffer(0)]],  // [T, C
     }
   }
   device float* So = S_out + ulong(hv) * Dk * Dv;  // may be S itself: each thread owns its column
-  if (owner)
-    for (uint i = 0; i < Dk; ++i) So[ulong(i) * Dv + j] = col[i];
+  if (owner) LILY_UNROLL for (int i = 0; i < Dk; ++i) So[ulong(i) * Dv + j] = col[i];
 }
+
+#define LILY_GDN_RECURRENCE_INSTANTIATE(Dk) LILY_KERNEL_INSTANTIATE("gdn_recurrence_dk" #Dk, gdn_recurrence, Dk)
+LILY_GDN_KEY_DIMS(LILY_GDN_RECURRENCE_INSTANTIATE)

@@ -7,6 +7,11 @@
 
 #define LILY_GDN_MAX_DK 256  // key head dim held per thread (the state column lives in registers)
 
+// The key head dims the recurrence kernels are instantiated for (a compile-time Dk keeps the
+// state column in registers): the Qwen3.5 / 3.6 / Next family's 128, and smaller ones for tests
+// and tiny checkpoints. X(Dk) per dim; the host checks a model's against it.
+#define LILY_GDN_KEY_DIMS(X) X(32) X(48) X(64) X(128)
+
 struct GdnArgs {
   uint32_t T;
   uint32_t Hk, Hv, Dk, Dv;
@@ -15,3 +20,5 @@ struct GdnArgs {
   float eps;      // gated RMSNorm epsilon
   float q_scale;  // 1 / sqrt(Dk)
 };
+
+static_assert(sizeof(GdnArgs) == 36, "GdnArgs: 9 fields of 4 bytes, as the kernels read them");

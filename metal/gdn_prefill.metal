@@ -10,7 +10,7 @@
 //                beta = sigmoid(b), decay = exp(-exp(A_log) * softplus(a + dt_bias)).
 //                The threadgroups of the last token write the new conv window.
 //                                          grid (2*Hk + Hv, T), LILY_GDN_PREP_THREADS threads
-//   gdn_scan     the gated delta rule scanned over the chunk, one threadgroup per value head:
+//   gdn_scan_dk<Dk>  the gated delta rule scanned over the chunk, one threadgroup per value head:
 //                S[:, j] (one state column) is split over a quad of 4 threads, each holding
 //                Dk/4 floats in registers for the whole chunk, so dot products over Dk are a
 //                register loop plus one quad_sum, and 4*Dv threads (512 at Dv = 128) keep the
@@ -30,24 +30,25 @@
 #include "reduce.h"
 using namespace metal;
 
-kernel void gdn_prepare(device const float* qkv [[buffer(0)]],       // [T, C]
-                        device const float* taps [[buffer(1)]],      // [C, K]
-                        device const float* window [[buffer(2)]],    // [K-1, C] carried inputs
-                        device const float* b [[buffer(3)]],         // [T, Hv]
-                        device const float* a [[buffer(4)]],         // [T, Hv]
-                        device const float* a_neg [[buffer(5)]],     // [Hv] -exp(A_log)
-                        device const float* dt_bias [[buffer(6)]],   // [Hv]
-                        device float* x [[buffer(7)]],               // [T, C]
-                        device float* gates [[buffer(8)]],           // [T, Hv, 2]
-                        device float* window_out [[buffer(9)]],      // [K-1, C]
-                        constant GdnArgs& args [[buffer(10)]],
+kernel void gdn_prepare(constant GdnArgs& args [[buffer(0)]],
+                        device const float* qkv [[buffer(1)]],       // [T, C]
+                        device const float* taps [[buffer(2)]],      // [C, K]
+                        device const float* window [[buffer(3)]],    // [K-1, C] carried inputs
+                        device const float* b [[buffer(4)]],         // [T, Hv]
+                        device const float* a [[buffer(5)]],         // [T, Hv]
+                        device const float* a_neg [[buffer(6)]],     // [Hv] -exp(A_log)
+                        device const float* dt_bias [[buffer(7)]],   // [Hv]
+                        device float* x [[buffer(8)]],               // [T, C]
+                        device float* gates [[buffer(9)]],           // [T, Hv, 2]
+                        device float* window_out [[buffer(10)]],     // [K-1, C]
                         uint2 tg [[threadgroup_position_in_grid]],
+                        uint2 threads_per_group [[threads_per_threadgroup]],
                         uint tid [[thread_index_in_threadgroup]],
-                        uint threads [[threads_per_threadgroup]],
                         uint simd_id [[simdgroup_index_in_threadgroup]],
                         uint lane [[thread_index_in_simdgroup]],
                         uint n_simd [[simdgroups_per_threadgroup]]) {
   LILY_THREADGROUP(float, scratch, [32]);
+  const uint threads = threads_per_group.x;
   const uint C = args.C, K = args.K, T = args.T, t = tg.y, slot = tg.x;
   const uint key_slots = 2 * args.Hk;
   const bool is_key = slot < key_slots;  // a query or key head: normalised
@@ -95,14 +96,17 @@ kernel void gdn_prepare(device const float* qkv [[buffer(0)]],       // [T, C]
   }
 }
 
-kernel void gdn_scan(device const float* x [[buffer(0)]],         // [T, C] from gdn_prepare
-                     device const float* gates [[buffer(1)]],     // [T, Hv, 2]
-                     device const float* z [[buffer(2)]],         // [T, Hv*Dv]
-                     device const float* norm_w [[buffer(3)]],    // [Dv]
-                     device const float* S [[buffer(4)]],         // [Hv, Dk, Dv] in
-                     device float* S_out [[buffer(5)]],           // [Hv, Dk, Dv] out
+// 4 * Dv threads: 512 at the family's Dv = 128, up to 1024 (the host checks Dv <= 256).
+template <int Dk>
+[[max_total_threads_per_threadgroup(1024)]]
+kernel void gdn_scan(constant GdnArgs& args [[buffer(0)]],
+                     device const float* x [[buffer(1)]],         // [T, C] from gdn_prepare
+                     device const float* gates [[buffer(2)]],     // [T, Hv, 2]
+                     device const float* z [[buffer(3)]],         // [T, Hv*Dv]
+                     device const float* norm_w [[buffer(4)]],    // [Dv]
+                     device const float* S [[buffer(5)]],         // [Hv, Dk, Dv] in
                      device float* o [[buffer(6)]],               // [T, Hv*Dv]
-                     constant GdnArgs& args [[buffer(7)]],
+                     device float* S_out [[buffer(7)]],           // [Hv, Dk, Dv] out
                      uint hv [[threadgroup_position_in_grid]],
                      uint tid [[thread_index_in_threadgroup]],
                      uint simd_id [[simdgroup_index_in_threadgroup]],
@@ -110,15 +114,15 @@ kernel void gdn_scan(device const float* x [[buffer(0)]],         // [T, C] from
                      uint n_simd [[simdgroups_per_threadgroup]]) {
   constexpr uint split = LILY_GDN_SCAN_SPLIT;
   LILY_THREADGROUP(float, scratch, [32]);
-  const uint Dk = args.Dk, Dv = args.Dv, Hv = args.Hv, C = args.C;
+  constexpr int rows = Dk / split;  // LILY_GDN_KEY_DIMS are multiples of the split
+  const uint Dv = args.Dv, Hv = args.Hv, C = args.C;
   const uint hk = hv / (Hv / args.Hk), key_dim = args.Hk * Dk, vdim = Hv * Dv;
   const uint j = tid / split, s = tid % split;  // column j, rows i = s + split * r
   const bool owner = j < Dv;                    // threads are 4 * Dv rounded up to 32
-  const uint rows = Dk / split;                 // host checks Dk % split == 0
 
-  float col[LILY_GDN_SCAN_MAX_DK / split];
+  float col[rows];
   device const float* Sh = S + ulong(hv) * Dk * Dv;
-  for (uint r = 0; r < rows; ++r) col[r] = owner ? Sh[ulong(s + split * r) * Dv + j] : 0.0f;
+  LILY_UNROLL for (int r = 0; r < rows; ++r) col[r] = owner ? Sh[ulong(s + split * r) * Dv + j] : 0.0f;
 
   for (uint t = 0; t < args.T; ++t) {
     device const float* q = x + ulong(t) * C + hk * Dk;
@@ -126,7 +130,7 @@ kernel void gdn_scan(device const float* x [[buffer(0)]],         // [T, C] from
     const float beta = gates[(ulong(t) * Hv + hv) * 2 + 0];
     const float decay = gates[(ulong(t) * Hv + hv) * 2 + 1];
     float kv_mem = 0.0f;
-    for (uint r = 0; r < rows; ++r) {
+    LILY_UNROLL for (int r = 0; r < rows; ++r) {
       col[r] *= decay;
       kv_mem += k[s + split * r] * col[r];
     }
@@ -134,7 +138,7 @@ kernel void gdn_scan(device const float* x [[buffer(0)]],         // [T, C] from
     const float v = owner ? x[ulong(t) * C + 2 * key_dim + hv * Dv + j] : 0.0f;
     const float delta = (v - kv_mem) * beta;
     float out = 0.0f;
-    for (uint r = 0; r < rows; ++r) {
+    LILY_UNROLL for (int r = 0; r < rows; ++r) {
       col[r] += k[s + split * r] * delta;
       out += q[s + split * r] * col[r];
     }
@@ -149,6 +153,8 @@ kernel void gdn_scan(device const float* x [[buffer(0)]],         // [T, C] from
     }
   }
   device float* So = S_out + ulong(hv) * Dk * Dv;
-  if (owner)
-    for (uint r = 0; r < rows; ++r) So[ulong(s + split * r) * Dv + j] = col[r];
+  if (owner) LILY_UNROLL for (int r = 0; r < rows; ++r) So[ulong(s + split * r) * Dv + j] = col[r];
 }
+
+#define LILY_GDN_SCAN_INSTANTIATE(Dk) LILY_KERNEL_INSTANTIATE("gdn_scan_dk" #Dk, gdn_scan, Dk)
+LILY_GDN_KEY_DIMS(LILY_GDN_SCAN_INSTANTIATE)

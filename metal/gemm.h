@@ -9,39 +9,35 @@
 //   block with a handful of rows does not pay for 32.
 // - K advances by BK = 32. Per step the threadgroup stages an X tile [BM, BK] (rows gathered
 //   through a per-tile row table: the token rows of a routed block) and each weight tile
-//   [BN, BK] *dequantized to f32 in threadgroup memory*: packed words are expanded in
+//   (BN rows of W, BK deep) *dequantized to f32 in threadgroup memory*: packed words are expanded in
 //   registers by the thread that loads them and never written to device memory. BK = 32
 //   divides every MLX group size (32, 64, 128), so a tile row needs one scale and one bias.
 // - Accumulation is f32 in the simdgroup matrices; the epilogue stores the accumulators into
 //   the (no longer needed) staging tiles so each output element is written once, by one thread,
 //   with bounds checks (no reliance on the unverified per-lane layout of thread_elements()).
-// - Tile rows are padded to LD = BK + 4 floats against threadgroup bank conflicts.
-// - The inner product over a staged pair of tiles is a policy, GemmMma<BM, TENSOR>, picked by
-//   the host at load time (kernel names gemm_* / gemm_tensor_*, moe_gemm_* / moe_gemm_*_tensor_*):
-//   TENSOR = false: simdgroup_matrix<float, 8, 8>, accumulators in registers (every Apple GPU,
-//     M1 on);
-//   TENSOR = true: Metal 4's MetalPerformancePrimitives matmul2d, run by the 4 simdgroups
-//     together (execution_simdgroups<4>) with mode multiply_accumulate into an f32 accumulator
-//     tile in threadgroup memory; the weight tile is the right operand read transposed
-//     (transpose_right: stored N x K). Compiled only where the compiler defines
-//     __HAVE_TENSOR__ (MSL 4 on a Metal 4 GPU; the msl_cpu runtime with metal4=True), so the
-//     library still builds for M1-M4 without it. A cooperative-tensor accumulator (registers)
-//     would save the threadgroup round trip; the msl_cpu runtime does not emulate cooperative
-//     tensors, and an untestable kernel was not written. Unverified on Apple hardware.
+// - The X tile is [BM, BK] (rows m, columns k) and the weight tile is written *transposed* while
+//   it is dequantized, [BK, BN] (rows k, columns n): both are then the row-major operands
+//   A [m, k] and B [k, n] of the multiply, so simdgroup_load never transposes (ggml-metal's
+//   mul_mm dequantizes into the layout its multiply reads the same way).
+// - Tile rows are padded to LD = BK + 4 (X) and LDW = BN + 4 (W) floats against threadgroup
+//   bank conflicts.
+// - The inner product over a staged pair of tiles is a policy, GemmMma<BM, TENSOR>:
+//   TENSOR = false (here): simdgroup_matrix<float, 8, 8>, accumulators in registers (every
+//     Apple GPU, M1 on);
+//   TENSOR = true (gemm_tensor.h, only in the *_tensor.metal libraries, compiled as MSL 4.0 on
+//     GPUs with Metal 4 tensors): MetalPerformancePrimitives' matmul2d.
 //   Both keep the same staging, barriers and epilogue, so the dequantization is shared.
 //
 // Shapes: X [rows, K] f32, W [N, K] (affine: [N, K*bits/32] uint32 + scales/biases [N, K/group]
 // of type S; dense: [N, K] of type S), acc = X . W^T [rows, N].
 #pragma once
 #include <metal_stdlib>
-#if defined(__HAVE_TENSOR__)
-#include <metal_tensor>
-#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
-#endif
+#include "lily_msl.h"
 #include "quant_args.h"
 using namespace metal;
 
-#define LILY_GEMM_LD (LILY_GEMM_BK + 4)
+#define LILY_GEMM_LD (LILY_GEMM_BK + 4)   // floats per row of the X tile [BM, BK] (and results)
+#define LILY_GEMM_LDW (LILY_GEMM_BN + 4)  // floats per row of the weight tile [BK, BN]
 #define LILY_GEMM_NO_ROW 0xFFFFFFFFu
 
 // The simdgroup layout of a BM-row tile. (An enum, not static constexpr members: MSL would
@@ -68,6 +64,7 @@ inline void gemm_load_x(threadgroup float* xs, device const float* x, uint ldx,
   }
 }
 
+// Weight tile [BK, BN] (transposed: tile[k][n] = W[n0 + n][k0 + k]), dequantized to f32.
 template <int BITS, typename S>
 inline void gemm_load_w_affine(threadgroup float* ws, device const uint* w, device const S* scales,
                                device const S* biases, uint n0, uint N, uint K, uint group,
@@ -79,19 +76,19 @@ inline void gemm_load_w_affine(threadgroup float* ws, device const uint* w, devi
   const uint g = k0 / group;  // one group per tile row: BK divides the group size
   for (uint i = tid; i < LILY_GEMM_BN * words; i += LILY_GEMM_THREADS) {
     const uint n = i / words, wi = i % words, row = n0 + n;
-    threadgroup float* dst = ws + n * LILY_GEMM_LD + wi * per_word;
+    threadgroup float* dst = ws + wi * per_word * LILY_GEMM_LDW + n;  // column n, rows k..k + per_word
     if (row >= N) {
-      for (uint j = 0; j < per_word; ++j) dst[j] = 0.0f;
+      for (uint j = 0; j < per_word; ++j) dst[j * LILY_GEMM_LDW] = 0.0f;
       continue;
     }
     const uint word = w[ulong(row) * row_words + k0 / per_word + wi];
     const float s = float(scales[ulong(row) * groups + g]);
     const float b = float(biases[ulong(row) * groups + g]);
-    for (uint j = 0; j < per_word; ++j) dst[j] = s * float((word >> (j * BITS)) & mask) + b;
+    for (uint j = 0; j < per_word; ++j) dst[j * LILY_GEMM_LDW] = s * float((word >> (j * BITS)) & mask) + b;
   }
 }
 
-// Weight tile [BN, BK] of rows n0.. from k0, dequantized to f32 (zeros past N or K).
+// Weight tile of rows n0.. from k0, dequantized to f32 and stored [BK, BN] (zeros past N or K).
 template <typename S>
 inline void gemm_load_w(threadgroup float* ws, device const uchar* w, device const uchar* scales,
                         device const uchar* biases, constant QuantMatrix& m, uint n0, uint k0,
@@ -108,23 +105,22 @@ inline void gemm_load_w(threadgroup float* ws, device const uchar* w, device con
   for (uint i = tid; i < uint(LILY_GEMM_BN * LILY_GEMM_BK); i += LILY_GEMM_THREADS) {
     const uint n = i / LILY_GEMM_BK, c = i % LILY_GEMM_BK, row = n0 + n;
     const bool ok = row < m.out && k0 + c < m.in;
-    ws[n * LILY_GEMM_LD + c] = ok ? float(wd[ulong(row) * m.in + k0 + c]) : 0.0f;
+    ws[c * LILY_GEMM_LDW + n] = ok ? float(wd[ulong(row) * m.in + k0 + c]) : 0.0f;
   }
 }
 
-// acc += xs . ws^T over one BK step, for this simdgroup's fragments.
+// acc += xs . ws over one BK step (xs [BM, BK], ws [BK, BN]), for this simdgroup's fragments.
 template <int BM>
 inline void gemm_mma(thread simdgroup_float8x8 (&acc)[GemmTile<BM>::FM][GemmTile<BM>::FN],
                      threadgroup const float* xs, threadgroup const float* ws, uint simd_id) {
   typedef GemmTile<BM> L;
   const uint m0 = (simd_id / L::SN) * L::FM * 8, n0 = (simd_id % L::SN) * L::FN * 8;
-  for (uint kk = 0; kk < LILY_GEMM_BK; kk += 8) {
+  LILY_UNROLL for (int kk = 0; kk < LILY_GEMM_BK; kk += 8) {
     simdgroup_float8x8 a[L::FM], b[L::FN];
-    for (int i = 0; i < L::FM; ++i) simdgroup_load(a[i], xs, LILY_GEMM_LD, ulong2(kk, m0 + 8 * i));
-    // B[k][n] = W[n][k]: the weight tile read transposed.
-    for (int j = 0; j < L::FN; ++j) simdgroup_load(b[j], ws, LILY_GEMM_LD, ulong2(kk, n0 + 8 * j), true);
-    for (int i = 0; i < L::FM; ++i)
-      for (int j = 0; j < L::FN; ++j) simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
+    LILY_UNROLL for (int i = 0; i < L::FM; ++i) simdgroup_load(a[i], xs, LILY_GEMM_LD, ulong2(kk, m0 + 8 * i));
+    LILY_UNROLL for (int j = 0; j < L::FN; ++j) simdgroup_load(b[j], ws, LILY_GEMM_LDW, ulong2(n0 + 8 * j, kk));
+    LILY_UNROLL for (int i = 0; i < L::FM; ++i)
+      LILY_UNROLL for (int j = 0; j < L::FN; ++j) simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
   }
 }
 
@@ -135,22 +131,23 @@ inline void gemm_store_acc(threadgroup float* cs,
                            uint simd_id) {
   typedef GemmTile<BM> L;
   const uint m0 = (simd_id / L::SN) * L::FM * 8, n0 = (simd_id % L::SN) * L::FN * 8;
-  for (int i = 0; i < L::FM; ++i)
-    for (int j = 0; j < L::FN; ++j) simdgroup_store(acc[i][j], cs, LILY_GEMM_LD, ulong2(n0 + 8 * j, m0 + 8 * i));
+  LILY_UNROLL for (int i = 0; i < L::FM; ++i)
+    LILY_UNROLL for (int j = 0; j < L::FN; ++j) simdgroup_store(acc[i][j], cs, LILY_GEMM_LD, ulong2(n0 + 8 * j, m0 + 8 * i));
 }
 
 template <int BM>
 inline void gemm_zero(thread simdgroup_float8x8 (&acc)[GemmTile<BM>::FM][GemmTile<BM>::FN]) {
-  for (int i = 0; i < GemmTile<BM>::FM; ++i)
-    for (int j = 0; j < GemmTile<BM>::FN; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  LILY_UNROLL for (int i = 0; i < GemmTile<BM>::FM; ++i)
+    LILY_UNROLL for (int j = 0; j < GemmTile<BM>::FN; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 }
 
 // The inner-product policy of a BM-row tile. Each kernel declares a threadgroup accumulator of
 // ACC floats per output tile (unused by the simdgroup path; 1 keeps the array legal), then:
 //   begin(cacc, tid, simd_id)         zero the accumulator (before the first staging barrier)
-//   step(cacc, xs, ws, simd_id)       acc += xs . ws^T over one staged BK step
+//   step(cacc, xs, ws, simd_id)       acc += xs . ws over one staged BK step (ws is [BK, BN])
 //   finish(cacc, spare, simd_id)      the result tile [BM, LD] (simdgroup: stored into `spare`,
 //                                     a staging tile no longer read); the caller barriers
+// The TENSOR = true specialization is in gemm_tensor.h.
 template <int BM, bool TENSOR>
 struct GemmMma;
 
@@ -167,26 +164,3 @@ struct GemmMma<BM, false> {
     return spare;
   }
 };
-
-#if defined(__HAVE_TENSOR__)
-template <int BM>
-struct GemmMma<BM, true> {
-  enum { ACC = BM * LILY_GEMM_LD };
-  void begin(threadgroup float* cacc, uint tid, uint simd_id) {
-    for (uint i = tid; i < uint(ACC); i += LILY_GEMM_THREADS) cacc[i] = 0.0f;
-  }
-  void step(threadgroup float* cacc, threadgroup float* xs, threadgroup float* ws, uint simd_id) {
-    typedef dextents<int32_t, 2> E;  // extents innermost first: (columns, rows)
-    typedef tensor<threadgroup float, E, tensor_inline> Tile;
-    constexpr auto desc = mpp::tensor_ops::matmul2d_descriptor(
-        BM, LILY_GEMM_BN, LILY_GEMM_BK, false, true, false,
-        mpp::tensor_ops::matmul2d_descriptor::mode::multiply_accumulate);
-    mpp::tensor_ops::matmul2d<desc, execution_simdgroups<LILY_GEMM_THREADS / 32>> op;
-    Tile a(xs, E(LILY_GEMM_BK, BM), array<int32_t, 2>({1, LILY_GEMM_LD}));            // X [BM, BK]
-    Tile b(ws, E(LILY_GEMM_BK, LILY_GEMM_BN), array<int32_t, 2>({1, LILY_GEMM_LD}));  // W [BN, BK]
-    Tile c(cacc, E(LILY_GEMM_BN, BM), array<int32_t, 2>({1, LILY_GEMM_LD}));          // acc [BM, BN]
-    op.run(a, b, c);
-  }
-  threadgroup float* finish(threadgroup float* cacc, threadgroup float* spare, uint simd_id) { return cacc; }
-};
-#endif

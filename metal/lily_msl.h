@@ -7,8 +7,14 @@
 //       instantiation is a hard error in C++; the runtimes register func<T...>.)
 //   LILY_THREADGROUP(type, name, dims);  a kernel-scope threadgroup array, e.g.
 //       LILY_THREADGROUP(float, tile, [32][33]);  (on the CPU every thread is a fiber with its
-//       own stack, so the array is taken from the threadgroup's shared storage.)
+//       own stack, so the array is taken from the threadgroup's shared storage.) Only in kernel
+//       functions: helpers take a `threadgroup T*` (scripts/lint_metal.py checks it).
+//   LILY_UNROLL  before a loop with a compile-time trip count that indexes a thread-local array:
+//       fully unrolled, every index is a constant and the array lives in registers (the
+//       MSL-on-CPU compile fails on an array left in stack memory). MLX's STEEL_PRAGMA_UNROLL.
 #pragma once
+
+#define LILY_UNROLL _Pragma("clang loop unroll(full)")
 
 #if defined(__METAL_VERSION__)
 #define LILY_KERNEL_INSTANTIATE(host, func, ...) \

@@ -15,7 +15,8 @@
 //   moe_plan          histogram of ids per expert, prefix scans, stable scatter of the (token,
 //                     job) slots sorted by expert, block map (moe_args.h). One threadgroup, a
 //                     thread per expert, so the order is deterministic. grid (1), 1024 threads
-//   moe_gemm_gate_up  grouped GEMM per block of one expert's rows: the token rows of h gathered
+//   moe_gemm_gate_up  (moe_gemm.h; _tensor_ variants in moe_tensor.metal)
+//                     grouped GEMM per block of one expert's rows: the token rows of h gathered
 //                     into the X tile, gate and up tiles dequantized in threadgroup memory,
 //                     SwiGLU in the epilogue; act in sorted order.
 //                                        grid (ceil(I / 32), max_blocks), 128 threads
@@ -27,17 +28,19 @@
 // expert, blocks of BM). An expert with no tokens has no block: its weights are never read.
 // Weights stay packed (quant.h, gemm.h read them); S is the scale (or dense element) type.
 #include <metal_stdlib>
-#include "gemm.h"
 #include "lily_msl.h"
 #include "moe_args.h"
+#include "moe_gemm.h"
 #include "quant.h"
 #include "reduce.h"
 using namespace metal;
 
-kernel void moe_route(device const float* logits [[buffer(0)]],  // [T, E]
-                      device uint* ids [[buffer(1)]],            // [T, k]
-                      device float* weights [[buffer(2)]],       // [T, k]
-                      constant MoeRouteArgs& args [[buffer(3)]],
+// E threads rounded up to 32: up to 1024 (LILY_MOE_PLAN_THREADS bounds E).
+[[max_total_threads_per_threadgroup(1024)]]
+kernel void moe_route(constant MoeRouteArgs& args [[buffer(0)]],
+                      device const float* logits [[buffer(1)]],  // [T, E]
+                      device uint* ids [[buffer(2)]],            // [T, k]
+                      device float* weights [[buffer(3)]],       // [T, k]
                       uint t [[threadgroup_position_in_grid]],
                       uint e [[thread_index_in_threadgroup]],
                       uint simd_id [[simdgroup_index_in_threadgroup]],
@@ -71,24 +74,19 @@ kernel void moe_route(device const float* logits [[buffer(0)]],  // [T, E]
   }
 }
 
-// Offsets of expert e's matrix within its bound buffers.
-inline device const uchar* at(device const uchar* base, device const ulong* table, uint e, uint part) {
-  return base + table[3 * e + part];
-}
-
 template <typename S>
-kernel void moe_gate_up(device const uchar* gate_w [[buffer(0)]],
-                        device const uchar* gate_s [[buffer(1)]],
-                        device const uchar* gate_b [[buffer(2)]],
-                        device const ulong* gate_table [[buffer(3)]],  // [E, 3]
-                        device const uchar* up_w [[buffer(4)]],
-                        device const uchar* up_s [[buffer(5)]],
-                        device const uchar* up_b [[buffer(6)]],
-                        device const ulong* up_table [[buffer(7)]],    // [E, 3]
-                        device const uint* ids [[buffer(8)]],          // [T, k]
-                        device const float* h [[buffer(9)]],           // [T, H]
-                        device float* act [[buffer(10)]],              // [T, k, I]
-                        constant MoeGateUpArgs& args [[buffer(11)]],
+kernel void moe_gate_up(constant MoeGateUpArgs& args [[buffer(0)]],
+                        device const uchar* gate_w [[buffer(1)]],
+                        device const uchar* gate_s [[buffer(2)]],
+                        device const uchar* gate_b [[buffer(3)]],
+                        device const ulong* gate_table [[buffer(4)]],  // [E, 3]
+                        device const uchar* up_w [[buffer(5)]],
+                        device const uchar* up_s [[buffer(6)]],
+                        device const uchar* up_b [[buffer(7)]],
+                        device const ulong* up_table [[buffer(8)]],    // [E, 3]
+                        device const uint* ids [[buffer(9)]],          // [T, k]
+                        device const float* h [[buffer(10)]],          // [T, H]
+                        device float* act [[buffer(11)]],              // [T, k, I]
                         uint3 tg [[threadgroup_position_in_grid]],
                         uint simd_id [[simdgroup_index_in_threadgroup]],
                         uint lane [[thread_index_in_simdgroup]]) {
@@ -113,21 +111,21 @@ LILY_KERNEL_INSTANTIATE("moe_gate_up_half", moe_gate_up, half)
 LILY_KERNEL_INSTANTIATE("moe_gate_up_bfloat", moe_gate_up, bfloat)
 
 template <typename S>
-kernel void moe_down(device const uchar* down_w [[buffer(0)]],
-                     device const uchar* down_s [[buffer(1)]],
-                     device const uchar* down_b [[buffer(2)]],
-                     device const ulong* down_table [[buffer(3)]],    // [E, 3]
-                     device const uint* ids [[buffer(4)]],            // [T, k]
-                     device const float* weights [[buffer(5)]],       // [T, k]
-                     device const float* act [[buffer(6)]],           // [T, k, I]
-                     device const uchar* shared_w [[buffer(7)]],
-                     device const uchar* shared_s [[buffer(8)]],
-                     device const uchar* shared_b [[buffer(9)]],
-                     device const ulong* shared_table [[buffer(10)]],  // [1, 3]
-                     device const float* shared_act [[buffer(11)]],    // [T, Is]
-                     device const float* shared_gate [[buffer(12)]],   // [T] logit
-                     device float* y [[buffer(13)]],                   // [T, H]
-                     constant MoeDownArgs& args [[buffer(14)]],
+kernel void moe_down(constant MoeDownArgs& args [[buffer(0)]],
+                     device const uchar* down_w [[buffer(1)]],
+                     device const uchar* down_s [[buffer(2)]],
+                     device const uchar* down_b [[buffer(3)]],
+                     device const ulong* down_table [[buffer(4)]],    // [E, 3]
+                     device const uint* ids [[buffer(5)]],            // [T, k]
+                     device const float* weights [[buffer(6)]],       // [T, k]
+                     device const float* act [[buffer(7)]],           // [T, k, I]
+                     device const uchar* shared_w [[buffer(8)]],
+                     device const uchar* shared_s [[buffer(9)]],
+                     device const uchar* shared_b [[buffer(10)]],
+                     device const ulong* shared_table [[buffer(11)]],  // [1, 3]
+                     device const float* shared_act [[buffer(12)]],    // [T, Is]
+                     device const float* shared_gate [[buffer(13)]],   // [T] logit
+                     device float* y [[buffer(14)]],                   // [T, H]
                      uint2 tg [[threadgroup_position_in_grid]],
                      uint simd_id [[simdgroup_index_in_threadgroup]],
                      uint lane [[thread_index_in_simdgroup]]) {
@@ -161,11 +159,12 @@ LILY_KERNEL_INSTANTIATE("moe_down_bfloat", moe_down, bfloat)
 
 // ---- prefill ------------------------------------------------------------------------------------
 
-kernel void moe_plan(device const uint* ids [[buffer(0)]],  // [n] expert of slot s = t*k + j
-                     device uint* rows [[buffer(1)]],       // [n] slots sorted by expert
-                     device uint4* blocks [[buffer(2)]],    // [max_blocks]
-                     device uint* header [[buffer(3)]],     // [4]
-                     constant MoePlanArgs& args [[buffer(4)]],
+[[max_total_threads_per_threadgroup(LILY_MOE_PLAN_THREADS)]]
+kernel void moe_plan(constant MoePlanArgs& args [[buffer(0)]],
+                     device const uint* ids [[buffer(1)]],  // [n] expert of slot s = t*k + j
+                     device uint* rows [[buffer(2)]],       // [n] slots sorted by expert
+                     device uint4* blocks [[buffer(3)]],    // [max_blocks]
+                     device uint* header [[buffer(4)]],     // [4]
                      uint e [[thread_index_in_threadgroup]],
                      uint simd_id [[simdgroup_index_in_threadgroup]],
                      uint lane [[thread_index_in_simdgroup]],
@@ -225,154 +224,14 @@ kernel void moe_plan(device const uint* ids [[buffer(0)]],  // [n] expert of slo
   for (uint b = 0; b < nblk; ++b) blocks[blk0 + b] = uint4(e, row0 + b * bm, min(bm, count - b * bm), 0u);
 }
 
-// Row block `blk` of a grouped GEMM: its expert, first (sorted) row and row count. False past
-// the blocks in use (uniform over the threadgroup: the caller returns before any barrier).
-inline bool moe_block(device const uint4* blocks, device const uint* header, constant MoeGemmArgs& args,
-                      uint blk, uint bm, thread uint& e, thread uint& first, thread uint& count) {
-  if (args.routed) {
-    if (blk >= header[0]) return false;
-    const uint4 b = blocks[blk];
-    e = b.x;
-    first = b.y;
-    count = b.z;
-    return true;
-  }
-  e = 0;
-  first = blk * bm;
-  if (first >= args.n) return false;
-  count = min(bm, args.n - first);
-  return true;
-}
-
-template <typename S, int BM, bool TENSOR>
-kernel void moe_gemm_gate_up(device const uchar* gate_w [[buffer(0)]],
-                             device const uchar* gate_s [[buffer(1)]],
-                             device const uchar* gate_b [[buffer(2)]],
-                             device const ulong* gate_table [[buffer(3)]],  // [E, 3]
-                             device const uchar* up_w [[buffer(4)]],
-                             device const uchar* up_s [[buffer(5)]],
-                             device const uchar* up_b [[buffer(6)]],
-                             device const ulong* up_table [[buffer(7)]],    // [E, 3]
-                             device const uint4* blocks [[buffer(8)]],      // moe_plan
-                             device const uint* header [[buffer(9)]],
-                             device const uint* rows [[buffer(10)]],        // [T*k] sorted slots
-                             device const float* h [[buffer(11)]],          // [T, H]
-                             device float* act [[buffer(12)]],              // [n, I] sorted rows
-                             constant MoeGemmArgs& args [[buffer(13)]],
-                             uint2 tg [[threadgroup_position_in_grid]],
-                             uint tid [[thread_index_in_threadgroup]],
-                             uint simd_id [[simdgroup_index_in_threadgroup]]) {
-  typedef GemmMma<BM, TENSOR> Mma;
-  LILY_THREADGROUP(float, xs, [BM * LILY_GEMM_LD]);
-  LILY_THREADGROUP(float, wg, [LILY_GEMM_BN * LILY_GEMM_LD]);
-  LILY_THREADGROUP(float, wu, [LILY_GEMM_BN * LILY_GEMM_LD]);
-  LILY_THREADGROUP(uint, src_row, [BM]);
-  LILY_THREADGROUP(float, cacc_g, [Mma::ACC]);
-  LILY_THREADGROUP(float, cacc_u, [Mma::ACC]);
-  uint e, first, count;
-  if (!moe_block(blocks, header, args, tg.y, BM, e, first, count)) return;
-  const uint H = args.a.in, I = args.a.out, n0 = tg.x * LILY_GEMM_BN;
-  if (tid < uint(BM))  // the token row of h each tile row reads
-    src_row[tid] = tid >= count ? LILY_GEMM_NO_ROW : args.routed ? rows[first + tid] / args.k : first + tid;
-  Mma mma_g, mma_u;
-  mma_g.begin(cacc_g, tid, simd_id);
-  mma_u.begin(cacc_u, tid, simd_id);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-
-  for (uint k0 = 0; k0 < H; k0 += LILY_GEMM_BK) {
-    gemm_load_x<BM>(xs, h, H, src_row, k0, H, tid);
-    gemm_load_w<S>(wg, at(gate_w, gate_table, e, 0), at(gate_s, gate_table, e, 1), at(gate_b, gate_table, e, 2),
-                   args.a, n0, k0, tid);
-    gemm_load_w<S>(wu, at(up_w, up_table, e, 0), at(up_s, up_table, e, 1), at(up_b, up_table, e, 2),
-                   args.b, n0, k0, tid);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    mma_g.step(cacc_g, xs, wg, simd_id);
-    mma_u.step(cacc_u, xs, wu, simd_id);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-  }
-  threadgroup float* g = mma_g.finish(cacc_g, xs, simd_id);
-  threadgroup float* u = mma_u.finish(cacc_u, wg, simd_id);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint i = tid; i < uint(BM * LILY_GEMM_BN); i += LILY_GEMM_THREADS) {
-    const uint r = i / LILY_GEMM_BN, c = i % LILY_GEMM_BN;
-    if (r < count && n0 + c < I)
-      act[ulong(first + r) * I + n0 + c] = silu_f(g[r * LILY_GEMM_LD + c]) * u[r * LILY_GEMM_LD + c];
-  }
-}
-
-template <typename S, int BM, bool TENSOR>
-kernel void moe_gemm_down(device const uchar* down_w [[buffer(0)]],
-                          device const uchar* down_s [[buffer(1)]],
-                          device const uchar* down_b [[buffer(2)]],
-                          device const ulong* down_table [[buffer(3)]],  // [E, 3]
-                          device const uint4* blocks [[buffer(4)]],      // moe_plan
-                          device const uint* header [[buffer(5)]],
-                          device const uint* rows [[buffer(6)]],         // [T*k] sorted slots
-                          device const float* weights [[buffer(7)]],     // [T*k] routing weights
-                          device const float* act [[buffer(8)]],         // [n, I] sorted rows
-                          device float* out [[buffer(9)]],               // routed: yr [T*k, H]; else y [T, H]
-                          constant MoeGemmArgs& args [[buffer(10)]],
-                          uint2 tg [[threadgroup_position_in_grid]],
-                          uint tid [[thread_index_in_threadgroup]],
-                          uint simd_id [[simdgroup_index_in_threadgroup]]) {
-  typedef GemmMma<BM, TENSOR> Mma;
-  LILY_THREADGROUP(float, xs, [BM * LILY_GEMM_LD]);
-  LILY_THREADGROUP(float, ws, [LILY_GEMM_BN * LILY_GEMM_LD]);
-  LILY_THREADGROUP(uint, src_row, [BM]);
-  LILY_THREADGROUP(uint, dst_row, [BM]);
-  LILY_THREADGROUP(float, scale, [BM]);
-  LILY_THREADGROUP(float, cacc, [Mma::ACC]);
-  uint e, first, count;
-  if (!moe_block(blocks, header, args, tg.y, BM, e, first, count)) return;
-  const uint I = args.a.in, H = args.a.out, n0 = tg.x * LILY_GEMM_BN;
-  if (tid < uint(BM)) {
-    const bool live = tid < count;
-    const uint slot = live && args.routed ? rows[first + tid] : first + tid;
-    src_row[tid] = live ? first + tid : LILY_GEMM_NO_ROW;
-    dst_row[tid] = slot;
-    scale[tid] = live && args.routed ? weights[slot] : 1.0f;
-  }
-  Mma mma;
-  mma.begin(cacc, tid, simd_id);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-
-  for (uint k0 = 0; k0 < I; k0 += LILY_GEMM_BK) {
-    gemm_load_x<BM>(xs, act, I, src_row, k0, I, tid);
-    gemm_load_w<S>(ws, at(down_w, down_table, e, 0), at(down_s, down_table, e, 1), at(down_b, down_table, e, 2),
-                   args.a, n0, k0, tid);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    mma.step(cacc, xs, ws, simd_id);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-  }
-  threadgroup float* res = mma.finish(cacc, xs, simd_id);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint i = tid; i < uint(BM * LILY_GEMM_BN); i += LILY_GEMM_THREADS) {
-    const uint r = i / LILY_GEMM_BN, c = i % LILY_GEMM_BN;
-    if (r < count && n0 + c < H) out[ulong(dst_row[r]) * H + n0 + c] = scale[r] * res[r * LILY_GEMM_LD + c];
-  }
-}
-
-// moe_gemm_{gate_up,down}_<S>_bm<BM> on simdgroup_matrix (every Apple GPU), and
-// moe_gemm_{gate_up,down}_tensor_<S>_bm<BM> on Metal 4 matmul2d where the compiler has tensors.
-#define LILY_MOE_GEMM_INSTANTIATE(kind, path, tensor)                                                         \
-  LILY_KERNEL_INSTANTIATE("moe_gemm_" #kind path "_float_bm8", moe_gemm_##kind, float, 8, tensor)   \
-  LILY_KERNEL_INSTANTIATE("moe_gemm_" #kind path "_half_bm8", moe_gemm_##kind, half, 8, tensor)     \
-  LILY_KERNEL_INSTANTIATE("moe_gemm_" #kind path "_bfloat_bm8", moe_gemm_##kind, bfloat, 8, tensor) \
-  LILY_KERNEL_INSTANTIATE("moe_gemm_" #kind path "_float_bm32", moe_gemm_##kind, float, 32, tensor) \
-  LILY_KERNEL_INSTANTIATE("moe_gemm_" #kind path "_half_bm32", moe_gemm_##kind, half, 32, tensor)   \
-  LILY_KERNEL_INSTANTIATE("moe_gemm_" #kind path "_bfloat_bm32", moe_gemm_##kind, bfloat, 32, tensor)
 LILY_MOE_GEMM_INSTANTIATE(gate_up, "", false)
 LILY_MOE_GEMM_INSTANTIATE(down, "", false)
-#if defined(__HAVE_TENSOR__)
-LILY_MOE_GEMM_INSTANTIATE(gate_up, "_tensor", true)
-LILY_MOE_GEMM_INSTANTIATE(down, "_tensor", true)
-#endif
 
-kernel void moe_combine(device const float* yr [[buffer(0)]],      // [T*k, H] weighted expert rows
-                        device const float* ys [[buffer(1)]],      // [T, H] shared expert
-                        device const float* sg [[buffer(2)]],      // [T] shared gate logit
-                        device float* y [[buffer(3)]],             // [T, H]
-                        constant MoeCombineArgs& args [[buffer(4)]],
+kernel void moe_combine(constant MoeCombineArgs& args [[buffer(0)]],
+                        device const float* yr [[buffer(1)]],      // [T*k, H] weighted expert rows
+                        device const float* ys [[buffer(2)]],      // [T, H] shared expert
+                        device const float* sg [[buffer(3)]],      // [T] shared gate logit
+                        device float* y [[buffer(4)]],             // [T, H]
                         uint2 gid [[thread_position_in_grid]]) {
   const uint c = gid.x, t = gid.y;
   if (c >= args.H) return;

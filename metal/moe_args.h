@@ -15,12 +15,14 @@ struct MoeRouteArgs {
   uint32_t E, k;
   uint32_t renormalize;  // divide the k weights by their sum (norm_topk_prob)
 };
+static_assert(sizeof(MoeRouteArgs) == 12, "MoeRouteArgs: 3 fields of 4 bytes");
 
 // act[t, j, :] = silu(gate_e . h[t]) * (up_e . h[t]),  e = ids[t, j]
 struct MoeGateUpArgs {
   QuantMatrix gate, up;  // [I, H] each
   uint32_t k;            // jobs per token (routed experts; 1 for the shared expert / dense MLP)
 };
+static_assert(sizeof(MoeGateUpArgs) == 36, "MoeGateUpArgs: 2 QuantMatrix and 1 field of 4 bytes");
 
 // y[t, r] = sum_j w[t, j] * down_e[r] . act[t, j]  (+ sigmoid(sg[t]) * shared_down[r] . act_s[t])
 struct MoeDownArgs {
@@ -30,6 +32,7 @@ struct MoeDownArgs {
   uint32_t weighted;    // 0: every job has weight 1 (dense MLP)
   uint32_t has_shared;  // add the sigmoid-gated shared expert
 };
+static_assert(sizeof(MoeDownArgs) == 44, "MoeDownArgs: 2 QuantMatrix and 3 fields of 4 bytes");
 
 // ---- prefill: routing on the GPU and grouped expert GEMMs ----------------------------------------
 //
@@ -49,6 +52,7 @@ struct MoePlanArgs {
   uint32_t E;
   uint32_t block_rows;  // BM of the GEMMs that read the map (8 or 32)
 };
+static_assert(sizeof(MoePlanArgs) == 12, "MoePlanArgs: 3 fields of 4 bytes");
 
 // One grouped GEMM over the block map (routed = 1) or over the rows 0..n in BM blocks of one
 // expert (routed = 0: the shared expert and a dense MLP).
@@ -61,9 +65,11 @@ struct MoeGemmArgs {
   uint32_t routed;
   uint32_t n;        // rows (routed: T*k; else T)
 };
+static_assert(sizeof(MoeGemmArgs) == 44, "MoeGemmArgs: 2 QuantMatrix and 3 fields of 4 bytes");
 
 // y[t, :] = sum_j yr[t*k + j, :] (+ sigmoid(sg[t]) * ys[t, :])
 struct MoeCombineArgs {
   uint32_t H, k;
   uint32_t has_shared;
 };
+static_assert(sizeof(MoeCombineArgs) == 12, "MoeCombineArgs: 3 fields of 4 bytes");

@@ -9,11 +9,11 @@
 #include "reduce.h"
 using namespace metal;
 
-kernel void add_rms_norm(device float* x [[buffer(0)]],        // [T, n] residual stream
-                         device const float* y [[buffer(1)]],  // [T, n] last block's output
+kernel void add_rms_norm(constant NormArgs& args [[buffer(0)]],
+                         device const float* y [[buffer(1)]],  // [T, n] last block's output (when add)
                          device const float* w [[buffer(2)]],  // [n] full gain
-                         device float* h [[buffer(3)]],        // [T, n] normed
-                         constant NormArgs& args [[buffer(4)]],
+                         device float* x [[buffer(3)]],        // [T, n] residual stream (+= y in place)
+                         device float* h [[buffer(4)]],        // [T, n] normed
                          uint t [[threadgroup_position_in_grid]],
                          uint tid [[thread_index_in_threadgroup]],
                          uint threads [[threads_per_threadgroup]],

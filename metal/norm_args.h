@@ -7,3 +7,5 @@ struct NormArgs {
   uint32_t add;  // 1: fold the residual add in first
   float eps;
 };
+
+static_assert(sizeof(NormArgs) == 12, "NormArgs: 3 fields of 4 bytes, as the kernels read them");

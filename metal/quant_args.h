@@ -10,6 +10,7 @@ struct QuantMatrix {
   uint32_t bits;
   uint32_t group;
 };
+static_assert(sizeof(QuantMatrix) == 16, "QuantMatrix: 4 fields of 4 bytes, as the kernels read them");
 
 // y[t, 0..out) = x[t, 0..in) . W^T     (gemv_*; decode T = 1, prefill runs T rows of the grid)
 struct GemvArgs {
@@ -17,12 +18,14 @@ struct GemvArgs {
   uint32_t ldx;  // floats between rows of x
   uint32_t ldy;  // floats between rows of y
 };
+static_assert(sizeof(GemvArgs) == 24, "GemvArgs: a QuantMatrix and 2 fields of 4 bytes");
 
 // x[t, :] = W[tokens[t], :]     (embed_*)
 struct EmbedArgs {
   QuantMatrix w;
   uint32_t vocab;
 };
+static_assert(sizeof(EmbedArgs) == 20, "EmbedArgs: a QuantMatrix and 1 field of 4 bytes");
 
 // Rows of a GEMV threadgroup: 2 simdgroups x 4 rows (a uniform tile the host sizes grids by).
 #define LILY_GEMV_SIMDGROUPS 2
@@ -44,3 +47,4 @@ struct GemmArgs {
   uint32_t ldx;   // floats between rows of x
   uint32_t ldy;   // floats between rows of y
 };
+static_assert(sizeof(GemmArgs) == 28, "GemmArgs: a QuantMatrix and 3 fields of 4 bytes");

@@ -75,12 +75,13 @@ inline uint tg_min_u32(uint v, threadgroup uint* scratch, uint simd_id, uint lan
 
 }  // namespace
 
-kernel void sample(device const float* logits [[buffer(0)]],  // [vocab]
-                   device float* w [[buffer(1)]],              // [vocab] scratch: e^((l - max) / T)
-                   device ulong* rng [[buffer(2)]],            // [4] xoshiro256** state
-                   device int* token [[buffer(3)]],            // [1]
-                   device uint* status [[buffer(4)]],          // [3] code, index, logit bits
-                   constant SampleArgs& a [[buffer(5)]],
+[[max_total_threads_per_threadgroup(LILY_SAMPLE_THREADS)]]
+kernel void sample(constant SampleArgs& args [[buffer(0)]],
+                   device const float* logits [[buffer(1)]],  // [vocab]
+                   device float* w [[buffer(2)]],              // [vocab] scratch: e^((l - max) / T)
+                   device ulong* rng [[buffer(3)]],            // [4] xoshiro256** state (advanced in place)
+                   device int* token [[buffer(4)]],            // [1]
+                   device uint* status [[buffer(5)]],          // [3] code, index, logit bits
                    uint tid [[thread_index_in_threadgroup]],
                    uint threads [[threads_per_threadgroup]],
                    uint simd_id [[simdgroup_index_in_threadgroup]],
@@ -91,7 +92,7 @@ kernel void sample(device const float* logits [[buffer(0)]],  // [vocab]
   LILY_THREADGROUP(uint, eq_scan, [LILY_SAMPLE_THREADS]);     // per thread: equal-key tokens
   LILY_THREADGROUP(ulong, mass_scan, [LILY_SAMPLE_THREADS]);  // per thread: kept mass
   LILY_THREADGROUP(ulong, pick, [2]);                         // the drawing thread, t
-  const uint V = a.vocab;
+  const uint V = args.vocab;
 
   // Pass 1: the best key (lowest id on ties) and the first NaN / +inf.
   uint best_key = 0, best_id = 0xFFFFFFFFu, bad = 0xFFFFFFFFu;
@@ -119,7 +120,7 @@ kernel void sample(device const float* logits [[buffer(0)]],  // [vocab]
     }
     return;
   }
-  if (a.sample == 0) {
+  if (args.sample == 0) {
     if (tid == 0) {
       token[0] = int(best);
       status[0] = LILY_SAMPLE_OK;
@@ -128,7 +129,7 @@ kernel void sample(device const float* logits [[buffer(0)]],  // [vocab]
   }
 
   // Pass 2: weights (float, kept for the passes below) and their integer total.
-  const float max_logit = logits[best], inv_t = a.inv_t, scale = sample_weight_scale(V);
+  const float max_logit = logits[best], inv_t = args.inv_t, scale = sample_weight_scale(V);
   ulong z_all = 0;
   for (uint i = tid; i < V; i += threads) {
     const float l = logits[i];  // -inf weighs 0 (tested on the bits: fast math assumes no inf)
@@ -140,7 +141,7 @@ kernel void sample(device const float* logits [[buffer(0)]],  // [vocab]
 
   // The kept prefix so far: key > v, and the first n_eq tokens with key == v. v = 0: everything.
   uint v = 0, n_eq = 0xFFFFFFFFu;
-  const bool use_k = a.top_k > 0 && a.top_k < V;
+  const bool use_k = args.top_k > 0 && args.top_k < V;
   ulong z = z_all;  // mass that top-p applies to
   if (use_k) {
     // The k-th best key: the largest u with count(key >= u) >= k.
@@ -149,7 +150,7 @@ kernel void sample(device const float* logits [[buffer(0)]],  // [vocab]
       const uint mid = lo + (hi - lo + 1) / 2;
       uint c = 0;
       for (uint i = tid; i < V; i += threads) c += sample_key(logits[i]) >= mid ? 1u : 0u;
-      if (tg_sum_u32(c, su, simd_id, lane, n_simd) >= a.top_k) lo = mid;
+      if (tg_sum_u32(c, su, simd_id, lane, n_simd) >= args.top_k) lo = mid;
       else hi = mid - 1;
     }
     v = lo;
@@ -161,12 +162,12 @@ kernel void sample(device const float* logits [[buffer(0)]],  // [vocab]
         m += ulong(w[i] * scale);
       }
     const uint n_gt = tg_sum_u32(c, su, simd_id, lane, n_simd);
-    n_eq = a.top_k - n_gt;
+    n_eq = args.top_k - n_gt;
     z = tg_sum_u64(m, sl, simd_id, lane, n_simd) +
         ulong(n_eq) * sample_weight(sample_key_value(v), max_logit, inv_t, scale);
   }
-  if (a.use_top_p) {
-    ulong target = sample_mulhi(z, (ulong(a.top_p_hi) << 32) | ulong(a.top_p_lo));
+  if (args.use_top_p) {
+    ulong target = sample_mulhi(z, (ulong(args.top_p_hi) << 32) | ulong(args.top_p_lo));
     target = max(target, ulong(1));
     // The smallest key u (within the top-k prefix) with mass(key > u) < target: the last kept
     // token's key. Keys above the best carry no mass, so `top` qualifies.
@@ -197,7 +198,7 @@ kernel void sample(device const float* logits [[buffer(0)]],  // [vocab]
     n_eq = n;
   }
   // min-p: logit >= max + T log(min_p), compared as keys (0: off).
-  const uint floor_key = a.use_min_p ? sample_key(max_logit + a.min_p_offset) : 0u;
+  const uint floor_key = args.use_min_p ? sample_key(max_logit + args.min_p_offset) : 0u;
   const ulong q_v = v >= floor_key ? sample_weight(sample_key_value(v), max_logit, inv_t, scale) : 0;
 
   // The draw, over contiguous id ranges so that running sums follow id order.

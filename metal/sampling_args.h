@@ -16,6 +16,8 @@ struct SampleArgs {
   float min_p_offset;  // float(T * log(min_p)): tokens below max + offset are cut
 };
 
+static_assert(sizeof(SampleArgs) == 36, "SampleArgs: 9 fields of 4 bytes, as the kernel reads them");
+
 // status[3] a sample dispatch writes next to its token: code, token index, logit bits.
 #define LILY_SAMPLE_OK 0u
 #define LILY_SAMPLE_BAD_LOGIT 1u  // a NaN or +inf logit (index and bits of the first)

@@ -1,15 +1,21 @@
-"""Helpers for the MSL-on-CPU tests: load a kernel file into a library and run one dispatch
+"""Helpers for the MSL-on-CPU tests: load a kernel file into a library and run dispatches
 through the same encoder calls the Metal backend makes (lily._core.msl_cpu).
+
+Buffers are bound by the kernel's parameter names ({"x": buf, "args": kernel_args.GemvArgs(...)}),
+or by [[buffer(i)]] index for the small test kernels; argument structs are the host's own
+(lily._core.kernel_args, filled by field name).
 
 $LILY_TEST_MSL_RUNTIME picks the runtime behind `msl_cpu.device(...)` in the kernel tests:
   unset or "cpu"   the MSL-on-CPU runtime (CI);
   "cuda"           an MSL-on-CUDA device (the GPU machine, scripts/h200/): `interleavings`
                    becomes threadgroups launched in a seeded permuted order, dispatches are
-                   synchronous (a fault names its kernel); asan, metal4 and check_dependencies
-                   are msl_cpu's own checks, so a test asking for one is skipped, saying so;
+                   synchronous (a fault names its kernel); asan, metal4, check_dependencies and
+                   the fault injection and reported sizes of msl_cpu's device are msl_cpu's own,
+                   so a test asking for one is skipped, saying so;
   "cuda-compile"   the CPU runtime runs the tests, and every library and function-constant
                    specialization they make is also compiled to PTX into the kernel cache
-                   ($LILY_MSL_CUDA_CACHE), which the GPU machine (no clang) then loads.
+                   ($LILY_MSL_CUDA_CACHE), which the GPU machine (no clang) then loads (MSL 4.0
+                   libraries excepted: msl_cuda has no Metal 4 tensors).
 """
 
 import os
@@ -19,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lily._core import kernel_args, msl_cuda
 from lily._core import msl_cpu as _msl_cpu
-from lily._core import msl_cuda
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "tests" / "msl" / "kernels"
@@ -33,11 +39,16 @@ RUNTIME = os.environ.get("LILY_TEST_MSL_RUNTIME", "cpu")
 class _OnCuda:
     """msl_cpu's module with device() made by lily._core.msl_cuda."""
 
-    def device(self, asan=False, interleavings=0, check_dependencies=False, seed=0, include_dirs=(),
-               metal4=False):
-        for name, on in (("asan", asan), ("metal4", metal4), ("check_dependencies", check_dependencies)):
-            if on:
-                pytest.skip(f"{name}=True is an msl_cpu check with no msl-cuda counterpart")
+    # msl_cpu.device's own options and their defaults (a test that sets one is skipped).
+    _CPU_ONLY = {"asan": False, "metal4": False, "check_dependencies": False, "apple_gpu_family": 7,
+                 "working_set": 0, "fail_dispatch": "", "fail_dispatch_count": 1, "fail_library": ""}
+
+    def device(self, interleavings=0, seed=0, include_dirs=(), **options):
+        for name, value in options.items():
+            if name not in self._CPU_ONLY:
+                raise TypeError(f"device() got an unexpected keyword argument {name!r}")
+            if value != self._CPU_ONLY[name]:
+                pytest.skip(f"{name}={value!r} is an msl_cpu option with no msl-cuda counterpart")
         return msl_cuda.device(permute_threadgroups=interleavings > 0, seed=seed, synchronous=True,
                                include_dirs=list(include_dirs))
 
@@ -51,23 +62,25 @@ class _CompilingDevice:
     def __init__(self, device, include_dirs):
         self._device, self._include_dirs = device, list(include_dirs)
 
-    def library(self, source, file_name):
-        lib = self._device.library(source, file_name)
-        msl_cuda.compile(source, file_name, self._include_dirs)
-        return _CompilingLibrary(lib, source, file_name, self._include_dirs)
+    def library(self, source, file_name, language="3.1", safe_math=False):
+        lib = self._device.library(source, file_name, language=language, safe_math=safe_math)
+        if language == "4.0":  # Metal 4 tensors: msl_cuda runs the simdgroup_matrix GEMMs instead
+            return lib
+        msl_cuda.compile(source, file_name, self._include_dirs, safe_math=safe_math)
+        return _CompilingLibrary(lib, source, file_name, self._include_dirs, safe_math)
 
     def __getattr__(self, name):
         return getattr(self._device, name)
 
 
 class _CompilingLibrary:
-    def __init__(self, lib, source, file_name, include_dirs):
-        self._lib, self._args = lib, (source, file_name, include_dirs)
+    def __init__(self, lib, source, file_name, include_dirs, safe_math):
+        self._lib, self._args, self._safe_math = lib, (source, file_name, include_dirs), safe_math
 
     def pipeline(self, name, constants=None):
         pipeline = self._lib.pipeline(name, constants or {})
         if constants:
-            msl_cuda.compile(*self._args, constants)
+            msl_cuda.compile(*self._args, constants, safe_math=self._safe_math)
         return pipeline
 
 
@@ -92,9 +105,18 @@ else:
     raise ValueError(f"LILY_TEST_MSL_RUNTIME={RUNTIME!r}: expected cpu, cuda or cuda-compile")
 
 
-def library(device, name):
+def library(device, name, language="3.1"):
+    """A test kernel file of tests/msl/kernels/."""
     path = KERNELS / name
-    return device.library(path.read_text(), str(path.relative_to(ROOT)))
+    return device.library(path.read_text(), str(path.relative_to(ROOT)), language=language)
+
+
+def kernels(device, name):
+    """metal/<name> compiled as the backend compiles it: local #includes inlined (the kernel
+    templates of its headers with it), with the backend's options (the *_tensor libraries as
+    MSL 4.0, sampling with safe math: msl_cpu.library_options)."""
+    language, safe_math = msl_cpu.library_options(name)
+    return device.library(msl_cpu.kernel_source(name), f"metal/{name}", language=language, safe_math=safe_math)
 
 
 def u32(*values):
@@ -102,8 +124,28 @@ def u32(*values):
 
 
 def dispatch(device, pipeline, grid, threads, buffers, threadgroup_memory=None):
-    """Encode and run one dispatch. buffers: {index: msl_cpu.Buffer | bytes}."""
+    """Encode and run one dispatch. buffers: {parameter name or index: msl_cpu.Buffer | bytes |
+    kernel_args struct}."""
     run(device, [(pipeline, grid, threads, buffers, threadgroup_memory)])
+
+
+def bind(encoder, pipeline, buffers):
+    """Binds buffers by the kernel's parameter names (or indices) to an encoder."""
+    names = pipeline.buffers
+    for key, b in buffers.items():
+        if isinstance(key, str):
+            if key not in names:
+                raise KeyError(f"kernel '{pipeline.name}' has no buffer parameter '{key}' (it has: "
+                               f"{', '.join(sorted(names, key=names.get))})")
+            index = names[key]
+        else:
+            index = key
+        if isinstance(b, (bytes, bytearray)):
+            encoder.set_bytes(index, bytes(b))
+        elif hasattr(type(b), "nbytes") and hasattr(b, "__bytes__"):  # a kernel_args struct
+            encoder.set_bytes(index, bytes(b))
+        else:
+            encoder.set_buffer(index, b, 0)
 
 
 def run(device, steps):
@@ -113,11 +155,7 @@ def run(device, steps):
     enc = cb.compute_encoder()
     for pipeline, grid, threads, buffers, *tgmem in steps:
         enc.set_pipeline(pipeline)
-        for index, b in buffers.items():
-            if isinstance(b, bytes):
-                enc.set_bytes(index, b)
-            else:
-                enc.set_buffer(index, b, 0)
+        bind(enc, pipeline, buffers)
         for index, length in ((tgmem[0] if tgmem else None) or {}).items():
             enc.set_threadgroup_memory_length(index, length)
         enc.dispatch_threadgroups(grid, threads)
@@ -131,4 +169,5 @@ def read(buffer, dtype, shape=None):
     return a.reshape(shape) if shape is not None else a
 
 
-__all__ = ["msl_cpu", "library", "u32", "dispatch", "run", "read", "KERNELS", "ROOT", "RUNTIME"]
+__all__ = ["msl_cpu", "kernel_args", "library", "kernels", "u32", "dispatch", "bind", "run", "read", "KERNELS",
+           "ROOT", "RUNTIME"]

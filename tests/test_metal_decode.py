@@ -214,7 +214,7 @@ def test_block_kv_layout_across_the_threshold(store, lily):
     gpu._engine.gpu_records(True)
     got = s.prefill(cases.PROMPT[:n], all_logits=True)
     kernels = [r[0] for r in gpu._engine.gpu_records(True)]
-    assert {"attn_prepare_float", "attn_prepare_blocks_float", "attn_prefill_blocks_float"} <= set(kernels), \
+    assert {"attn_prepare_float", "attn_prepare_blocks_float", "attn_prefill_blocks_float_d96"} <= set(kernels), \
         "no layout switch, or no flash prefill over blocks"
     _check(got, ref.prompt[:n], "prefill across the block threshold vs mlx-lm")
     _check(got, c.prefill(cases.PROMPT[:n], all_logits=True), "prefill across the block threshold vs cpu")
@@ -223,8 +223,8 @@ def test_block_kv_layout_across_the_threshold(store, lily):
         _check(got, ref.prompt[i], f"block decode at position {i} vs mlx-lm")
         _check(got, c.decode(cases.PROMPT[i]), f"block decode at position {i} vs cpu backend")
     kernels = [r[0] for r in gpu._engine.gpu_records(False)]
-    assert "attn_decode_blocks_float" in kernels and "attn_combine" in kernels, "split-K over blocks not taken"
-    assert "attn_decode_float" not in kernels
+    assert "attn_decode_blocks_float_d96" in kernels and "attn_combine" in kernels, "split-K over blocks not taken"
+    assert "attn_decode_float_d96" not in kernels
     got = gpu.generate(cases.GEN_PROMPT, max_tokens=cases.GEN_TOKENS).tokens
     assert got == ref.gen_tokens == cpu.generate(cases.GEN_PROMPT, max_tokens=cases.GEN_TOKENS).tokens
 

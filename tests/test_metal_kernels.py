@@ -9,29 +9,25 @@ intermediate 512, attention 16 x 256 over 2 KV heads with 64 rotary dims, DeltaN
 simdgroup width. Odd-size cases also run under randomized thread interleavings
 (msl_cpu.device(interleavings=2)), which fails on a missing threadgroup barrier.
 
-Argument structs are packed here field by field from metal/*_args.h (all 32-bit fields).
+Buffers are bound by the kernels' parameter names and argument structs filled by field name
+(lily._core.kernel_args, the host's own structs), so a reordered binding cannot go unnoticed.
 """
 
 from __future__ import annotations
-
-import struct
 
 import mlx.core as mx
 import numpy as np
 import pytest
 import torch
 
-from msl_cpu_harness import ROOT, dispatch, msl_cpu, read
+from msl_cpu_harness import dispatch, kernels, msl_cpu, read
+from msl_cpu_harness import kernel_args as A
 
 RNG = np.random.default_rng(0)
 
 
-def kernels(dev, name):
-    return dev.library((ROOT / "metal" / name).read_text(), f"metal/{name}")
-
-
 def qm(in_, out, bits, group):  # struct QuantMatrix
-    return struct.pack("4I", in_, out, bits, group)
+    return A.QuantMatrix(in_=in_, out=out, bits=bits, group=group)
 
 
 def quantize(w: np.ndarray, bits: int, group: int, scale_dtype: str):
@@ -84,9 +80,9 @@ def test_gemv_affine(out, in_, bits, group, sdt, T):
     x = RNG.standard_normal((T, in_), dtype=np.float32)
     y = dev.buffer_empty(4 * T * out)
     lib = kernels(dev, "quant.metal")
-    dispatch(dev, lib.pipeline(f"gemv_{MSL_TYPE[sdt]}"), ((out + 7) // 8, T), (64,),
-             {0: dev.buffer(wq), 1: dev.buffer(s), 2: dev.buffer(b), 3: dev.buffer(x), 4: y,
-              5: qm(in_, out, bits, group) + struct.pack("2I", in_, out)})
+    dispatch(dev, lib.pipeline(f"gemv_{MSL_TYPE[sdt]}"), (-(-out // A.GEMV_ROWS), T), (A.GEMV_THREADS,),
+             {"w": dev.buffer(wq), "scales": dev.buffer(s), "biases": dev.buffer(b), "x": dev.buffer(x), "y": y,
+              "args": A.GemvArgs(w=qm(in_, out, bits, group), ldx=in_, ldy=out)})
     want = x.astype(np.float64) @ deq.T.astype(np.float64)
     np.testing.assert_allclose(read(y, np.float32, (T, out)), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
@@ -100,9 +96,9 @@ def test_gemv_dense(dtype):
     y = dev.buffer_empty(4 * T * out)
     lib = kernels(dev, "quant.metal")
     dummy = dev.buffer_empty(16)
-    dispatch(dev, lib.pipeline(f"gemv_{MSL_TYPE[dtype]}"), ((out + 7) // 8, T), (64,),
-             {0: dev.buffer(raw), 1: dummy, 2: dummy, 3: dev.buffer(x), 4: y,
-              5: qm(in_, out, 0, 0) + struct.pack("2I", in_, out)})
+    dispatch(dev, lib.pipeline(f"gemv_{MSL_TYPE[dtype]}"), (-(-out // A.GEMV_ROWS), T), (A.GEMV_THREADS,),
+             {"w": dev.buffer(raw), "scales": dummy, "biases": dummy, "x": dev.buffer(x), "y": y,
+              "args": A.GemvArgs(w=qm(in_, out, 0, 0), ldx=in_, ldy=out)})
     np.testing.assert_allclose(read(y, np.float32, (T, out)), x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-4)
 
 
@@ -115,8 +111,8 @@ def test_embed_gather(bits, sdt):
     x = dev.buffer_empty(4 * len(tokens) * hidden)
     lib = kernels(dev, "quant.metal")
     dispatch(dev, lib.pipeline(f"embed_{MSL_TYPE[sdt]}"), ((hidden + 255) // 256, len(tokens)), (256,),
-             {0: dev.buffer(wq), 1: dev.buffer(s), 2: dev.buffer(b), 3: dev.buffer(tokens), 4: x,
-              5: qm(hidden, vocab, bits, 64) + struct.pack("I", vocab)})
+             {"w": dev.buffer(wq), "scales": dev.buffer(s), "biases": dev.buffer(b), "tokens": dev.buffer(tokens),
+              "x": x, "args": A.EmbedArgs(w=qm(hidden, vocab, bits, 64), vocab=vocab)})
     np.testing.assert_allclose(read(x, np.float32, (len(tokens), hidden)), deq[tokens], rtol=1e-6, atol=1e-6)
 
 
@@ -131,7 +127,7 @@ def test_add_rms_norm(n, T, add):
     xb, hb = dev.buffer(x), dev.buffer_empty(4 * T * n)
     eps = 1e-6
     dispatch(dev, kernels(dev, "norm.metal").pipeline("add_rms_norm"), (T,), (256,),
-             {0: xb, 1: dev.buffer(y), 2: dev.buffer(w), 3: hb, 4: struct.pack("IIf", n, int(add), eps)})
+             {"x": xb, "y": dev.buffer(y), "w": dev.buffer(w), "h": hb, "args": A.NormArgs(n=n, add=int(add), eps=eps)})
     xs = (x + y if add else x).astype(np.float64)
     want = xs / np.sqrt((xs * xs).mean(-1, keepdims=True) + eps) * w
     np.testing.assert_allclose(read(xb, np.float32, (T, n)), xs, rtol=1e-6)
@@ -193,8 +189,9 @@ def test_attention(D, Hq, Hkv, rot, pos0, T, n_splits, split_len, kv):
     vc = RNG.standard_normal((Hkv, cap, D), dtype=np.float32).astype(kv_np)
     qgb, kcb, vcb = dev.buffer(qg), dev.buffer(kc), dev.buffer(vc)
     dispatch(dev, lib.pipeline(f"attn_prepare_{kv}"), (Hq + Hkv, T), (128,),
-             {0: qgb, 1: dev.buffer(k), 2: dev.buffer(v), 3: dev.buffer(qn), 4: dev.buffer(kn),
-              5: dev.buffer(inv_freq), 6: kcb, 7: vcb, 8: struct.pack("6If", D, rot, Hq, Hkv, pos0, cap, eps)})
+             {"qg": qgb, "k": dev.buffer(k), "v": dev.buffer(v), "q_norm": dev.buffer(qn), "k_norm": dev.buffer(kn),
+              "inv_freq": dev.buffer(inv_freq), "k_cache": kcb, "v_cache": vcb,
+              "args": A.AttnPrepareArgs(D=D, rot=rot, Hq=Hq, Hkv=Hkv, pos0=pos0, cap=cap, eps=eps)})
 
     pos = np.arange(pos0, pos0 + T)
     q_want = _torch_norm_rope(qg[..., :D], qn, eps, pos, inv_freq, rot)
@@ -211,12 +208,12 @@ def test_attention(D, Hq, Hkv, rot, pos0, T, n_splits, split_len, kv):
     scale = 1.0 / np.sqrt(D)
     o = dev.buffer_empty(4 * T * Hq * D)
     part_o, part_ml = dev.buffer_empty(4 * T * Hq * n_splits * D), dev.buffer_empty(4 * T * Hq * n_splits * 2)
-    args = struct.pack("7If", D, Hq, Hkv, cap, pos0, n_splits, split_len, scale)
-    dispatch(dev, lib.pipeline(f"attn_decode_{kv}"), (Hkv, n_splits, T), (128,),
-             {0: qgb, 1: kcb, 2: vcb, 3: o, 4: part_o, 5: part_ml, 6: args})
+    args = A.AttnArgs(D=D, Hq=Hq, Hkv=Hkv, cap=cap, pos0=pos0, n_splits=n_splits, split_len=split_len, scale=scale)
+    dispatch(dev, lib.pipeline(f"attn_decode_{kv}_d{D}"), (Hkv, n_splits, T), (A.ATTN_THREADS,),
+             {"qg": qgb, "k_cache": kcb, "v_cache": vcb, "o": o, "part_o": part_o, "part_ml": part_ml, "args": args})
     if n_splits > 1:
         dispatch(dev, lib.pipeline("attn_combine"), (Hq, T), (128,),
-                 {0: qgb, 1: part_o, 2: part_ml, 3: o, 4: args})
+                 {"qg": qgb, "part_o": part_o, "part_ml": part_ml, "o": o, "args": args})
     # Attention over the cache as stored (f16 values are exact in f64).
     want = _torch_attention(got_qg[..., :D], kc_got.astype(np.float32), vc_got.astype(np.float32), qg[..., D:],
                             pos0, scale)
@@ -280,16 +277,18 @@ def test_gated_deltanet_step(Hk, Hv, Dk, Dv, K, T):
     dt_bias = RNG.standard_normal(Hv, dtype=np.float32)
     norm_w = RNG.uniform(0.5, 1.5, Dv).astype(np.float32)
     S0 = (0.1 * RNG.standard_normal((Hv, Dk, Dv))).astype(np.float32)
-    args = struct.pack("7I2f", T, Hk, Hv, Dk, Dv, K, C, eps, 1.0 / np.sqrt(Dk))
+    args = A.GdnArgs(T=T, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, K=K, C=C, eps=eps, q_scale=1.0 / np.sqrt(Dk))
 
     # State in place for the conv window, ping-ponged (separate out buffer) for S.
     winb, conv_out = dev.buffer(window), dev.buffer_empty(4 * T * C)
     dispatch(dev, lib.pipeline("gdn_conv"), ((C + 255) // 256,), (256,),
-             {0: dev.buffer(qkv), 1: dev.buffer(taps), 2: winb, 3: conv_out, 4: args, 5: winb})
+             {"qkv": dev.buffer(qkv), "taps": dev.buffer(taps), "window": winb, "out": conv_out, "args": args,
+              "window_out": winb})
     S_in, Sb, o = dev.buffer(S0), dev.buffer_empty(S0.nbytes), dev.buffer_empty(4 * T * vdim)
-    dispatch(dev, lib.pipeline("gdn_recurrence"), (Hv,), (32 * ((Dv + 31) // 32),),
-             {0: conv_out, 1: dev.buffer(b), 2: dev.buffer(a), 3: dev.buffer(z), 4: dev.buffer(a_neg),
-              5: dev.buffer(dt_bias), 6: dev.buffer(norm_w), 7: S_in, 8: o, 9: args, 10: Sb})
+    dispatch(dev, lib.pipeline(f"gdn_recurrence_dk{Dk}"), (Hv,), (32 * ((Dv + 31) // 32),),
+             {"conv_out": conv_out, "b": dev.buffer(b), "a": dev.buffer(a), "z": dev.buffer(z),
+              "a_neg": dev.buffer(a_neg), "dt_bias": dev.buffer(dt_bias), "norm_w": dev.buffer(norm_w), "S": S_in,
+              "o": o, "args": args, "S_out": Sb})
     np.testing.assert_array_equal(read(S_in, np.float32, S0.shape), S0)  # the input state survives
 
     # Reference: PyTorch's depthwise conv1d over [window ; qkv], transformers' recurrence and norm.
@@ -311,8 +310,8 @@ def test_gdn_ungroup():
     ba = RNG.standard_normal((T, 2 * Hv), dtype=np.float32)
     outs = [dev.buffer_empty(4 * T * n) for n in (C, vdim, Hv, Hv)]
     dispatch(dev, kernels(dev, "gdn.metal").pipeline("gdn_ungroup"), ((C + vdim + 2 * Hv + 255) // 256, T), (256,),
-             {0: dev.buffer(qkvz), 1: dev.buffer(ba), 2: outs[0], 3: outs[1], 4: outs[2], 5: outs[3],
-              6: struct.pack("7I2f", T, Hk, Hv, Dk, Dv, 4, C, 1e-6, 1.0)})
+             {"qkvz": dev.buffer(qkvz), "ba": dev.buffer(ba), "qkv": outs[0], "z": outs[1], "b": outs[2],
+              "a": outs[3], "args": A.GdnArgs(T=T, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, K=4, C=C, eps=1e-6, q_scale=1.0)})
     g = qkvz.reshape(T, Hk, 2 * Dk + 2 * r * Dv)
     q, k, v, z = np.split(g, [Dk, 2 * Dk, 2 * Dk + r * Dv], axis=-1)
     bag = ba.reshape(T, Hk, 2 * r)
@@ -334,7 +333,7 @@ def test_moe_route(E, k, T, ties):
         logits[0, top[k - 1:k + 2]] = logits[0, top[k - 1]]
     ids, wts = dev.buffer_empty(4 * T * k), dev.buffer_empty(4 * T * k)
     dispatch(dev, kernels(dev, "moe.metal").pipeline("moe_route"), (T,), (32 * ((E + 31) // 32),),
-             {0: dev.buffer(logits), 1: ids, 2: wts, 3: struct.pack("3I", E, k, 1)})
+             {"logits": dev.buffer(logits), "ids": ids, "weights": wts, "args": A.MoeRouteArgs(E=E, k=k, renormalize=1)})
     order = np.argsort(-logits, axis=-1, kind="stable")[:, :k]  # ties: lower id first
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -363,6 +362,9 @@ def test_moe_experts(E, k, H, I, Is, T, bits):
         table = np.array([[e * w[0].nbytes, e * s[0].nbytes, e * b[0].nbytes] for e in range(n)], np.uint64)
         return [dev.buffer(w), dev.buffer(s), dev.buffer(b), dev.buffer(table)], [p[3] for p in parts]
 
+    def matrix(prefix, m):  # an expert matrix bound as its four parameters (weights, scales, biases, table)
+        return dict(zip((f"{prefix}_w", f"{prefix}_s", f"{prefix}_b", f"{prefix}_table"), m, strict=True))
+
     gate, gate_f = stacked(E, I, H)
     up, up_f = stacked(E, I, H)
     down, down_f = stacked(E, H, I)
@@ -377,16 +379,17 @@ def test_moe_experts(E, k, H, I, Is, T, bits):
     zeros = dev.buffer(np.zeros(T, np.uint32))
 
     def gate_up(g, u, idb, kk, inter, out):
-        dispatch(dev, lib.pipeline("moe_gate_up_bfloat"), ((inter + 7) // 8, kk, T), (64,),
-                 {**{i: g[i] for i in range(4)}, **{4 + i: u[i] for i in range(4)}, 8: idb, 9: hb, 10: out,
-                  11: qm(H, inter, bits, group) + qm(H, inter, bits, group) + struct.pack("I", kk)})
+        dispatch(dev, lib.pipeline("moe_gate_up_bfloat"), (-(-inter // A.GEMV_ROWS), kk, T), (A.GEMV_THREADS,),
+                 {**matrix("gate", g), **matrix("up", u), "ids": idb, "h": hb, "act": out,
+                  "args": A.MoeGateUpArgs(gate=qm(H, inter, bits, group), up=qm(H, inter, bits, group), k=kk)})
 
     gate_up(gate, up, dev.buffer(ids), k, I, act)
     gate_up(sgate, sup, zeros, 1, Is, act_s)
-    dispatch(dev, lib.pipeline("moe_down_bfloat"), ((H + 7) // 8, T), (64,),
-             {**{i: down[i] for i in range(4)}, 4: dev.buffer(ids), 5: dev.buffer(wts), 6: act,
-              **{7 + i: sdown[i] for i in range(4)}, 11: act_s, 12: dev.buffer(sg), 13: y,
-              14: qm(I, H, bits, group) + qm(Is, H, bits, group) + struct.pack("3I", k, 1, 1)})
+    dispatch(dev, lib.pipeline("moe_down_bfloat"), (-(-H // A.GEMV_ROWS), T), (A.GEMV_THREADS,),
+             {**matrix("down", down), "ids": dev.buffer(ids), "weights": dev.buffer(wts), "act": act,
+              **matrix("shared", sdown), "shared_act": act_s, "shared_gate": dev.buffer(sg), "y": y,
+              "args": A.MoeDownArgs(down=qm(I, H, bits, group), shared_down=qm(Is, H, bits, group), k=k, weighted=1,
+                                    has_shared=1)})
 
     h64 = h.astype(np.float64)
     want_act = np.stack([np.stack([_silu(h64[t] @ gate_f[e].T) * (h64[t] @ up_f[e].T) for e in ids[t]])

@@ -77,8 +77,8 @@ def test_prefill_plan_matches_executed_dispatches(store, lily, prompt, chunk):
     assert p["chunks"] == -(-prompt // chunk) and waits == p["chunks"] - 1
     assert p["waits_inside_chunks"] == 0
     names = {r[0] for r in p["last_chunk"]}
-    assert {"attn_prefill_float", "gdn_prepare", "gdn_scan", "sample"} <= names
-    assert not names & {"attn_decode_float", "gdn_conv", "gdn_recurrence"}
+    assert {"attn_prefill_float_d96", "gdn_prepare", "gdn_scan_dk48", "sample"} <= names
+    assert not names & {"attn_decode_float_d96", "gdn_conv", "gdn_recurrence_dk48"}
 
 
 def test_prefill_plan_at_35b_shape():
@@ -93,3 +93,22 @@ def test_prefill_plan_at_35b_shape():
         assert p["weights"] >= mp.minimum_chunk_weight_bytes(c, 512)
     scratch = {n: p["device"] - p["seq state"] for n, p in plans.items()}
     assert scratch[4096] == scratch[512], "scratch memory grows with the prompt"
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("head_dim", 80, "head_dim 80 has no attention kernels: the kernels are instantiated for 64, 96, 128, 256"),
+    ("gdn_k_dim", 96, "DeltaNet key head dim 96 has no recurrence kernels: the kernels are instantiated for "
+                      "32, 48, 64, 128"),
+])
+def test_head_sizes_without_kernels_are_refused(field, value, message):
+    """Head sizes are template parameters of the kernels (their per-lane arrays stay in
+    registers); a model whose size has no instantiation is a ConfigError naming the ones there are."""
+    import lily
+    from lily import _core
+
+    c = _plan_module().config_35b()
+    setattr(c, field, value)
+    if field == "head_dim":
+        c.rotary_dim = 20
+    with pytest.raises(lily.ConfigError, match=message):
+        _core.gpu_plan(c, 64, 4, 64, 8)

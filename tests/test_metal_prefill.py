@@ -18,24 +18,20 @@ barrier fails). The fiber runtime is slow: small T keeps this file under a minut
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 import pytest
 
 from fixtures import cases
-from msl_cpu_harness import dispatch, msl_cpu, read
+from msl_cpu_harness import dispatch, kernels, msl_cpu, read
+from msl_cpu_harness import kernel_args as A
 from test_metal_decode import MODELS
-from test_metal_kernels import _torch_attention, gdn_reference, kernels
+from test_metal_kernels import _torch_attention, gdn_reference
 from test_metal_prefill_moe import _close as _check
 
 RNG = np.random.default_rng(6)
 
 
 # ---- attention_prefill.metal ------------------------------------------------------------------
-
-ROWS = 64  # LILY_ATTN_PF_ROWS
-
 
 ATTN_CASES = [
     # (D, Hq, Hkv, pos0, T, KV cache type)
@@ -56,13 +52,13 @@ def test_attention_prefill_kernel(D, Hq, Hkv, pos0, T, kv):
     vc = RNG.standard_normal((Hkv, cap, D), dtype=np.float32).astype(kv_np)
     kc[:, pos0 + T:] = np.nan
     vc[:, pos0 + T:] = np.nan
-    tile = max(1, ROWS // (Hq // Hkv))
+    tile = max(1, A.ATTN_PF_ROWS // (Hq // Hkv))
     scale = 1.0 / np.sqrt(D)
     o = dev.buffer_empty(4 * T * Hq * D)
-    dispatch(dev, kernels(dev, "attention_prefill.metal").pipeline(f"attn_prefill_{kv}"),
-             (Hkv, -(-T // tile)), (256,),
-             {0: dev.buffer(qg), 1: dev.buffer(kc), 2: dev.buffer(vc), 3: o,
-              4: struct.pack("7If", D, Hq, Hkv, cap, pos0, T, tile, scale)})
+    dispatch(dev, kernels(dev, "attention_prefill.metal").pipeline(f"attn_prefill_{kv}_d{D}"),
+             (Hkv, -(-T // tile)), (A.ATTN_PF_THREADS,),
+             {"qg": dev.buffer(qg), "k_cache": dev.buffer(kc), "v_cache": dev.buffer(vc), "o": o,
+              "args": A.AttnPrefillArgs(D=D, Hq=Hq, Hkv=Hkv, cap=cap, pos0=pos0, T=T, tile_tokens=tile, scale=scale)})
     want = _torch_attention(qg[..., :D], kc, vc, qg[..., D:], pos0, scale)
     np.testing.assert_allclose(read(o, np.float32, (T, Hq, D)), want, rtol=1e-4, atol=1e-5)
 
@@ -90,7 +86,7 @@ GDN_CASES = [
 def test_gdn_prefill_kernels(Hk, Hv, Dk, Dv, K, chunks):
     dev = msl_cpu.device(interleavings=2 if Hv < 32 else 0)
     lib = kernels(dev, "gdn_prefill.metal")
-    prepare, scan = lib.pipeline("gdn_prepare"), lib.pipeline("gdn_scan")
+    prepare, scan = lib.pipeline("gdn_prepare"), lib.pipeline(f"gdn_scan_dk{Dk}")
     C, vdim, eps = 2 * Hk * Dk + Hv * Dv, Hv * Dv, 1e-6
     taps = (0.5 * RNG.standard_normal((C, K))).astype(np.float32)
     a_neg = -np.exp(RNG.uniform(-1, 1, Hv)).astype(np.float32)
@@ -104,16 +100,16 @@ def test_gdn_prefill_kernels(Hk, Hv, Dk, Dv, K, chunks):
     ref_win, ref_S = window, S0
     for i, T in enumerate(chunks):
         x = _gdn_inputs(Hk, Hv, Dk, Dv, K, T)
-        args = struct.pack("7I2f", T, Hk, Hv, Dk, Dv, K, C, eps, 1.0 / np.sqrt(Dk))
+        args = A.GdnArgs(T=T, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, K=K, C=C, eps=eps, q_scale=1.0 / np.sqrt(Dk))
         xb, gates, o = dev.buffer_empty(4 * T * C), dev.buffer_empty(8 * T * Hv), dev.buffer_empty(4 * T * vdim)
         src, dst = i % 2, (i + 1) % 2
-        dispatch(dev, prepare, (2 * Hk + Hv, T), (128,),
-                 {0: dev.buffer(x["qkv"]), 1: dev.buffer(taps), 2: wins[src], 3: dev.buffer(x["b"]),
-                  4: dev.buffer(x["a"]), 5: dev.buffer(a_neg), 6: dev.buffer(dt_bias), 7: xb, 8: gates,
-                  9: wins[dst], 10: args})
-        dispatch(dev, scan, (Hv,), (32 * -(-4 * Dv // 32),),
-                 {0: xb, 1: gates, 2: dev.buffer(x["z"]), 3: dev.buffer(norm_w), 4: Ss[src], 5: Ss[dst],
-                  6: o, 7: args})
+        dispatch(dev, prepare, (2 * Hk + Hv, T), (A.GDN_PREP_THREADS,),
+                 {"qkv": dev.buffer(x["qkv"]), "taps": dev.buffer(taps), "window": wins[src], "b": dev.buffer(x["b"]),
+                  "a": dev.buffer(x["a"]), "a_neg": dev.buffer(a_neg), "dt_bias": dev.buffer(dt_bias), "x": xb,
+                  "gates": gates, "window_out": wins[dst], "args": args})
+        dispatch(dev, scan, (Hv,), (32 * -(-A.GDN_SCAN_SPLIT * Dv // 32),),
+                 {"x": xb, "gates": gates, "z": dev.buffer(x["z"]), "norm_w": dev.buffer(norm_w), "S": Ss[src],
+                  "S_out": Ss[dst], "o": o, "args": args})
         want_o, ref_S, ref_win, _ = gdn_reference(Hk, Hv, Dk, Dv, taps, ref_win, ref_S, a_neg, dt_bias, norm_w, eps,
                                                 **x)
         ref_S = ref_S.astype(np.float32)

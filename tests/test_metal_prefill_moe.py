@@ -17,15 +17,14 @@ simdgroup matrix product on the CPU, so the real-dims cases keep T at 2.
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 import pytest
 
 from fixtures import cases
 from fixtures.references import rel_err
-from msl_cpu_harness import msl_cpu, read, run
-from test_metal_kernels import MSL_TYPE, dense, kernels, qm, quantize
+from msl_cpu_harness import kernel_args as A
+from msl_cpu_harness import kernels, msl_cpu, read, run
+from test_metal_kernels import MSL_TYPE, dense, qm, quantize
 
 RNG = np.random.default_rng(6)
 
@@ -54,15 +53,17 @@ def test_gemm_affine(out, in_, bits, group, sdt, T, bm):
 
 
 def check_gemm_affine(dev, family, out, in_, bits, group, sdt, T, bm):
-    """Kernel `<family>_<scale type>_bm<bm>` on random affine weights against NumPy in float64."""
+    """Kernel `<family>_<scale type>_bm<bm>` (of quant.metal; family gemm_tensor: of
+    quant_tensor.metal) on random affine weights against NumPy in float64."""
     wq, s, b, deq = quantize(RNG.standard_normal((out, in_), dtype=np.float32), bits, group, sdt)
     ldx = in_ + 3  # rows of x strided, as the host passes views of wider activations
     x = RNG.standard_normal((T, ldx), dtype=np.float32)
     y = dev.buffer(np.full((T, out + 1), 7.0, np.float32))  # ldy = out + 1: the pad stays 7
-    run(dev, [(kernels(dev, "quant.metal").pipeline(f"{family}_{MSL_TYPE[sdt]}_bm{bm}"),
-               ((out + 31) // 32, (T + bm - 1) // bm), (128,),
-               {0: dev.buffer(wq), 1: dev.buffer(s), 2: dev.buffer(b), 3: dev.buffer(x), 4: y,
-                5: qm(in_, out, bits, group) + struct.pack("3I", T, ldx, out + 1)})])
+    lib = kernels(dev, "quant_tensor.metal" if "tensor" in family else "quant.metal")
+    run(dev, [(lib.pipeline(f"{family}_{MSL_TYPE[sdt]}_bm{bm}"),
+               (-(-out // A.GEMM_BN), (T + bm - 1) // bm), (A.GEMM_THREADS,),
+               {"w": dev.buffer(wq), "scales": dev.buffer(s), "biases": dev.buffer(b), "x": dev.buffer(x), "y": y,
+                "args": A.GemmArgs(w=qm(in_, out, bits, group), rows=T, ldx=ldx, ldy=out + 1)})])
     got = read(y, np.float32, (T, out + 1))
     want = x[:, :in_].astype(np.float64) @ deq.T.astype(np.float64)
     np.testing.assert_allclose(got[:, :out], want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
@@ -77,9 +78,10 @@ def test_gemm_dense(dtype):
     x = RNG.standard_normal((T, in_), dtype=np.float32)
     y = dev.buffer_empty(4 * T * out)
     dummy = dev.buffer_empty(16)
-    run(dev, [(kernels(dev, "quant.metal").pipeline(f"gemm_{MSL_TYPE[dtype]}_bm8"), ((out + 31) // 32, 2), (128,),
-               {0: dev.buffer(raw), 1: dummy, 2: dummy, 3: dev.buffer(x), 4: y,
-                5: qm(in_, out, 0, 0) + struct.pack("3I", T, in_, out)})])
+    run(dev, [(kernels(dev, "quant.metal").pipeline(f"gemm_{MSL_TYPE[dtype]}_bm8"), (-(-out // A.GEMM_BN), 2),
+               (A.GEMM_THREADS,),
+               {"w": dev.buffer(raw), "scales": dummy, "biases": dummy, "x": dev.buffer(x), "y": y,
+                "args": A.GemmArgs(w=qm(in_, out, 0, 0), rows=T, ldx=in_, ldy=out)})])
     np.testing.assert_allclose(read(y, np.float32, (T, out)), x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-4)
 
 
@@ -127,8 +129,9 @@ def test_moe_plan(kind, T, E, k, bm):
     n = T * k
     mb = _max_blocks(n, E, bm)
     rows, blocks, header = dev.buffer_empty(4 * n), dev.buffer_empty(16 * mb), dev.buffer_empty(16)
-    run(dev, [(kernels(dev, "moe.metal").pipeline("moe_plan"), (1,), (1024,),
-               {0: dev.buffer(ids), 1: rows, 2: blocks, 3: header, 4: struct.pack("3I", n, E, bm)})])
+    run(dev, [(kernels(dev, "moe.metal").pipeline("moe_plan"), (1,), (A.MOE_PLAN_THREADS,),
+               {"ids": dev.buffer(ids), "rows": rows, "blocks": blocks, "header": header,
+                "args": A.MoePlanArgs(n=n, E=E, block_rows=bm)})])
     want_rows, want_blocks = _plan_reference(ids, E, bm)
     hdr = read(header, np.uint32)
     assert hdr[0] == len(want_blocks) <= mb and hdr[1] == n
@@ -159,6 +162,10 @@ class Experts:
         self.qm = qm(cols, rows, bits, group)
         self.out = rows
 
+    def bind(self, prefix):
+        """Bound as a kernel's four parameters <prefix>_w, _s, _b, _table."""
+        return dict(zip((f"{prefix}_w", f"{prefix}_s", f"{prefix}_b", f"{prefix}_table"), self.bufs, strict=True))
+
     def f32(self, e):
         return self.deq[self.phys[e]]
 
@@ -167,8 +174,9 @@ def moe_block(dev, *, T, H, E, k, I, Is, bits, group, sdt, logits=None, bm=8, re
     """Encodes the chunk's MoE block and checks y, the routing and the activations.
     logits None: the router GEMM (8-bit, as released) computes them from h. repeat: that many
     tokens copy token 0, so its k experts get several rows each. path: "" (simdgroup_matrix
-    GEMMs) or "_tensor" (Metal 4 matmul2d; dev must have metal4=True)."""
-    moe, quant = kernels(dev, "moe.metal"), kernels(dev, "quant.metal")
+    GEMMs) or "_tensor" (Metal 4 matmul2d, the *_tensor.metal libraries; dev must have metal4=True)."""
+    moe = kernels(dev, "moe.metal")
+    moe_gemm, quant = kernels(dev, f"moe{path}.metal"), kernels(dev, f"quant{path}.metal")
     S = MSL_TYPE[sdt]
     h = RNG.standard_normal((T, H), dtype=np.float32)
     h[1:1 + repeat] = h[0]
@@ -193,32 +201,36 @@ def moe_block(dev, *, T, H, E, k, I, Is, bits, group, sdt, logits=None, bm=8, re
     dummy = buf(16)
     steps = []
     if logits is None:
-        steps.append((quant.pipeline(f"gemm{path}_{S}_bm8"), ((E + 31) // 32, (T + 7) // 8), (128,),
-                      {0: dev.buffer(rq), 1: dev.buffer(rs), 2: dev.buffer(rb), 3: hb, 4: router_b,
-                       5: qm(H, E, 8, 64) + struct.pack("3I", T, H, E)}))
+        steps.append((quant.pipeline(f"gemm{path}_{S}_bm8"), (-(-E // A.GEMM_BN), (T + 7) // 8), (A.GEMM_THREADS,),
+                      {"w": dev.buffer(rq), "scales": dev.buffer(rs), "biases": dev.buffer(rb), "x": hb,
+                       "y": router_b, "args": A.GemmArgs(w=qm(H, E, 8, 64), rows=T, ldx=H, ldy=E)}))
     steps += [
         (moe.pipeline("moe_route"), (T,), (32 * ((E + 31) // 32),),
-         {0: router_b, 1: ids, 2: wts, 3: struct.pack("3I", E, k, 1)}),
-        (moe.pipeline("moe_plan"), (1,), (1024,), {0: ids, 1: rows, 2: blocks, 3: header, 4: struct.pack("3I", n, E, bm)}),
+         {"logits": router_b, "ids": ids, "weights": wts, "args": A.MoeRouteArgs(E=E, k=k, renormalize=1)}),
+        (moe.pipeline("moe_plan"), (1,), (A.MOE_PLAN_THREADS,),
+         {"ids": ids, "rows": rows, "blocks": blocks, "header": header, "args": A.MoePlanArgs(n=n, E=E, block_rows=bm)}),
     ]
 
+    def plan(routed):  # the block map, or (not routed) dummies the kernel does not read
+        return {"blocks": blocks if routed else dummy, "header": header if routed else dummy,
+                "rows": rows if routed else dummy}
+
     def gate_up(g, u, routed, rows_n, out, grid_y):
-        return (moe.pipeline(f"moe_gemm_gate_up{path}_{S}_bm{bm}"), ((g.out + 31) // 32, grid_y), (128,),
-                {**{i: g.bufs[i] for i in range(4)}, **{4 + i: u.bufs[i] for i in range(4)},
-                 8: blocks if routed else dummy, 9: header if routed else dummy, 10: rows if routed else dummy,
-                 11: hb, 12: out, 13: g.qm + u.qm + struct.pack("3I", k if routed else 1, routed, rows_n)})
+        return (moe_gemm.pipeline(f"moe_gemm_gate_up{path}_{S}_bm{bm}"), (-(-g.out // A.GEMM_BN), grid_y),
+                (A.GEMM_THREADS,),
+                {**g.bind("gate"), **u.bind("up"), **plan(routed), "h": hb, "act": out,
+                 "args": A.MoeGemmArgs(a=g.qm, b=u.qm, k=k if routed else 1, routed=routed, n=rows_n)})
 
     def down_(d, routed, rows_n, a, out, grid_y):
-        return (moe.pipeline(f"moe_gemm_down{path}_{S}_bm{bm}"), ((H + 31) // 32, grid_y), (128,),
-                {**{i: d.bufs[i] for i in range(4)}, 4: blocks if routed else dummy, 5: header if routed else dummy,
-                 6: rows if routed else dummy, 7: wts if routed else dummy, 8: a, 9: out,
-                 10: d.qm + d.qm + struct.pack("3I", k if routed else 1, routed, rows_n)})
+        return (moe_gemm.pipeline(f"moe_gemm_down{path}_{S}_bm{bm}"), (-(-H // A.GEMM_BN), grid_y), (A.GEMM_THREADS,),
+                {**d.bind("down"), **plan(routed), "weights": wts if routed else dummy, "act": a, "out": out,
+                 "args": A.MoeGemmArgs(a=d.qm, b=d.qm, k=k if routed else 1, routed=routed, n=rows_n)})
 
     tiles_T = (T + bm - 1) // bm
     steps += [gate_up(sgate, sup, 0, T, act_s, tiles_T), down_(sdown, 0, T, act_s, ys, tiles_T),
               gate_up(gate, up, 1, n, act, mb), down_(down, 1, n, act, yr, mb),
               (moe.pipeline("moe_combine"), ((H + 255) // 256, T), (256,),
-               {0: yr, 1: ys, 2: sgb, 3: y, 4: struct.pack("3I", H, k, 1)})]
+               {"yr": yr, "ys": ys, "sg": sgb, "y": y, "args": A.MoeCombineArgs(H=H, k=k, has_shared=1)})]
     run(dev, steps)
 
     # Reference: routing from the (reference) router logits, experts in float64.

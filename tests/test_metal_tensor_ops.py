@@ -11,7 +11,8 @@
   simdgroup_matrix kernels in test_metal_prefill_moe.py).
 - A whole prefill of a tiny 4-bit checkpoint on a device that claims Metal 4: the tensor-op
   kernels are the ones encoded, logits within tolerance of the CPU backend, same greedy tokens;
-  the host's choice at load time (auto / simdgroup / tensor).
+  the host's choice at load time (auto: only on a GPU family that accelerates tensor ops, Apple10
+  / M5, and only after the tensor libraries compiled; simdgroup; tensor).
 
 What none of this can tell: whether Apple's compiler accepts these kernels, and their speed.
 """
@@ -25,14 +26,14 @@ import pytest
 
 import lily
 from fixtures import cases
-from msl_cpu_harness import library, msl_cpu, read, run
+from msl_cpu_harness import kernel_args as A
+from msl_cpu_harness import kernels, library, msl_cpu, read, run
 from test_metal_kernels import qm
 from test_metal_prefill_moe import (
     _close,
     _logits_for,
     _routing,
     check_gemm_affine,
-    kernels,
     moe_block,
 )
 
@@ -46,7 +47,7 @@ def dev4():
 
 @pytest.fixture(scope="module")
 def ops(dev4):
-    return library(dev4, "tensor_ops.metal")
+    return library(dev4, "tensor_ops.metal", language="4.0")
 
 
 def _args(M, N, K, lda, ldb, ldc):
@@ -117,7 +118,7 @@ def test_matmul2d_k_loop_in_threadgroup_memory(dev4, ops):
     W = RNG.standard_normal((N, K), dtype=np.float32)
     dev = msl_cpu.device(metal4=True, interleavings=3)
     c = dev.buffer_empty(4 * M * N)
-    run(dev, [(library(dev, "tensor_ops.metal").pipeline("mm_tg_klooped"), (1,), (128,),
+    run(dev, [(library(dev, "tensor_ops.metal", language="4.0").pipeline("mm_tg_klooped"), (1,), (128,),
                {0: dev.buffer(A), 1: dev.buffer(W), 2: c, 3: _args(M, N, K, K, K, N)})])
     np.testing.assert_allclose(read(c, np.float32, (M, N)), A.astype(np.float64) @ W.T.astype(np.float64),
                                rtol=1e-5, atol=1e-5)
@@ -141,19 +142,24 @@ def test_matmul2d_missing_barrier_found_by_interleavings():
     A = RNG.standard_normal((32, 8), dtype=np.float32)
     W = RNG.standard_normal((16, 8), dtype=np.float32)
     with pytest.raises(lily.LilyError, match="mm_tg_missing_barrier"):
-        run(dev, [(library(dev, "tensor_ops.metal").pipeline("mm_tg_missing_barrier"), (1,), (128,),
+        run(dev, [(library(dev, "tensor_ops.metal", language="4.0").pipeline("mm_tg_missing_barrier"), (1,), (128,),
                    {0: dev.buffer(A), 1: dev.buffer(W), 2: dev.buffer_empty(4 * 32 * 16), 3: _args(32, 16, 8, 8, 8, 16)})])
 
 
-def test_tensor_headers_need_a_metal4_device():
-    """Without Metal 4 (no __HAVE_TENSOR__) a kernel using tensors does not build, and the
-    product kernels have no tensor variants (as on an M1-M4 GPU)."""
-    dev = msl_cpu.device()
-    assert not dev.supports_tensor_ops and msl_cpu.device(metal4=True).supports_tensor_ops
+def test_tensor_headers_need_msl4_on_a_metal4_device():
+    """Tensors exist only in a library compiled as MSL 4.0 (which defines __HAVE_TENSOR__) on a
+    device with Metal 4: MSL 3.1 anywhere, or MSL 4.0 on an M1-M4-like device, does not build;
+    the tensor kernels are their own libraries, so the others build without them."""
+    dev, dev4 = msl_cpu.device(), msl_cpu.device(metal4=True)
+    assert not dev.supports_tensor_ops and dev4.supports_tensor_ops
     with pytest.raises(lily.LilyError, match="needs Metal 4 tensors"):
-        library(dev, "tensor_ops.metal")
+        library(dev4, "tensor_ops.metal")  # MSL 3.1
+    with pytest.raises(lily.LilyError, match="MSL 4.0 needs a Metal 4 device"):
+        library(dev, "tensor_ops.metal", language="4.0")
+    with pytest.raises(lily.LilyError, match="MSL 4.0 needs a Metal 4 device"):
+        kernels(dev, "quant_tensor.metal")
     with pytest.raises(lily.LilyError, match="'gemm_tensor_float_bm8' is not in metal/quant.metal"):
-        kernels(dev, "quant.metal").pipeline("gemm_tensor_float_bm8")
+        kernels(dev4, "quant.metal").pipeline("gemm_tensor_float_bm8")
 
 
 # ---- the prefill GEMM kernels' tensor-op variants -------------------------------------------------
@@ -176,9 +182,10 @@ def test_gemm_tensor_dense_odd_k():
     x = RNG.standard_normal((T, in_), dtype=np.float32)
     y = dev.buffer_empty(4 * T * out)
     dummy = dev.buffer_empty(16)
-    run(dev, [(kernels(dev, "quant.metal").pipeline("gemm_tensor_half_bm8"), ((out + 31) // 32, 2), (128,),
-               {0: dev.buffer(w), 1: dummy, 2: dummy, 3: dev.buffer(x), 4: y,
-                5: qm(in_, out, 0, 0) + struct.pack("3I", T, in_, out)})])
+    run(dev, [(kernels(dev, "quant_tensor.metal").pipeline("gemm_tensor_half_bm8"), (-(-out // A.GEMM_BN), 2),
+               (A.GEMM_THREADS,),
+               {"w": dev.buffer(w), "scales": dummy, "biases": dummy, "x": dev.buffer(x), "y": y,
+                "args": A.GemmArgs(w=qm(in_, out, 0, 0), rows=T, ldx=in_, ldy=out)})])
     want = x.astype(np.float64) @ w.astype(np.float64).T
     np.testing.assert_allclose(read(y, np.float32, (T, out)), want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
@@ -211,7 +218,8 @@ def test_prefill_on_tensor_ops_matches_cpu(store, lily):
     routed blocks) then decode, on a device that claims Metal 4: only tensor-op GEMMs encoded,
     logits within TOL_MLX of the CPU backend with the same top-1, same greedy tokens."""
     path = store.mlx("qwen3_5_moe", 4, 64, "bfloat16")
-    gpu = lily.Model.load(path, backend="msl-cpu", prefill_chunk=40, backend_options=dict(metal4=True))
+    gpu = lily.Model.load(path, backend="msl-cpu", prefill_chunk=40,
+                          backend_options=dict(metal4=True, apple_gpu_family=10))
     cpu = lily.Model.load(path, backend="cpu", prefill_chunk=40)
     prompt = cases.LONG_PROMPT[:40]
     eng = gpu._engine
@@ -239,11 +247,23 @@ def test_gemm_path_chosen_at_load(store, lily):
         m.session().prefill(prompt)
         return {k for k, _, _ in m._engine.gpu_records(False) if "gemm" in k}
 
-    # Each set must be non-empty: the 10-token prefill has to take GEMMs for these to mean anything.
-    auto4, simd4, auto = gemms(metal4=True), gemms(metal4=True, gemm="simdgroup"), gemms()
-    assert auto4 and all("_tensor_" in k for k in auto4)                     # auto, Metal 4
-    assert simd4 and not any("_tensor_" in k for k in simd4)
-    assert auto and not any("_tensor_" in k for k in auto)                   # auto, no Metal 4
+    def tensor(names):  # every GEMM on tensor ops, or none (each set must be non-empty: the
+        assert names, "the 10-token prefill took no GEMMs"  # 10-token prefill has to take GEMMs)
+        assert all("_tensor_" in k for k in names) or not any("_tensor_" in k for k in names), names
+        return all("_tensor_" in k for k in names)
+
+    m5 = dict(metal4=True, apple_gpu_family=10)  # Metal 4 on a GPU whose hardware runs tensor ops
+    assert tensor(gemms(**m5))                                               # auto: M5
+    assert not tensor(gemms(metal4=True, apple_gpu_family=9))                # auto: Metal 4 on M3/M4
+    assert not tensor(gemms())                                               # auto: no Metal 4
+    assert not tensor(gemms(**m5, gemm="simdgroup"))
+    assert tensor(gemms(metal4=True, apple_gpu_family=9, gemm="tensor"))     # asked for: taken
+    # auto after a failed probe compile of a tensor library: the simdgroup GEMMs, and the reason.
+    assert not tensor(gemms(**m5, fail_library="quant_tensor"))
+    m = lily.Model.load(path, backend="msl-cpu", backend_options=dict(**m5, fail_library="moe_tensor"))
+    assert "moe_tensor.metal" in m._engine.gpu_gemm_path and "injected failure" in m._engine.gpu_gemm_path
+    with pytest.raises(lily.LilyError, match="compiling metal/quant_tensor.metal failed"):
+        lily.Model.load(path, backend="msl-cpu", backend_options=dict(**m5, fail_library="quant_tensor", gemm="tensor"))
     with pytest.raises(lily.ConfigError, match="gemm='tensor' needs Metal 4 tensor ops"):
         lily.Model.load(path, backend="msl-cpu", backend_options=dict(gemm="tensor"))
     with pytest.raises(lily.ConfigError, match="gemm must be 'auto', 'simdgroup' or 'tensor'"):

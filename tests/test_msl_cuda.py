@@ -26,7 +26,12 @@ import numpy as np
 import pytest
 
 from lily._core import LilyError, msl_cuda
-from lily.msl_cuda import ptxas_report, use_wheel_toolchain
+from lily.msl_cuda import (
+    cuda_kernel_files,
+    ptxas_report,
+    register_limited_threads,
+    use_wheel_toolchain,
+)
 from msl_cpu_harness import KERNELS, ROOT, msl_cpu
 
 TESTS = Path(__file__).resolve().parent
@@ -74,14 +79,14 @@ def child(case: str, env: dict, drop=(), timeout=300) -> subprocess.CompletedPro
                           text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("name", msl_cuda.kernel_files())
-def test_every_backend_kernel_compiles_and_assembles_for_sm_90(name):
-    # The text the GPU backend compiles (includes inlined) and the file as kernel tests load it.
-    source = msl_cuda.source_file(f"metal/{name}")
-    path, _, entries = msl_cuda.compile(msl_cuda.kernel_source(name), f"metal/{name}")
-    _, _, file_entries = msl_cuda.compile(source, f"metal/{name}")
+@pytest.mark.parametrize("name,safe_math", cuda_kernel_files())
+def test_every_backend_kernel_compiles_and_assembles_for_sm_90(name, safe_math):
+    # The text the GPU backend and the kernel tests compile (local includes inlined, so the
+    # kernel templates of metal/*.h with it), with the backend's options (every library but the
+    # Metal 4 tensor ones, which msl_cuda lacks).
+    source = msl_cuda.kernel_source(name)
+    path, _, entries = msl_cuda.compile(source, f"metal/{name}", safe_math=safe_math)
     assert sorted(e[0] for e in entries) == cpu_kernel_names(source, f"metal/{name}")
-    assert sorted(entries) == sorted(file_entries)
     check_ptxas(path, entries)
 
 
@@ -102,6 +107,55 @@ def test_entry_metadata_names_the_kernel_and_reference_sizes():
     assert by_name["reduce_tree"][0] == "reduce_tree"
     assert by_name["reduce_simd_half"][0] == by_name["reduce_simd_float"][0] == "reduce_simd"
     assert by_name["reduce_tree"][1][:3] == [0, 0, 8]
+
+
+def test_safe_math_compiles_without_fma_contraction():
+    # Metal's safe math (the sampling library's) forbids contracting a * b + c into one FMA;
+    # the default (Metal's fast math) allows it. Each is its own cache entry.
+    source = """#include <metal_stdlib>
+using namespace metal;
+kernel void madd(device const float* a [[buffer(0)]], device float* out [[buffer(1)]],
+                 uint i [[thread_position_in_grid]]) {
+  out[i] = a[i] * a[i + 1] + a[i + 2];
+}
+"""
+    fast, fast_key, _ = msl_cuda.compile(source, "madd.metal")
+    safe, safe_key, _ = msl_cuda.compile(source, "madd.metal", safe_math=True)
+    assert fast_key != safe_key == msl_cuda.cache_key(source, "madd.metal", safe_math=True)
+    assert "fma.rn.f32" in Path(fast).read_text()
+    safe_ptx = Path(safe).read_text()
+    assert "fma.rn.f32" not in safe_ptx and "mul.rn.f32" in safe_ptx and "add.rn.f32" in safe_ptx
+
+
+def test_language_level_and_max_threads_hold_on_cuda():
+    # The unit is msl_cpu's: a C++17 construct in an MSL 3 library is an error here too, naming
+    # the kernel's file:line (the preludes, system headers, may use what they need), and a
+    # [[max_total_threads_per_threadgroup(N)]] written as a macro of the source reaches the PTX
+    # metadata, for a kernel template as for a plain kernel.
+    head = '#include <metal_stdlib>\n#include "lily_msl.h"\nusing namespace metal;\n'
+    cxx17 = head + ("kernel void k(device float* out [[buffer(0)]], uint gid [[thread_position_in_grid]]) {\n"
+                    "  if constexpr (sizeof(float) == 4) out[gid] = 1.0f;\n}\n")
+    with pytest.raises(LilyError, match=r"(?s)lang\.metal:5:.*incompatible with C\+\+ standards before C\+\+17"):
+        msl_cuda.compile(cxx17, "lang.metal")
+    limits = head + ("#define THREADS (2 * 384)\n"
+                     "[[max_total_threads_per_threadgroup(THREADS)]]\n"
+                     "kernel void plain(device float* out [[buffer(0)]], uint gid [[thread_position_in_grid]]) {\n"
+                     "  out[gid] = 1.0f;\n}\n"
+                     "template <typename T>\n[[max_total_threads_per_threadgroup(THREADS / 2)]]\n"
+                     "kernel void tmpl(device T* out [[buffer(0)]], uint gid [[thread_position_in_grid]]) {\n"
+                     "  out[gid] = T(1);\n}\n"
+                     'LILY_KERNEL_INSTANTIATE("tmpl_float", tmpl, float)\n'
+                     "kernel void none(device float* out [[buffer(0)]], uint gid [[thread_position_in_grid]]) {\n"
+                     "  out[gid] = 1.0f;\n}\n")
+    path, _, entries = msl_cuda.compile(limits, "limits.metal")
+    ptx = Path(path).read_text()
+    declared = {}
+    for kernel in ("plain", "tmpl", "none"):
+        m = re.search(rf"lily_msl_kernel_{kernel}\[16\] = \{{([^}}]*)\}}", ptx)
+        values = [int(v) for v in m.group(1).split(",")] + [0] * 16
+        declared[kernel] = int.from_bytes(bytes(values[8:16]), "little")
+    assert declared == {"plain": 768, "tmpl": 384, "none": 0}
+    assert sorted(e[0] for e in entries) == ["none", "plain", "tmpl_float"]
 
 
 def test_constant_specializations_are_separate_modules():
@@ -149,6 +203,11 @@ def test_launch_arithmetic():
     assert sorted(order) == list(range(1000)) and order != list(range(1000))
     assert order == msl_cuda.threadgroup_permutation(1000, 3) != msl_cuda.threadgroup_permutation(1000, 4)
     assert msl_cuda.threadgroup_permutation(1, 3) == [0] and msl_cuda.threadgroup_permutation(0, 3) == []
+
+
+def test_register_limited_threads():
+    # sm_90: 64K registers per SM, allocated per warp in units of 256 (NVIDIA's occupancy rules).
+    assert [register_limited_threads(r) for r in (32, 64, 65, 128, 168, 255)] == [1024, 1024, 896, 512, 384, 256]
 
 
 def test_no_driver_is_a_clear_error():

@@ -102,7 +102,7 @@ void Engine::prefill(State& st, const int32_t* tokens, int n, float* logits, boo
       rows = LogitRows::Last;
       out = logits;
     }
-    forward_chunk(*backend_, *weights_, st, tokens + done, T, rows, out);
+    forward(st, tokens + done, T, rows, out);
     st.position_ += T;
     done += T;
   }
@@ -113,8 +113,17 @@ void Engine::decode(State& st, int32_t token, float* logits) {
   // Per token: the watch makes this an empty read() unless a file was touched.
   weights_->check_files_unchanged_if_touched();
   check_tokens(st, &token, 1);
-  forward_chunk(*backend_, *weights_, st, &token, 1, logits ? LogitRows::Last : LogitRows::None, logits);
+  forward(st, &token, 1, logits ? LogitRows::Last : LogitRows::None, logits);
   st.position_ += 1;
+}
+
+void Engine::forward(State& st, const int32_t* tokens, int T, LogitRows rows, float* logits) {
+  try {
+    forward_chunk(*backend_, *weights_, st, tokens, T, rows, logits);
+  } catch (...) {
+    backend_->abandon_pass(st);  // nothing of the pass runs; the state is as before it
+    throw;
+  }
 }
 
 std::vector<int32_t> Engine::generate_greedy(State& st, int32_t token, int max_tokens,
@@ -199,7 +208,7 @@ bool Engine::begin_device_decode(State& st, const int32_t* first, int n, int max
   if (!backend_->begin_device_decode(st, n - 1 + max_steps, ds)) return false;
   loop_ = {&st, max_steps, 0, 0};
   try {  // step 0 brings its tokens from the host; the rest read theirs on the device
-    forward_chunk(*backend_, *weights_, st, first, n, LogitRows::Last, nullptr);
+    forward(st, first, n, LogitRows::Last, nullptr);
     st.position_ += n;
     ++loop_.committed;
   } catch (...) {
@@ -211,7 +220,7 @@ bool Engine::begin_device_decode(State& st, const int32_t* first, int n, int max
 }
 
 void Engine::device_step(State& st) {
-  forward_chunk(*backend_, *weights_, st, nullptr, 1, LogitRows::Last, nullptr);
+  forward(st, nullptr, 1, LogitRows::Last, nullptr);
   st.position_ += 1;
   ++loop_.committed;
 }

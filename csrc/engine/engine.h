@@ -75,6 +75,9 @@ class Engine {
   void check_no_device_loop() const;
 
   void device_step(State& st);
+  // forward_chunk; if it throws, the backend abandons the pass (none of it runs, the state is
+  // as before it), then the exception goes on.
+  void forward(State& st, const int32_t* tokens, int T, LogitRows rows, float* logits);
 
   std::shared_ptr<const ModelWeights> weights_;
   std::unique_ptr<Backend> backend_;

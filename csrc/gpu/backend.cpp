@@ -1,63 +1,15 @@
+// GpuBackend: which kernels a pass runs, in what order, on which buffers. The dispatches
+// themselves are the encode_* functions of encode.h; see backend.h for the design.
 #include "gpu/backend.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
-#include <set>
-#include <sstream>
 
-#include <unistd.h>
-
-#include "gpu/embedded.h"
-#include "gpu/encode.h"
 #include "model/error.h"
 
-// The argument structs shared with the kernels (plain 32-bit fields).
-#include <cstdint>
-#include "metal/attention_args.h"
-#include "metal/moe_args.h"
-#include "metal/norm_args.h"
-#include "metal/quant_args.h"
-
 namespace lily::gpu {
-
-// ---- kernel sources ---------------------------------------------------------------------------
-
-namespace {
-
-// Inlines #include "x.h" (files of metal/) once each; <...> includes stay.
-void inline_includes(const std::string& file, std::set<std::string>& seen, std::string& out) {
-  if (!seen.insert(file).second) return;
-  std::istringstream in(source_file("metal/" + file));
-  // #line keeps compiler diagnostics pointing at the real file and line.
-  out += "#line 1 \"metal/" + file + "\"\n";
-  int n = 0;
-  for (std::string line; std::getline(in, line);) {
-    ++n;
-    const auto hash = line.find_first_not_of(" \t");
-    if (hash != std::string::npos && line.compare(hash, 8, "#include") == 0) {
-      const auto q0 = line.find('"');
-      const auto q1 = q0 == std::string::npos ? q0 : line.find('"', q0 + 1);
-      if (q1 != std::string::npos) {
-        inline_includes(line.substr(q0 + 1, q1 - q0 - 1), seen, out);
-        out += "#line " + std::to_string(n + 1) + " \"metal/" + file + "\"\n";
-        continue;
-      }
-    }
-    if (line.find("#pragma once") != std::string::npos) continue;
-    out += line;
-    out += '\n';
-  }
-}
-
-}  // namespace
-
-std::string kernel_source(const std::string& file) {
-  std::string out;
-  std::set<std::string> seen;
-  inline_includes(file, seen, out);
-  return out;
-}
 
 // ---- state -----------------------------------------------------------------------------------
 
@@ -86,6 +38,12 @@ std::vector<uint8_t> bytes_of(const std::shared_ptr<Buffer>& b) {
   if (!b || !b->contents()) return {};
   const auto* p = static_cast<const uint8_t*>(b->contents());
   return std::vector<uint8_t>(p, p + b->length());
+}
+
+std::string gib(uint64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f GiB", double(bytes) / double(1ull << 30));
+  return buf;
 }
 
 }  // namespace
@@ -139,33 +97,21 @@ void GpuState::apply(const Snapshot& snap) {
 
 GpuBackend::GpuBackend(std::shared_ptr<const ModelWeights> weights, std::shared_ptr<Device> device,
                        std::string name, GpuOptions options, std::vector<Region> regions)
-    : weights_(std::move(weights)), c_(weights_->config), device_(std::move(device)), name_(std::move(name)),
-      options_(options) {
-  if (options_.gemm != "auto" && options_.gemm != "simdgroup" && options_.gemm != "tensor")
-    throw ConfigError("[gpu] gemm must be 'auto', 'simdgroup' or 'tensor', not '" + options_.gemm + "'");
-  if (options_.gemm == "tensor" && !device_->supports_tensor_ops())
-    throw ConfigError("[gpu] gemm='tensor' needs Metal 4 tensor ops, which '" + device_->name() + "' lacks");
-  tensor_gemm_ = options_.gemm == "tensor" || (options_.gemm == "auto" && device_->supports_tensor_ops());
-  // A file's mapping covers whole pages, so the wrapped length is rounded up to the page size
-  // (Metal's newBufferWithBytesNoCopy wants a page-aligned pointer and length).
-  const size_t page = size_t(sysconf(_SC_PAGESIZE));
-  if (regions.empty())
-    for (const auto& f : weights_->files)
-      regions.push_back({static_cast<const uint8_t*>(f->mapping()), (size_t(f->file_size()) + page - 1) / page * page});
-  for (const Region& r : regions)
-    regions_.push_back({r, device_->wrap_buffer(const_cast<uint8_t*>(r.base), r.size)});
-
+    : weights_(std::move(weights)),
+      c_(weights_->config),
+      name_(std::move(name)),
+      options_(options),
+      ctx_(std::move(device)),
+      weights_gpu_(ctx_.device(), *weights_, std::move(regions), ctx_.dummy()),
+      acts_(ctx_.device(), c_, options.max_splits) {
   const bool has_attn = std::count(c_.mixers.begin(), c_.mixers.end(), Mixer::Attention) > 0;
+  const bool has_gdn = std::count(c_.mixers.begin(), c_.mixers.end(), Mixer::GatedDeltaNet) > 0;
   if (has_attn) {
-    if (c_.head_dim % 32 || c_.head_dim > LILY_ATTN_MAX_HEAD_DIM)
-      throw ConfigError("[gpu] head_dim " + std::to_string(c_.head_dim) + " must be a multiple of 32 up to " +
-                        std::to_string(LILY_ATTN_MAX_HEAD_DIM));
+    check_attention_head_dim(c_.head_dim);
     if (c_.n_heads / c_.n_kv_heads > LILY_ATTN_MAX_GROUP)
       throw ConfigError("[gpu] more than " + std::to_string(LILY_ATTN_MAX_GROUP) + " query heads per KV head");
   }
-  if (c_.gdn_k_dim > LILY_GDN_MAX_DK || c_.gdn_v_dim > 1024)
-    throw ConfigError("[gpu] DeltaNet head dims " + std::to_string(c_.gdn_k_dim) + "/" +
-                      std::to_string(c_.gdn_v_dim) + " exceed the kernels' limits");
+  if (has_gdn) check_gdn_key_dim(c_.gdn_k_dim, c_.gdn_v_dim);
   if (c_.top_k > LILY_MOE_MAX_TOPK || c_.n_experts > 1024)
     throw ConfigError("[gpu] MoE with " + std::to_string(c_.n_experts) + " experts top-" +
                       std::to_string(c_.top_k) + " exceeds the kernels' limits");
@@ -173,74 +119,93 @@ GpuBackend::GpuBackend(std::shared_ptr<const ModelWeights> weights, std::shared_
     throw ConfigError("[gpu] split_len and max_splits must be positive");
   if (options_.block_len < 1 || options_.block_threshold < 0)
     throw ConfigError("[gpu] block_len must be positive and block_threshold non-negative");
+  choose_gemm_path();
 
   // RoPE inverse frequencies, rounded exactly as the CPU backend computes them.
   const int half = c_.rotary_dim / 2;
-  inv_freq_ = device_->new_buffer(size_t(std::max(half, 1)) * 4);
+  inv_freq_ = ctx_.device().new_buffer(size_t(std::max(half, 1)) * 4);
   if (auto* p = static_cast<float*>(inv_freq_->contents()))
     for (int i = 0; i < half; ++i)
       p[i] = float(1.0 / std::pow(c_.rope_theta, double(float(2 * i) / float(c_.rotary_dim))));
-  dummy_ = device_->new_buffer(16);
 }
 
 GpuBackend::~GpuBackend() {
   try {
-    finish();
+    ctx_.finish();
   } catch (...) {
   }
 }
 
-GpuBackend::Ref GpuBackend::weight(const uint8_t* p, const char* what) const {
-  for (const auto& [r, buf] : regions_)
-    if (p >= r.base && p < r.base + r.size) return Ref{buf, size_t(p - r.base)};
-  throw Error(std::string("[gpu] ") + what + " does not lie in a mapped weights file");
-}
-
-std::shared_ptr<Buffer> GpuBackend::vec(const std::vector<float>& v) {
-  auto& b = vectors_[v.data()];
-  if (!b) {
-    b = device_->new_buffer(std::max<size_t>(v.size(), 1) * 4);
-    if (b->contents()) std::memcpy(b->contents(), v.data(), v.size() * 4);
+// GpuOptions::gemm: "tensor" compiles the Metal 4 libraries now (their errors surface at load);
+// "auto" takes them only on a GPU that accelerates tensor ops and only if they compile, else
+// falls back to simdgroup_matrix and says why in gemm_path().
+void GpuBackend::choose_gemm_path() {
+  const std::string& g = options_.gemm;
+  if (g != "auto" && g != "simdgroup" && g != "tensor")
+    throw ConfigError("[gpu] gemm must be 'auto', 'simdgroup' or 'tensor', not '" + g + "'");
+  Device& dev = ctx_.device();
+  const std::string family = "Apple" + std::to_string(dev.apple_gpu_family());
+  if (g == "simdgroup") {
+    gemm_path_ = "simdgroup (asked for)";
+    return;
   }
-  return b;
-}
-
-std::shared_ptr<Pipeline> GpuBackend::pipeline(const std::string& file, const std::string& kernel) {
-  auto& p = pipelines_[kernel];
-  if (!p) {
-    auto& lib = libraries_[file];
-    if (!lib) lib = device_->new_library(kernel_source(file), "metal/" + file);
-    p = lib->pipeline(kernel);
+  if (!dev.supports_tensor_ops()) {
+    if (g == "tensor") throw ConfigError("[gpu] gemm='tensor' needs Metal 4 tensor ops, which '" + dev.name() + "' lacks");
+    gemm_path_ = "simdgroup: the GPU has no Metal 4 tensor ops";
+    return;
   }
-  return p;
+  if (g == "auto" && dev.apple_gpu_family() < kTensorOpsGpuFamily) {
+    gemm_path_ = "simdgroup: the GPU family is " + family + "; tensor ops are accelerated from Apple" +
+                 std::to_string(kTensorOpsGpuFamily) + " (M5)";
+    return;
+  }
+  try {
+    ctx_.compile("quant_tensor.metal");
+    ctx_.compile("moe_tensor.metal");
+  } catch (const Error& e) {
+    if (g == "tensor") throw;
+    gemm_path_ = std::string("simdgroup: the Metal 4 tensor libraries did not compile: ") + e.what();
+    return;
+  }
+  tensor_gemm_ = true;
+  gemm_path_ = "tensor (Metal 4 matmul2d on " + family + (g == "tensor" ? ", asked for)" : ")");
 }
 
-void GpuBackend::begin() {
-  if (cb_) return;
-  cb_ = device_->new_command_buffer();
-  enc_ = cb_->compute_encoder(DispatchType::Concurrent);
-  hazards_.barrier();
-  stage_ = 0;
-  ++stats_.command_buffers;
+uint64_t GpuBackend::state_bytes(int64_t max_context) const {
+  uint64_t n = 0;
+  const uint64_t kv_row = uint64_t(c_.head_dim) * (options_.kv_half ? 2 : 4);
+  for (const Mixer m : c_.mixers) {
+    if (m == Mixer::Attention) n += 2 * uint64_t(c_.n_kv_heads) * uint64_t(max_context) * kv_row;
+    else n += 2 * 4 * (uint64_t(c_.conv_kernel - 1) * c_.gdn_qkv_dim() +
+                       uint64_t(c_.gdn_v_heads) * c_.gdn_k_dim * c_.gdn_v_dim);
+  }
+  return n;
 }
 
-void GpuBackend::finish() {
-  if (!cb_) return;
-  auto cb = std::move(cb_);
-  auto enc = std::move(enc_);
-  enc->end_encoding();
-  cb->commit();
-  ++stats_.waits;
-  cb->wait_until_completed();
+int GpuBackend::max_fitting_context() const {
+  const uint64_t ws = ctx_.device().recommended_max_working_set_size();
+  if (ws == 0) return INT_MAX;
+  const uint64_t fixed = weight_bytes() + state_bytes(0), per_token = state_bytes(1) - state_bytes(0);
+  if (fixed >= ws) return 0;
+  if (per_token == 0) return INT_MAX;
+  return int(std::min<uint64_t>((ws - fixed) / per_token, INT_MAX));
 }
 
-void GpuBackend::grow(std::shared_ptr<Buffer>& b, size_t bytes) {
-  bytes = std::max<size_t>(bytes, 16);
-  if (!b || b->length() < bytes) b = device_->new_buffer(bytes);
+void GpuBackend::check_context(int max_context) const {
+  Device& dev = ctx_.device();
+  const uint64_t ws = dev.recommended_max_working_set_size();
+  if (!ws || weight_bytes() + state_bytes(max_context) <= ws) return;
+  const int fits = max_fitting_context();
+  throw ConfigError("[gpu] a context of " + std::to_string(max_context) + " tokens needs " +
+                    gib(weight_bytes() + state_bytes(max_context)) + " on '" + dev.name() + "' (weights " +
+                    gib(weight_bytes()) + " + KV cache and recurrent state " + gib(state_bytes(max_context)) +
+                    "), more than the GPU's recommended working set of " + gib(ws) +
+                    (fits > 0 ? "; at most " + std::to_string(fits) + " tokens fit" : "; the weights alone do not fit"));
 }
 
 std::unique_ptr<State> GpuBackend::new_state(int max_context) {
-  finish();
+  check_context(max_context);
+  ctx_.finish();
   auto st = std::make_unique<GpuState>();
   st->backend = this;
   const int L = c_.n_layers();
@@ -251,8 +216,8 @@ std::unique_ptr<State> GpuBackend::new_state(int max_context) {
     st->S[p].resize(L);
     for (int l = 0; l < L; ++l) {
       if (c_.mixers[l] != Mixer::GatedDeltaNet) continue;
-      st->conv[p][l] = device_->new_buffer(size_t(c_.conv_kernel - 1) * c_.gdn_qkv_dim() * 4);
-      st->S[p][l] = device_->new_buffer(size_t(c_.gdn_v_heads) * c_.gdn_k_dim * c_.gdn_v_dim * 4);
+      st->conv[p][l] = ctx_.device().new_buffer(size_t(c_.conv_kernel - 1) * c_.gdn_qkv_dim() * 4);
+      st->S[p][l] = ctx_.device().new_buffer(size_t(c_.gdn_v_heads) * c_.gdn_k_dim * c_.gdn_v_dim * 4);
       for (auto* b : {st->conv[p][l].get(), st->S[p][l].get()})
         if (b->contents()) std::memset(b->contents(), 0, b->length());
     }
@@ -260,197 +225,97 @@ std::unique_ptr<State> GpuBackend::new_state(int max_context) {
   return st;
 }
 
-// Grows every attention layer's cache to hold `positions` (geometric, up to max_context).
-// Called between passes, so no command buffer uses the old buffers.
-void GpuBackend::reserve_kv(GpuState& st, int positions) {
-  if (st.block_len || positions >= options_.block_threshold) return reserve_blocks(st, positions);
-  if (positions <= st.capacity) return;
-  int cap = std::max(st.capacity, 256);
-  while (cap < positions) cap *= 2;
-  cap = std::min(cap, std::max(st.max_context(), positions));
-  const size_t row = size_t(c_.head_dim) * (options_.kv_half ? 2 : 4);
-  for (int l = 0; l < c_.n_layers(); ++l) {
-    if (c_.mixers[l] != Mixer::Attention) continue;
-    for (auto* list : {&st.k, &st.v}) {
-      auto nb = device_->new_buffer(size_t(c_.n_kv_heads) * cap * row);
-      auto& old = (*list)[l];
-      if (old && nb->contents() && old->contents())
-        for (int h = 0; h < c_.n_kv_heads; ++h)
-          std::memcpy(static_cast<uint8_t*>(nb->contents()) + size_t(h) * cap * row,
-                      static_cast<const uint8_t*>(old->contents()) + size_t(h) * st.capacity * row,
-                      size_t(st.capacity) * row);
-      old = nb;
-    }
-  }
-  st.capacity = cap;
+void GpuBackend::abandon_pass(State& state) noexcept {
+  ctx_.discard();
+  // The pass flipped the state's parity at embed: its reads came from copy in_, which it never
+  // got to overwrite (nothing ran), so returning to it restores the state. The device loop's
+  // steps already committed stay in flight (end_device_decode waits for them).
+  if (pass_state_ == &state) static_cast<GpuState&>(state).parity = in_;
+  pass_state_ = nullptr;
 }
 
-void GpuBackend::size_activations(int T) {
-  const size_t H = c_.hidden, Hq = c_.n_heads, Hkv = c_.n_kv_heads, D = c_.head_dim;
-  const size_t C = c_.gdn_qkv_dim(), vdim = c_.gdn_value_dim(), Hv = c_.gdn_v_heads;
-  const size_t I = std::max(c_.moe_intermediate, c_.intermediate), k = std::max(c_.top_k, 1);
-  const size_t f = 4 * size_t(T);
-  grow(tokens_, f);
-  grow(x_, f * H);
-  grow(h_, f * H);
-  grow(y_, f * H);
-  grow(qg_, f * Hq * 2 * D);
-  grow(k_, f * Hkv * D);
-  grow(v_, f * Hkv * D);
-  grow(o_, f * Hq * D);
-  grow(part_o_, 4 * Hq * options_.max_splits * D);
-  grow(part_ml_, 4 * Hq * options_.max_splits * 2);
-  grow(qkv_, f * C);
-  grow(qkvz_, f * (C + vdim));
-  grow(z_, f * vdim);
-  grow(b_, f * Hv);
-  grow(a_, f * Hv);
-  grow(ba_, f * 2 * Hv);
-  grow(conv_out_, f * C);
-  grow(go_, f * vdim);
-  grow(gdn_gates_, f * Hv * 2);
-  grow(router_, f * std::max(c_.n_experts, 1));
-  grow(ids_, f * k);
-  grow(wts_, f * k);
-  grow(act_, f * k * I);
-  grow(act_s_, f * std::max(c_.shared_intermediate, 1));
-  grow(sgate_, f);
-  if (!zeros_ || zeros_->length() < f) {
-    grow(zeros_, f);
-    if (zeros_->contents()) std::memset(zeros_->contents(), 0, zeros_->length());
-  }
+void GpuBackend::begin_pass() {
+  ctx_.begin(std::string("lily pass: ") + std::to_string(T_) + " token(s) at position " + std::to_string(pos0_));
+}
+
+void GpuBackend::project(const Linear& W, const char* what, const BufferRange& x, int ldx, const BufferRange& y,
+                         int ldy, int T) {
+  const LinearBuffers L = weights_gpu_.linear(W, what);
+  if (T >= options_.gemm_min_rows && tiles_fit(L.m)) encode_gemm(ctx_, L, x, ldx, y, ldy, T, tensor_gemm_);
+  else encode_gemv(ctx_, L, x, ldx, y, ldy, T);
 }
 
 void GpuBackend::embed(State& state, const int32_t* tokens, int T) {
   auto& st = static_cast<GpuState&>(state);
   T_ = T;
   pos0_ = st.position();
-  const size_t f = 4 * size_t(T), H = c_.hidden;
-  Ref token_src;
+  pass_state_ = nullptr;  // the previous pass was encoded completely
+  const size_t f = 4 * size_t(T);
+  BufferRange token_src;
   if (!greedy_) {
-    finish();
+    ctx_.finish();
     reserve_kv(st, pos0_ + T);
-    size_activations(T);
-    if (tokens_->contents()) std::memcpy(tokens_->contents(), tokens, f);
-    token_src = Ref{tokens_, 0};
+    acts_.size_for(T);
+    if (acts_.tokens->contents()) std::memcpy(acts_.tokens->contents(), tokens, f);
+    token_src = {acts_.tokens, 0};
   } else if (tokens) {  // the first device-loop step: a prompt's last chunk, from the host
     if (step_ != 0 || !inflight_.empty()) throw Error("[gpu] only the first device-loop step takes host tokens");
-    size_activations(T);  // nothing in flight: buffers may be replaced
-    if (tokens_->contents()) std::memcpy(tokens_->contents(), tokens, f);
-    token_src = Ref{tokens_, 0};
+    acts_.size_for(T);  // nothing in flight: buffers may be replaced
+    if (acts_.tokens->contents()) std::memcpy(acts_.tokens->contents(), tokens, f);
+    token_src = {acts_.tokens, 0};
   } else {  // the previous step's token (sized and reserved by begin_device_decode)
     if (T != 1) throw Error("[gpu] device-loop steps take their token from the device");
     if (step_ == 0) throw Error("[gpu] the first device-loop step brings its tokens from the host");
-    token_src = Ref{ring_, size_t((step_ + 1) % 2) * 4};
+    token_src = {ring_, size_t((step_ + 1) % 2) * 4};
   }
+  begin_pass();
   in_ = st.parity;
   st.parity ^= 1;
-
-  const Linear& E = weights_->embed;
-  EmbedArgs args{};
-  args.w = matrix(E, "embed_tokens");
-  args.vocab = uint32_t(c_.vocab);
-  const std::string S = scalar_name(E.dtype);
-  Dispatch d(*this, "quant.metal", "embed_" + S);
-  d.buf(0, weight(E.w, "embed_tokens"))
-      .buf(1, E.quantized() ? weight(E.scales, "embed scales") : Ref{dummy_, 0})
-      .buf(2, E.quantized() ? weight(E.biases, "embed biases") : Ref{dummy_, 0})
-      .buf(3, token_src)
-      .buf(4, x_)
-      .args(5, args)
-      .reads(token_src.buf, f, token_src.off)
-      .writes(x_, f * H)
-      .weight_bytes(uint64_t(T) * E.nbytes() / std::max(E.out, 1));
-  d.run({div_up(H, 256), uint32_t(T), 1}, {256, 1, 1});
+  pass_state_ = &st;
+  ctx_.signpost("embed");
+  encode_embed(ctx_, weights_gpu_.linear(weights_->embed, "embed_tokens"), uint32_t(c_.vocab), token_src,
+               {acts_.x, 0}, T);
 }
 
 void GpuBackend::norm(const std::vector<float>& w, bool add) {
-  const size_t n = size_t(T_) * c_.hidden * 4;
   NormArgs args{uint32_t(c_.hidden), add ? 1u : 0u, c_.rms_eps};
-  Dispatch d(*this, "norm.metal", "add_rms_norm");
-  d.buf(0, x_).buf(1, add ? y_ : x_).buf(2, vec(w)).buf(3, h_).args(4, args).reads(x_, n).writes(h_, n);
-  if (add) d.reads(y_, n).writes(x_, n);
-  d.run({uint32_t(T_), 1, 1}, {256, 1, 1});
+  encode_add_rms_norm(ctx_, args, T_, {acts_.y, 0}, weights_gpu_.vector(w), {acts_.x, 0}, {acts_.h, 0});
 }
 
 void GpuBackend::rms_norm(const std::vector<float>& w) { norm(w, false); }
 void GpuBackend::add_rms_norm(const std::vector<float>& w) { norm(w, true); }
-
-void GpuBackend::gemv(const Linear& W, const Ref& x, int ldx, const Ref& y, int ldy, int T) {
-  if (T >= options_.gemm_min_rows && gemm_fits(W)) return gemm(W, x, ldx, y, ldy, T);  // prefill
-  GemvArgs args{};
-  args.w = matrix(W, "a projection");
-  args.ldx = uint32_t(ldx);
-  args.ldy = uint32_t(ldy);
-  Dispatch d(*this, "quant.metal", "gemv_" + std::string(scalar_name(W.dtype)));
-  d.projection(W, x, ldx, y, ldy, T).args(5, args);
-  d.run({div_up(W.out, kGemvRows), uint32_t(T), 1}, {kGemvThreads, 1, 1});
-}
 
 // ---- attention ---------------------------------------------------------------------------------
 
 void GpuBackend::attention(State& state, int layer, const AttentionWeights& w) {
   auto& st = static_cast<GpuState&>(state);
   const int T = T_, H = c_.hidden, Hq = c_.n_heads, Hkv = c_.n_kv_heads, D = c_.head_dim;
-  gemv(w.q_proj, {h_, 0}, H, {qg_, 0}, Hq * 2 * D, T);
-  gemv(w.k_proj, {h_, 0}, H, {k_, 0}, Hkv * D, T);
-  gemv(w.v_proj, {h_, 0}, H, {v_, 0}, Hkv * D, T);
+  layer_ = layer;
+  ctx_.signpost("layer " + std::to_string(layer) + " attention");
+  project(w.q_proj, "q_proj", {acts_.h, 0}, H, {acts_.qg, 0}, Hq * 2 * D, T);
+  project(w.k_proj, "k_proj", {acts_.h, 0}, H, {acts_.k, 0}, Hkv * D, T);
+  project(w.v_proj, "v_proj", {acts_.h, 0}, H, {acts_.v, 0}, Hkv * D, T);
 
-  const uint64_t row = uint64_t(D) * (options_.kv_half ? 2 : 4);
-  const std::string kv = options_.kv_half ? "half" : "float";
-  // Contiguous cache, or fixed blocks for long contexts (csrc/gpu/kv_blocks.cpp).
-  const bool blocks = st.block_len > 0;
-  const std::string layout = blocks ? "blocks_" : "";
-  const uint32_t cap = uint32_t(blocks ? st.block_len : st.capacity);
-  {
-    AttnPrepareArgs a{uint32_t(D), uint32_t(c_.rotary_dim), uint32_t(Hq), uint32_t(Hkv),
-                      uint32_t(pos0_), cap, c_.rms_eps};
-    Dispatch d(*this, "attention.metal", "attn_prepare_" + layout + kv);
-    d.buf(0, qg_).buf(1, k_).buf(2, v_).buf(3, vec(w.q_norm)).buf(4, vec(w.k_norm)).buf(5, inv_freq_)
-        .args(8, a)
-        .reads(qg_, size_t(T) * Hq * 2 * D * 4).writes(qg_, size_t(T) * Hq * 2 * D * 4)
-        .reads(k_, size_t(T) * Hkv * D * 4).reads(v_, size_t(T) * Hkv * D * 4);
-    bind_kv(d, st, layer, 6, true, uint64_t(T) * Hkv * row);
-    d.run({uint32_t(Hq + Hkv), uint32_t(T), 1}, {128, 1, 1});
-  }
+  const KvCacheView kv = kv_view(st, layer);
+  const uint32_t cap = uint32_t(st.block_len ? st.block_len : st.capacity);  // blocks: positions per block
+  AttnPrepareArgs pa{uint32_t(D), uint32_t(c_.rotary_dim), uint32_t(Hq), uint32_t(Hkv), uint32_t(pos0_), cap,
+                     c_.rms_eps};
+  encode_attn_prepare(ctx_, pa, T, {acts_.k, 0}, {acts_.v, 0}, weights_gpu_.vector(w.q_norm),
+                      weights_gpu_.vector(w.k_norm), inv_freq_, kv, {acts_.qg, 0});
 
-  // Route by context: one pass, or split-K over the cache and a combine.
-  const int n_ctx = pos0_ + T;
-  int splits = 1, split_len = n_ctx;
-  if (T == 1 && n_ctx > options_.split_threshold) {
-    // Over blocks a split is whole blocks, so each threadgroup walks its own blocks.
-    const int unit = blocks ? st.block_len : 1;
-    split_len = std::max(unit, options_.split_len / unit * unit);
-    splits = div_up(n_ctx, split_len);
-    if (splits > options_.max_splits) {
-      split_len = int(div_up(div_up(n_ctx, options_.max_splits), unit)) * unit;
-      splits = div_up(n_ctx, split_len);
-    }
+  const float scale = 1.0f / std::sqrt(float(D));
+  const int group = Hq / Hkv;
+  if (T > 1 && attn_prefill_fits(D, group)) {  // a chunk: flash attention over query tiles
+    const uint32_t tile = std::max(1, LILY_ATTN_PF_ROWS / group);
+    AttnPrefillArgs a{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), cap, uint32_t(pos0_), uint32_t(T), tile, scale};
+    encode_attn_prefill(ctx_, a, {acts_.qg, 0}, kv, {acts_.o, 0});
+  } else {
+    AttnArgs a{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), cap, uint32_t(pos0_), 1, 0, scale};
+    attn_decode_splits(a, pos0_ + T, T, options_.split_threshold, options_.split_len, options_.max_splits,
+                       st.block_len);
+    encode_attn_decode(ctx_, a, T, {acts_.qg, 0}, kv, {acts_.o, 0}, {acts_.part_o, 0}, {acts_.part_ml, 0});
   }
-  if (prefill_attention(st, layer)) {  // chunks of T > 1: csrc/gpu/prefill_mixers.cpp
-    gemv(w.o_proj, {o_, 0}, Hq * D, {y_, 0}, H, T);
-    return;
-  }
-  AttnArgs a{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), cap, uint32_t(pos0_),
-             uint32_t(splits), uint32_t(split_len), 1.0f / std::sqrt(float(D))};
-  const size_t part_o = size_t(Hq) * splits * D * 4, part_ml = size_t(Hq) * splits * 2 * 4;
-  {
-    Dispatch d(*this, "attention.metal", "attn_decode_" + layout + kv);
-    d.buf(0, qg_).buf(3, o_).buf(4, part_o_).buf(5, part_ml_).args(6, a)
-        .reads(qg_, size_t(T) * Hq * 2 * D * 4);
-    bind_kv(d, st, layer, 1, false, uint64_t(Hkv) * n_ctx * row);
-    if (splits == 1) d.writes(o_, size_t(T) * Hq * D * 4);
-    else d.writes(part_o_, part_o).writes(part_ml_, part_ml);
-    d.run({uint32_t(Hkv), uint32_t(splits), uint32_t(T)}, {32 * LILY_ATTN_SIMDGROUPS, 1, 1});
-  }
-  if (splits > 1) {
-    Dispatch d(*this, "attention.metal", "attn_combine");
-    d.buf(0, qg_).buf(1, part_o_).buf(2, part_ml_).buf(3, o_).args(4, a)
-        .reads(qg_, size_t(Hq) * 2 * D * 4).reads(part_o_, part_o).reads(part_ml_, part_ml)
-        .writes(o_, size_t(Hq) * D * 4);
-    d.run({uint32_t(Hq), 1, 1}, {128, 1, 1});
-  }
-  gemv(w.o_proj, {o_, 0}, Hq * D, {y_, 0}, H, T);
+  project(w.o_proj, "o_proj", {acts_.o, 0}, Hq * D, {acts_.y, 0}, H, T);
 }
 
 // ---- Gated DeltaNet ----------------------------------------------------------------------------
@@ -458,202 +323,149 @@ void GpuBackend::attention(State& state, int layer, const AttentionWeights& w) {
 void GpuBackend::gated_deltanet(State& state, int layer, const GdnWeights& w) {
   auto& st = static_cast<GpuState&>(state);
   const int T = T_, H = c_.hidden, C = c_.gdn_qkv_dim(), vdim = c_.gdn_value_dim(), Hv = c_.gdn_v_heads;
+  layer_ = layer;
+  ctx_.signpost("layer " + std::to_string(layer) + " gated deltanet");
   GdnArgs args{uint32_t(T), uint32_t(c_.gdn_k_heads), uint32_t(Hv), uint32_t(c_.gdn_k_dim),
                uint32_t(c_.gdn_v_dim), uint32_t(c_.conv_kernel), uint32_t(C), c_.rms_eps,
                1.0f / std::sqrt(float(c_.gdn_k_dim))};
-  const size_t f = size_t(T) * 4;
+  const BufferRange h{acts_.h, 0}, qkv{acts_.qkv, 0}, z{acts_.z, 0}, b{acts_.b, 0}, a{acts_.a, 0};
   if (c_.gdn_fused_qkvz) {
-    gemv(w.in_qkvz, {h_, 0}, H, {qkvz_, 0}, C + vdim, T);
-    gemv(w.in_ba, {h_, 0}, H, {ba_, 0}, 2 * Hv, T);
-    const uint32_t n = uint32_t(C + vdim + 2 * Hv);
-    Dispatch d(*this, "gdn.metal", "gdn_ungroup");
-    d.buf(0, qkvz_).buf(1, ba_).buf(2, qkv_).buf(3, z_).buf(4, b_).buf(5, a_).args(6, args)
-        .reads(qkvz_, f * (C + vdim)).reads(ba_, f * 2 * Hv)
-        .writes(qkv_, f * C).writes(z_, f * vdim).writes(b_, f * Hv).writes(a_, f * Hv);
-    d.run({div_up(n, 256), uint32_t(T), 1}, {256, 1, 1});
+    project(w.in_qkvz, "in_proj_qkvz", h, H, {acts_.qkvz, 0}, C + vdim, T);
+    project(w.in_ba, "in_proj_ba", h, H, {acts_.ba, 0}, 2 * Hv, T);
+    encode_gdn_ungroup(ctx_, args, {acts_.qkvz, 0}, {acts_.ba, 0}, qkv, z, b, a);
   } else {
-    gemv(w.in_qkv, {h_, 0}, H, {qkv_, 0}, C, T);
-    gemv(w.in_z, {h_, 0}, H, {z_, 0}, vdim, T);
-    gemv(w.in_b, {h_, 0}, H, {b_, 0}, Hv, T);
-    gemv(w.in_a, {h_, 0}, H, {a_, 0}, Hv, T);
+    project(w.in_qkv, "in_proj_qkv", h, H, qkv, C, T);
+    project(w.in_z, "in_proj_z", h, H, z, vdim, T);
+    project(w.in_b, "in_proj_b", h, H, b, Hv, T);
+    project(w.in_a, "in_proj_a", h, H, a, Hv, T);
   }
   const int out = in_ ^ 1;
-  if (prefill_gated_deltanet(st, layer, w, args)) {  // chunks of T > 1: csrc/gpu/prefill_mixers.cpp
-    gemv(w.out_proj, {go_, 0}, vdim, {y_, 0}, H, T);
-    return;
+  const GdnStateView sv{st.conv[in_][layer], st.conv[out][layer], st.S[in_][layer], st.S[out][layer]};
+  const GdnLayerBuffers L{weights_gpu_.vector(w.conv1d), weights_gpu_.vector(w.a_neg), weights_gpu_.vector(w.dt_bias),
+                          weights_gpu_.vector(w.norm)};
+  if (T > 1 && gdn_prefill_fits(c_.gdn_k_dim, c_.gdn_v_dim)) {  // a chunk: conv + norms for all tokens, one scan
+    encode_gdn_prepare(ctx_, args, qkv, b, a, L, sv, {acts_.conv_out, 0}, {acts_.gdn_gates, 0});
+    encode_gdn_scan(ctx_, args, {acts_.conv_out, 0}, {acts_.gdn_gates, 0}, z, L, sv, {acts_.go, 0});
+  } else {
+    encode_gdn_conv(ctx_, args, qkv, L, sv, {acts_.conv_out, 0});
+    encode_gdn_recurrence(ctx_, args, {acts_.conv_out, 0}, b, a, z, L, sv, {acts_.go, 0});
   }
-  {
-    Dispatch d(*this, "gdn.metal", "gdn_conv");
-    d.buf(0, qkv_).buf(1, vec(w.conv1d)).buf(2, st.conv[in_][layer]).buf(3, conv_out_).args(4, args)
-        .buf(5, st.conv[out][layer])
-        .reads(qkv_, f * C).writes(conv_out_, f * C)
-        .state(st.conv[in_][layer], false, st.conv[in_][layer]->length())
-        .state(st.conv[out][layer], true, st.conv[out][layer]->length());
-    d.run({div_up(C, 256), 1, 1}, {256, 1, 1});
-  }
-  {
-    Dispatch d(*this, "gdn.metal", "gdn_recurrence");
-    d.buf(0, conv_out_).buf(1, b_).buf(2, a_).buf(3, z_).buf(4, vec(w.a_neg)).buf(5, vec(w.dt_bias))
-        .buf(6, vec(w.norm)).buf(7, st.S[in_][layer]).buf(8, go_).args(9, args).buf(10, st.S[out][layer])
-        .reads(conv_out_, f * C).reads(b_, f * Hv).reads(a_, f * Hv).reads(z_, f * vdim)
-        .writes(go_, f * vdim)
-        .state(st.S[in_][layer], false, st.S[in_][layer]->length())
-        .state(st.S[out][layer], true, st.S[out][layer]->length());
-    d.run({uint32_t(Hv), 1, 1}, {32 * div_up(c_.gdn_v_dim, 32), 1, 1});
-  }
-  gemv(w.out_proj, {go_, 0}, vdim, {y_, 0}, H, T);
+  project(w.out_proj, "out_proj", {acts_.go, 0}, vdim, {acts_.y, 0}, H, T);
 }
 
 // ---- feed-forward ------------------------------------------------------------------------------
 
-
-const GpuBackend::ExpertTables& GpuBackend::tables(const MoeWeights* moe, const MlpWeights* mlp) {
-  const void* key = moe ? static_cast<const void*>(moe) : static_cast<const void*>(mlp);
-  auto& slot = tables_[key];
-  if (slot) return *slot;
-  slot = std::make_unique<ExpertTables>();
-
-  auto build = [&](const std::vector<const Linear*>& list, const char* what) {
-    ExpertMatrix mt;
-    const Linear& L0 = *list[0];
-    mt.m = matrix(L0, what);
-    mt.dtype = L0.dtype;
-    mt.nbytes = L0.nbytes();
-    mt.experts = int(list.size());
-    // Every expert's parts must live in the region of expert 0's (one mapped file).
-    Ref w0 = weight(L0.w, what);
-    Ref s0 = L0.quantized() ? weight(L0.scales, what) : w0;
-    Ref b0 = L0.quantized() ? weight(L0.biases, what) : w0;
-    mt.w = {w0.buf, 0};
-    mt.s = {s0.buf, 0};
-    mt.b = {b0.buf, 0};
-    mt.table = device_->new_buffer(list.size() * 3 * 8);
-    auto* t = static_cast<uint64_t*>(mt.table->contents());
-    for (size_t e = 0; e < list.size(); ++e) {
-      const Linear& L = *list[e];
-      if (L.format != L0.format || L.bits != L0.bits || L.group != L0.group || L.dtype != L0.dtype ||
-          L.in != L0.in || L.out != L0.out)
-        throw ConfigError(std::string("[gpu] ") + what + ": experts differ in format or shape");
-      Ref rw = weight(L.w, what), rs = L.quantized() ? weight(L.scales, what) : rw,
-          rb = L.quantized() ? weight(L.biases, what) : rw;
-      if (rw.buf != w0.buf || rs.buf != s0.buf || rb.buf != b0.buf)
-        throw ConfigError(std::string("[gpu] ") + what + ": experts of one layer span several files");
-      if (t) {
-        t[3 * e + 0] = rw.off;
-        t[3 * e + 1] = rs.off;
-        t[3 * e + 2] = rb.off;
-      }
-    }
-    return mt;
-  };
-  auto one = [](const Linear& L) { return std::vector<const Linear*>{&L}; };
-  if (moe) {
-    std::vector<const Linear*> g, u, d;
-    for (const auto& e : moe->experts) {
-      g.push_back(&e.gate);
-      u.push_back(&e.up);
-      d.push_back(&e.down);
-    }
-    slot->gate = build(g, "experts' gate_proj");
-    slot->up = build(u, "experts' up_proj");
-    slot->down = build(d, "experts' down_proj");
-    if (c_.shared_intermediate > 0) {
-      slot->shared_gate = build(one(moe->shared.gate), "shared expert gate_proj");
-      slot->shared_up = build(one(moe->shared.up), "shared expert up_proj");
-      slot->shared_down = build(one(moe->shared.down), "shared expert down_proj");
-      if (slot->shared_down.dtype != slot->down.dtype)
-        throw ConfigError("[gpu] the shared expert's down_proj and the experts' differ in scale dtype");
-    }
-  } else {
-    slot->gate = build(one(mlp->gate), "mlp gate_proj");
-    slot->up = build(one(mlp->up), "mlp up_proj");
-    slot->down = build(one(mlp->down), "mlp down_proj");
-  }
-  if (slot->gate.dtype != slot->up.dtype)
-    throw ConfigError("[gpu] gate_proj and up_proj differ in scale dtype");
-  return *slot;
-}
-
-// act[t, j, :] = silu(gate_e . h[t]) * (up_e . h[t]) for e = ids[t, j], j < k.
-void GpuBackend::gate_up_gemv(const ExpertMatrix& gate, const ExpertMatrix& up, const Ref& ids, int k,
-                              const std::shared_ptr<Buffer>& act) {
-  const int T = T_, I = int(gate.m.out);
-  const size_t f = size_t(T) * 4;
-  MoeGateUpArgs a{gate.m, up.m, uint32_t(k)};
-  Dispatch d(*this, "moe.metal", "moe_gate_up_" + std::string(scalar_name(gate.dtype)));
-  d.experts(0, gate).experts(4, up).buf(8, ids).buf(9, h_).buf(10, act).args(11, a)
-      .reads(h_, f * c_.hidden).writes(act, f * k * I)
-      .weight_bytes(uint64_t(std::min(T * k, gate.experts)) * (gate.nbytes + up.nbytes));
-  if (ids.buf != zeros_) d.reads(ids.buf, f * k, ids.off);  // (zeros_: one job, never written)
-  d.run({div_up(I, kGemvRows), uint32_t(k), uint32_t(T)}, {kGemvThreads, 1, 1});
-}
-
-// y[t] = sum_j w[t, j] down_e . act[t, j]  (+ sigmoid(sgate[t]) shared_down . act_s[t]).
-void GpuBackend::down_gemv(const ExpertMatrix& down, const ExpertMatrix* shared, const Ref& ids, int k,
-                           bool weighted) {
-  const int T = T_, H = c_.hidden, I = int(down.m.in);
-  const size_t f = size_t(T) * 4;
-  const ExpertMatrix& sd = shared ? *shared : down;
-  MoeDownArgs a{down.m, sd.m, uint32_t(k), weighted ? 1u : 0u, shared ? 1u : 0u};
-  Dispatch d(*this, "moe.metal", "moe_down_" + std::string(scalar_name(down.dtype)));
-  d.experts(0, down).buf(4, ids).buf(5, weighted ? wts_ : dummy_).buf(6, act_).experts(7, sd)
-      .buf(11, shared ? act_s_ : dummy_).buf(12, shared ? sgate_ : dummy_).buf(13, y_).args(14, a)
-      .reads(act_, f * k * I).writes(y_, f * H)
-      .weight_bytes(uint64_t(std::min(T * k, down.experts)) * down.nbytes + (shared ? sd.nbytes : 0));
-  if (ids.buf != zeros_) d.reads(ids.buf, f * k, ids.off);
-  if (weighted) d.reads(wts_, f * k);
-  if (shared) d.reads(act_s_, f * sd.m.in).reads(sgate_, f);
-  d.run({div_up(H, kGemvRows), uint32_t(T), 1}, {kGemvThreads, 1, 1});
+bool GpuBackend::grouped_fits(const ExpertTables& tb) const {
+  for (const auto* m : {&tb.gate, &tb.up, &tb.down, &tb.shared_gate, &tb.shared_up, &tb.shared_down})
+    if (!tiles_fit(m->m)) return false;  // (absent shared matrices are zero: dense, fit)
+  return c_.n_experts <= LILY_MOE_PLAN_THREADS;  // else the GEMV route
 }
 
 void GpuBackend::mlp(const MlpWeights& w) {
-  const ExpertTables& tb = tables(nullptr, &w);
+  const ExpertTables& tb = weights_gpu_.tables(nullptr, &w);
+  ctx_.signpost("layer " + std::to_string(layer_) + " mlp");
   if (T_ >= options_.gemm_min_rows && grouped_fits(tb)) return mlp_prefill(tb);
-  gate_up_gemv(tb.gate, tb.up, {zeros_, 0}, 1, act_);
-  down_gemv(tb.down, nullptr, {zeros_, 0}, 1, false);
+  const BufferRange zeros{acts_.zeros, 0};
+  encode_moe_gate_up(ctx_, tb.gate, tb.up, zeros, 1, T_, {acts_.h, 0}, {acts_.act, 0});
+  MoeDownInputs in;
+  in.ids = zeros;
+  in.act = {acts_.act, 0};
+  encode_moe_down(ctx_, tb.down, in, 1, T_, c_.hidden, {acts_.y, 0});
 }
 
 void GpuBackend::moe(const MoeWeights& w) {
-  const ExpertTables& tb = tables(&w, nullptr);
+  const ExpertTables& tb = weights_gpu_.tables(&w, nullptr);
   const int T = T_, H = c_.hidden, E = c_.n_experts, k = c_.top_k;
   const bool shared = c_.shared_intermediate > 0;
-  const size_t f = size_t(T) * 4;
+  ctx_.signpost("layer " + std::to_string(layer_) + " moe");
+  project(w.router, "router", {acts_.h, 0}, H, {acts_.router, 0}, E, T);
+  if (shared) project(w.shared_gate, "shared_expert_gate", {acts_.h, 0}, H, {acts_.sgate, 0}, 1, T);
+  MoeRouteArgs ra{uint32_t(E), uint32_t(k), c_.norm_topk_prob ? 1u : 0u};
+  encode_moe_route(ctx_, ra, T, {acts_.router, 0}, {acts_.ids, 0}, {acts_.wts, 0});
+  if (T >= options_.gemm_min_rows && grouped_fits(tb)) return moe_prefill(tb);
+  if (shared)  // beside the routing: shares its stage
+    encode_moe_gate_up(ctx_, tb.shared_gate, tb.shared_up, {acts_.zeros, 0}, 1, T, {acts_.h, 0}, {acts_.act_s, 0});
+  encode_moe_gate_up(ctx_, tb.gate, tb.up, {acts_.ids, 0}, k, T, {acts_.h, 0}, {acts_.act, 0});
+  const BufferRange wts{acts_.wts, 0};
+  MoeDownInputs in;
+  in.ids = {acts_.ids, 0};
+  in.weights = &wts;
+  in.shared = shared ? &tb.shared_down : nullptr;
+  in.act = {acts_.act, 0};
+  in.act_s = {acts_.act_s, 0};
+  in.sgate = {acts_.sgate, 0};
+  encode_moe_down(ctx_, tb.down, in, k, T, H, {acts_.y, 0});
+}
 
-  gemv(w.router, {h_, 0}, H, {router_, 0}, E, T);
-  if (shared) gemv(w.shared_gate, {h_, 0}, H, {sgate_, 0}, 1, T);
-  {
-    MoeRouteArgs a{uint32_t(E), uint32_t(k), c_.norm_topk_prob ? 1u : 0u};
-    Dispatch d(*this, "moe.metal", "moe_route");
-    d.buf(0, router_).buf(1, ids_).buf(2, wts_).args(3, a)
-        .reads(router_, f * E).writes(ids_, f * k).writes(wts_, f * k);
-    d.run({uint32_t(T), 1, 1}, {32 * div_up(E, 32), 1, 1});
+// Prefill (T >= gemm_min_rows): the feed-forward as grouped GEMMs. Routed experts over the
+// block map moe_plan builds on the GPU (every size bounded by T*k, so nothing is read back);
+// the shared expert and a dense MLP as one expert over rows 0..T.
+void GpuBackend::mlp_prefill(const ExpertTables& tb) {
+  GroupedGemm g;
+  g.bm = gemm_block_rows(uint64_t(T_));
+  g.blocks = div_up(T_, g.bm);
+  g.rows = uint32_t(T_);
+  g.tensor = tensor_gemm_;
+  const MoePlanBuffers none;
+  encode_moe_gemm_gate_up(ctx_, tb.gate, tb.up, g, none, T_, c_.hidden, {acts_.h, 0}, {acts_.act, 0});
+  encode_moe_gemm_down(ctx_, tb.down, g, none, {acts_.act, 0}, {acts_.y, 0});
+}
+
+void GpuBackend::moe_prefill(const ExpertTables& tb) {
+  const int T = T_, H = c_.hidden, E = c_.n_experts, k = c_.top_k;
+  const bool shared = c_.shared_intermediate > 0;
+  const uint32_t n = uint32_t(T) * uint32_t(k);
+  GroupedGemm routed;
+  routed.routed = true;
+  routed.k = k;
+  routed.bm = gemm_block_rows(n / uint32_t(E));  // rows per expert on average
+  routed.blocks = std::min<uint32_t>(uint32_t(E), n) + n / uint32_t(routed.bm);  // max blocks
+  routed.rows = n;
+  routed.tensor = tensor_gemm_;
+  acts_.grow(acts_.plan_rows, size_t(n) * 4);
+  acts_.grow(acts_.plan_blocks, size_t(routed.blocks) * 16);
+  acts_.grow(acts_.plan_header, 16);
+  acts_.grow(acts_.yr, size_t(n) * H * 4);
+  if (shared) acts_.grow(acts_.ys, size_t(T) * H * 4);
+  const MoePlanBuffers plan{{acts_.plan_rows, 0}, {acts_.plan_blocks, 0}, {acts_.plan_header, 0}, {acts_.wts, 0}};
+
+  MoePlanArgs pa{n, uint32_t(E), uint32_t(routed.bm)};
+  encode_moe_plan(ctx_, pa, routed.blocks, {acts_.ids, 0}, plan.rows, plan.blocks, plan.header);
+  if (shared) {  // independent of the routing: shares its stages
+    GroupedGemm s;
+    s.bm = gemm_block_rows(uint64_t(T));
+    s.blocks = div_up(T, s.bm);
+    s.rows = uint32_t(T);
+    s.tensor = tensor_gemm_;
+    encode_moe_gemm_gate_up(ctx_, tb.shared_gate, tb.shared_up, s, plan, T, H, {acts_.h, 0}, {acts_.act_s, 0});
+    encode_moe_gemm_down(ctx_, tb.shared_down, s, plan, {acts_.act_s, 0}, {acts_.ys, 0});
   }
-  if (T >= options_.gemm_min_rows && grouped_fits(tb)) return moe_prefill(tb);  // prefill_moe.cpp
-  if (shared) gate_up_gemv(tb.shared_gate, tb.shared_up, {zeros_, 0}, 1, act_s_);  // beside the routing
-  gate_up_gemv(tb.gate, tb.up, {ids_, 0}, k, act_);
-  down_gemv(tb.down, shared ? &tb.shared_down : nullptr, {ids_, 0}, k, true);
+  encode_moe_gemm_gate_up(ctx_, tb.gate, tb.up, routed, plan, T, H, {acts_.h, 0}, {acts_.act, 0});
+  encode_moe_gemm_down(ctx_, tb.down, routed, plan, {acts_.act, 0}, {acts_.yr, 0});
+  MoeCombineArgs ca{uint32_t(H), uint32_t(k), shared ? 1u : 0u};
+  const BufferRange ys{acts_.ys, 0}, sg{acts_.sgate, 0};
+  encode_moe_combine(ctx_, ca, T, {acts_.yr, 0}, shared ? &ys : nullptr, shared ? &sg : nullptr, {acts_.y, 0});
 }
 
 // ---- head ----------------------------------------------------------------------------------------
 
 void GpuBackend::lm_head(const Linear& head, int first, int n, float* logits) {
   const size_t bytes = size_t(n) * head.out * 4;
-  if (!greedy_) grow(logits_, bytes);
-  gemv(head, {h_, size_t(first) * c_.hidden * 4}, c_.hidden, {logits_, 0}, head.out, n);
+  ctx_.signpost("lm_head");
+  if (!greedy_) acts_.grow(acts_.logits, bytes);
+  project(head, "lm_head", {acts_.h, size_t(first) * c_.hidden * 4}, c_.hidden, {acts_.logits, 0}, head.out, n);
   if (!greedy_) {
-    finish();
-    if (logits && logits_->contents()) std::memcpy(logits, logits_->contents(), bytes);
+    pass_state_ = nullptr;  // complete: an error from here on is the execution's, not the encoding's
+    ctx_.finish();
+    if (logits && acts_.logits->contents()) std::memcpy(logits, acts_.logits->contents(), bytes);
     return;
   }
   // Device-loop step: the chosen token goes into this step's ring slot (the next step's input);
   // commit and return without waiting.
-  encode_sample(head.out);
-  auto cb = std::move(cb_);
-  auto enc = std::move(enc_);
-  enc->end_encoding();
-  cb->commit();
-  inflight_.push_back(std::move(cb));
-  stats_.max_in_flight = std::max<uint64_t>(stats_.max_in_flight, inflight_.size());
+  sample_step();
+  pass_state_ = nullptr;
+  inflight_.push_back(ctx_.commit());
+  ctx_.stats().max_in_flight = std::max<uint64_t>(ctx_.stats().max_in_flight, inflight_.size());
   ++step_;
 }
 

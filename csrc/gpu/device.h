@@ -6,18 +6,22 @@
 // so the dispatch sequence tested on Linux is the one that ships.
 //
 // The interface mirrors Apple's API one to one and keeps its semantics:
-//   Device::new_library(source)         -> newLibraryWithSource:options:error:
+//   Device::new_library(source, options) -> newLibraryWithSource:options:error: (MTLCompileOptions:
+//                                          languageVersion, mathMode / fastMathEnabled)
 //   Library::pipeline(name, constants)  -> newFunctionWithName:constantValues:error: +
 //                                          newComputePipelineStateWithFunction:error:
 //   Device::new_buffer / wrap_buffer    -> newBufferWithLength: / newBufferWithBytesNoCopy:...
-//   CommandBuffer::compute_encoder(t)   -> computeCommandEncoderWithDispatchType:
+//   CommandBuffer::compute_encoder(t, label) -> computeCommandEncoderWithDispatchType: + label
 //   ComputeEncoder::set_buffer(i, b, o) -> setBuffer:offset:atIndex:
 //   ComputeEncoder::set_bytes(i, p, n)  -> setBytes:length:atIndex: (the bytes are copied now)
+//                                          (Metal: "smaller than 4 KB"; larger is an error here)
 //   set_threadgroup_memory_length(i, n) -> setThreadgroupMemoryLength:atIndex: (n % 16 == 0)
 //   dispatch_threadgroups(grid, tg)     -> dispatchThreadgroups:threadsPerThreadgroup:
 //   memory_barrier()                    -> memoryBarrierWithScope:MTLBarrierScopeBuffers
 //   CommandBuffer::commit / wait_until_completed; an execution error is raised by the wait, as
-//   Metal reports it in the command buffer's error once it completes.
+//   Metal reports it in the command buffer's error once it completes, naming the encoder that
+//   failed (its label; Metal: MTLCommandBufferErrorOptionEncoderExecutionStatus).
+//   Device::make_resident(buffers)      -> an MTLResidencySet on the command queue (macOS 15+)
 // Bindings persist on an encoder across dispatches, as in Metal. In a Concurrent encoder the
 // dispatches between two memory barriers may run in any order or overlap: that is a claim
 // that they are independent, which the msl_cpu dependency-check mode verifies.
@@ -75,6 +79,14 @@ class Buffer {
   virtual void fill(size_t offset, uint8_t value, size_t n);      // memset
 };
 
+// The most bytes ComputeEncoder::set_bytes takes (Metal's limit for setBytes:length:atIndex:).
+constexpr size_t kMaxSetBytes = 4096;
+// Threadgroup memory of every Apple GPU lily supports (static + dynamic, per threadgroup).
+constexpr size_t kMaxThreadgroupMemory = 32768;
+// Threads per threadgroup a pipeline is sure to allow: more needs the kernel to declare
+// [[max_total_threads_per_threadgroup(N)]] (otherwise register pressure may lower the limit).
+constexpr uint32_t kDefaultMaxThreadsPerThreadgroup = 256;
+
 // MTLComputePipelineState.
 class Pipeline {
  public:
@@ -82,6 +94,21 @@ class Pipeline {
   virtual const std::string& name() const = 0;
   virtual uint32_t max_total_threads_per_threadgroup() const = 0;
   virtual uint32_t thread_execution_width() const = 0;
+  // The name of the kernel parameter bound at [[buffer(index)]], "" where unknown (no such
+  // parameter, or a device without reflection: Metal's pipelines are made without it). The GPU
+  // backend checks its bindings against it, so on msl-cpu a host binding in the wrong order fails.
+  virtual std::string buffer_name(uint32_t index) const { return {}; }
+};
+
+// MTLCompileOptions: what each library is compiled as.
+struct LibraryOptions {
+  // MTLLanguageVersion: MSL 3.1 (bfloat; every GPU lily supports, M1 on) or 4.0 (Metal 4
+  // tensors; only where the device supports them).
+  enum class Language { MSL3_1, MSL4_0 };
+  Language language = Language::MSL3_1;
+  // IEEE arithmetic (MTLMathModeSafe; fastMathEnabled = NO before macOS 15): no reassociation,
+  // no contraction into FMA, no flushed infinities. Metal compiles with fast math by default.
+  bool safe_math = false;
 };
 
 // MTLLibrary: compiled MSL source; pipelines are made from it by function name.
@@ -101,6 +128,7 @@ class ComputeEncoder {
                           size_t offset) = 0;
   virtual void set_bytes(uint32_t index, const void* bytes, size_t length) = 0;
   virtual void set_threadgroup_memory_length(uint32_t index, size_t length) = 0;
+  virtual void insert_debug_signpost(const std::string& text) = 0;
   virtual void dispatch_threadgroups(Size3 threadgroups_per_grid,
                                      Size3 threads_per_threadgroup) = 0;
   virtual void memory_barrier() = 0;
@@ -111,7 +139,8 @@ class ComputeEncoder {
 class CommandBuffer {
  public:
   virtual ~CommandBuffer() = default;
-  virtual std::shared_ptr<ComputeEncoder> compute_encoder(DispatchType type) = 0;
+  // label names the encoder in execution errors (and in Xcode's GPU tools).
+  virtual std::shared_ptr<ComputeEncoder> compute_encoder(DispatchType type, const std::string& label) = 0;
   virtual void commit() = 0;
   virtual void wait_until_completed() = 0;  // throws lily::Error if execution failed
 };
@@ -124,6 +153,14 @@ class Device {
   // Metal 4 tensors and MetalPerformancePrimitives' tensor ops (matmul2d) in kernels: the GPU is
   // in MTLGPUFamilyMetal4 and libraries are compiled as MSL 4 (which defines __HAVE_TENSOR__).
   virtual bool supports_tensor_ops() const { return false; }
+  // The newest MTLGPUFamilyAppleN the GPU supports (7: M1, 8: M2, 9: M3/M4, 10: M5).
+  virtual int apple_gpu_family() const = 0;
+  // MTLDevice.recommendedMaxWorkingSetSize: how much memory the GPU can use without hurting
+  // performance (0: no limit known).
+  virtual uint64_t recommended_max_working_set_size() const = 0;
+  // Ask the OS to keep these buffers resident (MTLResidencySet on the command queue where the
+  // OS has it, macOS 15+; elsewhere nothing).
+  virtual void make_resident(const std::vector<std::shared_ptr<Buffer>>& buffers) = 0;
   virtual std::shared_ptr<Buffer> new_buffer(size_t length) = 0;
   // Caller memory as a buffer: a zero-copy wrap (page-aligned on Metal; the caller keeps it
   // alive), or on a device with memory of its own a copy made now (for weights, which never
@@ -134,8 +171,8 @@ class Device {
   // n bytes from src to dst now, with the same rule as Buffer::write.
   virtual void copy(Buffer& dst, size_t dst_offset, Buffer& src, size_t src_offset, size_t n);
   // file_name names the source in diagnostics ("metal/quant.metal").
-  virtual std::shared_ptr<Library> new_library(const std::string& source,
-                                               const std::string& file_name) = 0;
+  virtual std::shared_ptr<Library> new_library(const std::string& source, const std::string& file_name,
+                                               const LibraryOptions& options) = 0;
   virtual std::shared_ptr<CommandBuffer> new_command_buffer() = 0;
 };
 

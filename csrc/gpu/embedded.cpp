@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include "model/error.h"
@@ -41,7 +42,39 @@ void make_dirs(const std::string& path) {  // every parent folder of path
     if (path[i] == '/') mkdir(path.substr(0, i).c_str(), 0755);
 }
 
+// Inlines #include "x.h" (files of metal/) once each; <...> includes stay.
+void inline_includes(const std::string& file, std::set<std::string>& seen, std::string& out) {
+  if (!seen.insert(file).second) return;
+  std::istringstream in(source_file("metal/" + file));
+  // #line keeps compiler diagnostics pointing at the real file and line.
+  out += "#line 1 \"metal/" + file + "\"\n";
+  int n = 0;
+  for (std::string line; std::getline(in, line);) {
+    ++n;
+    const auto hash = line.find_first_not_of(" \t");
+    if (hash != std::string::npos && line.compare(hash, 8, "#include") == 0) {
+      const auto q0 = line.find('"');
+      const auto q1 = q0 == std::string::npos ? q0 : line.find('"', q0 + 1);
+      if (q1 != std::string::npos) {
+        inline_includes(line.substr(q0 + 1, q1 - q0 - 1), seen, out);
+        out += "#line " + std::to_string(n + 1) + " \"metal/" + file + "\"\n";
+        continue;
+      }
+    }
+    if (line.find("#pragma once") != std::string::npos) continue;
+    out += line;
+    out += '\n';
+  }
+}
+
 }  // namespace
+
+std::string kernel_source(const std::string& file) {
+  std::string out;
+  std::set<std::string> seen;
+  inline_includes(file, seen, out);
+  return out;
+}
 
 std::string source_file(const std::string& path) {
   std::string text;

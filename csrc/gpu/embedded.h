@@ -28,4 +28,9 @@ std::string source_file(const std::string& path);
 // $LILY_SOURCE_DIR when it holds every one of them.
 std::string source_tree(const std::string& cache_root);
 
+// metal/<file> with its local #include "..." lines inlined once each (with #line markers, so
+// diagnostics name the real file and line): the self-contained text Metal's
+// newLibraryWithSource needs, with the kernel templates of its headers in it.
+std::string kernel_source(const std::string& file);
+
 }  // namespace lily::gpu

@@ -1,24 +1,50 @@
-// What the GPU backend's encoding files (backend.cpp, prefill_moe.cpp) share: the dispatch
-// encoder, the expert offset tables and the weight-matrix helpers. Internal to csrc/gpu/.
+// The GPU host's encoding functions, one file per op family as metal/ and csrc/cpu/ are:
+//   quant.cpp      embed, gemv, gemm (a Linear's projection)
+//   norm.cpp       add_rms_norm
+//   attention.cpp  attn_prepare, attn_decode (+ attn_combine), attn_prefill
+//   gdn.cpp        gdn_ungroup, gdn_conv, gdn_recurrence, gdn_prepare, gdn_scan
+//   moe.cpp        moe_route, moe_gate_up, moe_down; prefill moe_plan, grouped GEMMs, moe_combine
+//   sampling.cpp   sample (and the device decode loop of GpuBackend)
+// Each encode_* function is one kernel's contract: it fills nothing but the dispatch (the caller
+// passes the kernel's argument struct, metal/*_args.h), binds the buffers in the kernel's order
+// (args, reads, writes: encoder.h), declares the bytes each touches and sizes the grid. What to
+// run when (decode or prefill route, splits, parity of the state copies) is GpuBackend's.
 #pragma once
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "gpu/backend.h"
-#include "model/error.h"
+#include "gpu/encoder.h"
+#include "model/dtype.h"
 
-// The argument structs shared with the kernels (plain 32-bit fields).
+// The argument structs shared with the kernels (plain 32-bit fields, a static_assert on each size).
+#include "metal/attention_args.h"
+#include "metal/attention_prefill_args.h"
+#include "metal/gdn_args.h"
+#include "metal/gdn_prefill_args.h"
 #include "metal/moe_args.h"
+#include "metal/norm_args.h"
 #include "metal/quant_args.h"
+#include "metal/sampling_args.h"
 
 namespace lily::gpu {
 
+// ---- weights -------------------------------------------------------------------------------------
+
+// A weight matrix as the quant kernels read it: packed (or dense) words, scales and biases
+// (the dummy buffer for dense matrices), its shape and format.
+struct LinearBuffers {
+  BufferRange w, scales, biases;
+  QuantMatrix m{};
+  DType dtype = DType::F32;
+  uint64_t nbytes = 0;  // bytes of the whole matrix (weights + scales + biases)
+};
+
 // One matrix kind of a MoE block (or a dense MLP): the buffers its experts live in and the
 // [E, 3] byte offsets (w, scales, biases) of each expert's matrix into them.
-struct GpuBackend::ExpertMatrix {
-  Ref w, s, b;                    // bound at offset 0 of each region buffer
+struct ExpertMatrix {
+  BufferRange w, s, b;            // bound at offset 0 of each region buffer
   std::shared_ptr<Buffer> table;  // [n, 3] uint64 offsets
   QuantMatrix m{};
   DType dtype = DType::F32;
@@ -27,127 +53,157 @@ struct GpuBackend::ExpertMatrix {
 };
 
 // Offset tables of one MoE block (or one dense MLP: gate, up, down of one "expert").
-struct GpuBackend::ExpertTables {
+struct ExpertTables {
   ExpertMatrix gate, up, down, shared_gate, shared_up, shared_down;
 };
 
-// Whether the prefill tiles (metal/gemm.h) read matrix m: affine widths must be whole K steps
+// "float", "half", "bfloat": the S of kernel names (throws ConfigError for other dtypes).
+const char* scalar_name(DType t);
+// Throws ConfigError unless `value` is one of the sizes a kernel family is instantiated for
+// (`what`: "head_dim 80 has no attention kernels", `where`: the list's macro).
+void check_instantiated(int value, const std::vector<int>& sizes, const std::string& what, const char* where);
+
+// ---- quant.cpp -----------------------------------------------------------------------------------
+
+// Whether the GEMM tiles (metal/gemm.h) read matrix m: affine widths must be whole K steps
 // (every MLX group size is a multiple of 32); dense ones any width.
-inline bool tiles_fit(const QuantMatrix& m) { return m.bits == 0 || m.in % LILY_GEMM_BK == 0; }
+bool tiles_fit(const QuantMatrix& m);
+// The GEMM block height for tiles that hold `rows` rows on average (8 or 32).
+int gemm_block_rows(uint64_t rows);
+// Kernel <family>[_tensor]_<S>_bm<BM> and the library it is in (<base>.metal or <base>_tensor.metal).
+std::string gemm_kernel(const char* family, bool tensor, DType t, int bm);
+std::string gemm_library(const char* base, bool tensor);
 
-inline const char* scalar_name(DType t) {
-  switch (t) {
-    case DType::F32: return "float";
-    case DType::F16: return "half";
-    case DType::BF16: return "bfloat";
-    default: throw ConfigError("[gpu] weights of dtype " + std::string(dtype_name(t)) + " are not supported");
-  }
-}
+// x[t, :] = E[tokens[t], :] for t < T  (embed_<S>)
+void encode_embed(EncoderContext& ctx, const LinearBuffers& E, uint32_t vocab, const BufferRange& tokens,
+                  const BufferRange& x, int T);
+// y[t, :out) = W x[t, :in) for t < T, rows ldx / ldy floats apart  (gemv_<S>: decode, short chunks)
+void encode_gemv(EncoderContext& ctx, const LinearBuffers& W, const BufferRange& x, int ldx, const BufferRange& y,
+                 int ldy, int T);
+// The same as a tiled GEMM (gemm[_tensor]_<S>_bm<BM>: prefill chunks); W must fit the tiles.
+void encode_gemm(EncoderContext& ctx, const LinearBuffers& W, const BufferRange& x, int ldx, const BufferRange& y,
+                 int ldy, int T, bool tensor);
 
-inline QuantMatrix matrix(const Linear& W, const char* what) {
-  if (!W.present()) throw ConfigError(std::string("[gpu] ") + what + " is missing");
-  const uint32_t bits = W.quantized() ? uint32_t(W.bits) : 0;
-  if (bits != 0 && bits != 2 && bits != 4 && bits != 8)
-    throw ConfigError(std::string("[gpu] ") + what + " is " + std::to_string(bits) +
-                      "-bit; the GPU kernels read 2, 4 and 8-bit affine weights and dense ones");
-  QuantMatrix m{};
-  m.in = uint32_t(W.in);
-  m.out = uint32_t(W.out);
-  m.bits = bits;
-  m.group = W.quantized() ? uint32_t(W.group) : 0;
-  if (bits && (m.group % (32 / bits) != 0 || W.in % W.group != 0))
-    throw ConfigError(std::string("[gpu] ") + what + ": group size " + std::to_string(W.group) + " does not suit the kernels");
-  return m;
-}
+// ---- norm.cpp ------------------------------------------------------------------------------------
 
-inline uint32_t div_up(uint64_t a, uint64_t b) { return uint32_t((a + b - 1) / b); }
-constexpr uint32_t kGemvRows = LILY_GEMV_SIMDGROUPS * LILY_GEMV_ROWS_PER_SIMDGROUP;
-constexpr uint32_t kGemvThreads = 32 * LILY_GEMV_SIMDGROUPS;
+// x[t] += y[t] (args.add); h[t] = rmsnorm(x[t]) * w  for t < T  (add_rms_norm)
+void encode_add_rms_norm(EncoderContext& ctx, const NormArgs& args, int T, const BufferRange& y,
+                         const std::shared_ptr<Buffer>& w, const BufferRange& x, const BufferRange& h);
 
-// Encodes one dispatch: bindings, then the barrier the hazard tracker asks for, then the grid.
-class GpuBackend::Dispatch {
- public:
-  Dispatch(GpuBackend& be, const std::string& file, const std::string& kernel) : be_(be) {
-    be_.begin();
-    rec_.kernel = kernel;
-    pipeline_ = be_.pipeline(file, kernel);
-    be_.enc_->set_pipeline(pipeline_);
-  }
-  Dispatch& buf(uint32_t index, const Ref& r) {
-    be_.enc_->set_buffer(index, r.buf, r.off);
-    return *this;
-  }
-  Dispatch& buf(uint32_t index, const std::shared_ptr<Buffer>& b) { return buf(index, Ref{b, 0}); }
-  // An expert matrix at four consecutive bindings: weights, scales, biases, offset table.
-  Dispatch& experts(uint32_t index, const ExpertMatrix& m) {
-    return buf(index, m.w).buf(index + 1, m.s).buf(index + 2, m.b).buf(index + 3, m.table);
-  }
-  // A Linear at three consecutive bindings: weights, scales, biases (dense: a dummy for both).
-  Dispatch& linear(uint32_t index, const Linear& W) {
-    buf(index, be_.weight(W.w, "weight"));
-    buf(index + 1, W.quantized() ? be_.weight(W.scales, "scales") : Ref{be_.dummy_, 0});
-    return buf(index + 2, W.quantized() ? be_.weight(W.biases, "biases") : Ref{be_.dummy_, 0});
-  }
-  // A projection y[t, :out) = W x[t, :in) for t < T: W at bindings 0-2, x at 3, y at 4 (the
-  // layout of gemv_* and gemm_*), with its accesses declared.
-  Dispatch& projection(const Linear& W, const Ref& x, int ldx, const Ref& y, int ldy, int T) {
-    return linear(0, W)
-        .buf(3, x)
-        .buf(4, y)
-        .reads(x.buf, size_t(T) * ldx * 4, x.off)
-        .writes(y.buf, (size_t(T - 1) * ldy + W.out) * 4, y.off)
-        .weight_bytes(W.nbytes());
-  }
-  template <typename A>
-  Dispatch& args(uint32_t index, const A& a) {
-    be_.enc_->set_bytes(index, &a, sizeof a);
-    return *this;
-  }
-  // Declared accesses (bytes [off, off + n) of a buffer).
-  Dispatch& reads(const std::shared_ptr<Buffer>& b, size_t n, size_t off = 0) {
-    reads_.push_back({b.get(), off, off + n});
-    rec_.other_bytes += n;
-    return *this;
-  }
-  Dispatch& writes(const std::shared_ptr<Buffer>& b, size_t n, size_t off = 0) {
-    writes_.push_back({b.get(), off, off + n});
-    rec_.other_bytes += n;
-    return *this;
-  }
-  // Accesses of state (KV, DeltaNet) whose traffic is counted separately.
-  Dispatch& state(const std::shared_ptr<Buffer>& b, bool write, uint64_t traffic) {
-    Access a{b.get(), 0, b->length()};
-    (write ? writes_ : reads_).push_back(a);
-    if (write) reads_.push_back(a);
-    rec_.state_bytes += traffic;
-    return *this;
-  }
-  Dispatch& weight_bytes(uint64_t n) {
-    rec_.weight_bytes += n;
-    return *this;
-  }
-  void run(Size3 grid, Size3 threads) {
-    // A compiled pipeline may allow fewer threads than the kernel asks for (register pressure
-    // on a real GPU): say so instead of letting Metal reject the dispatch.
-    const uint64_t n = uint64_t(threads.width) * threads.height * threads.depth;
-    if (n > pipeline_->max_total_threads_per_threadgroup())
-      throw Error("[gpu] kernel '" + rec_.kernel + "' needs " + std::to_string(n) +
-                  " threads per threadgroup; its pipeline allows " +
-                  std::to_string(pipeline_->max_total_threads_per_threadgroup()));
-    if (be_.hazards_.dispatch(*be_.enc_, grid, threads, reads_, writes_)) {
-      ++be_.stage_;
-      ++be_.stats_.barriers;
-    }
-    ++be_.stats_.dispatches;
-    rec_.stage = be_.stage_;
-    if (be_.recording_) be_.records_.push_back(rec_);
-  }
+// ---- attention.cpp -------------------------------------------------------------------------------
 
- private:
-  GpuBackend& be_;
-  std::shared_ptr<Pipeline> pipeline_;
-  DispatchRecord rec_;
-  std::vector<Access> reads_, writes_;
+// One layer's KV cache as the attention kernels bind it: contiguous K, V [Hkv, cap, D], or the
+// fixed-block layout's table and K / V arenas (csrc/gpu/kv_cache.cpp).
+struct KvCacheView {
+  std::shared_ptr<Buffer> k, v;                        // contiguous
+  std::shared_ptr<Buffer> table;                       // blocks: [n_blocks] arena << 24 | slot
+  std::vector<std::shared_ptr<Buffer>> k_arenas, v_arenas;
+  bool blocks = false;
+  bool half = false;  // f16 elements (else f32)
+  std::string kernel_suffix() const;  // "[blocks_]<float|half>"
 };
+
+// q, k normed and rotated; k, v written into the cache at pos0.. (attn_prepare_[blocks_]<KV>):
+// grid (Hq + Hkv, T). qg is updated in place.
+void encode_attn_prepare(EncoderContext& ctx, const AttnPrepareArgs& args, int T, const BufferRange& k,
+                         const BufferRange& v, const std::shared_ptr<Buffer>& q_norm,
+                         const std::shared_ptr<Buffer>& k_norm, const std::shared_ptr<Buffer>& inv_freq,
+                         const KvCacheView& kv, const BufferRange& qg);
+// Decode attention over the cache (attn_decode_[blocks_]<KV>_d<D>), single pass or split-K with
+// attn_combine (args.n_splits > 1): o [T, Hq, D]. part_o / part_ml: the splits' partials.
+void encode_attn_decode(EncoderContext& ctx, const AttnArgs& args, int T, const BufferRange& qg,
+                        const KvCacheView& kv, const BufferRange& o, const BufferRange& part_o,
+                        const BufferRange& part_ml);
+// The splits of decode attention over n_ctx positions (args.n_splits, args.split_len).
+void attn_decode_splits(AttnArgs& args, int n_ctx, int T, int split_threshold, int split_len, int max_splits,
+                        int block_len);
+// Whether attn_prefill takes this shape (head dim instantiated, GQA group within a tile).
+bool attn_prefill_fits(int D, int group);
+// Flash attention of a chunk over the cache (attn_prefill_[blocks_]<KV>_d<D>): o [T, Hq, D].
+void encode_attn_prefill(EncoderContext& ctx, const AttnPrefillArgs& args, const BufferRange& qg,
+                         const KvCacheView& kv, const BufferRange& o);
+// Throws ConfigError unless the attention kernels are instantiated for head_dim D.
+void check_attention_head_dim(int D);
+
+// ---- gdn.cpp -------------------------------------------------------------------------------------
+
+// The DeltaNet buffers of one layer and pass: the state copy read and the one written.
+struct GdnStateView {
+  std::shared_ptr<Buffer> window_in, window_out;  // [K-1, C]
+  std::shared_ptr<Buffer> S_in, S_out;            // [Hv, Dk, Dv]
+};
+struct GdnLayerBuffers {  // per-channel vectors of the layer (f32)
+  std::shared_ptr<Buffer> taps, a_neg, dt_bias, norm_w;
+};
+
+// Qwen3-Next's grouped projections scattered into qkv, z, b, a (gdn_ungroup).
+void encode_gdn_ungroup(EncoderContext& ctx, const GdnArgs& args, const BufferRange& qkvz, const BufferRange& ba,
+                        const BufferRange& qkv, const BufferRange& z, const BufferRange& b, const BufferRange& a);
+// Decode route: conv1d over [window ; chunk] + SiLU (gdn_conv), then the recurrence with the
+// gated RMSNorm (gdn_recurrence_dk<Dk>).
+void encode_gdn_conv(EncoderContext& ctx, const GdnArgs& args, const BufferRange& qkv, const GdnLayerBuffers& L,
+                     const GdnStateView& st, const BufferRange& conv_out);
+void encode_gdn_recurrence(EncoderContext& ctx, const GdnArgs& args, const BufferRange& conv_out,
+                           const BufferRange& b, const BufferRange& a, const BufferRange& z,
+                           const GdnLayerBuffers& L, const GdnStateView& st, const BufferRange& o);
+// Prefill route (T > 1): gdn_prepare (conv, SiLU, norms, gates for every token at once), then
+// gdn_scan_dk<Dk> (the recurrence over the chunk, state in registers).
+bool gdn_prefill_fits(int Dk, int Dv);
+void encode_gdn_prepare(EncoderContext& ctx, const GdnArgs& args, const BufferRange& qkv, const BufferRange& b,
+                        const BufferRange& a, const GdnLayerBuffers& L, const GdnStateView& st,
+                        const BufferRange& x, const BufferRange& gates);
+void encode_gdn_scan(EncoderContext& ctx, const GdnArgs& args, const BufferRange& x, const BufferRange& gates,
+                     const BufferRange& z, const GdnLayerBuffers& L, const GdnStateView& st, const BufferRange& o);
+// Throws ConfigError unless the DeltaNet kernels are instantiated for key head dim Dk.
+void check_gdn_key_dim(int Dk, int Dv);
+
+// ---- moe.cpp -------------------------------------------------------------------------------------
+
+// Softmax + top-k (ties to the lowest id) + renormalisation per token (moe_route): ids, weights [T, k].
+void encode_moe_route(EncoderContext& ctx, const MoeRouteArgs& args, int T, const BufferRange& logits,
+                      const BufferRange& ids, const BufferRange& weights);
+// Decode feed-forward (gather-GEMV). act[t, j, :] = silu(gate_e . h[t]) * (up_e . h[t]) for
+// e = ids[t, j], j < k (a dense MLP or the shared expert: one job, ids a zero buffer).
+void encode_moe_gate_up(EncoderContext& ctx, const ExpertMatrix& gate, const ExpertMatrix& up,
+                        const BufferRange& ids, int k, int T, const BufferRange& h, const BufferRange& act);
+// y[t] = sum_j w[t, j] down_e . act[t, j]  (+ sigmoid(sgate[t]) shared_down . act_s[t]).
+struct MoeDownInputs {
+  BufferRange ids;                       // [T, k] (one job: a zero buffer)
+  const BufferRange* weights = nullptr;  // [T, k]; nullptr: every job weighs 1 (dense MLP)
+  const ExpertMatrix* shared = nullptr;  // the shared expert, or none
+  BufferRange act, act_s, sgate;
+};
+void encode_moe_down(EncoderContext& ctx, const ExpertMatrix& down, const MoeDownInputs& in, int k, int T, int H,
+                     const BufferRange& y);
+// Prefill: ids -> sorted slots and the block map (moe_plan; one threadgroup).
+void encode_moe_plan(EncoderContext& ctx, const MoePlanArgs& args, uint32_t max_blocks, const BufferRange& ids,
+                     const BufferRange& rows, const BufferRange& blocks, const BufferRange& header);
+// The grouped GEMMs over the block map (routed) or over rows 0..T of one expert (not routed).
+struct MoePlanBuffers {
+  BufferRange rows, blocks, header, weights;  // moe_plan's output and the routing weights
+};
+struct GroupedGemm {
+  bool routed = false;
+  int k = 1;               // jobs per token
+  int bm = 8;              // block height
+  uint32_t blocks = 0;     // grid rows: max_blocks (routed) or ceil(T / bm)
+  uint32_t rows = 0;       // T*k (routed) or T
+  bool tensor = false;     // Metal 4 matmul2d kernels (moe_tensor.metal)
+};
+void encode_moe_gemm_gate_up(EncoderContext& ctx, const ExpertMatrix& gate, const ExpertMatrix& up,
+                             const GroupedGemm& g, const MoePlanBuffers& plan, int T, int H, const BufferRange& h,
+                             const BufferRange& act);
+void encode_moe_gemm_down(EncoderContext& ctx, const ExpertMatrix& down, const GroupedGemm& g,
+                          const MoePlanBuffers& plan, const BufferRange& act, const BufferRange& out);
+// y = the sum of a token's k weighted slots (+ the sigmoid-gated shared expert) (moe_combine).
+void encode_moe_combine(EncoderContext& ctx, const MoeCombineArgs& args, int T, const BufferRange& yr,
+                        const BufferRange* ys, const BufferRange* sgate, const BufferRange& y);
+
+// ---- sampling.cpp --------------------------------------------------------------------------------
+
+// The token of logits [vocab] (sample: argmax or a seeded draw), into `token` with its status
+// word beside it; the generator state rng [4] advances in place.
+void encode_sample(EncoderContext& ctx, const SampleArgs& args, const BufferRange& logits, const BufferRange& w,
+                   const BufferRange& rng, const BufferRange& token, const BufferRange& status);
 
 }  // namespace lily::gpu

@@ -53,6 +53,7 @@ class RecEncoder final : public ComputeEncoder {
   void set_buffer(uint32_t, const std::shared_ptr<Buffer>&, size_t) override {}
   void set_bytes(uint32_t, const void*, size_t) override {}
   void set_threadgroup_memory_length(uint32_t, size_t) override {}
+  void insert_debug_signpost(const std::string&) override {}
   void dispatch_threadgroups(Size3, Size3) override {}
   void memory_barrier() override {}
   void end_encoding() override {}
@@ -60,7 +61,9 @@ class RecEncoder final : public ComputeEncoder {
 
 class RecCommandBuffer final : public CommandBuffer {
  public:
-  std::shared_ptr<ComputeEncoder> compute_encoder(DispatchType) override { return std::make_shared<RecEncoder>(); }
+  std::shared_ptr<ComputeEncoder> compute_encoder(DispatchType, const std::string&) override {
+    return std::make_shared<RecEncoder>();
+  }
   void commit() override {}
   void wait_until_completed() override {}
 };
@@ -68,12 +71,15 @@ class RecCommandBuffer final : public CommandBuffer {
 class RecDevice final : public Device {
  public:
   std::string name() const override { return "recording"; }
+  int apple_gpu_family() const override { return 7; }  // plans show the path every GPU takes
+  uint64_t recommended_max_working_set_size() const override { return 0; }
+  void make_resident(const std::vector<std::shared_ptr<Buffer>>&) override {}
   std::shared_ptr<Buffer> new_buffer(size_t n) override {
     allocated += n;
     return std::make_shared<RecBuffer>(n);
   }
   std::shared_ptr<Buffer> wrap_buffer(void*, size_t n) override { return std::make_shared<RecBuffer>(n, false); }
-  std::shared_ptr<Library> new_library(const std::string&, const std::string&) override {
+  std::shared_ptr<Library> new_library(const std::string&, const std::string&, const LibraryOptions&) override {
     return std::make_shared<RecLibrary>();
   }
   std::shared_ptr<CommandBuffer> new_command_buffer() override { return std::make_shared<RecCommandBuffer>(); }

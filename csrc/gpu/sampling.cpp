@@ -22,16 +22,32 @@
 
 namespace lily::gpu {
 
+// logits [vocab] -> token (sample: argmax or a seeded draw), status [3] beside it; rng [4]
+// advances in place; w [vocab] is the kernel's scratch.
+void encode_sample(EncoderContext& ctx, const SampleArgs& args, const BufferRange& logits, const BufferRange& w,
+                   const BufferRange& rng, const BufferRange& token, const BufferRange& status) {
+  const size_t vocab = args.vocab;
+  Dispatch d(ctx, "sampling.metal", "sample");
+  d.args(args)
+      .read("logits", logits, vocab * 4)
+      .write("w", w, vocab * 4)
+      .write("rng", rng, 32)
+      .declare_read(rng.buf, 32, rng.off)
+      .write("token", token, 4)
+      .write("status", status, 12);
+  d.run({1, 1, 1}, {LILY_SAMPLE_THREADS, 1, 1});
+}
+
 bool GpuBackend::begin_device_decode(State& state, int max_steps, const DeviceSampling& s) {
   auto& st = static_cast<GpuState&>(state);
   finish();
   reserve_kv(st, st.position() + max_steps);
-  size_activations(1);
-  grow(logits_, size_t(c_.vocab) * 4);
-  grow(sample_w_, size_t(c_.vocab) * 4);
-  grow(ring_, 8);
-  grow(status_, 32);
-  grow(rng_, 32);
+  acts_.size_for(1);
+  acts_.grow(acts_.logits, size_t(c_.vocab) * 4);
+  acts_.grow(sample_w_, size_t(c_.vocab) * 4);
+  acts_.grow(ring_, 8);
+  acts_.grow(status_, 32);
+  acts_.grow(rng_, 32);
   step_ = read_step_ = 0;
   inflight_.clear();
   if (auto* p = static_cast<uint64_t*>(rng_->contents())) std::memcpy(p, s.rng, 32);
@@ -53,7 +69,7 @@ int32_t GpuBackend::wait_device_token() {
   if (inflight_.empty()) throw Error("[gpu] no device-loop step in flight");
   auto cb = inflight_.front();
   inflight_.erase(inflight_.begin());
-  ++stats_.waits;
+  ++ctx_.stats().waits;
   cb->wait_until_completed();
   const int64_t i = read_step_++;
   const auto* r = static_cast<const int32_t*>(ring_->contents());
@@ -74,7 +90,7 @@ int32_t GpuBackend::wait_device_token() {
 
 void GpuBackend::discard_last_step(State& state) {
   for (auto& cb : inflight_) {
-    ++stats_.waits;
+    ++ctx_.stats().waits;
     cb->wait_until_completed();
   }
   inflight_.clear();
@@ -90,16 +106,11 @@ void GpuBackend::end_device_decode() {
   greedy_ = false;
 }
 
-// The token of device-loop step step_ from logits_ (metal/sampling.metal): into ring slot
+// The token of device-loop step step_ from the logits (metal/sampling.metal): into ring slot
 // step_ % 2, with its status beside it; advances the generator state in rng_.
-void GpuBackend::encode_sample(int vocab) {
-  const Ref slot{ring_, size_t(step_ % 2) * 4}, status{status_, size_t(step_ % 2) * 16};
-  Dispatch d(*this, "sampling.metal", "sample");
-  d.buf(0, logits_).buf(1, sample_w_).buf(2, rng_).buf(3, slot).buf(4, status)
-      .args(5, sample_args_)
-      .reads(logits_, size_t(vocab) * 4).writes(sample_w_, size_t(vocab) * 4)
-      .reads(rng_, 32).writes(rng_, 32).writes(slot.buf, 4, slot.off).writes(status.buf, 12, status.off);
-  d.run({1, 1, 1}, {LILY_SAMPLE_THREADS, 1, 1});
+void GpuBackend::sample_step() {
+  encode_sample(ctx_, sample_args_, {acts_.logits, 0}, {sample_w_, 0}, {rng_, 0},
+                {ring_, size_t(step_ % 2) * 4}, {status_, size_t(step_ % 2) * 16});
 }
 
 }  // namespace lily::gpu

@@ -14,9 +14,15 @@
 //  - wrap_buffer() is zero-copy (newBufferWithBytesNoCopy), for mmap'ed safetensors weights: the
 //    pointer must be page-aligned; the length is rounded up to whole pages (an mmap'ed region
 //    always is), and the caller keeps the memory alive (no deallocator).
-//  - Libraries compile from source at run time with MSL 3.1 (bfloat); pipelines are cached by
-//    function name and function-constant values.
-//  - A command buffer's execution error is raised by wait_until_completed(), with Metal's text.
+//  - Libraries compile from source at run time, each with its own options (gpu::LibraryOptions):
+//    MSL 3.1 (bfloat), MSL 4.0 for the Metal 4 tensor libraries; safe math where asked (the
+//    sampler: MTLMathModeSafe from macOS 15, fastMathEnabled = NO before). Pipelines are cached
+//    by function name and function-constant values.
+//  - A command buffer's execution error is raised by wait_until_completed(), with Metal's text
+//    and the encoders that faulted (MTLCommandBufferErrorOptionEncoderExecutionStatus: each
+//    encoder's label and its last debug signposts).
+//  - The weights' buffers are held resident by an MTLResidencySet on the queue where the OS has
+//    them (macOS 15+); elsewhere make_resident does nothing.
 #if __has_feature(objc_arc)
 #error "csrc/metal/*.mm uses manual reference counting: compile without -fobjc-arc"
 #endif
@@ -99,6 +105,24 @@ class MetalPipeline final : public gpu::Pipeline {
   std::string name_;
 };
 
+// The encoders a failed command buffer reports as faulted (the command buffer was made with
+// MTLCommandBufferErrorOptionEncoderExecutionStatus): " in encoder 'label' after signpost 'x'".
+std::string faulted_encoders(NSError* error) {
+  if (!error) return "";
+  id infos = [[error userInfo] objectForKey:MTLCommandBufferEncoderInfoErrorKey];
+  if (![infos isKindOfClass:[NSArray class]]) return "";
+  std::string out;
+  NSArray* list = infos;
+  for (NSUInteger i = 0; i < [list count]; ++i) {
+    id<MTLCommandBufferEncoderInfo> info = [list objectAtIndex:i];
+    if ([info errorState] != MTLCommandEncoderErrorStateFaulted) continue;
+    out += std::string(" in encoder '") + ([info label] ? [[info label] UTF8String] : "") + "'";
+    NSArray<NSString*>* signposts = [info debugSignposts];
+    if ([signposts count] > 0) out += std::string(" after signpost '") + [[signposts lastObject] UTF8String] + "'";
+  }
+  return out;
+}
+
 MTLDataType data_type(gpu::ConstantType t) {
   switch (t) {
     case gpu::ConstantType::Bool: return MTLDataTypeBool;
@@ -172,6 +196,11 @@ class MetalLibrary final : public gpu::Library {
 class MetalEncoder final : public gpu::ComputeEncoder {
  public:
   explicit MetalEncoder(Owned<id<MTLComputeCommandEncoder>> encoder) : encoder_(std::move(encoder)) {}
+  void insert_debug_signpost(const std::string& text) override {
+    @autoreleasepool {
+      [encoder_.get() insertDebugSignpost:ns(text)];
+    }
+  }
 
   void set_pipeline(const std::shared_ptr<gpu::Pipeline>& pipeline) override {
     auto* p = dynamic_cast<MetalPipeline*>(pipeline.get());
@@ -205,13 +234,14 @@ class MetalCommandBuffer final : public gpu::CommandBuffer {
  public:
   explicit MetalCommandBuffer(Owned<id<MTLCommandBuffer>> buffer) : buffer_(std::move(buffer)) {}
 
-  std::shared_ptr<gpu::ComputeEncoder> compute_encoder(gpu::DispatchType type) override {
+  std::shared_ptr<gpu::ComputeEncoder> compute_encoder(gpu::DispatchType type, const std::string& label) override {
     @autoreleasepool {
       id<MTLComputeCommandEncoder> e = [buffer_.get()
           computeCommandEncoderWithDispatchType:type == gpu::DispatchType::Concurrent
                                                     ? MTLDispatchTypeConcurrent
                                                     : MTLDispatchTypeSerial];
       if (!e) fail("cannot create a compute command encoder");
+      if (!label.empty()) e.label = ns(label);
       return std::make_shared<MetalEncoder>(Owned<id<MTLComputeCommandEncoder>>::retain(e));
     }
   }
@@ -219,8 +249,10 @@ class MetalCommandBuffer final : public gpu::CommandBuffer {
   void wait_until_completed() override {
     @autoreleasepool {
       [buffer_.get() waitUntilCompleted];
-      if ([buffer_.get() status] == MTLCommandBufferStatusError)
-        fail("command buffer failed", [buffer_.get() error]);
+      if ([buffer_.get() status] == MTLCommandBufferStatusError) {
+        NSError* error = [buffer_.get() error];
+        fail("command buffer failed" + faulted_encoders(error), error);
+      }
     }
   }
 
@@ -228,12 +260,18 @@ class MetalCommandBuffer final : public gpu::CommandBuffer {
   Owned<id<MTLCommandBuffer>> buffer_;
 };
 
-// MTLGPUFamilyMetal4 and MTLLanguageVersion4_0 (macOS 26 SDK) by value, so the file builds with
-// older SDKs too; an older OS answers NO for the family, and the version is only asked for then.
-// Values: MTLGPUFamilyMetal4 = 5002 as used by public code (llama.cpp's ggml-metal); language
-// versions are (major << 16) + minor, as MTLLanguageVersion3_1 is. Unverified on hardware.
+// MTLGPUFamilyMetal4, MTLGPUFamilyApple10 and MTLLanguageVersion4_0 (macOS 26 SDK) by value, so
+// the file builds with older SDKs too; an older OS answers NO for the families, and the version
+// is only asked for then. The values are Apple's (metal-cpp: tests/metal_host/metal_api.txt).
 const MTLGPUFamily kGPUFamilyMetal4 = static_cast<MTLGPUFamily>(5002);
+const MTLGPUFamily kGPUFamilyApple10 = static_cast<MTLGPUFamily>(1010);
 const MTLLanguageVersion kLanguageVersion4_0 = static_cast<MTLLanguageVersion>((4 << 16) + 0);
+
+// Residency sets and MTLCompileOptions.mathMode exist from the macOS 15 SDK (and in our Linux
+// declarations of Metal); with an older SDK those calls are left out.
+#if defined(__MAC_15_0) || !defined(__APPLE__)
+#define LILY_METAL_MACOS15_SDK 1
+#endif
 
 class MetalDevice final : public gpu::Device {
  public:
@@ -247,11 +285,55 @@ class MetalDevice final : public gpu::Device {
     // libraries are then compiled as MSL 4, which defines __HAVE_TENSOR__ for the tensor-op
     // GEMM kernels (metal/gemm.h). Decided once, at load.
     tensor_ops_ = [device_.get() supportsFamily:kGPUFamilyMetal4];
+    apple_family_ = [device_.get() supportsFamily:kGPUFamilyApple10] ? 10
+                    : [device_.get() supportsFamily:MTLGPUFamilyApple9] ? 9
+                    : [device_.get() supportsFamily:MTLGPUFamilyApple8] ? 8
+                                                                          : 7;
     queue_ = Owned<id<MTLCommandQueue>>([device_.get() newCommandQueue]);
     if (!queue_) fail("cannot create a command queue");
   }
+  ~MetalDevice() override {
+#if defined(LILY_METAL_MACOS15_SDK)
+    if (residency_) {
+      [queue_.get() removeResidencySet:residency_.get()];
+      [residency_.get() endResidency];
+    }
+#endif
+  }
   std::string name() const override { return [[device_.get() name] UTF8String]; }
   bool supports_tensor_ops() const override { return tensor_ops_; }
+  int apple_gpu_family() const override { return apple_family_; }
+  uint64_t recommended_max_working_set_size() const override {
+    return [device_.get() recommendedMaxWorkingSetSize];
+  }
+  // One residency set for the weights' buffers, attached to the queue: the OS keeps them
+  // resident instead of paging them in per command buffer (macOS 15+; elsewhere nothing).
+  void make_resident(const std::vector<std::shared_ptr<gpu::Buffer>>& buffers) override {
+#if defined(LILY_METAL_MACOS15_SDK)
+    if (buffers.empty() || ![device_.get() respondsToSelector:@selector(newResidencySetWithDescriptor:error:)]) return;
+    @autoreleasepool {
+      Owned<MTLResidencySetDescriptor*> desc([MTLResidencySetDescriptor new]);
+      desc.get().label = @"lily weights";
+      desc.get().initialCapacity = buffers.size();
+      NSError* error = nil;
+      Owned<id<MTLResidencySet>> set([device_.get() newResidencySetWithDescriptor:desc.get() error:&error]);
+      if (!set) fail("cannot create a residency set for the weights", error);
+      for (const auto& b : buffers) {
+        auto* mb = dynamic_cast<MetalBuffer*>(b.get());
+        if (!mb) fail("make_resident: not a Metal buffer");
+        [set.get() addAllocation:mb->buffer()];
+      }
+      [set.get() commit];
+      [set.get() requestResidency];
+      if (residency_) {
+        [queue_.get() removeResidencySet:residency_.get()];
+        [residency_.get() endResidency];
+      }
+      [queue_.get() addResidencySet:set.get()];
+      residency_ = std::move(set);
+    }
+#endif
+  }
   std::shared_ptr<gpu::Buffer> new_buffer(size_t length) override {
     Owned<id<MTLBuffer>> b([device_.get() newBufferWithLength:length
                                                       options:MTLResourceStorageModeShared]);
@@ -269,12 +351,27 @@ class MetalDevice final : public gpu::Device {
     if (!b) fail("cannot wrap " + std::to_string(length) + " bytes as a Metal buffer");
     return std::make_shared<MetalBuffer>(std::move(b));
   }
-  std::shared_ptr<gpu::Library> new_library(const std::string& source,
-                                            const std::string& file_name) override {
+  std::shared_ptr<gpu::Library> new_library(const std::string& source, const std::string& file_name,
+                                            const gpu::LibraryOptions& library) override {
     @autoreleasepool {
       Owned<MTLCompileOptions*> options([MTLCompileOptions new]);
-      options.get().languageVersion = MTLLanguageVersion3_1;  // bfloat
-      if (tensor_ops_) options.get().languageVersion = kLanguageVersion4_0;
+      if (library.language == gpu::LibraryOptions::Language::MSL4_0) {
+        if (!tensor_ops_) fail("compiling " + file_name + ": MSL 4.0 needs a Metal 4 GPU (macOS 26)");
+        options.get().languageVersion = kLanguageVersion4_0;
+      } else {
+        options.get().languageVersion = MTLLanguageVersion3_1;  // bfloat
+      }
+      if (library.safe_math) {
+#if defined(LILY_METAL_MACOS15_SDK)
+        if ([options.get() respondsToSelector:@selector(setMathMode:)])
+          options.get().mathMode = MTLMathModeSafe;
+        else
+#endif
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wdeprecated-declarations"  // fastMathEnabled: the pre-macOS 15 way
+          options.get().fastMathEnabled = NO;
+#pragma clang diagnostic pop
+      }
       NSError* error = nil;
       Owned<id<MTLLibrary>> lib([device_.get() newLibraryWithSource:ns(source)
                                                             options:options.get()
@@ -285,7 +382,10 @@ class MetalDevice final : public gpu::Device {
   }
   std::shared_ptr<gpu::CommandBuffer> new_command_buffer() override {
     @autoreleasepool {
-      id<MTLCommandBuffer> cb = [queue_.get() commandBuffer];
+      // Encoder execution status in errors: which encoder faulted, with its signposts.
+      Owned<MTLCommandBufferDescriptor*> desc([MTLCommandBufferDescriptor new]);
+      desc.get().errorOptions = MTLCommandBufferErrorOptionEncoderExecutionStatus;
+      id<MTLCommandBuffer> cb = [queue_.get() commandBufferWithDescriptor:desc.get()];
       if (!cb) fail("cannot create a command buffer");
       return std::make_shared<MetalCommandBuffer>(Owned<id<MTLCommandBuffer>>::retain(cb));
     }
@@ -294,7 +394,11 @@ class MetalDevice final : public gpu::Device {
  private:
   Owned<id<MTLDevice>> device_;
   Owned<id<MTLCommandQueue>> queue_;
+#if defined(LILY_METAL_MACOS15_SDK)
+  Owned<id<MTLResidencySet>> residency_;
+#endif
   bool tensor_ops_ = false;
+  int apple_family_ = 7;
 };
 
 }  // namespace

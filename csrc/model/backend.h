@@ -10,6 +10,7 @@
 //   y [T, hidden]  output of the last mixer / feed-forward block
 #pragma once
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -82,6 +83,16 @@ class Backend {
   virtual ~Backend() = default;
   virtual const char* name() const = 0;
   virtual std::unique_ptr<State> new_state(int max_context) = 0;
+  // The longest context whose state fits beside the weights in the memory the backend may use
+  // (GPU backends: the device's recommended working set); INT_MAX where nothing limits it.
+  virtual int max_fitting_context() const { return std::numeric_limits<int>::max(); }
+  // Throws ConfigError naming the sizes if a state of max_context positions does not fit (what
+  // new_state would refuse), allocating nothing.
+  virtual void check_context(int max_context) const {}
+  // An exception escaped a pass (forward_chunk) before it completed: drop whatever of it was
+  // encoded (none of it runs) and return `st` to how it was before the pass, so the next pass
+  // starts clean. The engine calls it, then rethrows.
+  virtual void abandon_pass(State& st) noexcept {}
 
   // Starts a chunk of T tokens at state.position(): x = embed(tokens).
   virtual void embed(State& st, const int32_t* tokens, int T) = 0;

@@ -14,10 +14,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <cxxabi.h>
 #include <fstream>
 #include <map>
 #include <mutex>
 #include <regex>
+#include <set>
 #include <sstream>
 
 #include "model/error.h"
@@ -95,23 +97,80 @@ const std::map<std::string, std::string>& builtin_bindings() {
   return m;
 }
 
-// Split a parameter list at top-level commas.
-std::vector<std::string> split_params(const std::string& list) {
-  std::vector<std::string> out;
+// Split a parameter list at top-level commas: (text, offset of its first character).
+std::vector<std::pair<std::string, size_t>> split_params(const std::string& list) {
+  std::vector<std::pair<std::string, size_t>> out;
   int depth = 0;
-  std::string cur;
-  for (char c : list) {
+  size_t begin = 0;
+  auto push = [&](size_t end) {
+    const std::string raw = list.substr(begin, end - begin);
+    const size_t lead = raw.find_first_not_of(" \t\r\n");
+    if (lead != std::string::npos) out.emplace_back(trim(raw), begin + lead);
+  };
+  for (size_t i = 0; i < list.size(); ++i) {
+    const char c = list[i];
     if (c == '(' || c == '[' || c == '{' || c == '<') ++depth;
     if (c == ')' || c == ']' || c == '}' || c == '>') --depth;
     if (c == ',' && depth == 0) {
-      out.push_back(trim(cur));
-      cur.clear();
-    } else {
-      cur += c;
+      push(i);
+      begin = i + 1;
     }
   }
-  if (!trim(cur).empty()) out.push_back(trim(cur));
+  push(list.size());
   return out;
+}
+
+// Metal's rule for the position attributes of one kernel (MSL specification, "Kernel function
+// input attributes"): all scalars or all vectors with the same number of components, and
+// [[thread_position_in_grid]] / [[threads_per_grid]], and [[thread_position_in_threadgroup]] /
+// [[threads_per_threadgroup]] / [[dispatch_threads_per_threadgroup]], of the same type. clang
+// binds any mix; Apple's compiler rejects it.
+void check_position_attributes(const KernelDecl& k, const std::string& file_name) {
+  static const std::set<std::string> position = {
+      "thread_position_in_grid",      "threads_per_grid",     "thread_position_in_threadgroup",
+      "threads_per_threadgroup",      "threadgroup_position_in_grid", "threadgroups_per_grid",
+      "dispatch_threads_per_threadgroup"};
+  static const std::regex type_re(R"(^(?:const\s+)?(uint|ushort)([234])?(?:\s+const)?$)");
+  const KernelParam* first = nullptr;
+  int first_width = 0;
+  auto where = [&](const KernelParam& p) {
+    return file_name + ":" + std::to_string(p.line) + ": kernel '" + k.name + "': ";
+  };
+  auto describe = [](const KernelParam& p) {
+    return "'" + p.name + "' [[" + p.attribute + "]] is " + p.type;
+  };
+  std::map<std::string, const KernelParam*> by_attribute;
+  for (const auto& p : k.params) {
+    if (!position.count(p.attribute)) continue;
+    std::smatch m;
+    if (!std::regex_match(p.type, m, type_re))
+      fail(where(p) + describe(p) + ": a position attribute is uint or ushort, a scalar or a 2- or "
+           "3-component vector");
+    const int width = m[2].matched ? std::stoi(m[2]) : 1;
+    if (!first) {
+      first = &p;
+      first_width = width;
+    } else if (width != first_width) {
+      fail(where(p) + describe(p) + " but " + describe(*first) + ": Metal requires the position "
+           "attributes of a kernel ([[thread_position_in_grid]], [[threads_per_grid]], "
+           "[[thread_position_in_threadgroup]], [[threads_per_threadgroup]], "
+           "[[threadgroup_position_in_grid]], [[threadgroups_per_grid]], "
+           "[[dispatch_threads_per_threadgroup]]) to be all scalars or all vectors of one width");
+    }
+    by_attribute[p.attribute] = &p;
+  }
+  auto same_type = [&](const char* a, const char* b) {
+    auto x = by_attribute.find(a), y = by_attribute.find(b);
+    if (x == by_attribute.end() || y == by_attribute.end()) return;
+    auto base = [](const std::string& t) { return std::regex_replace(t, std::regex(R"(\bconst\b|\s)"), ""); };
+    if (base(x->second->type) != base(y->second->type))
+      fail(where(*y->second) + describe(*y->second) + " but " + describe(*x->second) +
+           ": Metal requires the two of the same type");
+  };
+  same_type("thread_position_in_grid", "threads_per_grid");
+  same_type("thread_position_in_threadgroup", "threads_per_threadgroup");
+  same_type("thread_position_in_threadgroup", "dispatch_threads_per_threadgroup");
+  same_type("threads_per_threadgroup", "dispatch_threads_per_threadgroup");
 }
 
 }  // namespace
@@ -138,7 +197,7 @@ SourceInfo scan_source(const std::string& source, const std::string& file_name) 
   static const std::regex attr_re(R"(\[\[\s*([A-Za-z_]\w*)\s*(\(\s*(\d+)\s*\))?[^\]]*\]\])");
   static const std::regex name_re(R"(([A-Za-z_]\w*)\s*$)");
   static const std::regex max_threads_re(
-      R"(max_total_threads_per_threadgroup\s*\(\s*(\d+)\s*\))");
+      R"(max_total_threads_per_threadgroup\s*\(([^()]*(?:\([^()]*\)[^()]*)*)\))");
   static const std::regex template_re(R"(\btemplate\b)");
   for (auto it = std::sregex_iterator(m.begin(), m.end(), kernel_re); it != std::sregex_iterator();
        ++it) {
@@ -169,7 +228,7 @@ SourceInfo scan_source(const std::string& source, const std::string& file_name) 
     k.is_template = std::regex_search(head_code, template_re);
     std::smatch mt;
     if (std::regex_search(head_code, mt, max_threads_re))
-      k.max_total_threads_per_threadgroup = static_cast<uint32_t>(std::stoul(mt[1]));
+      k.max_total_threads_per_threadgroup = trim(mt[1]);
 
     for (size_t a = m.find("[[", open); a != std::string::npos && a < close;
          a = m.find("[[", a + 2)) {
@@ -177,7 +236,7 @@ SourceInfo scan_source(const std::string& source, const std::string& file_name) 
       if (b == std::string::npos || b > close) fail(where + ": unterminated [[ attribute");
       k.attribute_spans.emplace_back(a, b + 2);
     }
-    for (const std::string& p : split_params(m.substr(open + 1, close - open - 1))) {
+    for (const auto& [p, offset] : split_params(m.substr(open + 1, close - open - 1))) {
       std::smatch am;
       if (!std::regex_search(p, am, attr_re))
         fail(where + ": parameter '" + p + "' has no [[...]] attribute (msl_cpu binds every "
@@ -189,6 +248,8 @@ SourceInfo scan_source(const std::string& source, const std::string& file_name) 
       if (!std::regex_search(before, nm, name_re))
         fail(where + ": cannot find the name of parameter '" + p + "'");
       kp.name = nm[1];
+      kp.type = trim(before.substr(0, before.size() - nm.length(0)));
+      kp.line = line_of(source, open + 1 + offset);
       if (kp.attribute == "buffer" || kp.attribute == "threadgroup") {
         if (!am[3].matched) fail(where + ": parameter '" + kp.name + "' needs an index");
         kp.index = static_cast<uint32_t>(std::stoul(am[3]));
@@ -204,6 +265,7 @@ SourceInfo scan_source(const std::string& source, const std::string& file_name) 
       if (std::regex_search(p, fm, fc_attr_re)) kp.function_constant = fm[1];
       k.params.push_back(kp);
     }
+    check_position_attributes(k, file_name);
     // A prototype and its definition: bind and register once, blank both's attributes.
     KernelDecl* first = nullptr;
     for (auto& other : info.kernels)
@@ -237,11 +299,12 @@ std::string constant_value(const FunctionConstantDecl& d, const gpu::FunctionCon
   switch (v.type) {
     case gpu::ConstantType::Bool:
       return v.value != 0 ? "true" : "false";
+    // Decimal with 9 significant digits: a float round-trips exactly (hex floats are C++17).
     case gpu::ConstantType::Float:
-      std::snprintf(buf, sizeof buf, "%af", v.value);
+      std::snprintf(buf, sizeof buf, "%.8ef", double(float(v.value)));
       return buf;
     case gpu::ConstantType::Half:
-      std::snprintf(buf, sizeof buf, "(half)%af", v.value);
+      std::snprintf(buf, sizeof buf, "(half)%.8ef", double(float(v.value)));
       return buf;
     case gpu::ConstantType::UInt:
     case gpu::ConstantType::UShort:
@@ -293,8 +356,7 @@ std::string generate_unit(const std::string& original, const SourceInfo& info,
   // One binder per kernel: binds parameter i from its attribute, for any instantiation F.
   for (const auto& k : info.kernels) {
     u << "struct lily_msl_binder_" << k.name << " {\n"
-      << "  static constexpr uint32_t max_threads = " << k.max_total_threads_per_threadgroup
-      << ";\n"
+      << "  static const uint32_t max_threads;  // defined after the source (it may use its macros)\n"
       << "  template <class F, class Thread> static void call(F* f, const Thread& t) {\n"
       << "    using namespace ::lily_msl::detail;\n"
       << "    (void)t;\n"
@@ -333,6 +395,15 @@ std::string generate_unit(const std::string& original, const SourceInfo& info,
     }
     u << "      {LILY_MSL_PARAM_END, 0, 0, nullptr}};\n    return p;\n  }\n};\n";
   }
+  // Metal's language level from here on (the prelude above may use what it needs): MSL 3.x is
+  // C++14, MSL 4.0 C++17 (the unit is compiled as C++17, or C++20 for MSL 4.0).
+  u << "#if __cplusplus > 201703L\n"
+    << "#pragma clang diagnostic error \"-Wpre-c++20-compat\"\n"
+    << "#pragma clang diagnostic error \"-Wpre-c++20-compat-pedantic\"\n"
+    << "#else\n"
+    << "#pragma clang diagnostic error \"-Wpre-c++17-compat\"\n"
+    << "#pragma clang diagnostic error \"-Wpre-c++17-compat-pedantic\"\n"
+    << "#endif\n";
   // The source itself, line for line, with function constants given their values.
   u << "#line 1 \"" << file_name << "\"\n";
   size_t pos = 0;
@@ -344,7 +415,15 @@ std::string generate_unit(const std::string& original, const SourceInfo& info,
       if (source[c] == '\n') u << '\n';  // keep the line numbers
     pos = d.end;
   }
-  u << source.substr(pos) << "\n";
+  u << source.substr(pos) << "\n#line 1 \"<msl registrations>\"\n";
+  // Each binder's [[max_total_threads_per_threadgroup(N)]], after the source: N may be a
+  // constant of the kernel's headers. LILY_MSL_KERNEL_INFO hands it to the target (CUDA's
+  // metadata; the CPU's registrar reads the binder).
+  for (const auto& k : info.kernels) {
+    const std::string& n = k.max_total_threads_per_threadgroup;
+    u << "const uint32_t lily_msl_binder_" << k.name << "::max_threads = " << (n.empty() ? "0" : "uint32_t(" + n + ")")
+      << ";\nLILY_MSL_KERNEL_INFO(" << k.name << ", lily_msl_binder_" << k.name << ")\n";
+  }
   // Each target's prelude defines LILY_MSL_REGISTER (a registration on the CPU, an entry point
   // on CUDA); #line gives it the kernel's own file:line.
   for (const auto& k : info.kernels) {
@@ -466,6 +545,84 @@ uint64_t hash_headers(const std::vector<std::string>& dirs, uint64_t h) {
 
 namespace {
 std::string cpu_cache_dir() { return cache_dir("LILY_MSL_CPU_CACHE", "msl_cpu"); }
+// The thread-local arrays of the kernel's own code that -O2 left as stack memory: every
+// `alloca` of an array type in the IR, named by its variable's debug record (DILocalVariable:
+// name, file, line). The prelude's (the CPU emulation's own scratch) are not the kernel's.
+struct StackArray {
+  std::string file, variable, type, function;
+  int line = 0;
+};
+
+std::string demangled(const std::string& name) {
+  int status = 0;
+  char* d = abi::__cxa_demangle(name.c_str(), nullptr, nullptr, &status);
+  std::string out = status == 0 && d ? d : name;
+  std::free(d);
+  // Drop the parameter list: "void f<float, 8>(float AS1*, ...)" -> "f<float, 8>".
+  int depth = 0;
+  for (size_t i = out.size(); i-- > 0;) {
+    if (out[i] == ')') ++depth;
+    if (out[i] == '(' && --depth == 0) {
+      out = out.substr(0, i);
+      break;
+    }
+  }
+  const size_t space = out.find(' ');
+  if (space != std::string::npos && out.find('<') > space) out = out.substr(space + 1);  // return type
+  return out;
+}
+
+std::vector<StackArray> stack_arrays(const std::string& ir) {
+  static const std::regex alloca_re(R"(^\s*(%[\w.]+) = alloca (\[.*?\]+)(?:, align|$))");
+  static const std::regex declare_re(R"((?:#dbg_declare\(ptr|llvm\.dbg\.declare\(metadata ptr) (%[\w.]+), (?:metadata )?(![0-9]+))");
+  static const std::regex var_re(R"re(^(![0-9]+) = !DILocalVariable\(name: "([^"]*)".*?file: (![0-9]+), line: ([0-9]+))re");
+  static const std::regex file_re(R"re(^(![0-9]+) = !DIFile\(filename: "([^"]*)")re");
+  struct Var {
+    std::string name, file;
+    int line;
+  };
+  std::map<std::string, Var> vars;
+  std::map<std::string, std::string> files;
+  std::vector<std::tuple<std::string, std::string, std::string>> allocas;  // function, value, type
+  std::map<std::pair<std::string, std::string>, std::string> declared;    // (function, value) -> var
+  std::string function;
+  std::istringstream in(ir);
+  for (std::string line; std::getline(in, line);) {
+    std::smatch m;
+    if (line.rfind("define ", 0) == 0) {
+      const size_t at = line.find('@'), paren = line.find('(', at);
+      function = line.substr(at + 1, paren - at - 1);
+      if (!function.empty() && function.front() == '"') function = function.substr(1, function.size() - 2);
+    } else if (line == "}") {
+      function.clear();
+    } else if (!function.empty() && std::regex_search(line, m, alloca_re)) {
+      allocas.emplace_back(function, m[1], m[2]);
+    } else if (!function.empty() && std::regex_search(line, m, declare_re)) {
+      declared[{function, m[1]}] = m[2];
+    } else if (std::regex_search(line, m, var_re)) {
+      vars[m[1]] = Var{m[2], m[3], std::stoi(m[4])};
+    } else if (std::regex_search(line, m, file_re)) {
+      files[m[1]] = m[2];
+    }
+  }
+  std::vector<StackArray> out;
+  std::set<std::string> seen;
+  for (const auto& [fn, value, type] : allocas) {
+    auto d = declared.find({fn, value});
+    if (d == declared.end()) continue;  // a compiler temporary, not a variable of the source
+    auto v = vars.find(d->second);
+    if (v == vars.end()) continue;
+    const std::string file = files.count(v->second.file) ? files[v->second.file] : "?";
+    if (file.find("/prelude/") != std::string::npos || file.find("/msl_prelude/") != std::string::npos ||
+        file.find("<msl registrations>") != std::string::npos)
+      continue;
+    const std::string key = file + ":" + std::to_string(v->second.line) + ":" + v->second.name;
+    if (!seen.insert(key).second) continue;
+    out.push_back({file, v->second.name, type, demangled(fn), v->second.line});
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string clang_path() {
@@ -497,9 +654,11 @@ std::shared_ptr<Module> Module::build(const std::string& unit, const std::string
   std::vector<std::string> flags = {
       "-x", "c++", options.metal4 ? "-std=c++20" : "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden",
       "-fexcess-precision=16",  // half / bfloat round after every operation, like the GPU
-      "-ffp-contract=on", "-fno-exceptions", "-fno-threadsafe-statics", "-fno-rtti", "-gline-tables-only", "-Wall",
+      "-ffp-contract=on", "-fno-exceptions", "-fno-threadsafe-statics", "-fno-rtti", "-Wall",
       "-Wno-unknown-attributes", "-Wno-user-defined-literals", "-Wno-unused-variable",
-      "-Wno-unused-function", "-Wl,-Bsymbolic", "-I", prelude_dir(), "-I", common_prelude_dir()};
+      "-Wno-unused-function", "-Wl,-Bsymbolic",
+      // The preludes as system headers: the language rules of generate_unit() are the kernel's.
+      "-isystem", prelude_dir(), "-isystem", common_prelude_dir()};
   if (options.metal4) flags.push_back("-D__HAVE_TENSOR__=1");
   if (options.asan) {
     // The runtime's symbols resolve from the ASan library preloaded into the process.
@@ -540,15 +699,43 @@ std::shared_ptr<Module> Module::build(const std::string& unit, const std::string
       if (!f) fail("cannot write " + tmp + ".cpp");
     }
     std::rename((tmp + ".cpp").c_str(), cpp.c_str());
-    std::vector<std::string> argv = {clang};
-    argv.insert(argv.end(), flags.begin(), flags.end());
-    argv.insert(argv.end(), {cpp, "-o", tmp + ".so", "-lm"});
-    std::string out;
-    int rc = run_command(argv, &out);
-    if (rc != 0) {
-      std::remove((tmp + ".so").c_str());
-      fail("compiling " + file_name + " for the CPU failed (" + clang + "):\n" +
-           compiler_errors(out));
+    auto compile = [&](std::vector<std::string> argv) {
+      argv.insert(argv.begin(), clang);
+      std::string out;
+      if (run_command(argv, &out) != 0) {
+        std::remove((tmp + ".so").c_str());
+        std::remove((tmp + ".ll").c_str());
+        fail("compiling " + file_name + " for the CPU failed (" + clang + "):\n" + compiler_errors(out));
+      }
+    };
+    if (options.asan) {
+      std::vector<std::string> argv = flags;
+      argv.insert(argv.end(), {"-gline-tables-only", cpp, "-o", tmp + ".so", "-lm"});
+      compile(argv);
+    } else {
+      // Optimized LLVM IR first (full debug info names each variable), checked for arrays left
+      // in stack memory, then compiled to the object without optimizing again.
+      std::vector<std::string> argv;
+      for (const auto& f : flags)
+        if (f != "-shared" && f != "-Wl,-Bsymbolic") argv.push_back(f);
+      argv.insert(argv.end(), {"-g", "-Xclang", "-fexperimental-assignment-tracking=disabled", "-S",
+                               "-emit-llvm", cpp, "-o", tmp + ".ll"});
+      compile(argv);
+      const std::vector<StackArray> arrays = stack_arrays(read_file(tmp + ".ll"));
+      if (!arrays.empty()) {
+        std::remove((tmp + ".ll").c_str());
+        std::string msg = file_name + ": thread-local arrays stay in stack memory after -O2 (an index, a loop "
+                          "bound or the size depends on a run-time value; on the GPU they would live in "
+                          "slow stack memory instead of registers). Make the bound a compile-time constant "
+                          "(e.g. a template parameter) and unroll the loops that index them (LILY_UNROLL):";
+        for (const auto& a : arrays)
+          msg += "\n  " + a.file + ":" + std::to_string(a.line) + ": '" + a.variable + "' " + a.type + " in " +
+                 a.function;
+        fail(msg);
+      }
+      compile({"-fPIC", "-shared", "-O2", "-Xclang", "-disable-llvm-optzns", "-Wl,-Bsymbolic", "-x", "ir",
+               tmp + ".ll", "-o", tmp + ".so", "-lm"});
+      std::remove((tmp + ".ll").c_str());
     }
     if (std::rename((tmp + ".so").c_str(), so.c_str()) != 0)  // atomic publish
       fail("cannot move the compiled kernels into " + so);

@@ -14,6 +14,19 @@
 //    shared object cached under $LILY_MSL_CPU_CACHE (default ~/.cache/lily/msl_cpu), keyed by a
 //    hash of the unit, the prelude, the included headers, the flags and the clang version; then
 //    dlopen()s it. The main extension may be built by gcc; only kernels need clang.
+//
+// What Apple's compiler would reject but C++ accepts is an error here too (docs/msl-on-cpu.md):
+//  - scan_source(): the position attributes of one kernel ([[thread_position_in_grid]],
+//    [[threads_per_threadgroup]], ...) all scalars or all vectors of one width, with the pairs
+//    the MSL specification ties together of one type;
+//  - generate_unit(): constructs newer than the library's language are errors in the kernel
+//    source and the headers it includes (MSL 3.x is C++14, MSL 4.0 C++17: clang's
+//    -Wpre-c++17-compat / -Wpre-c++20-compat turned into errors after the prelude);
+//  - Module::build(): kernels compile to LLVM IR at -O2 first, and a thread-local array that
+//    survives as stack memory (an `alloca` of an array type, declared in the kernel's own
+//    files) is an error naming file:line: its index or size depends on a run-time value, so on
+//    the GPU it would live in slow stack memory instead of registers. The IR is then compiled
+//    into the shared object.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -27,6 +40,8 @@ namespace lily::msl_cpu {
 
 struct KernelParam {
   std::string name;
+  std::string type;       // the declared type, e.g. "uint2", "device const float*"
+  int line = 0;
   std::string attribute;  // "buffer", "threadgroup", or a builtin such as "thread_position_in_grid"
   uint32_t index = 0;     // for buffer / threadgroup
   std::string function_constant;  // [[buffer(i), function_constant(c)]]: present iff c is true
@@ -35,7 +50,9 @@ struct KernelParam {
 struct KernelDecl {
   std::string name;
   bool is_template = false;
-  uint32_t max_total_threads_per_threadgroup = 0;
+  // [[max_total_threads_per_threadgroup(N)]]: N as written (a number or a constant expression,
+  // e.g. a macro of the kernel's headers); empty when not declared.
+  std::string max_total_threads_per_threadgroup;
   int line = 0;
   std::vector<KernelParam> params;
   // [[...]] spans in the parameter list: blanked in the generated unit, since C++ would
@@ -67,9 +84,11 @@ std::string generate_unit(const std::string& source, const SourceInfo& info,
 
 struct BuildOptions {
   bool asan = false;                      // -fsanitize=address (the process must load ASan)
-  // Metal 4: -D__HAVE_TENSOR__ (as Apple's compiler defines it for MSL 4 on a GPU with tensors),
-  // so <metal_tensor> and MetalPerformancePrimitives' matmul2d are available; C++20 for the
-  // descriptor as a template argument (a class-type non-type template parameter).
+  // MSL 4.0 on a Metal 4 device: -D__HAVE_TENSOR__ (as Apple's compiler defines it for MSL 4
+  // on a GPU with tensors), so <metal_tensor> and MetalPerformancePrimitives' matmul2d are
+  // available; C++20 for the descriptor as a template argument (a class-type non-type template
+  // parameter), with C++17 (MSL 4's base) the newest the kernel source may use. Otherwise MSL
+  // 3.x: C++17 for the prelude, C++14 for the kernel source.
   bool metal4 = false;
   std::vector<std::string> include_dirs;  // besides the prelude
 };

@@ -44,13 +44,17 @@ class CpuPipeline final : public KernelPipeline {
   CpuPipeline(std::shared_ptr<Module> module, const lily_msl_kernel* kernel)
       : module_(std::move(module)), kernel_(kernel), name_(kernel->name) {}
   const std::string& name() const override { return name_; }
+  // Without [[max_total_threads_per_threadgroup(N)]] a Metal pipeline may allow as few threads as
+  // register pressure leaves; 256 is what lily counts on (gpu::kDefaultMaxThreadsPerThreadgroup).
+  // Reporting that here makes a kernel dispatched wider without declaring it fail in CI.
   uint32_t max_total_threads_per_threadgroup() const override {
     uint32_t declared = kernel_->max_total_threads_per_threadgroup;
-    return declared ? std::min(declared, kMaxThreadsPerThreadgroup) : kMaxThreadsPerThreadgroup;
+    return declared ? std::min(declared, kMaxThreadsPerThreadgroup) : gpu::kDefaultMaxThreadsPerThreadgroup;
   }
   uint32_t thread_execution_width() const override { return LILY_MSL_SIMD_WIDTH; }
   const char* runtime() const override { return "msl_cpu"; }
   const lily_msl_param* params() const override { return kernel_->params; }
+  uint32_t declared_max_threads() const override { return kernel_->max_total_threads_per_threadgroup; }
   const Module* module() const { return module_.get(); }
   const lily_msl_kernel* kernel() const { return kernel_; }
 
@@ -62,10 +66,17 @@ class CpuPipeline final : public KernelPipeline {
 
 class CpuLibrary final : public gpu::Library {
  public:
-  CpuLibrary(const DeviceOptions& options, std::string source, std::string file_name)
+  CpuLibrary(const DeviceOptions& options, std::string source, std::string file_name,
+             const gpu::LibraryOptions& library)
       : source_(std::move(source)), file_name_(std::move(file_name)) {
+    const bool msl4 = library.language == gpu::LibraryOptions::Language::MSL4_0;
+    if (msl4 && !options.metal4)
+      fail("compiling " + file_name_ + ": MSL 4.0 needs a Metal 4 device (this one has no tensors)");
+    if (!options.fail_library.empty() && file_name_.find(options.fail_library) != std::string::npos)
+      fail("compiling " + file_name_ + " failed: injected failure (DeviceOptions::fail_library)");
+    // Safe math changes nothing here: the CPU build is IEEE already (no -ffast-math).
     build_.asan = options.asan;
-    build_.metal4 = options.metal4;
+    build_.metal4 = msl4;
     build_.include_dirs = options.include_dirs;
     size_t slash = file_name_.rfind('/');
     if (slash != std::string::npos) build_.include_dirs.push_back(file_name_.substr(0, slash));
@@ -156,13 +167,14 @@ std::string first_difference(const Snapshot& a, const Snapshot& b,
 
 class CpuCommandBuffer final : public gpu::CommandBuffer {
  public:
-  explicit CpuCommandBuffer(const DeviceOptions& options) : options_(options) {}
+  CpuCommandBuffer(const DeviceOptions& options, std::shared_ptr<EncoderFaults> faults)
+      : options_(options), faults_(std::move(faults)) {}
 
-  std::shared_ptr<gpu::ComputeEncoder> compute_encoder(gpu::DispatchType type) override {
+  std::shared_ptr<gpu::ComputeEncoder> compute_encoder(gpu::DispatchType type, const std::string& label) override {
     if (committed_) fail("compute_encoder: the command buffer is already committed");
     for (const auto& e : encoders_)
       if (!e->ended()) fail("compute_encoder: the previous encoder was not ended (end_encoding)");
-    encoders_.push_back(std::make_shared<RecordingEncoder>("msl_cpu", type));
+    encoders_.push_back(std::make_shared<RecordingEncoder>("msl_cpu", type, label, faults_));
     return encoders_.back();
   }
   void commit() override {
@@ -171,7 +183,15 @@ class CpuCommandBuffer final : public gpu::CommandBuffer {
     try {
       for (const auto& e : encoders_) {
         if (!e->ended()) fail("commit: an encoder was not ended (end_encoding)");
-        run_encoder(*e);
+        try {
+          run_encoder(*e);
+        } catch (const lily::Error& err) {
+          // Which encoder failed, as Metal's encoder execution status reports it.
+          const std::string label = e->label().empty() ? "(no label)" : "'" + e->label() + "'";
+          const std::string after = last_signpost_.empty() ? "" : " after signpost '" + last_signpost_ + "'";
+          error_ = std::string(err.what()) + " [encoder " + label + after + "]";
+          break;
+        }
       }
     } catch (const lily::Error& err) {
       error_ = err.what();
@@ -185,6 +205,7 @@ class CpuCommandBuffer final : public gpu::CommandBuffer {
 
  private:
   void run_dispatch(const Command& c) {
+    last_signpost_ = c.signpost;
     const auto* pipeline = static_cast<const CpuPipeline*>(c.pipeline.get());  // set_pipeline checked
     DispatchRun r;
     r.module = pipeline->module();
@@ -293,36 +314,46 @@ class CpuCommandBuffer final : public gpu::CommandBuffer {
   }
 
   DeviceOptions options_;
+  std::shared_ptr<EncoderFaults> faults_;
   std::vector<std::shared_ptr<RecordingEncoder>> encoders_;
   bool committed_ = false;
-  std::string error_;
+  std::string error_, last_signpost_;
 };
 
 class CpuDevice final : public gpu::Device {
  public:
-  explicit CpuDevice(DeviceOptions options) : options_(std::move(options)) {}
+  explicit CpuDevice(DeviceOptions options) : options_(std::move(options)), faults_(std::make_shared<EncoderFaults>()) {
+    faults_->kernel = options_.fail_dispatch;
+    faults_->remaining = options_.fail_dispatch.empty() ? 0 : options_.fail_dispatch_count;
+    if (options_.apple_gpu_family < 7 || options_.apple_gpu_family > 10)
+      fail("apple_gpu_family must be 7 (M1) to 10 (M5), not " + std::to_string(options_.apple_gpu_family));
+  }
   std::string name() const override {
     return std::string("msl_cpu (MSL on the CPU, 32-wide simdgroups") +
            (options_.asan ? ", AddressSanitizer" : "") + (options_.metal4 ? ", Metal 4 tensors emulated" : "") +
            ")";
   }
   bool supports_tensor_ops() const override { return options_.metal4; }
+  int apple_gpu_family() const override { return options_.apple_gpu_family; }
+  uint64_t recommended_max_working_set_size() const override { return options_.working_set; }
+  void make_resident(const std::vector<std::shared_ptr<gpu::Buffer>>&) override {}  // all memory is the CPU's
   std::shared_ptr<gpu::Buffer> new_buffer(size_t length) override {
     return std::make_shared<CpuBuffer>(length);
   }
   std::shared_ptr<gpu::Buffer> wrap_buffer(void* pointer, size_t length) override {
     return std::make_shared<CpuBuffer>(pointer, length);
   }
-  std::shared_ptr<gpu::Library> new_library(const std::string& source,
-                                            const std::string& file_name) override {
-    return std::make_shared<CpuLibrary>(options_, source, file_name);
+  std::shared_ptr<gpu::Library> new_library(const std::string& source, const std::string& file_name,
+                                            const gpu::LibraryOptions& library) override {
+    return std::make_shared<CpuLibrary>(options_, source, file_name, library);
   }
   std::shared_ptr<gpu::CommandBuffer> new_command_buffer() override {
-    return std::make_shared<CpuCommandBuffer>(options_);
+    return std::make_shared<CpuCommandBuffer>(options_, faults_);
   }
 
  private:
   DeviceOptions options_;
+  std::shared_ptr<EncoderFaults> faults_;
 };
 
 }  // namespace

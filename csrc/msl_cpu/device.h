@@ -26,10 +26,22 @@ struct DeviceOptions {
   bool asan = false;
   int interleavings = 0;
   bool check_dependencies = false;
-  // Claim Metal 4 (GPU family Metal4: tensors and MetalPerformancePrimitives' matmul2d): kernels
-  // are compiled with __HAVE_TENSOR__ and the emulation in prelude/metal_tensor, and
-  // supports_tensor_ops() is true, so the GPU backend takes its tensor-op GEMM path.
+  // Claim Metal 4 (GPU family Metal4: tensors and MetalPerformancePrimitives' matmul2d):
+  // libraries compiled as MSL 4.0 see __HAVE_TENSOR__ and the emulation in prelude/metal_tensor,
+  // and supports_tensor_ops() is true.
   bool metal4 = false;
+  // The Apple GPU family reported (7: M1 ... 10: M5, whose GPU accelerates tensor ops).
+  int apple_gpu_family = 7;
+  // recommendedMaxWorkingSetSize reported (0: no limit), so the backend's memory fit is
+  // testable with small models.
+  uint64_t working_set = 0;
+  // Fault injection for tests of the host's error paths: the first fail_dispatch_count
+  // dispatches of kernel `fail_dispatch` throw when encoded (as a pipeline limit or a bad shape
+  // found while encoding would); a library whose file name contains `fail_library` does not
+  // compile (as Apple's compiler rejecting it would).
+  std::string fail_dispatch;
+  int fail_dispatch_count = 1;
+  std::string fail_library;
   uint64_t seed = 0;
   std::vector<std::string> include_dirs;  // searched by #include in kernel sources
 };

@@ -13,6 +13,14 @@ std::string param_name(const lily_msl_param* params, int kind_a, int kind_b, uin
   return "?";
 }
 
+std::string KernelPipeline::buffer_name(uint32_t index) const {
+  for (const lily_msl_param* p = params(); p->kind != LILY_MSL_PARAM_END; ++p)
+    if ((p->kind == LILY_MSL_PARAM_BUFFER || p->kind == LILY_MSL_PARAM_BUFFER_REF ||
+         p->kind == LILY_MSL_PARAM_ABSENT) && p->index == index)
+      return p->name;
+  return {};
+}
+
 void RecordingEncoder::fail(const std::string& what) const {
   throw lily::Error("[" + std::string(runtime_) + "] " + what);
 }
@@ -47,6 +55,9 @@ void RecordingEncoder::set_buffer(uint32_t index, const std::shared_ptr<gpu::Buf
 void RecordingEncoder::set_bytes(uint32_t index, const void* bytes, size_t length) {
   check_open();
   check_index(index, "set_bytes");
+  if (length > gpu::kMaxSetBytes)
+    fail("set_bytes: " + std::to_string(length) + " bytes at index " + std::to_string(index) +
+         " are more than the " + std::to_string(gpu::kMaxSetBytes) + " Metal's setBytes takes; use a buffer");
   Binding& b = state_.buffers[index];
   b = Binding{nullptr, 0, std::vector<uint8_t>(length), true};
   if (length) std::memcpy(b.bytes.data(), bytes, length);
@@ -61,17 +72,31 @@ void RecordingEncoder::set_threadgroup_memory_length(uint32_t index, size_t leng
   state_.threadgroup_lengths[index] = length;
 }
 
+void RecordingEncoder::insert_debug_signpost(const std::string& text) {
+  check_open();
+  signpost_ = text;
+}
+
 void RecordingEncoder::dispatch_threadgroups(gpu::Size3 grid, gpu::Size3 threads) {
   check_open();
   const KernelPipeline* p = state_.pipeline.get();
   if (!p) fail("dispatch_threadgroups: no pipeline set");
   const std::string where = "kernel '" + p->name() + "': ";
+  if (faults_ && faults_->remaining > 0 && faults_->kernel == p->name()) {
+    --faults_->remaining;
+    fail(where + "injected failure while encoding (DeviceOptions::fail_dispatch)");
+  }
   uint64_t n = uint64_t(threads.width) * threads.height * threads.depth;
   if (n == 0 || uint64_t(grid.width) * grid.height * grid.depth == 0)
     fail(where + "a threadgroup or grid size is zero");
   if (n > p->max_total_threads_per_threadgroup())
     fail(where + std::to_string(n) + " threads per threadgroup exceed the pipeline's maximum of " +
-         std::to_string(p->max_total_threads_per_threadgroup()));
+         std::to_string(p->max_total_threads_per_threadgroup()) +
+         (p->declared_max_threads() == 0
+              ? " (a kernel dispatched with more than " + std::to_string(gpu::kDefaultMaxThreadsPerThreadgroup) +
+                    " threads declares [[max_total_threads_per_threadgroup(N)]], N at least what the host "
+                    "dispatches: without it Metal may allow fewer)"
+              : ""));
   for (const lily_msl_param* q = p->params(); q->kind != LILY_MSL_PARAM_END; ++q) {
     const std::string arg = "(" + std::string(q->name) + ")";
     if (q->kind == LILY_MSL_PARAM_BUFFER || q->kind == LILY_MSL_PARAM_BUFFER_REF) {
@@ -87,12 +112,16 @@ void RecordingEncoder::dispatch_threadgroups(gpu::Size3 grid, gpu::Size3 threads
              " has no set_threadgroup_memory_length");
     }
   }
-  size_t tg_bytes = p->static_threadgroup_bytes();
-  for (size_t len : state_.threadgroup_lengths) tg_bytes += len;
+  size_t dynamic_bytes = 0;
+  for (size_t len : state_.threadgroup_lengths) dynamic_bytes += len;
+  const size_t tg_bytes = p->static_threadgroup_bytes() + dynamic_bytes;
   if (tg_bytes > kMaxThreadgroupMemory)
-    fail(where + std::to_string(tg_bytes) +
-         " bytes of threadgroup memory exceed the 32768 that Apple GPUs have");
+    fail(where + std::to_string(tg_bytes) + " bytes of threadgroup memory (" +
+         std::to_string(p->static_threadgroup_bytes()) + " declared in the kernel + " +
+         std::to_string(dynamic_bytes) + " set_threadgroup_memory_length) exceed the " +
+         std::to_string(kMaxThreadgroupMemory) + " that Apple GPUs have");
   Command c = state_;
+  c.signpost = signpost_;
   c.threadgroups = grid;
   c.threads = threads;
   commands_.push_back(std::move(c));

@@ -101,7 +101,8 @@ struct Scheduler {
   lily_msl_bindings tg_bindings{};  // the current threadgroup's bindings
   std::map<const void*, void*> tg_arrays;
   std::vector<void*> tg_blocks;
-  size_t tg_bytes = 0;
+  size_t tg_bytes = 0;          // static + dynamic threadgroup memory of this threadgroup
+  size_t tg_dynamic_bytes = 0;  // of which set_threadgroup_memory_length
   std::string failure;
 };
 Scheduler& sched() {
@@ -214,19 +215,23 @@ void api_fail(const char* what, const char* file, int line) {
   switch_to_main(f);
 }
 
-void* api_threadgroup_alloc(const void* key, size_t size, size_t align) {
+void* api_threadgroup_alloc(const void* key, size_t size, size_t align, const char* name, const char* file,
+                            int line) {
   Scheduler& s = sched();
   auto it = s.tg_arrays.find(key);
   if (it != s.tg_arrays.end()) return it->second;
   s.tg_bytes += size;
   if (s.tg_bytes > kMaxThreadgroupMemory) {
-    std::string msg = "threadgroup memory of " + std::to_string(s.tg_bytes) +
-                      " bytes exceeds the 32768 that Apple GPUs have";
-    api_fail(msg.c_str(), "<threadgroup array>", 0);
+    std::string msg = "threadgroup memory: '" + std::string(name) + "' (" + std::to_string(size) +
+                      " bytes) takes the threadgroup to " + std::to_string(s.tg_bytes) + " bytes (" +
+                      std::to_string(s.tg_bytes - s.tg_dynamic_bytes) + " declared in the kernel + " +
+                      std::to_string(s.tg_dynamic_bytes) + " set_threadgroup_memory_length), more than the " +
+                      std::to_string(kMaxThreadgroupMemory) + " that Apple GPUs have";
+    api_fail(msg.c_str(), file, line);
   }
   void* p = nullptr;  // exactly `size` bytes, so ASan's redzone starts right after the array
   if (posix_memalign(&p, std::max<size_t>(align, 16), size ? size : 1) != 0)
-    api_fail("out of memory for a threadgroup array", "<threadgroup array>", 0);
+    api_fail("out of memory for a threadgroup array", file, line);
   std::memset(p, 0xFF, size);  // uninitialized on the GPU: make reads before writes visible
   s.tg_blocks.push_back(p);
   s.tg_arrays[key] = p;
@@ -298,6 +303,7 @@ void run_threadgroup(Scheduler& s, const DispatchRun& run, const uint32_t tg_pos
     s.tg_bindings.threadgroup_memory[i] = p;
     s.tg_bytes += len;
   }
+  s.tg_dynamic_bytes = s.tg_bytes;
   for (auto& g : s.simd) g.parity = 0;
 
   for (uint32_t i = 0; i < n; ++i) {

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <sstream>
 
@@ -23,11 +24,12 @@ namespace {
 bool readable(const std::string& p) { return access(p.c_str(), R_OK) == 0; }
 
 // Flags that decide what the PTX is (part of the key); include paths are machine-specific and
-// are added at compile time only.
-std::vector<std::string> semantic_flags() {
+// are added at compile time only. C++17 as msl_cpu compiles MSL 3.x libraries: the generated
+// unit holds the kernel source to C++14 (MSL 3's base) after the prelude.
+std::vector<std::string> semantic_flags(const CompileOptions& options) {
   return {"-x", "c++", "-std=c++17", "--target=nvptx64-nvidia-cuda", std::string("-march=") + kArch,
           "-O3", "-ffreestanding", "-nostdlibinc", "-fno-exceptions", "-fno-rtti",
-          "-fno-threadsafe-statics", "-ffp-contract=on",
+          "-fno-threadsafe-statics", options.safe_math ? "-ffp-contract=off" : "-ffp-contract=on",
           // .loc directives: compute-sanitizer and the driver's error reports name file.metal:line.
           "-gline-directives-only"};
 }
@@ -101,7 +103,7 @@ std::string libdevice_path() {
 std::string cache_key(const std::string& unit, const CompileOptions& options) {
   uint64_t h = msl_cpu::fnv1a("lily msl_cuda " + std::to_string(LILY_MSL_CUDA_ABI_VERSION));
   h = msl_cpu::fnv1a(unit, h);
-  for (const auto& f : semantic_flags()) h = msl_cpu::fnv1a(f + "\x1f", h);
+  for (const auto& f : semantic_flags(options)) h = msl_cpu::fnv1a(f + "\x1f", h);
   h = msl_cpu::fnv1a(msl_cpu::read_file(msl_cpu::common_prelude_dir() + "/lily_msl_common.h"), h);
   h = msl_cpu::fnv1a(msl_cpu::read_file(prelude_dir() + "/metal_stdlib"), h);
   h = msl_cpu::fnv1a(msl_cpu::read_file(prelude_dir() + "/lily_msl_cuda_abi.h"), h);
@@ -136,12 +138,13 @@ PtxModule build_ptx(const std::string& unit, const std::string& file_name, const
   const std::string cpp = dir + "/" + key + ".cpp", tmp = dir + "/" + key + "." + std::to_string(getpid());
   write_atomically(cpp, unit);
   std::vector<std::string> argv = {msl_cpu::clang_path()};
-  for (const auto& f : semantic_flags()) argv.push_back(f);
+  for (const auto& f : semantic_flags(options)) argv.push_back(f);
   for (const auto& f : {"-Wall", "-Wno-unknown-attributes", "-Wno-user-defined-literals",
                         "-Wno-unused-variable", "-Wno-unused-function"})
     argv.push_back(f);
-  std::vector<std::string> includes = {prelude_dir(), msl_cpu::common_prelude_dir()};
-  includes.insert(includes.end(), options.include_dirs.begin(), options.include_dirs.end());
+  // The preludes as system headers: the language rules of generate_unit() are the kernel's.
+  for (const auto& d : {prelude_dir(), msl_cpu::common_prelude_dir()}) argv.insert(argv.end(), {"-isystem", d});
+  std::vector<std::string> includes = options.include_dirs;
   includes.push_back(msl_cpu::source_dir() + "/metal");
   for (const auto& d : includes) argv.insert(argv.end(), {"-I", d});
   argv.insert(argv.end(), {"-Xclang", "-mlink-builtin-bitcode", "-Xclang", libdevice_path(), "-S",
@@ -161,8 +164,9 @@ PtxModule build_ptx(const std::string& unit, const std::string& file_name, const
 std::vector<EntryInfo> parse_entries(const std::string& ptx) {
   std::vector<EntryInfo> out;
   std::vector<std::string> entries;
+  std::map<std::string, uint32_t> max_threads;  // kernel function -> declared maximum
   std::istringstream in(ptx);
-  const std::string prefix = "lily_msl_meta_";
+  const std::string prefix = "lily_msl_meta_", kernel_prefix = "lily_msl_kernel_";
   for (std::string line; std::getline(in, line);) {
     if (size_t e = line.find(".entry "); e != std::string::npos) {
       const size_t a = e + 7, b = line.find('(', a);
@@ -171,7 +175,16 @@ std::vector<EntryInfo> parse_entries(const std::string& ptx) {
     }
     std::string name;
     std::vector<uint8_t> bytes;
-    if (!global_bytes(line, &name, &bytes) || name.compare(0, prefix.size(), prefix) != 0) continue;
+    if (!global_bytes(line, &name, &bytes)) continue;
+    if (name.compare(0, kernel_prefix.size(), kernel_prefix) == 0) {
+      lily_msl_cuda_kernel_meta k;
+      if (bytes.size() != sizeof k) fail("PTX metadata " + name + " is for another msl_cuda ABI");
+      std::memcpy(&k, bytes.data(), sizeof k);
+      if (k.abi_version != LILY_MSL_CUDA_ABI_VERSION) fail("PTX metadata " + name + " is for another msl_cuda ABI");
+      max_threads[name.substr(kernel_prefix.size())] = uint32_t(k.max_threads);
+      continue;
+    }
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
     if (bytes.size() != sizeof(lily_msl_cuda_meta))
       fail("PTX metadata " + name + " has " + std::to_string(bytes.size()) + " bytes, not " +
            std::to_string(sizeof(lily_msl_cuda_meta)) + " (built by another lily)");
@@ -186,7 +199,10 @@ std::vector<EntryInfo> parse_entries(const std::string& ptx) {
     e.bound_sizes.assign(meta.bound_sizes, meta.bound_sizes + meta.param_count);
     out.push_back(std::move(e));
   }
-  for (const auto& e : out) {
+  for (auto& e : out) {
+    auto k = max_threads.find(e.kernel);
+    if (k == max_threads.end()) fail("PTX has no metadata lily_msl_kernel_" + e.kernel + " (built by another lily)");
+    e.max_threads = k->second;
     bool found = false;
     for (const auto& n : entries) found = found || n == e.host_name;
     if (!found) fail("PTX has metadata for '" + e.host_name + "' but no such .entry");

@@ -26,14 +26,18 @@ constexpr const char* kArch = "sm_90";  // Hopper: the H200 that runs them
 
 struct CompileOptions {
   std::vector<std::string> include_dirs;  // searched by #include "..." besides metal/
+  // Metal's safe math (gpu::LibraryOptions::safe_math): no contraction into FMA
+  // (-ffp-contract=off, part of the cache key). Otherwise clang contracts, as Metal's fast math.
+  bool safe_math = false;
 };
 
 // A kernel entry of a PTX module: its host name (the PTX .entry), the kernel function it
-// instantiates (as scanned from the source), and per parameter the bytes a `T&` reads (0 for
-// pointers and builtins).
+// instantiates (as scanned from the source), its [[max_total_threads_per_threadgroup]] (0: not
+// declared), and per parameter the bytes a `T&` reads (0 for pointers and builtins).
 struct EntryInfo {
   std::string host_name;
   std::string kernel;
+  uint32_t max_threads = 0;
   std::vector<uint64_t> bound_sizes;
 };
 

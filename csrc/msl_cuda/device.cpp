@@ -28,6 +28,7 @@ struct Context {
   CUstream work = nullptr, copy = nullptr;
   std::string gpu_name;
   int cc_major = 0, cc_minor = 0;
+  uint64_t total_memory = 0;  // bytes
   uint64_t seed = 0;
   std::atomic<uint64_t> dispatches{0};  // draws the next permutation
   std::mutex timings_mutex;
@@ -48,6 +49,9 @@ struct Context {
     gpu_name = name;
     d.check(d.cuDeviceGetAttribute(&cc_major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "cuDeviceGetAttribute");
     d.check(d.cuDeviceGetAttribute(&cc_minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "cuDeviceGetAttribute");
+    size_t bytes = 0;
+    d.check(d.cuDeviceTotalMem(&bytes, dev), "cuDeviceTotalMem");
+    total_memory = bytes;
     if (cc_major * 10 + cc_minor < 90)
       fail("GPU " + gpu_name + " is sm_" + std::to_string(cc_major * 10 + cc_minor) +
            "; the kernels are compiled for sm_90 (Hopper) and later");
@@ -184,13 +188,17 @@ class CudaPipeline final : public msl_cpu::KernelPipeline {
     res_.local_bytes = attr(CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES);
     res_.static_shared_bytes = attr(CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES);
     res_.max_threads = attr(CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK);
-    // Metal's limit, or the kernel's declared one, or what its registers allow: the least.
-    max_threads_ = std::min<uint32_t>(msl_cpu::kMaxThreadsPerThreadgroup, uint32_t(res_.max_threads));
-    if (decl.max_total_threads_per_threadgroup)
-      max_threads_ = std::min(max_threads_, decl.max_total_threads_per_threadgroup);
+    // The kernel's declared maximum (without one, the 256 a Metal pipeline is sure to allow:
+    // gpu::kDefaultMaxThreadsPerThreadgroup), within Metal's 1024 and what its registers allow.
+    declared_max_threads_ = entry.max_threads;
+    max_threads_ = std::min<uint32_t>(
+        declared_max_threads_ ? std::min(declared_max_threads_, msl_cpu::kMaxThreadsPerThreadgroup)
+                              : gpu::kDefaultMaxThreadsPerThreadgroup,
+        uint32_t(res_.max_threads));
   }
   const std::string& name() const override { return name_; }
   uint32_t max_total_threads_per_threadgroup() const override { return max_threads_; }
+  uint32_t declared_max_threads() const override { return declared_max_threads_; }
   uint32_t thread_execution_width() const override { return 32; }
   const char* runtime() const override { return "msl_cuda"; }
   const lily_msl_param* params() const override { return params_.data(); }
@@ -205,13 +213,18 @@ class CudaPipeline final : public msl_cpu::KernelPipeline {
   std::vector<lily_msl_param> params_;
   CUfunction fn_ = nullptr;
   KernelResources res_;
-  uint32_t max_threads_ = 0;
+  uint32_t max_threads_ = 0, declared_max_threads_ = 0;
 };
 
 class CudaLibrary final : public gpu::Library {
  public:
-  CudaLibrary(std::shared_ptr<Context> c, const DeviceOptions& options, std::string source, std::string file_name)
+  CudaLibrary(std::shared_ptr<Context> c, const DeviceOptions& options, std::string source, std::string file_name,
+              const gpu::LibraryOptions& library)
       : c_(std::move(c)), source_(std::move(source)), file_name_(std::move(file_name)) {
+    if (library.language == gpu::LibraryOptions::Language::MSL4_0)
+      fail("compiling " + file_name_ + ": MSL 4.0 needs Metal 4 tensors, which msl_cuda does not provide "
+           "(supports_tensor_ops is false; the simdgroup_matrix GEMMs run instead)");
+    compile_.safe_math = library.safe_math;
     compile_.include_dirs = options.include_dirs;
     size_t slash = file_name_.rfind('/');
     if (slash != std::string::npos) compile_.include_dirs.push_back(file_name_.substr(0, slash));
@@ -267,11 +280,11 @@ class CudaCommandBuffer final : public gpu::CommandBuffer {
     release();
   }
 
-  std::shared_ptr<gpu::ComputeEncoder> compute_encoder(gpu::DispatchType type) override {
+  std::shared_ptr<gpu::ComputeEncoder> compute_encoder(gpu::DispatchType type, const std::string& label) override {
     if (committed_) fail("compute_encoder: the command buffer is already committed");
     for (const auto& e : encoders_)
       if (!e->ended()) fail("compute_encoder: the previous encoder was not ended (end_encoding)");
-    encoders_.push_back(std::make_shared<msl_cpu::RecordingEncoder>("msl_cuda", type));
+    encoders_.push_back(std::make_shared<msl_cpu::RecordingEncoder>("msl_cuda", type, label));
     return encoders_.back();
   }
   void commit() override {
@@ -291,7 +304,7 @@ class CudaCommandBuffer final : public gpu::CommandBuffer {
       CUresult r = c_->d.cuEventSynchronize(done_);
       if (r != CUDA_SUCCESS) {
         std::string names;
-        for (const auto& l : launches_) names += (names.empty() ? "'" : ", '") + l.pipeline->name() + "'";
+        for (const auto& l : launches_) names += (names.empty() ? "" : ", ") + describe(l);
         error_ = "[msl_cuda] a kernel of this command buffer failed: " + c_->d.describe(r) +
                  " (kernels: " + names + "; a device made with synchronous=True names the one)";
       } else {
@@ -306,6 +319,7 @@ class CudaCommandBuffer final : public gpu::CommandBuffer {
   struct Launch {
     const CudaPipeline* pipeline;
     const msl_cpu::Command* command;
+    const std::string* encoder;  // its label
     lily_msl_cuda_args args;
     std::array<int64_t, LILY_MSL_MAX_BINDINGS> staged;  // set_bytes at this staging offset
     int64_t order = -1;                                       // permutation at this offset
@@ -323,6 +337,7 @@ class CudaCommandBuffer final : public gpu::CommandBuffer {
         Launch l{};
         l.pipeline = static_cast<const CudaPipeline*>(cmd.pipeline.get());  // set_pipeline checked
         l.command = &cmd;
+        l.encoder = &e->label();
         l.staged.fill(-1);
         l.blocks = launch_blocks(cmd.threadgroups, l.pipeline->name());
         for (uint32_t i = 0; i < LILY_MSL_MAX_BINDINGS; ++i) {
@@ -374,11 +389,23 @@ class CudaCommandBuffer final : public gpu::CommandBuffer {
       if (options_.timing) c_->check(c_->d.cuEventRecord(events_[k + 1], c_->work), "cuEventRecord");
       if (options_.synchronous) {
         CUresult r = c_->d.cuStreamSynchronize(c_->work);
-        if (r != CUDA_SUCCESS) fail("kernel '" + l.pipeline->name() + "' failed: " + c_->d.describe(r));
+        if (r != CUDA_SUCCESS) fail(describe(l) + " failed: " + c_->d.describe(r));
       }
     }
     c_->check(c_->d.cuEventCreate(&done_, CU_EVENT_DEFAULT), "cuEventCreate");
     c_->check(c_->d.cuEventRecord(done_, c_->work), "cuEventRecord");
+  }
+
+  // "'kernel'", with the encoder's label and the last debug signpost before it where there are
+  // (as Metal's encoder execution status names the encoder).
+  static std::string describe(const Launch& l) {
+    std::string s = "'" + l.pipeline->name() + "'";
+    if (!l.encoder->empty() || !l.command->signpost.empty()) {
+      s += " [encoder " + (l.encoder->empty() ? std::string("(no label)") : "'" + *l.encoder + "'");
+      if (!l.command->signpost.empty()) s += " after signpost '" + l.command->signpost + "'";
+      s += "]";
+    }
+    return s;
   }
 
   void record_timings() {
@@ -433,6 +460,11 @@ class CudaDevice final : public gpu::Device {
            std::to_string(c_->d.version % 1000 / 10) + (options_.permute_threadgroups ? ", threadgroups permuted" : "") + ")";
   }
   bool unified_memory() const override { return false; }
+  // What every Apple GPU lily supports runs here (no Metal 4 tensor ops): the baseline family.
+  int apple_gpu_family() const override { return 7; }
+  // The GPU's memory (cuDeviceTotalMem): what a context must fit beside the weights.
+  uint64_t recommended_max_working_set_size() const override { return c_->total_memory; }
+  void make_resident(const std::vector<std::shared_ptr<gpu::Buffer>>&) override {}  // device memory is resident
   std::shared_ptr<gpu::Buffer> new_buffer(size_t length) override {
     return std::make_shared<CudaBuffer>(c_, length);
   }
@@ -450,8 +482,9 @@ class CudaDevice final : public gpu::Device {
     c_->copy_now(c_->d.cuMemcpyDtoDAsync(d->address() + dst_offset, s->address() + src_offset, n, c_->copy),
                  "Device::copy");
   }
-  std::shared_ptr<gpu::Library> new_library(const std::string& source, const std::string& file_name) override {
-    return std::make_shared<CudaLibrary>(c_, options_, source, file_name);
+  std::shared_ptr<gpu::Library> new_library(const std::string& source, const std::string& file_name,
+                                            const gpu::LibraryOptions& library) override {
+    return std::make_shared<CudaLibrary>(c_, options_, source, file_name, library);
   }
   std::shared_ptr<gpu::CommandBuffer> new_command_buffer() override {
     return std::make_shared<CudaCommandBuffer>(c_, options_);

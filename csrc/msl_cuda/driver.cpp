@@ -43,6 +43,7 @@ std::unique_ptr<Driver> load() {
   bind(d->cuDeviceGet, "cuDeviceGet");
   bind(d->cuDeviceGetName, "cuDeviceGetName");
   bind(d->cuDeviceGetAttribute, "cuDeviceGetAttribute");
+  bind(d->cuDeviceTotalMem, "cuDeviceTotalMem_v2");
   bind(d->cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
   bind(d->cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
   bind(d->cuCtxSetCurrent, "cuCtxSetCurrent");

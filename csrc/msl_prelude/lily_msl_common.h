@@ -747,9 +747,11 @@ inline simdgroup_matrix<T, C, R> make_filled_simdgroup_matrix(T value) {
 }
 
 // Load / store: element (row r, column c) is src[(origin.y + r) * elements_per_row + origin.x
-// + c], or with transpose_matrix the element (c, r) of that storage.
+// + c], or with transpose_matrix the element (c, r) of that storage. The matrix operations are
+// always inlined, so a kernel's arrays of matrices stay registers as on the GPU (the msl_cpu
+// kernel compile fails on arrays left in stack memory).
 template <class T, int C, int R, class P>
-inline void simdgroup_load(thread simdgroup_matrix<T, C, R>& d, P* src, ulong elements_per_row = C,
+__attribute__((always_inline)) inline void simdgroup_load(thread simdgroup_matrix<T, C, R>& d, P* src, ulong elements_per_row = C,
                            ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {
   uint lane = ::lily_msl::detail::simd_lane();
   uint r = d.row_of(lane), c = d.col_of(lane);
@@ -759,7 +761,7 @@ inline void simdgroup_load(thread simdgroup_matrix<T, C, R>& d, P* src, ulong el
   }
 }
 template <class T, int C, int R, class P>
-inline void simdgroup_store(const thread simdgroup_matrix<T, C, R>& s, P* dst,
+__attribute__((always_inline)) inline void simdgroup_store(const thread simdgroup_matrix<T, C, R>& s, P* dst,
                             ulong elements_per_row = C, ulong2 matrix_origin = ulong2(0),
                             bool transpose_matrix = false) {
   uint lane = ::lily_msl::detail::simd_lane();

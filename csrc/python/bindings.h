@@ -20,6 +20,7 @@ void init_errors(nb::module_& m);
 void init_model(nb::module_& m);
 void init_sampler(nb::module_& m);
 void init_msl_cpu(nb::module_& m);
+void init_kernel_args(nb::module_& m);
 void init_msl_cuda(nb::module_& m);
 
 }  // namespace lily::python

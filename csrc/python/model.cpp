@@ -60,36 +60,48 @@ std::vector<Ffn> parse_ffns(const std::vector<std::string>& names) {
   return out;
 }
 
+// Engine(backend=...) options. The GPU ones are for tests (route thresholds, the MSL-on-CPU
+// runtime's checking modes, and what its device reports or fails at).
+struct BackendArgs {
+  int threads = 0;
+  int split_threshold = -1, split_len = -1, gemm_min_rows = -1, block_threshold = -1, block_len = -1;
+  bool check_dependencies = false, asan = false, metal4 = false;
+  int interleavings = 0;
+  std::string kv_dtype = "float32", gemm = "auto", cpu_matmul = "f32";
+  int apple_gpu_family = 0;    // msl-cpu: the family the device reports (0: its default)
+  uint64_t working_set = 0;    // msl-cpu: recommendedMaxWorkingSetSize reported (0: none)
+  std::string fail_dispatch, fail_library;  // msl-cpu: fault injection (tests of error paths)
+};
+
 // "cpu", "msl-cpu" (the Metal backend's dispatches run by the MSL-on-CPU runtime), "msl-cuda"
 // (run on an NVIDIA GPU) or "metal".
-// The GPU options are for tests (route thresholds, the runtime's checking modes).
 std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weights, const std::string& name,
-                                      int threads, int split_threshold, int split_len,
-                                      bool check_dependencies, int interleavings, const std::string& kv_dtype,
-                                      bool asan, int gemm_min_rows, bool metal4, const std::string& gemm,
-                                      int block_threshold, int block_len, const std::string& cpu_matmul) {
+                                      const BackendArgs& a) {
   cpu::Matmul matmul;
-  if (cpu_matmul == "f32") matmul = cpu::Matmul::F32;
-  else if (cpu_matmul == "int8") matmul = cpu::Matmul::Int8;
-  else throw ConfigError("[engine] cpu_matmul must be 'int8' or 'f32', not '" + cpu_matmul + "'");
-  if (name == "cpu") return std::make_unique<cpu::CpuBackend>(weights, threads, matmul);
+  if (a.cpu_matmul == "f32") matmul = cpu::Matmul::F32;
+  else if (a.cpu_matmul == "int8") matmul = cpu::Matmul::Int8;
+  else throw ConfigError("[engine] cpu_matmul must be 'int8' or 'f32', not '" + a.cpu_matmul + "'");
+  if (name == "cpu") return std::make_unique<cpu::CpuBackend>(weights, a.threads, matmul);
   gpu::GpuOptions opt;
-  if (split_threshold >= 0) opt.split_threshold = split_threshold;
-  if (split_len > 0) opt.split_len = split_len;
-  if (gemm_min_rows > 0) opt.gemm_min_rows = gemm_min_rows;
-  opt.gemm = gemm;
-  if (metal4 && name != "msl-cpu")
-    throw ConfigError("[engine] metal4 is an option of the msl-cpu backend (a real device reports its own family)");
-  if (block_threshold >= 0) opt.block_threshold = block_threshold;
-  if (block_len > 0) opt.block_len = block_len;
-  if (kv_dtype != "float32" && kv_dtype != "float16")
-    throw ConfigError("[engine] kv_dtype must be 'float32' or 'float16', not '" + kv_dtype + "'");
-  opt.kv_half = kv_dtype == "float16";
+  if (a.split_threshold >= 0) opt.split_threshold = a.split_threshold;
+  if (a.split_len > 0) opt.split_len = a.split_len;
+  if (a.gemm_min_rows > 0) opt.gemm_min_rows = a.gemm_min_rows;
+  opt.gemm = a.gemm;
+  const bool device_options = a.metal4 || a.apple_gpu_family || a.working_set || !a.fail_dispatch.empty() ||
+                              !a.fail_library.empty();
+  if (device_options && name != "msl-cpu")
+    throw ConfigError("[engine] metal4, apple_gpu_family, working_set, fail_dispatch and fail_library are options "
+                      "of the msl-cpu backend (a real device reports its own)");
+  if (a.block_threshold >= 0) opt.block_threshold = a.block_threshold;
+  if (a.block_len > 0) opt.block_len = a.block_len;
+  if (a.kv_dtype != "float32" && a.kv_dtype != "float16")
+    throw ConfigError("[engine] kv_dtype must be 'float32' or 'float16', not '" + a.kv_dtype + "'");
+  opt.kv_half = a.kv_dtype == "float16";
   if (name == "msl-cuda") {
     // The msl_cpu checking modes have no CUDA counterpart here: refused by name.
-    for (const auto& [set, option] : {std::pair{check_dependencies, "check_dependencies"},
-                                      std::pair{interleavings != 0, "interleavings"},
-                                      std::pair{asan, "asan"}})
+    for (const auto& [set, option] : {std::pair{a.check_dependencies, "check_dependencies"},
+                                      std::pair{a.interleavings != 0, "interleavings"},
+                                      std::pair{a.asan, "asan"}})
       if (set) throw ConfigError(std::string("[engine] ") + option + " is an option of the msl-cpu backend, not msl-cuda");
     auto device = msl_cuda::make_device({});  // raises without an NVIDIA driver, naming libcuda
     throw ConfigError("[engine] backend 'msl-cuda' (" + device->name() + ") runs kernels "
@@ -99,10 +111,14 @@ std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weigh
   }
   if (name == "msl-cpu") {
     msl_cpu::DeviceOptions dev;
-    dev.check_dependencies = check_dependencies;
-    dev.interleavings = interleavings;
-    dev.asan = asan;
-    dev.metal4 = metal4;
+    dev.check_dependencies = a.check_dependencies;
+    dev.interleavings = a.interleavings;
+    dev.asan = a.asan;
+    dev.metal4 = a.metal4;
+    if (a.apple_gpu_family) dev.apple_gpu_family = a.apple_gpu_family;
+    dev.working_set = a.working_set;
+    dev.fail_dispatch = a.fail_dispatch;
+    dev.fail_library = a.fail_library;
     return std::make_unique<gpu::GpuBackend>(weights, msl_cpu::make_device(dev), "msl-cpu", opt);
   }
 #if defined(LILY_HAVE_METAL)
@@ -288,18 +304,47 @@ void init_model(nb::module_& m) {
           [](Engine* self, std::shared_ptr<ModelWeights> weights, const std::string& backend, int threads,
              int prefill_chunk, int split_threshold, int split_len, bool check_dependencies, int interleavings,
              const std::string& kv_dtype, bool asan, int gemm_min_rows, bool metal4, const std::string& gemm,
-             int block_threshold, int block_len, const std::string& cpu_matmul) {
-            new (self) Engine(weights,
-                              make_backend(weights, backend, threads, split_threshold, split_len,
-                                           check_dependencies, interleavings, kv_dtype, asan, gemm_min_rows, metal4,
-                                           gemm, block_threshold, block_len, cpu_matmul),
-                              prefill_chunk);
+             int block_threshold, int block_len, const std::string& cpu_matmul, int apple_gpu_family,
+             uint64_t working_set, const std::string& fail_dispatch, const std::string& fail_library) {
+            BackendArgs a;
+            a.threads = threads;
+            a.split_threshold = split_threshold;
+            a.split_len = split_len;
+            a.check_dependencies = check_dependencies;
+            a.interleavings = interleavings;
+            a.kv_dtype = kv_dtype;
+            a.asan = asan;
+            a.gemm_min_rows = gemm_min_rows;
+            a.metal4 = metal4;
+            a.gemm = gemm;
+            a.block_threshold = block_threshold;
+            a.block_len = block_len;
+            a.cpu_matmul = cpu_matmul;
+            a.apple_gpu_family = apple_gpu_family;
+            a.working_set = working_set;
+            a.fail_dispatch = fail_dispatch;
+            a.fail_library = fail_library;
+            new (self) Engine(weights, make_backend(weights, backend, a), prefill_chunk);
           },
           nb::arg("weights"), nb::arg("backend") = "cpu", nb::arg("threads") = 0, nb::arg("prefill_chunk") = 512,
           nb::arg("split_threshold") = -1, nb::arg("split_len") = -1, nb::arg("check_dependencies") = false,
           nb::arg("interleavings") = 0, nb::arg("kv_dtype") = "float32", nb::arg("asan") = false,
           nb::arg("gemm_min_rows") = -1, nb::arg("metal4") = false, nb::arg("gemm") = "auto",
-          nb::arg("block_threshold") = -1, nb::arg("block_len") = -1, nb::arg("cpu_matmul") = "f32")
+          nb::arg("block_threshold") = -1, nb::arg("block_len") = -1, nb::arg("cpu_matmul") = "f32",
+          nb::arg("apple_gpu_family") = 0, nb::arg("working_set") = 0, nb::arg("fail_dispatch") = "",
+          nb::arg("fail_library") = "")
+      .def_prop_ro("max_fitting_context", [](Engine& e) { return e.backend().max_fitting_context(); },
+                   "The longest context whose state fits beside the weights in the memory the backend may use "
+                   "(GPU: the device's recommended working set); a very large number where nothing limits it.")
+      .def("check_context", [](Engine& e, int max_context) { e.backend().check_context(max_context); },
+           nb::arg("max_context"),
+           "Raises ConfigError (naming the sizes) if a sequence of max_context positions does not fit beside "
+           "the weights; allocates nothing.")
+      .def_prop_ro("gpu_gemm_path", [](Engine& e) {
+        auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
+        if (!g) throw Error("[engine] gpu_gemm_path: the backend is not a GPU backend");
+        return g->gemm_path();
+      }, "Which prefill GEMMs the GPU backend chose at load (tensor / simdgroup) and why.")
       .def_prop_ro("gpu_stats", [](Engine& e) {
         auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
         if (!g) throw Error("[engine] gpu_stats: the backend is not a GPU backend");

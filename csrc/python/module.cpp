@@ -8,6 +8,7 @@ NB_MODULE(_core, m) {
   lily::python::init_model(m);
   lily::python::init_sampler(m);
   lily::python::init_msl_cpu(m);
+  lily::python::init_kernel_args(m);
   lily::python::init_msl_cuda(m);
 
 }

@@ -21,10 +21,13 @@
 #include <cstring>
 
 #include "gpu/device.h"
+#include "gpu/embedded.h"
+#include "gpu/encoder.h"
 #include "gpu/hazards.h"
 #include "model/error.h"
 #include "msl_cpu/compiler.h"
 #include "msl_cpu/device.h"
+#include "msl_cpu/prelude/lily_msl_cpu_abi.h"
 #include "python/bindings.h"
 
 namespace lily::python {
@@ -80,7 +83,13 @@ void init_msl_cpu(nb::module_& parent) {
       .def_prop_ro("name", &gpu::Pipeline::name)
       .def_prop_ro("max_total_threads_per_threadgroup",
                    &gpu::Pipeline::max_total_threads_per_threadgroup)
-      .def_prop_ro("thread_execution_width", &gpu::Pipeline::thread_execution_width);
+      .def_prop_ro("thread_execution_width", &gpu::Pipeline::thread_execution_width)
+      .def_prop_ro("buffers", [](const gpu::Pipeline& p) {
+        std::map<std::string, uint32_t> out;
+        for (uint32_t i = 0; i < LILY_MSL_MAX_BINDINGS; ++i)
+          if (const std::string n = p.buffer_name(i); !n.empty()) out[n] = i;
+        return out;
+      }, "{parameter name: [[buffer(i)]] index} of the kernel.");
 
   nb::class_<gpu::Library>(m, "Library")
       .def("pipeline",
@@ -97,6 +106,7 @@ void init_msl_cpu(nb::module_& parent) {
         e.set_bytes(index, data.c_str(), data.size());
       })
       .def("set_threadgroup_memory_length", &gpu::ComputeEncoder::set_threadgroup_memory_length)
+      .def("insert_debug_signpost", &gpu::ComputeEncoder::insert_debug_signpost)
       .def("dispatch_threadgroups",
            [](gpu::ComputeEncoder& e, const std::vector<uint32_t>& grid,
               const std::vector<uint32_t>& threads) {
@@ -108,11 +118,11 @@ void init_msl_cpu(nb::module_& parent) {
 
   nb::class_<gpu::CommandBuffer>(m, "CommandBuffer")
       .def("compute_encoder",
-           [](gpu::CommandBuffer& cb, bool concurrent) {
+           [](gpu::CommandBuffer& cb, bool concurrent, const std::string& label) {
              return cb.compute_encoder(concurrent ? gpu::DispatchType::Concurrent
-                                                  : gpu::DispatchType::Serial);
+                                                  : gpu::DispatchType::Serial, label);
            },
-           nb::arg("concurrent") = false)
+           nb::arg("concurrent") = false, nb::arg("label") = "")
       .def("commit", &gpu::CommandBuffer::commit, nb::call_guard<nb::gil_scoped_release>())
       .def("wait_until_completed", &gpu::CommandBuffer::wait_until_completed);
 
@@ -125,7 +135,21 @@ void init_msl_cpu(nb::module_& parent) {
         return b;
       }, "A new buffer holding a copy of the array's bytes.")
       .def("buffer_empty", &gpu::Device::new_buffer, nb::arg("length"))
-      .def("library", &gpu::Device::new_library, nb::arg("source"), nb::arg("file_name"))
+      .def("library",
+           [](gpu::Device& d, const std::string& source, const std::string& file_name, const std::string& language,
+              bool safe_math) {
+             gpu::LibraryOptions o;
+             if (language == "4.0") o.language = gpu::LibraryOptions::Language::MSL4_0;
+             else if (language != "3.1")
+               throw lily::Error("[gpu] language must be '3.1' or '4.0', not '" + language + "'");
+             o.safe_math = safe_math;
+             return d.new_library(source, file_name, o);
+           },
+           nb::arg("source"), nb::arg("file_name"), nb::arg("language") = "3.1", nb::arg("safe_math") = false,
+           "Compile MSL source as Metal would (language: the MSL version, '3.1' or '4.0' on a metal4 "
+           "device).")
+      .def_prop_ro("apple_gpu_family", &gpu::Device::apple_gpu_family)
+      .def_prop_ro("recommended_max_working_set_size", &gpu::Device::recommended_max_working_set_size)
       .def("command_buffer", &gpu::Device::new_command_buffer);
 
   // gpu::HazardTracker, for tests of barrier placement (accesses: (buffer, begin, end) bytes).
@@ -152,9 +176,15 @@ void init_msl_cpu(nb::module_& parent) {
 
   m.def("device",
         [](bool asan, int interleavings, bool check_dependencies, uint64_t seed,
-           const std::vector<std::string>& include_dirs, bool metal4) {
+           const std::vector<std::string>& include_dirs, bool metal4, int apple_gpu_family, uint64_t working_set,
+           const std::string& fail_dispatch, int fail_dispatch_count, const std::string& fail_library) {
           msl_cpu::DeviceOptions o;
           o.metal4 = metal4;
+          o.apple_gpu_family = apple_gpu_family;
+          o.working_set = working_set;
+          o.fail_dispatch = fail_dispatch;
+          o.fail_dispatch_count = fail_dispatch_count;
+          o.fail_library = fail_library;
           o.asan = asan;
           o.interleavings = interleavings;
           o.check_dependencies = check_dependencies;
@@ -165,12 +195,28 @@ void init_msl_cpu(nb::module_& parent) {
         nb::arg("asan") = false, nb::arg("interleavings") = 0,
         nb::arg("check_dependencies") = false, nb::arg("seed") = 0,
         nb::arg("include_dirs") = std::vector<std::string>{}, nb::arg("metal4") = false,
+        nb::arg("apple_gpu_family") = 7, nb::arg("working_set") = 0, nb::arg("fail_dispatch") = "",
+        nb::arg("fail_dispatch_count") = 1, nb::arg("fail_library") = "",
         "A device that runs MSL kernels on the CPU. interleavings=K reruns each dispatch under K "
         "random thread orders and fails if the result changes; check_dependencies reruns the "
         "dispatches between memory barriers of a concurrent encoder in reverse order; asan "
-        "builds kernels with AddressSanitizer (preload its runtime); metal4 claims Metal 4 (kernels "
-        "see __HAVE_TENSOR__ and the emulated <metal_tensor> / MetalPerformancePrimitives matmul2d).");
+        "builds kernels with AddressSanitizer (preload its runtime); metal4 claims Metal 4 (libraries "
+        "compiled as MSL 4.0 see __HAVE_TENSOR__ and the emulated <metal_tensor> / "
+        "MetalPerformancePrimitives matmul2d); apple_gpu_family (7-10) and working_set are what the "
+        "device reports; fail_dispatch / fail_library inject failures for tests of error paths.");
   m.def("clang_path", &msl_cpu::clang_path);
+  m.def("library_options",
+        [](const std::string& file) {
+          const gpu::LibraryOptions o = gpu::library_options(file);
+          return std::make_pair(std::string(o.language == gpu::LibraryOptions::Language::MSL4_0 ? "4.0" : "3.1"),
+                                o.safe_math);
+        },
+        nb::arg("file"),
+        "(language, safe_math) the GPU backend compiles metal/<file> with: the *_tensor libraries as "
+        "MSL 4.0, sampling with safe math.");
+  m.def("kernel_source", &gpu::kernel_source, nb::arg("file"),
+        "metal/<file> as the backend hands it to Device.library: its local #includes inlined (with #line "
+        "markers naming the real files), so the kernels of its headers are in the text.");
 }
 
 }  // namespace lily::python

@@ -5,7 +5,7 @@
 //   dev = msl_cuda.device(ordinal=0, permute_threadgroups=False, seed=0, timing=False,
 //                         synchronous=False)      # raises LilyError without an NVIDIA driver
 //   msl_cuda.take_timings(dev) -> [(kernel, grid, threads, ms)]   (timing=True)
-//   msl_cuda.compile(source, file_name) -> {"path", "key", "entries"}  (clang: PTX into the cache)
+//   msl_cuda.compile(source, file_name) -> (path, key, entries)  (clang: PTX into the cache)
 //   msl_cuda.cache_key(source, file_name)  (no tool run: what a machine without clang looks up)
 //
 // The pure launch arithmetic (threadgroup_layout, threadgroup_permutation,
@@ -48,8 +48,10 @@ std::string unit_of(const std::string& source, const std::string& file_name,
 }
 
 // As a library does: the folder of file_name is searched by #include "...".
-msl_cuda::CompileOptions compile_options(const std::string& file_name, std::vector<std::string> dirs) {
+msl_cuda::CompileOptions compile_options(const std::string& file_name, std::vector<std::string> dirs,
+                                         bool safe_math) {
   msl_cuda::CompileOptions o;
+  o.safe_math = safe_math;
   o.include_dirs = std::move(dirs);
   size_t slash = file_name.rfind('/');
   if (slash != std::string::npos) o.include_dirs.push_back(file_name.substr(0, slash));
@@ -101,9 +103,9 @@ void init_msl_cuda(nb::module_& parent) {
 
   m.def("compile",
         [](const std::string& source, const std::string& file_name,
-           const std::vector<std::string>& include_dirs, const ConstantValues& constants) {
+           const std::vector<std::string>& include_dirs, const ConstantValues& constants, bool safe_math) {
           const std::string unit = unit_of(source, file_name, constants);
-          const auto options = compile_options(file_name, include_dirs);
+          const auto options = compile_options(file_name, include_dirs, safe_math);
           msl_cuda::PtxModule ptx;
           {
             nb::gil_scoped_release release;
@@ -112,17 +114,18 @@ void init_msl_cuda(nb::module_& parent) {
           return std::make_tuple(ptx.path, msl_cuda::cache_key(unit, options), entries(ptx.entries));
         },
         nb::arg("source"), nb::arg("file_name"), nb::arg("include_dirs") = std::vector<std::string>{},
-        nb::arg("constants") = ConstantValues{},
+        nb::arg("constants") = ConstantValues{}, nb::arg("safe_math") = false,
         "The PTX of a library (or of one function-constant specialization) in the kernel cache, "
-        "compiled by clang when absent: (path, key, [(host_name, kernel, bound_sizes)]).");
+        "compiled by clang when absent: (path, key, [(host_name, kernel, bound_sizes)]). safe_math: "
+        "as Device.library's (no FMA contraction).");
   m.def("cache_key",
         [](const std::string& source, const std::string& file_name,
-           const std::vector<std::string>& include_dirs, const ConstantValues& constants) {
+           const std::vector<std::string>& include_dirs, const ConstantValues& constants, bool safe_math) {
           return msl_cuda::cache_key(unit_of(source, file_name, constants),
-                                     compile_options(file_name, include_dirs));
+                                     compile_options(file_name, include_dirs, safe_math));
         },
         nb::arg("source"), nb::arg("file_name"), nb::arg("include_dirs") = std::vector<std::string>{},
-        nb::arg("constants") = ConstantValues{},
+        nb::arg("constants") = ConstantValues{}, nb::arg("safe_math") = false,
         "The kernel-cache key of a library, computed without running any tool.");
   m.def("cache_dir", &msl_cuda::cache_dir);
   m.def("parse_entries", [](const std::string& ptx) { return entries(msl_cuda::parse_entries(ptx)); },

@@ -6,11 +6,13 @@
 #include "lily_msl.h"
 using namespace metal;
 
+// Buffers in lily's order (docs/metal.md): the arguments at 0, then what the kernel reads, then
+// what it writes.
 template <typename T>
-kernel void swiglu(device const T* gate [[buffer(0)]],  // [n]
-                   device const T* up [[buffer(1)]],    // [n]
-                   device T* out [[buffer(2)]],         // [n]
-                   constant uint& n [[buffer(3)]],
+kernel void swiglu(constant uint& n [[buffer(0)]],
+                   device const T* gate [[buffer(1)]],  // [n]
+                   device const T* up [[buffer(2)]],    // [n]
+                   device T* out [[buffer(3)]],         // [n]
                    uint gid [[thread_position_in_grid]]) {
   if (gid >= n) return;  // the grid is rounded up to whole threadgroups
   const float g = float(gate[gid]);

@@ -180,14 +180,18 @@ class Model:
         NVIDIA GPU; not yet a whole model: it raises, naming what is missing). threads: CPU worker threads
         (default: all cores). prefill_chunk: tokens per prefill step (bounds scratch memory).
         max_context: default context of new sequences (default: the model's
-        max_position_embeddings). backend_options: GPU backends' test knobs (split_threshold,
+        max_position_embeddings, capped on a GPU backend to what fits beside the weights in the
+        GPU's recommended working set; an explicit one that does not fit is a ConfigError naming
+        the sizes). backend_options: GPU backends' test knobs (split_threshold,
         split_len: the attention route thresholds; block_threshold, block_len: the context from
         which the KV cache moves into fixed blocks, and their length; gemm_min_rows: the
         shortest chunk that runs prefill GEMMs rather than GEMVs; gemm: "auto", "simdgroup" or
         "tensor", the prefill GEMMs' inner product (simdgroup_matrix, or Metal 4 tensor ops
         where the GPU has them); kv_dtype: "float32" or "float16" KV cache;
         check_dependencies, interleavings, asan: the MSL-on-CPU runtime's checking modes;
-        metal4: the MSL-on-CPU device claims Metal 4).
+        metal4, apple_gpu_family, working_set: what the MSL-on-CPU device reports (Metal 4
+        tensors, the Apple GPU family 7-10, recommendedMaxWorkingSetSize in bytes);
+        fail_dispatch, fail_library: its fault injection for tests of the host's error paths).
         cpu_matmul: how the CPU backend multiplies quantized (4/8-bit) weights: "f32" expands
         them to f32 (matches mlx-lm to ~1e-6), "int8" rounds activations to int8 per block of
         32 and uses integer dot products (2-4x faster; logits within ~1% of f32, see
@@ -239,7 +243,16 @@ class Model:
                               **(backend_options or {}))
         tokenizer = Tokenizer.from_dir(root) if (root / "tokenizer.json").is_file() else None
         defaults = load_generation_config(root)
-        ctx = max_context or config.max_position_embeddings
+        if max_context is not None and max_context < 0:
+            raise ConfigError("[load] max_context must be at least 1")
+        if not max_context:
+            # The model's full context, capped to what fits beside the weights in the memory
+            # the backend may use (a GPU's recommended working set).
+            ctx = min(config.max_position_embeddings, engine.max_fitting_context)
+            engine.check_context(max(ctx, 1))  # the weights alone may not fit: say so now
+        else:
+            ctx = max_context
+            engine.check_context(ctx)
         if ctx < 1:
             raise ConfigError("[load] max_context must be at least 1")
         return cls._from_parts(root, config, weights, engine, ctx, tokenizer, defaults)

@@ -4,12 +4,14 @@
 
     python -m lily.msl_cuda compile [--cache DIR] [--metal FILE ...]
         every kernel file of the extension to PTX in the kernel cache (DIR, else
-        $LILY_MSL_CUDA_CACHE, else ~/.cache/lily/msl_cuda), in both forms a library is made
-        from: the GPU backend's (local #includes inlined) and the file as it is (kernel tests);
-        --metal adds other .metal files (as tests load them: paths relative to the checkout).
+        $LILY_MSL_CUDA_CACHE, else ~/.cache/lily/msl_cuda) as the GPU backend and the kernel
+        tests make the library: local #includes inlined (the kernel templates of its headers
+        with it), the backend's options (safe math for sampling; the Metal 4 *_tensor libraries
+        are left out: msl_cuda has no tensor ops); --metal adds other .metal files (as tests
+        load them: paths relative to the checkout).
     python -m lily.msl_cuda ptxas [--cache DIR] [--json OUT]
-        assembles every PTX file of the cache for sm_90 with ``ptxas -v``: registers, spills and
-        stack frame per kernel.
+        assembles every PTX file of the cache for sm_90 with ``ptxas -v``: registers (and the
+        threads per threadgroup they leave room for), spills and stack frame per kernel.
 
 Carry DIR to a machine with the NVIDIA driver and no clang and point LILY_MSL_CUDA_CACHE at
 it: the cache keys need no compiler to compute.
@@ -26,9 +28,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lily._core import msl_cuda
+from lily._core import msl_cpu, msl_cuda
 
-__all__ = ["compile_kernels", "ptxas_path", "ptxas_report", "use_wheel_toolchain"]
+__all__ = ["compile_kernels", "cuda_kernel_files", "ptxas_path", "ptxas_report", "register_limited_threads",
+           "use_wheel_toolchain"]
 
 
 def _wheel_file(relative: str) -> Path | None:
@@ -58,23 +61,33 @@ def ptxas_path() -> str | None:
     return str(exe) if exe is not None else shutil.which("ptxas")
 
 
+def cuda_kernel_files() -> list[tuple[str, bool]]:
+    """(name, safe_math) of every kernel file of the extension that msl_cuda compiles, with the
+    GPU backend's options for it: all but the MSL 4.0 (Metal 4 tensor) libraries."""
+    out = []
+    for name in msl_cuda.kernel_files():
+        language, safe_math = msl_cpu.library_options(name)
+        if language != "4.0":
+            out.append((name, safe_math))
+    return out
+
+
 def compile_kernels(metal: list[str] = (), constants: list[tuple[str, dict]] = ()) -> list[dict]:
-    """Every kernel file of the extension, in both library forms, plus `metal` files (paths as
-    tests name them, relative to the current directory) and (file, {index: (type, value)})
+    """Every kernel file of the extension as the backend compiles it, plus `metal` files (paths
+    as tests name them, relative to the current directory) and (file, {index: (type, value)})
     function-constant specializations, into the kernel cache. Returns one record per PTX:
     {"file", "form", "path", "key", "entries"}."""
     use_wheel_toolchain()
     jobs = []
-    for name in msl_cuda.kernel_files():
-        jobs.append((f"metal/{name}", "backend", msl_cuda.kernel_source(name), {}))
-        jobs.append((f"metal/{name}", "file", msl_cuda.source_file(f"metal/{name}"), {}))
+    for name, safe_math in cuda_kernel_files():
+        jobs.append((f"metal/{name}", "backend", msl_cuda.kernel_source(name), {}, safe_math))
     for path in metal:
-        jobs.append((path, "file", Path(path).read_text(), {}))
+        jobs.append((path, "file", Path(path).read_text(), {}, False))
     for path, values in constants:
-        jobs.append((path, f"constants {values}", Path(path).read_text(), values))
+        jobs.append((path, f"constants {values}", Path(path).read_text(), values, False))
     out = []
-    for file, form, source, values in jobs:
-        ptx, key, entries = msl_cuda.compile(source, file, constants=values)
+    for file, form, source, values, safe_math in jobs:
+        ptx, key, entries = msl_cuda.compile(source, file, constants=values, safe_math=safe_math)
         out.append({"file": file, "form": form, "path": ptx, "key": key, "entries": [e[0] for e in entries]})
     return out
 
@@ -104,6 +117,14 @@ def ptxas_report(path: str | Path, arch: str = "sm_90") -> list[dict]:
         elif current is not None and (m := _USED.search(line.strip())):
             current.update(registers=int(m.group(1)), smem=int(m.group(2) or 0))
     return kernels
+
+
+def register_limited_threads(registers: int) -> int:
+    """The most threads per threadgroup (CUDA block) an sm_90 SM holds at this many registers
+    per thread: 64K registers, allocated per warp in units of 256 (8 per thread); at most 1024.
+    On the GPU the driver's CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK is the authority."""
+    per_warp = 32 * -(-max(registers, 1) // 8) * 8
+    return min(1024, 32 * (65536 // per_warp))
 
 
 def _source_of(ptx: Path) -> str:
@@ -140,9 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     for ptx in sorted(Path(msl_cuda.cache_dir()).glob("*.ptx")):
         for k in ptxas_report(ptx):
             rows.append({"file": _source_of(ptx), "ptx": ptx.name, **k})
-    print(f"{'kernel':40} {'file':36} {'regs':>4} {'stack':>6} {'spill st/ld':>12} {'smem':>6}")
+    print(f"{'kernel':40} {'file':36} {'regs':>4} {'threads':>7} {'stack':>6} {'spill st/ld':>12} {'smem':>6}")
     for k in sorted({(r["kernel"], r["file"]): r for r in rows}.values(), key=lambda r: (r["file"], r["kernel"])):
-        print(f"{k['kernel']:40} {k['file']:36} {k.get('registers', 0):4} {k.get('stack', 0):6} "
+        print(f"{k['kernel']:40} {k['file']:36} {k.get('registers', 0):4} "
+              f"{register_limited_threads(k.get('registers', 0)):7} {k.get('stack', 0):6} "
               f"{k.get('spill_stores', 0):5}/{k.get('spill_loads', 0):<6} {k.get('smem', 0):6}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

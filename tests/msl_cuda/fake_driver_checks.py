@@ -47,9 +47,18 @@ def alloc_of(nbytes):
 def marshalling():
     dev = msl_cuda.device(timing=True)
     assert "Fake H200" in dev.name and "sm_90" in dev.name, dev.name
+    # What the GPU backend asks a device: the baseline Apple family (no tensor ops here) and
+    # the GPU's memory as the working set (cuDeviceTotalMem).
+    assert dev.apple_gpu_family == 7 and not dev.supports_tensor_ops
+    assert dev.recommended_max_working_set_size == 143771 << 20
     lib = library(dev, "reduce.metal")
     tree, simd = lib.pipeline("reduce_tree"), lib.pipeline("reduce_simd_float")
+    # Both declare [[max_total_threads_per_threadgroup(1024)]] (read from the PTX metadata);
+    # a kernel that declares none gets the 256 every Metal pipeline allows.
     assert tree.max_total_threads_per_threadgroup == 1024 and tree.thread_execution_width == 32
+    assert simd.max_total_threads_per_threadgroup == 1024
+    assert library(dev, "arithmetic.metal").pipeline("vector_semantics").max_total_threads_per_threadgroup == 256
+    assert tree.buffers == {"in": 0, "partial": 1, "args": 2}, "bound by name as on msl_cpu"
 
     x = np.arange(1001, dtype=np.float32)  # 4004 bytes: found in the log by its size
     xb, out = dev.buffer(x), dev.buffer_empty(52)
@@ -155,7 +164,32 @@ def errors():
         e.set_bytes(2, u32(1, 1))
         e.set_threadgroup_memory_length(0, 32784)
 
-    expect("32784 bytes of threadgroup memory exceed the 32768", lambda: dispatch(too_much))
+    expect("32784 bytes of threadgroup memory (0 declared in the kernel + 32784 set_threadgroup_memory_length) "
+           "exceed the 32768", lambda: dispatch(too_much))
+
+    def big_bytes(e):
+        e.set_bytes(2, bytes(4097))
+
+    expect("set_bytes: 4097 bytes at index 2 are more than the 4096", lambda: dispatch(big_bytes))
+
+    def wide(e):
+        for i in (0, 1):
+            e.set_buffer(i, buf, 0)
+        e.set_bytes(2, u32(1, 1))
+
+    vector_semantics = library(dev, "arithmetic.metal").pipeline("vector_semantics")
+
+    def dispatch_wide():
+        cb = dev.command_buffer()
+        enc = cb.compute_encoder()
+        enc.set_pipeline(vector_semantics)
+        wide(enc)
+        enc.dispatch_threadgroups((1,), (512,))
+
+    expect("512 threads per threadgroup exceed the pipeline's maximum of 256 (a kernel dispatched with more "
+           "than 256 threads declares [[max_total_threads_per_threadgroup(N)]]", dispatch_wide)
+    expect("MSL 4.0 needs Metal 4 tensors, which msl_cuda does not provide",
+           lambda: library(dev, "reduce.metal", language="4.0"))
 
     def cpu_buffer(e):
         e.set_buffer(0, msl_cpu.device().buffer_empty(64), 0)
@@ -186,7 +220,7 @@ def static_shared_counts():
     try:
         enc.dispatch_threadgroups((1,), (32,))
     except LilyError as e:
-        assert "32784 bytes of threadgroup memory" in str(e), str(e)
+        assert "32784 bytes of threadgroup memory (32768 declared in the kernel + 16" in str(e), str(e)
     else:
         raise AssertionError("static shared memory was not counted")
     assert tree.max_total_threads_per_threadgroup == 256  # the driver's register-limited maximum
@@ -197,18 +231,21 @@ def fault():
     lib = library(dev, "reduce.metal")
     buf = dev.buffer_empty(64)
     cb = dev.command_buffer()
-    enc = cb.compute_encoder()
+    enc = cb.compute_encoder(label="decode step")
     enc.set_pipeline(lib.pipeline("reduce_simd_float"))
     enc.set_buffer(0, buf, 0)
     enc.set_buffer(1, buf, 0)
     enc.set_bytes(2, u32(1, 1))
+    enc.insert_debug_signpost("layer 3")
     enc.dispatch_threadgroups((1,), (32,))
     enc.end_encoding()
     cb.commit()
     try:
         cb.wait_until_completed()
     except LilyError as e:
-        assert "CUDA_ERROR_ILLEGAL_ADDRESS" in str(e) and "'reduce_simd_float'" in str(e), str(e)
+        # Which encoder, as Metal's encoder execution status names it.
+        assert "CUDA_ERROR_ILLEGAL_ADDRESS" in str(e), str(e)
+        assert "'reduce_simd_float' [encoder 'decode step' after signpost 'layer 3']" in str(e), str(e)
     else:
         raise AssertionError("a fault was not raised by wait_until_completed")
 

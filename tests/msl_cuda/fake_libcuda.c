@@ -57,6 +57,10 @@ CUresult cuDeviceGetAttribute(int* v, int attr, int d) {
   *v = attr == 75 ? 9 : attr == 76 ? 0 : attr == 16 ? 132 : 0;
   return OK;
 }
+CUresult cuDeviceTotalMem_v2(size_t* bytes, int d) {
+  *bytes = (size_t)143771ull << 20; /* an H200's 140 GiB */
+  return OK;
+}
 CUresult cuDevicePrimaryCtxRetain(void** ctx, int d) { *ctx = (void*)0x1; return OK; }
 CUresult cuDevicePrimaryCtxRelease_v2(int d) { return OK; }
 CUresult cuCtxSetCurrent(void* ctx) { return OK; }

@@ -17,7 +17,7 @@
 
 #include "../../msl_prelude/lily_msl_params.h"
 
-#define LILY_MSL_ABI_VERSION 1
+#define LILY_MSL_ABI_VERSION 2
 #define LILY_MSL_SIMD_WIDTH 32       /* Apple GPUs: 32 threads per simdgroup */
 #define LILY_MSL_SIMD_SLOT 64        /* bytes per lane in a simdgroup exchange */
 
@@ -59,8 +59,10 @@ typedef struct lily_msl_host_api {
   const void* (*simd_exchange)(const void* value, size_t size, const char* what,
                                const char* file, int line);
   /* Kernel-scope threadgroup array: the same storage for every thread of the threadgroup
-   * that passes the same key (one per declaration). */
-  void* (*threadgroup_alloc)(const void* key, size_t size, size_t align);
+   * that passes the same key (one per declaration); name, file and line name it in errors (the
+   * threadgroup's static + dynamic memory over 32 KB). */
+  void* (*threadgroup_alloc)(const void* key, size_t size, size_t align, const char* name,
+                             const char* file, int line);
   /* A GPU error found by the prelude: the thread stops and the dispatch fails. Never returns. */
   void (*fail)(const char* what, const char* file, int line);
 } lily_msl_host_api;

@@ -10,13 +10,17 @@
  * Beside each entry, named by the kernel's host name, the module holds a global
  *   lily_msl_cuda_meta lily_msl_meta_<host name>
  * that the host reads from the PTX text (never from the GPU) to learn which scanned kernel the
- * entry instantiates and how many bytes each `constant T&` parameter reads. */
+ * entry instantiates and how many bytes each `constant T&` parameter reads; and per kernel
+ * function a global
+ *   lily_msl_cuda_kernel_meta lily_msl_kernel_<kernel>
+ * with what the kernel declares (defined after the source, where the macros it may use for
+ * [[max_total_threads_per_threadgroup(N)]] are known). */
 #ifndef LILY_MSL_CUDA_ABI_H
 #define LILY_MSL_CUDA_ABI_H
 
 #include "../../msl_prelude/lily_msl_params.h"
 
-#define LILY_MSL_CUDA_ABI_VERSION 1
+#define LILY_MSL_CUDA_ABI_VERSION 2
 #define LILY_MSL_CUDA_MAX_PARAMS 96   /* parameters of one kernel function */
 #define LILY_MSL_CUDA_NAME_BYTES 64   /* the scanned kernel's name, NUL-terminated */
 
@@ -40,5 +44,11 @@ typedef struct lily_msl_cuda_meta {
   unsigned long long bound_sizes[LILY_MSL_CUDA_MAX_PARAMS];
   char function[LILY_MSL_CUDA_NAME_BYTES]; /* the kernel function this entry instantiates */
 } lily_msl_cuda_meta;
+
+typedef struct lily_msl_cuda_kernel_meta {
+  unsigned long long abi_version;
+  /* [[max_total_threads_per_threadgroup(N)]]: N, or 0 where the kernel declares none. */
+  unsigned long long max_threads;
+} lily_msl_cuda_kernel_meta;
 
 #endif

@@ -4,7 +4,9 @@
 // and every selector, parameter type, nullability and enum value below was checked against
 // Apple's Metal headers / documentation. It declares, it implements nothing; on a Mac the real
 // <Metal/Metal.h> is used instead. Add a declaration here (checked the same way) when the host
-// starts to use a new API.
+// starts to use a new API: tests/test_metal_host.py fails on any selector, property, class,
+// constant or enum value that Apple's API does not have (tests/metal_host/metal_api.txt, the
+// list scripts/metal_api_list.py extracts from metal-cpp).
 #pragma once
 #import <Foundation/Foundation.h>
 
@@ -62,7 +64,12 @@ typedef NS_OPTIONS(NSUInteger, MTLResourceOptions) {
 
 @protocol MTLDevice;
 
-@protocol MTLResource <NSObject>
+// ---- MTLAllocation.h (macOS 15) --------------------------------------------------------------
+@protocol MTLAllocation <NSObject>
+@property(readonly) NSUInteger allocatedSize;
+@end
+
+@protocol MTLResource <MTLAllocation>
 @property(nullable, copy, atomic) NSString* label;
 @property(readonly) id<MTLDevice> device;
 @property(readonly) MTLStorageMode storageMode;
@@ -99,11 +106,19 @@ typedef NS_ENUM(NSUInteger, MTLLanguageVersion) {
   MTLLanguageVersion3_0 = (3 << 16) + 0,
   MTLLanguageVersion3_1 = (3 << 16) + 1,
   MTLLanguageVersion3_2 = (3 << 16) + 2,
+  MTLLanguageVersion4_0 = (4 << 16) + 0,  // macOS 26
+};
+typedef NS_ENUM(NSInteger, MTLMathMode) {  // macOS 15
+  MTLMathModeSafe = 0,
+  MTLMathModeRelaxed = 1,
+  MTLMathModeFast = 2,
 };
 
 @interface MTLCompileOptions : NSObject <NSCopying>
 @property(readwrite, nonatomic) MTLLanguageVersion languageVersion;
 @property(nullable, readwrite, copy, nonatomic) NSDictionary<NSString*, NSObject*>* preprocessorMacros;
+@property(readwrite, nonatomic) BOOL fastMathEnabled;     // deprecated in macOS 15 for mathMode
+@property(readwrite, nonatomic) MTLMathMode mathMode;     // macOS 15
 @end
 
 @protocol MTLFunction <NSObject>
@@ -142,6 +157,7 @@ typedef NS_OPTIONS(NSUInteger, MTLBarrierScope) {
 @property(readonly) id<MTLDevice> device;
 @property(nullable, copy, atomic) NSString* label;
 - (void)endEncoding;
+- (void)insertDebugSignpost:(NSString*)string;
 - (void)pushDebugGroup:(NSString*)string;
 - (void)popDebugGroup;
 @end
@@ -166,6 +182,31 @@ typedef NS_ENUM(NSUInteger, MTLDispatchType) {
   MTLDispatchTypeSerial,
   MTLDispatchTypeConcurrent,
 };
+typedef NS_OPTIONS(NSUInteger, MTLCommandBufferErrorOption) {
+  MTLCommandBufferErrorOptionNone = 0,
+  MTLCommandBufferErrorOptionEncoderExecutionStatus = 1 << 0,
+};
+typedef NS_ENUM(NSInteger, MTLCommandEncoderErrorState) {
+  MTLCommandEncoderErrorStateUnknown = 0,
+  MTLCommandEncoderErrorStateCompleted = 1,
+  MTLCommandEncoderErrorStateAffected = 2,
+  MTLCommandEncoderErrorStatePending = 3,
+  MTLCommandEncoderErrorStateFaulted = 4,
+};
+// NSErrorUserInfoKey in Apple's Foundation (a typedef of NSString*, which GNUstep lacks).
+MTL_EXTERN NSString* const MTLCommandBufferEncoderInfoErrorKey;
+
+@interface MTLCommandBufferDescriptor : NSObject <NSCopying>
+@property(readwrite, nonatomic) BOOL retainedReferences;
+@property(readwrite, nonatomic) MTLCommandBufferErrorOption errorOptions;
+@end
+
+@protocol MTLCommandBufferEncoderInfo <NSObject>
+@property(readonly, nonatomic) NSString* label;
+@property(readonly, nonatomic) NSArray<NSString*>* debugSignposts;
+@property(readonly, nonatomic) MTLCommandEncoderErrorState errorState;
+@end
+
 typedef NS_ENUM(NSUInteger, MTLCommandBufferStatus) {
   MTLCommandBufferStatusNotEnqueued = 0,
   MTLCommandBufferStatusEnqueued = 1,
@@ -188,12 +229,35 @@ typedef NS_ENUM(NSUInteger, MTLCommandBufferStatus) {
 - (void)waitUntilCompleted;
 @end
 
+// ---- MTLResidencySet.h (macOS 15) ----------------------------------------------------------
+@interface MTLResidencySetDescriptor : NSObject <NSCopying>
+@property(nullable, copy, nonatomic) NSString* label;
+@property(nonatomic) NSUInteger initialCapacity;
+@end
+
+@protocol MTLResidencySet <NSObject>
+@property(readonly) id<MTLDevice> device;
+@property(nullable, readonly) NSString* label;
+@property(readonly) uint64_t allocatedSize;
+- (void)requestResidency;
+- (void)endResidency;
+- (void)addAllocation:(id<MTLAllocation>)allocation;
+- (void)removeAllocation:(id<MTLAllocation>)allocation;
+- (void)removeAllAllocations;
+- (BOOL)containsAllocation:(id<MTLAllocation>)anAllocation;
+@property(readonly) NSUInteger allocationCount;
+- (void)commit;
+@end
+
 // ---- MTLCommandQueue.h ---------------------------------------------------------------------
 @protocol MTLCommandQueue <NSObject>
 @property(nullable, copy, atomic) NSString* label;
 @property(readonly) id<MTLDevice> device;
 - (nullable id<MTLCommandBuffer>)commandBuffer;
 - (nullable id<MTLCommandBuffer>)commandBufferWithUnretainedReferences;
+- (nullable id<MTLCommandBuffer>)commandBufferWithDescriptor:(MTLCommandBufferDescriptor*)descriptor;
+- (void)addResidencySet:(id<MTLResidencySet>)residencySet;     // macOS 15
+- (void)removeResidencySet:(id<MTLResidencySet>)residencySet;  // macOS 15
 @end
 
 // ---- MTLDevice.h ---------------------------------------------------------------------------
@@ -207,11 +271,13 @@ typedef NS_ENUM(NSInteger, MTLGPUFamily) {
   MTLGPUFamilyApple7 = 1007,
   MTLGPUFamilyApple8 = 1008,
   MTLGPUFamilyApple9 = 1009,
+  MTLGPUFamilyApple10 = 1010,  // macOS 26 (M5)
   MTLGPUFamilyMac2 = 2002,
   MTLGPUFamilyCommon1 = 3001,
   MTLGPUFamilyCommon2 = 3002,
   MTLGPUFamilyCommon3 = 3003,
   MTLGPUFamilyMetal3 = 5001,
+  MTLGPUFamilyMetal4 = 5002,  // macOS 26
 };
 
 @protocol MTLDevice <NSObject>
@@ -235,6 +301,8 @@ typedef NS_ENUM(NSInteger, MTLGPUFamily) {
                                           error:(__autoreleasing NSError**)error;
 - (nullable id<MTLComputePipelineState>)newComputePipelineStateWithFunction:(id<MTLFunction>)computeFunction
                                                                       error:(__autoreleasing NSError**)error;
+- (nullable id<MTLResidencySet>)newResidencySetWithDescriptor:(MTLResidencySetDescriptor*)desc
+                                                        error:(__autoreleasing NSError**)error;  // macOS 15
 @end
 
 MTL_EXTERN id<MTLDevice> _Nullable MTLCreateSystemDefaultDevice(void) NS_RETURNS_RETAINED;

@@ -45,6 +45,7 @@ kernel void vector_semantics(device const float4* in [[buffer(0)]],
   shuffled[gid] = float4(v.zw, v.x, 1.0f) + v.wzyx * 2.0f;
 }
 
+[[max_total_threads_per_threadgroup(1024)]]  // tests dispatch up to 1000 threads
 kernel void simd_ops(device const float* in [[buffer(0)]],
                      device float* out [[buffer(1)]],  // [threads][8]
                      uint gid [[thread_position_in_grid]]) {
@@ -59,6 +60,7 @@ kernel void simd_ops(device const float* in [[buffer(0)]],
   out[8 * gid + 7] = float(popcount(static_cast<simd_vote::vote_t>(simd_ballot(x > 0.5f))));
 }
 
+[[max_total_threads_per_threadgroup(1024)]]  // tests dispatch up to 1000 threads
 kernel void simd_ops_more(device const float* in [[buffer(0)]],
                           device const uint* bits [[buffer(1)]],
                           device float* out [[buffer(2)]],  // [threads][6]

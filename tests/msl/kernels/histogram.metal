@@ -9,6 +9,7 @@ struct HistogramArgs {
   uint bins;  // values are counted modulo bins
 };
 
+[[max_total_threads_per_threadgroup(1024)]]  // tests dispatch up to 1024 threads
 kernel void histogram(device const uint* values [[buffer(0)]],
                       device atomic_uint* hist [[buffer(1)]],
                       constant HistogramArgs& args [[buffer(2)]],

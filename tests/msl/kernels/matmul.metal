@@ -3,8 +3,9 @@
 //                      threadgroup memory, one output element per thread.
 //   matmul_simdgroup_* one simdgroup per 8x8 tile of C with simdgroup_matrix multiply-
 //                      accumulate; B is [K,N], or [N,K] when transpose_b (a weight matrix),
-//                      loaded transposed by simdgroup_load. Inputs are T (float, half,
-//                      bfloat), staged as float; accumulation in float.
+//                      staged transposed into the [k][n] tile the multiply reads (no
+//                      transposed simdgroup_load: scripts/lint_metal.py). Inputs are T (float,
+//                      half, bfloat), staged as float; accumulation in float.
 #include <metal_stdlib>
 #include "lily_msl.h"
 using namespace metal;
@@ -59,15 +60,15 @@ kernel void matmul_simdgroup(device const T* A [[buffer(0)]],
     for (uint i = lane; i < 64; i += 32) {
       const uint r = i / 8, c = i % 8;
       As[i] = (row0 + r < args.M && k0 + c < args.K) ? float(A[(row0 + r) * args.K + k0 + c]) : 0.0f;
-      if (transpose_b)  // Bs holds the block as B stores it: [n][k]
-        Bs[i] = (col0 + r < args.N && k0 + c < args.K) ? float(B[(col0 + r) * args.K + k0 + c]) : 0.0f;
-      else  // [k][n]
-        Bs[i] = (k0 + r < args.K && col0 + c < args.N) ? float(B[(k0 + r) * args.N + col0 + c]) : 0.0f;
+      // Bs[k][n] either way; B stores [n][k] when transpose_b.
+      const bool in = k0 + r < args.K && col0 + c < args.N;
+      if (transpose_b) Bs[i] = in ? float(B[(col0 + c) * args.K + k0 + r]) : 0.0f;
+      else Bs[i] = in ? float(B[(k0 + r) * args.N + col0 + c]) : 0.0f;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     simdgroup_float8x8 a, b;
     simdgroup_load(a, As, 8);
-    simdgroup_load(b, Bs, 8, ulong2(0, 0), transpose_b);
+    simdgroup_load(b, Bs, 8);
     simdgroup_multiply_accumulate(acc, a, b, acc);
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }

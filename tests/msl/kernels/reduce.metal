@@ -11,6 +11,7 @@ struct ReduceArgs {
 };
 
 // Tree reduction; threads_per_threadgroup must be a power of two.
+[[max_total_threads_per_threadgroup(1024)]]  // tests dispatch up to 1024 threads
 kernel void reduce_tree(device const float* in [[buffer(0)]],
                         device float* partial [[buffer(1)]],
                         constant ReduceArgs& args [[buffer(2)]],
@@ -33,6 +34,7 @@ kernel void reduce_tree(device const float* in [[buffer(0)]],
 
 // simd_sum, then the first simdgroup sums the simdgroups' totals. Any threadgroup size.
 template <typename T>
+[[max_total_threads_per_threadgroup(1024)]]  // tests dispatch up to 1024 threads
 kernel void reduce_simd(device const T* in [[buffer(0)]],
                         device float* partial [[buffer(1)]],
                         constant ReduceArgs& args [[buffer(2)]],

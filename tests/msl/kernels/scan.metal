@@ -9,6 +9,7 @@
 #include "lily_msl.h"
 using namespace metal;
 
+[[max_total_threads_per_threadgroup(1024)]]  // tests dispatch up to 1024 threads
 kernel void scan_blocks(device const uint* in [[buffer(0)]],
                         device uint* out [[buffer(1)]],
                         device uint* block_totals [[buffer(2)]],
@@ -35,6 +36,7 @@ kernel void scan_blocks(device const uint* in [[buffer(0)]],
   if (gid < n) out[gid] = prefix + simd_offsets[simd_group];
 }
 
+[[max_total_threads_per_threadgroup(1024)]]  // tests dispatch up to 1024 threads
 kernel void add_offsets(device uint* out [[buffer(0)]],
                         device const uint* block_offsets [[buffer(1)]],
                         constant uint& n [[buffer(2)]],

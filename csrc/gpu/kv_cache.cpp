@@ -1,4 +1,6 @@
-// The fixed-block KV layout of long contexts (GpuOptions::block_threshold, block_len).
+// The KV cache of a GpuState: a contiguous [Hkv, cap, D] run per K and V of each attention
+// layer, grown geometrically like the CPU backend's, until the context reaches
+// GpuOptions::block_threshold; then the fixed-block layout of long contexts (block_len).
 //
 // Design choices:
 // - A cache in blocks of B positions, [slots, Hkv, B, D] per arena: one block of one KV head is
@@ -18,11 +20,35 @@
 #include <string>
 
 #include "gpu/backend.h"
-#include "gpu/encode.h"
 #include "metal/attention_args.h"
 #include "model/error.h"
 
 namespace lily::gpu {
+
+// Grows every attention layer's cache to hold `positions` (geometric, up to max_context).
+// Called between passes, so no command buffer uses the old buffers.
+void GpuBackend::reserve_kv(GpuState& st, int positions) {
+  if (st.block_len || positions >= options_.block_threshold) return reserve_blocks(st, positions);
+  if (positions <= st.capacity) return;
+  int cap = std::max(st.capacity, 256);
+  while (cap < positions) cap *= 2;
+  cap = std::min(cap, std::max(st.max_context(), positions));
+  const size_t row = size_t(c_.head_dim) * (options_.kv_half ? 2 : 4);
+  for (int l = 0; l < c_.n_layers(); ++l) {
+    if (c_.mixers[l] != Mixer::Attention) continue;
+    for (auto* list : {&st.k, &st.v}) {
+      auto nb = ctx_.device().new_buffer(size_t(c_.n_kv_heads) * cap * row);
+      auto& old = (*list)[l];
+      if (old && nb->contents() && old->contents())
+        for (int h = 0; h < c_.n_kv_heads; ++h)
+          std::memcpy(static_cast<uint8_t*>(nb->contents()) + size_t(h) * cap * row,
+                      static_cast<const uint8_t*>(old->contents()) + size_t(h) * st.capacity * row,
+                      size_t(st.capacity) * row);
+      old = nb;
+    }
+  }
+  st.capacity = cap;
+}
 
 void GpuBackend::reserve_blocks(GpuState& st, int positions) {
   if (st.block_len && positions <= st.capacity) return;
@@ -32,7 +58,7 @@ void GpuBackend::reserve_blocks(GpuState& st, int positions) {
   const bool convert = st.block_len == 0;
   if (convert) {
     st.block_len = B;
-    st.block_table = device_->new_buffer(size_t(max_blocks) * 4);
+    st.block_table = ctx_.device().new_buffer(size_t(max_blocks) * 4);
     st.k_arenas.assign(c_.n_layers(), {});
     st.v_arenas.assign(c_.n_layers(), {});
     st.arena_slots.clear();
@@ -51,8 +77,8 @@ void GpuBackend::reserve_blocks(GpuState& st, int positions) {
     n = std::max(1, std::min(n, max_blocks - have));
     for (int l = 0; l < c_.n_layers(); ++l) {
       if (c_.mixers[l] != Mixer::Attention) continue;
-      st.k_arenas[l].push_back(device_->new_buffer(size_t(n) * block_bytes));
-      st.v_arenas[l].push_back(device_->new_buffer(size_t(n) * block_bytes));
+      st.k_arenas[l].push_back(ctx_.device().new_buffer(size_t(n) * block_bytes));
+      st.v_arenas[l].push_back(ctx_.device().new_buffer(size_t(n) * block_bytes));
     }
     if (table)
       for (int s = 0; s < n; ++s) table[have + s] = uint32_t(a) << 24 | uint32_t(s);
@@ -81,24 +107,20 @@ void GpuBackend::reserve_blocks(GpuState& st, int positions) {
   st.capacity = have * B;
 }
 
-// Binds a layer's KV cache to a dispatch and declares the access (traffic bytes, K and V
-// each): contiguous K, V at `index`, index + 1; blocks as the table at 9 and the K and V
-// arenas from 10 (metal/attention.metal), unused arena slots bound to a dummy.
-void GpuBackend::bind_kv(Dispatch& d, GpuState& st, int layer, uint32_t index, bool write, uint64_t traffic) {
-  if (!st.block_len) {
-    d.buf(index, st.k[layer]).buf(index + 1, st.v[layer])
-        .state(st.k[layer], write, traffic).state(st.v[layer], write, traffic);
-    return;
+// A layer's cache as the attention kernels bind it (attention.cpp).
+KvCacheView GpuBackend::kv_view(GpuState& st, int layer) const {
+  KvCacheView kv;
+  kv.half = options_.kv_half;
+  kv.blocks = st.block_len > 0;
+  if (!kv.blocks) {
+    kv.k = st.k[layer];
+    kv.v = st.v[layer];
+  } else {
+    kv.table = st.block_table;
+    kv.k_arenas = st.k_arenas[layer];
+    kv.v_arenas = st.v_arenas[layer];
   }
-  d.buf(9, st.block_table).state(st.block_table, false, 0);
-  for (int kind = 0; kind < 2; ++kind) {
-    const auto& arenas = (kind ? st.v_arenas : st.k_arenas)[layer];
-    for (uint32_t a = 0; a < LILY_ATTN_MAX_ARENAS; ++a) {
-      const uint32_t slot = 10 + kind * LILY_ATTN_MAX_ARENAS + a;
-      if (a < arenas.size()) d.buf(slot, arenas[a]).state(arenas[a], write, a == 0 ? traffic : 0);
-      else d.buf(slot, dummy_);
-    }
-  }
+  return kv;
 }
 
 }  // namespace lily::gpu

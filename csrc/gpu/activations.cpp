@@ -1,0 +1,50 @@
+// Activations: see activations.h.
+#include "gpu/activations.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace lily::gpu {
+
+void Activations::grow(std::shared_ptr<Buffer>& b, size_t bytes) {
+  bytes = std::max<size_t>(bytes, 16);
+  if (!b || b->length() < bytes) b = device_.new_buffer(bytes);
+}
+
+void Activations::size_for(int T) {
+  const size_t H = c_.hidden, Hq = c_.n_heads, Hkv = c_.n_kv_heads, D = c_.head_dim;
+  const size_t C = c_.gdn_qkv_dim(), vdim = c_.gdn_value_dim(), Hv = c_.gdn_v_heads;
+  const size_t I = std::max(c_.moe_intermediate, c_.intermediate), topk = std::max(c_.top_k, 1);
+  const size_t f = 4 * size_t(T);
+  grow(tokens, f);
+  grow(x, f * H);
+  grow(h, f * H);
+  grow(y, f * H);
+  grow(qg, f * Hq * 2 * D);
+  grow(k, f * Hkv * D);
+  grow(v, f * Hkv * D);
+  grow(o, f * Hq * D);
+  grow(part_o, 4 * Hq * max_splits_ * D);
+  grow(part_ml, 4 * Hq * max_splits_ * 2);
+  grow(qkv, f * C);
+  grow(qkvz, f * (C + vdim));
+  grow(z, f * vdim);
+  grow(b, f * Hv);
+  grow(a, f * Hv);
+  grow(ba, f * 2 * Hv);
+  grow(conv_out, f * C);
+  grow(go, f * vdim);
+  grow(gdn_gates, f * Hv * 2);
+  grow(router, f * std::max(c_.n_experts, 1));
+  grow(ids, f * topk);
+  grow(wts, f * topk);
+  grow(act, f * topk * I);
+  grow(act_s, f * std::max(c_.shared_intermediate, 1));
+  grow(sgate, f);
+  if (!zeros || zeros->length() < f) {
+    grow(zeros, f);
+    if (zeros->contents()) std::memset(zeros->contents(), 0, zeros->length());
+  }
+}
+
+}  // namespace lily::gpu

@@ -1,0 +1,143 @@
+// DeviceWeights: see device_weights.h.
+#include "gpu/device_weights.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "model/error.h"
+
+namespace lily::gpu {
+
+QuantMatrix quant_matrix(const Linear& W, const char* what) {
+  if (!W.present()) throw ConfigError(std::string("[gpu] ") + what + " is missing");
+  const uint32_t bits = W.quantized() ? uint32_t(W.bits) : 0;
+  if (bits != 0 && bits != 2 && bits != 4 && bits != 8)
+    throw ConfigError(std::string("[gpu] ") + what + " is " + std::to_string(bits) +
+                      "-bit; the GPU kernels read 2, 4 and 8-bit affine weights and dense ones");
+  QuantMatrix m{};
+  m.in = uint32_t(W.in);
+  m.out = uint32_t(W.out);
+  m.bits = bits;
+  m.group = W.quantized() ? uint32_t(W.group) : 0;
+  if (bits && (m.group % (32 / bits) != 0 || W.in % W.group != 0))
+    throw ConfigError(std::string("[gpu] ") + what + ": group size " + std::to_string(W.group) +
+                      " does not suit the kernels");
+  return m;
+}
+
+DeviceWeights::DeviceWeights(Device& device, const ModelWeights& weights, std::vector<Region> regions,
+                             std::shared_ptr<Buffer> dummy)
+    : device_(device), dummy_(std::move(dummy)) {
+  // A file's mapping covers whole pages, so the wrapped length is rounded up to the page size
+  // (Metal's newBufferWithBytesNoCopy wants a page-aligned pointer and length).
+  const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  if (regions.empty())
+    for (const auto& f : weights.files)
+      regions.push_back({static_cast<const uint8_t*>(f->mapping()), (size_t(f->file_size()) + page - 1) / page * page});
+  std::vector<std::shared_ptr<Buffer>> buffers;
+  for (const Region& r : regions) {
+    regions_.push_back({r, device_.wrap_buffer(const_cast<uint8_t*>(r.base), r.size)});
+    buffers.push_back(regions_.back().second);
+    bytes_ += r.size;
+  }
+  device_.make_resident(buffers);
+}
+
+BufferRange DeviceWeights::find(const uint8_t* p, const char* what) const {
+  for (const auto& [r, buf] : regions_)
+    if (p >= r.base && p < r.base + r.size) return BufferRange{buf, size_t(p - r.base)};
+  throw Error(std::string("[gpu] ") + what + " does not lie in a mapped weights file");
+}
+
+LinearBuffers DeviceWeights::linear(const Linear& W, const char* what) const {
+  LinearBuffers L;
+  L.m = quant_matrix(W, what);
+  L.w = find(W.w, what);
+  L.scales = W.quantized() ? find(W.scales, what) : BufferRange{dummy_, 0};
+  L.biases = W.quantized() ? find(W.biases, what) : BufferRange{dummy_, 0};
+  L.dtype = W.dtype;
+  L.nbytes = W.nbytes();
+  return L;
+}
+
+std::shared_ptr<Buffer> DeviceWeights::vector(const std::vector<float>& v) {
+  auto& b = vectors_[v.data()];
+  if (!b) {
+    b = device_.new_buffer(std::max<size_t>(v.size(), 1) * 4);
+    if (b->contents()) std::memcpy(b->contents(), v.data(), v.size() * 4);
+  }
+  return b;
+}
+
+// The buffers of expert 0's matrix and a table of every expert's offsets into them (all must
+// live in the same files: one binding per part).
+ExpertMatrix DeviceWeights::expert_matrix(const std::vector<const Linear*>& list, const char* what) {
+  ExpertMatrix mt;
+  const Linear& L0 = *list[0];
+  mt.m = quant_matrix(L0, what);
+  mt.dtype = L0.dtype;
+  mt.nbytes = L0.nbytes();
+  mt.experts = int(list.size());
+  BufferRange w0 = find(L0.w, what);
+  BufferRange s0 = L0.quantized() ? find(L0.scales, what) : w0;
+  BufferRange b0 = L0.quantized() ? find(L0.biases, what) : w0;
+  mt.w = {w0.buf, 0};
+  mt.s = {s0.buf, 0};
+  mt.b = {b0.buf, 0};
+  mt.table = device_.new_buffer(list.size() * 3 * 8);
+  auto* t = static_cast<uint64_t*>(mt.table->contents());
+  for (size_t e = 0; e < list.size(); ++e) {
+    const Linear& L = *list[e];
+    if (L.format != L0.format || L.bits != L0.bits || L.group != L0.group || L.dtype != L0.dtype ||
+        L.in != L0.in || L.out != L0.out)
+      throw ConfigError(std::string("[gpu] ") + what + ": experts differ in format or shape");
+    BufferRange rw = find(L.w, what), rs = L.quantized() ? find(L.scales, what) : rw,
+                rb = L.quantized() ? find(L.biases, what) : rw;
+    if (rw.buf != w0.buf || rs.buf != s0.buf || rb.buf != b0.buf)
+      throw ConfigError(std::string("[gpu] ") + what + ": experts of one layer span several files");
+    if (t) {
+      t[3 * e + 0] = rw.off;
+      t[3 * e + 1] = rs.off;
+      t[3 * e + 2] = rb.off;
+    }
+  }
+  return mt;
+}
+
+const ExpertTables& DeviceWeights::tables(const MoeWeights* moe, const MlpWeights* mlp) {
+  const void* key = moe ? static_cast<const void*>(moe) : static_cast<const void*>(mlp);
+  auto& slot = tables_[key];
+  if (slot) return *slot;
+  auto tb = std::make_unique<ExpertTables>();
+  auto one = [](const Linear& L) { return std::vector<const Linear*>{&L}; };
+  if (moe) {
+    std::vector<const Linear*> g, u, d;
+    for (const auto& e : moe->experts) {
+      g.push_back(&e.gate);
+      u.push_back(&e.up);
+      d.push_back(&e.down);
+    }
+    tb->gate = expert_matrix(g, "experts' gate_proj");
+    tb->up = expert_matrix(u, "experts' up_proj");
+    tb->down = expert_matrix(d, "experts' down_proj");
+    if (moe->shared.gate.present()) {
+      tb->shared_gate = expert_matrix(one(moe->shared.gate), "shared expert gate_proj");
+      tb->shared_up = expert_matrix(one(moe->shared.up), "shared expert up_proj");
+      tb->shared_down = expert_matrix(one(moe->shared.down), "shared expert down_proj");
+      if (tb->shared_down.dtype != tb->down.dtype)
+        throw ConfigError("[gpu] the shared expert's down_proj and the experts' differ in scale dtype");
+    }
+  } else {
+    tb->gate = expert_matrix(one(mlp->gate), "mlp gate_proj");
+    tb->up = expert_matrix(one(mlp->up), "mlp up_proj");
+    tb->down = expert_matrix(one(mlp->down), "mlp down_proj");
+  }
+  if (tb->gate.dtype != tb->up.dtype) throw ConfigError("[gpu] gate_proj and up_proj differ in scale dtype");
+  slot = std::move(tb);
+  return *slot;
+}
+
+}  // namespace lily::gpu

@@ -1,0 +1,100 @@
+"""The GPU host fails safe and fits memory (issue 16, section 3), on the MSL-on-CPU runtime with
+its fault injection and a device that reports a small working set (backend_options):
+
+- an exception while a pass is encoded (a failing dispatch, as a pipeline limit or a bad shape
+  would raise) discards that command buffer: nothing of it runs, the sequence keeps its
+  position and recurrent state, and the next request gives the CPU backend's results; also
+  when the failure is in a step of the device decode loop;
+- the weights plus the KV cache and recurrent state of the context a sequence is created with
+  must fit the GPU's recommended working set: the default context is capped to what fits (the
+  sizes computed here from config.json and the checkpoint files), an explicit larger one is
+  refused naming the sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from fixtures import cases
+from test_metal_decode import _check
+
+MODEL = ("qwen3_5_moe", 4, 64, "bfloat16")  # head_dim 96, float KV: attn_decode_float_d96
+
+
+def test_failure_while_encoding_a_decode_step(store, lily):
+    """The decode kernel of attention fails on its first dispatch, after the DeltaNet layers
+    before it were encoded: were that pass not discarded (or the state's copies not put back),
+    the next step would read a DeltaNet state the failed step never wrote."""
+    path = store.mlx(*MODEL)
+    gpu = lily.Model.load(path, backend="msl-cpu", backend_options=dict(fail_dispatch="attn_decode_float_d96"))
+    cpu = lily.Model.load(path, backend="cpu")
+    prompt = cases.PROMPT[:8]
+    s, c = gpu.session(), cpu.session()
+    _check(s.prefill(prompt), c.prefill(prompt), "prefill (flash attention: no decode kernel)")
+    with pytest.raises(lily.LilyError, match=r"kernel 'attn_decode_float_d96': injected failure while encoding"):
+        s.decode(cases.PROMPT[8])
+    assert s.position == len(prompt)
+    # The retried step is one command buffer and one wait: the failed one was dropped, not
+    # committed along with it.
+    _, _, cb0, w0, _ = gpu._engine.gpu_stats
+    _check(s.decode(cases.PROMPT[8]), c.decode(cases.PROMPT[8]), "the retried decode step")
+    _, _, cb1, w1, _ = gpu._engine.gpu_stats
+    assert (cb1 - cb0, w1 - w0) == (1, 1)
+    for i in range(9, 11):
+        _check(s.decode(cases.PROMPT[i]), c.decode(cases.PROMPT[i]), f"decode at {i} after the failed step")
+    assert gpu.generate(cases.GEN_PROMPT, max_tokens=4).tokens == cpu.generate(cases.GEN_PROMPT, max_tokens=4).tokens
+
+
+def test_failure_while_encoding_a_device_loop_step(store, lily):
+    """The device decode loop's first sample dispatch fails: the generation raises, and the next
+    one (on a fresh and on the same session) gives the CPU backend's tokens."""
+    path = store.mlx(*MODEL)
+    gpu = lily.Model.load(path, backend="msl-cpu", backend_options=dict(fail_dispatch="sample"))
+    cpu = lily.Model.load(path, backend="cpu")
+    with pytest.raises(lily.LilyError, match="kernel 'sample': injected failure"):
+        gpu.generate(cases.GEN_PROMPT, max_tokens=4)
+    want = cpu.generate(cases.GEN_PROMPT, max_tokens=4).tokens
+    assert gpu.generate(cases.GEN_PROMPT, max_tokens=4).tokens == want
+
+
+def _sizes(path):
+    """(weight bytes the GPU wraps, state bytes per context position, state bytes independent
+    of the context), from config.json and the checkpoint's files."""
+    cfg = json.loads((path / "config.json").read_text())
+    t = cfg.get("text_config", cfg)
+    kinds = t["layer_types"]
+    attn, gdn = kinds.count("full_attention"), kinds.count("linear_attention")
+    per_token = attn * 2 * t["num_key_value_heads"] * t["head_dim"] * 4  # K and V, f32
+    hk, hv = t["linear_num_key_heads"], t["linear_num_value_heads"]
+    dk, dv = t["linear_key_head_dim"], t["linear_value_head_dim"]
+    conv_channels = 2 * hk * dk + hv * dv
+    fixed = gdn * 2 * 4 * ((t["linear_conv_kernel_dim"] - 1) * conv_channels + hv * dk * dv)  # two copies
+    page = os.sysconf("SC_PAGESIZE")
+    weights = sum(-(-f.stat().st_size // page) * page for f in path.glob("*.safetensors"))
+    return weights, per_token, fixed
+
+
+def test_context_must_fit_the_working_set(store, lily):
+    path = store.mlx(*MODEL)
+    weights, per_token, fixed = _sizes(path)
+    ws = weights + fixed + 100 * per_token + per_token // 2  # room for 100 positions, not 101
+    opts = dict(working_set=ws)
+    m = lily.Model.load(path, backend="msl-cpu", backend_options=opts)
+    assert m._engine.max_fitting_context == 100
+    assert m.max_context == 100 and m.session().max_context == 100  # the default, capped
+    with pytest.raises(lily.ConfigError) as e:
+        m.session(101)
+    msg = str(e.value)
+    assert "a context of 101 tokens needs" in msg and "more than the GPU's recommended working set" in msg
+    assert "at most 100 tokens fit" in msg and "weights" in msg and "KV cache and recurrent state" in msg
+    with pytest.raises(lily.ConfigError, match="a context of 101 tokens needs"):
+        lily.Model.load(path, backend="msl-cpu", max_context=101, backend_options=opts)
+    assert lily.Model.load(path, backend="msl-cpu", max_context=60, backend_options=opts).max_context == 60
+    with pytest.raises(lily.ConfigError, match="the weights alone do not fit"):
+        lily.Model.load(path, backend="msl-cpu", backend_options=dict(working_set=weights // 2))
+    # The CPU backend and a device without a reported limit keep the model's full context.
+    full = json.loads((path / "config.json").read_text())["text_config"]["max_position_embeddings"]
+    assert lily.Model.load(path, backend="msl-cpu").max_context == full
