@@ -100,6 +100,7 @@ class SchedulerStats:
     last_cancel_release_s: float | None = None
     # "client_disconnected", "slow_reader" (no room for stall_timeout_s) or "shutdown".
     last_cancel_reason: str | None = None
+    last_cancel_tokens: int | None = None  # tokens the cancelled job had generated
 
 
 class Scheduler:
@@ -159,6 +160,7 @@ class Scheduler:
         steps_after_cancel = 0
         model._generation.acquire()
         seq = None
+        stats = None
         try:
             seq, reused = self.cache.acquire(job.ids)
             stats = GenerationStats(prompt_tokens=int(job.ids.size), cached_tokens=reused)
@@ -223,6 +225,7 @@ class Scheduler:
         except Cancelled:
             self.stats.cancelled += 1
             self.stats.last_cancel_reason = job.cancel_reason
+            self.stats.last_cancel_tokens = stats.completion_tokens if stats is not None else 0
             self.stats.last_cancel_steps = steps_after_cancel
             self.stats.last_cancel_release_s = (time.perf_counter() - job.cancel_time
                                                 if job.cancel_time is not None else None)

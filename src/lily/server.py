@@ -338,6 +338,7 @@ class Server:
             "completed": st.completed, "cancelled": st.cancelled, "failed": st.failed,
             "rejected": st.rejected, "last_cancel_steps": st.last_cancel_steps,
             "last_cancel_release_s": st.last_cancel_release_s, "last_cancel_reason": st.last_cancel_reason,
+            "last_cancel_tokens": st.last_cancel_tokens,
             "connections": self.open_connections(),
             "cache": {"sequences": len(s.cache), "bytes": s.cache.nbytes, "budget_bytes": s.cache.budget_bytes,
                       "hits": s.cache.hits, "misses": s.cache.misses, "evictions": s.cache.evictions},
@@ -803,4 +804,4 @@ def serve(model, *, model_id: str, host: str = "127.0.0.1", port: int = 8000, ap
     protocol = limited_protocol(limits)
     server.open_connections = protocol.open_connections
     uvicorn.run(build_app(server), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,
-                http=protocol)
+                http=protocol, backlog=limits.backlog)

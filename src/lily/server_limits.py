@@ -15,7 +15,9 @@ additions, chosen by a test that held 32 slow connections against each candidate
   request that misses either gets ``408 Request Timeout`` (when no response has started) and
   its connection is closed;
 - a cap on open connections: one over the cap is answered ``503`` and closed at once, so a
-  flood costs a descriptor only for the moment it takes to refuse it;
+  flood costs a descriptor only for the moment it takes to refuse it; and a short listen
+  backlog, which is also how many connections asyncio accepts in one go, so a burst cannot
+  open more descriptors than the cap plus one batch before the refused ones are closed;
 - a small kernel send buffer per connection (``SO_SNDBUF``), so a client that stops reading a
   stream blocks the server's writes after a few hundred KiB instead of after the several MiB
   Linux's autotuning grants; that is what lets the server notice a stalled reader
@@ -48,6 +50,7 @@ class ServerLimits:
     header_timeout_s: float = 10.0  # a request's headers, from its first byte
     body_timeout_s: float = 30.0  # its body, from the end of the headers
     max_connections: int = 256  # open connections; keep it below the open-file limit
+    backlog: int = 64  # listen backlog, and the most connections accepted in one batch
     send_buffer_bytes: int = 128 << 10  # SO_SNDBUF per connection (0: the OS default)
     stream_timeout_s: float = 30.0  # a streaming client that has not read for this long is dropped
     stream_buffer_chunks: int = 64  # generated chunks waiting to be sent, per request
@@ -56,7 +59,7 @@ class ServerLimits:
         for name in ("header_timeout_s", "body_timeout_s", "stream_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
-        for name in ("max_connections", "stream_buffer_chunks"):
+        for name in ("max_connections", "backlog", "stream_buffer_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
         if self.send_buffer_bytes < 0:
@@ -65,7 +68,7 @@ class ServerLimits:
 
 def default_max_connections() -> int:
     """256, or half the process's open-file limit when that is lower (the model's files, the
-    listening socket and the logs need descriptors too)."""
+    listening socket, a batch of connections being refused and the logs need descriptors too)."""
     try:
         import resource
 
@@ -102,7 +105,8 @@ class _LimitedH11Protocol(H11Protocol):
         self._deadline: asyncio.TimerHandle | None = None
         self._phase: str | None = None  # "headers" | "body" while a deadline runs
         if len(self.connections) > self.limits.max_connections:
-            log.warning("refusing a connection: %d open, the cap is %d", len(self.connections) - 1,
+            self.connections.discard(self)  # counted no more: it is closing
+            log.warning("refusing a connection: %d open, the cap is %d", len(self.connections),
                         self.limits.max_connections)
             transport.write(_raw_response(503, "Service Unavailable", "too_many_connections",
                                           f"The server has {self.limits.max_connections} connections open; retry later"))
