@@ -1,8 +1,9 @@
 // Sampling family: the next token chosen on the GPU, so a decode step's token is written into the
 // next step's input slot without a CPU round trip.
 //
-//   sample   token[0] = argmax(logits), or a seeded draw after temperature / top-k / top-p /
-//            min-p; rng[4] advances by one draw; status[3] reports bad logits.
+//   sample   token[0] = argmax(logits[0, a.vocab)), or a seeded draw after temperature / top-k /
+//            top-p / min-p; rng[4] advances by one draw; status[3] reports bad logits. a.vocab
+//            may be less than the row (the sampler's token limit: padding rows are never chosen).
 //            grid (1), LILY_SAMPLE_THREADS threads.
 //
 // The algorithm is the CPU sampler's (engine/sampler.{h,cpp}), and the arithmetic is shared
@@ -75,7 +76,7 @@ inline uint tg_min_u32(uint v, threadgroup uint* scratch, uint simd_id, uint lan
 
 }  // namespace
 
-kernel void sample(device const float* logits [[buffer(0)]],  // [vocab]
+kernel void sample(device const float* logits [[buffer(0)]],  // [>= vocab]: only [0, a.vocab) is read
                    device float* w [[buffer(1)]],              // [vocab] scratch: e^((l - max) / T)
                    device ulong* rng [[buffer(2)]],            // [4] xoshiro256** state
                    device int* token [[buffer(3)]],            // [1]

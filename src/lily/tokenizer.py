@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from lily._core import RequestError
+from lily.files import check_regular, read_json, read_text
 
 __all__ = ["Tokenizer", "IncrementalDetokenizer", "PromptTooLong", "load_json_file"]
 
@@ -54,11 +55,7 @@ class PromptTooLong(RequestError):
 
 
 def load_json_file(path: Path) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    data = read_json(path, ValueError)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return data
@@ -103,8 +100,9 @@ class Tokenizer:
         from tokenizers import Tokenizer as _HFTokenizer
 
         path = Path(tokenizer_json)
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise FileNotFoundError(f"tokenizer file not found: {path}")
+        check_regular(path, ValueError)  # (the tokenizers library would block on a FIFO)
         try:
             self._tok = _HFTokenizer.from_file(str(path))
         except Exception as e:  # the tokenizers library raises plain Exception subclasses
@@ -145,19 +143,19 @@ class Tokenizer:
         and config.json for extra EOS ids) from a checkpoint folder."""
         root = Path(path)
         tj = root / "tokenizer.json"
-        if not tj.is_file():
+        if not os.path.lexists(tj):
             raise FileNotFoundError(f"{root}: no tokenizer.json (lily needs the fast-tokenizer file)")
-        config = load_json_file(root / "tokenizer_config.json") if (root / "tokenizer_config.json").is_file() else {}
+        config = load_json_file(root / "tokenizer_config.json") if os.path.lexists(root / "tokenizer_config.json") else {}
         extra: list[int] = []
         for name in ("generation_config.json", "config.json"):
-            if (root / name).is_file():
+            if os.path.lexists(root / name):
                 data = load_json_file(root / name)
                 # Multimodal configs nest the text model's fields.
                 value = data.get("eos_token_id", (data.get("text_config") or {}).get("eos_token_id"))
                 extra += _ids(value)
         template = None
-        if (root / "chat_template.jinja").is_file():
-            template = (root / "chat_template.jinja").read_text(encoding="utf-8")
+        if os.path.lexists(root / "chat_template.jinja"):
+            template = read_text(root / "chat_template.jinja", ValueError)
         return cls(tj, config, extra_eos_token_ids=extra, chat_template=template)
 
     # ------------------------------------------------------------------------- basic
@@ -224,21 +222,27 @@ class Tokenizer:
         if bound > limit:
             raise PromptTooLong(bound, limit)
         # Far longer than `limit` tokens usually take: count in pieces, stop once past it.
-        if len(text) <= max(_PIECE_CHARS, 16 * limit):
-            return
+        if len(text) > max(_PIECE_CHARS, 16 * limit):
+            bound = self._min_tokens_by_pieces(text, limit, add_special_tokens)
+            if bound > limit:
+                raise PromptTooLong(bound, limit)
+
+    def _min_tokens_by_pieces(self, text: str, stop_above: int, add_special_tokens: bool = False) -> int:
+        """A lower bound on len(encode(text)) from tokenizing pieces of _PIECE_CHARS characters
+        (cut at a space where one is near), less _CUT_SLACK per cut; stops as soon as the bound
+        passes ``stop_above``."""
         total, cuts, start = 0, 0, 0
         while start < len(text):
             end = min(start + _PIECE_CHARS, len(text))
             if end < len(text):
                 space = text.rfind(" ", start + _PIECE_CHARS // 2, end)
                 end = space if space > start else end
-            piece = text[start:end]
-            total += len(self._tok.encode_batch([piece], add_special_tokens=add_special_tokens)[0].ids)
+            total += len(self._tok.encode_batch([text[start:end]], add_special_tokens=add_special_tokens)[0].ids)
             cuts += start > 0
-            at_least = total - cuts * _CUT_SLACK
-            if at_least > limit:
-                raise PromptTooLong(at_least, limit)
+            if total - cuts * _CUT_SLACK > stop_above:
+                break
             start = end
+        return total - cuts * _CUT_SLACK
 
     def _max_token_bytes(self) -> int | None:
         """The most bytes of text one token covers, or None if unbounded; computed once from
@@ -337,6 +341,11 @@ class IncrementalDetokenizer:
         self._prefix = 0  # window start: tokens before it are fully emitted
         self._read = 0  # tokens in [prefix, read) are emitted as text already
         self.text = ""  # everything emitted so far
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids this detokenizer can decode (the sampler chooses no others)."""
+        return self._tokenizer.vocab_size
 
     def _decode(self, a: int, b: int) -> str:
         # Fail safe: an id the tokenizer lacks (a padding row of the embedding) reads as U+FFFD
