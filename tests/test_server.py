@@ -332,6 +332,29 @@ def test_disconnect_mid_stream_frees_the_engine(server, client):
     assert _chat(client, [{"role": "user", "content": "What is a list?"}], max_tokens=4).usage.completion_tokens >= 1
 
 
+def test_disconnect_of_a_non_streamed_request_frees_the_engine(server, client):
+    """Issue 22, item 3: a non-streamed request whose client leaves mid-generation. The server
+    noticed only after a 0.25 s gap between tokens, which a generating engine never leaves, so
+    the request ran to its end; now the client's http.disconnect cancels it at once."""
+    before = _health(server)
+    conn = _open(server, "/v1/completions", {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+                                             "max_tokens": 3000, "temperature": 0})
+    t0 = time.perf_counter()
+    while not _health(server)["running"]:
+        assert time.perf_counter() - t0 < 30, "the job never started"
+        time.sleep(0.005)
+    time.sleep(0.3)  # decoding by now
+    _leave(conn)
+    after = _wait_until_idle(server, "generating")
+    assert after["completed"] == before["completed"], "the request ran to its end after its client left"
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["last_cancel_reason"] == "client_disconnected"
+    assert after["last_cancel_steps"] is not None and after["last_cancel_steps"] <= 1
+    print(f"\n[disconnect, non-streamed] engine free {after['last_cancel_release_s'] * 1e3:.1f} ms after the "
+          f"cancel, {after['last_cancel_steps']} step(s) ran after it, {after['last_cancel_tokens']} tokens generated")
+    assert _chat(client, [{"role": "user", "content": "What is a list?"}], max_tokens=4).usage.completion_tokens >= 1
+
+
 def test_disconnect_during_prefill_frees_the_engine(server, client, model):
     """A client that leaves while its long prompt is being prefilled: the job stops at the next
     prefill chunk (max_tokens=1, so a job that got past its prefill would have completed), and
