@@ -31,6 +31,7 @@ import atexit
 import copy
 import json
 import os
+import re
 import shutil
 import struct
 import sys
@@ -54,10 +55,16 @@ with atheris.instrument_imports(include=["lily"]):
 DEMO = Path(lily.__file__).resolve().parent / "demo"
 WORK = Path(tempfile.mkdtemp(prefix="lily-fuzz-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
 
+# Number literals json.dumps cannot write: past Python's 4,300-digit int conversion limit (a
+# ValueError out of json.loads), and one that overflows a float. _doc writes them raw.
+_RAW = "\x00raw:"
+RAW_NUMBERS = [_RAW + "1" * 4400, _RAW + "-" + "9" * 5000, _RAW + "1e999"]
+
 HOSTILE = [None, True, False, 0, -1, 1, 2, 3, 7, 2**31, -(2**31) - 1, 2**63, 10**400 // 10**370, 1e308, -1e-308,
            0.5, float("nan"), float("inf"), "", "x", "\x00", "\ud800", "affine", "mxfp4", "default",
            "full_attention", "linear_attention", "<|im_end|>", [], [1], [None], ["a"] * 3, {}, {"a": 1},
-           {"bits": 4}, {"group_size": 32, "bits": 8}, [[[[[]]]]], "a" * 10000]
+           {"bits": 4}, {"group_size": 32, "bits": 8}, [[[[[]]]]], "a" * 10000, 10**12, 10**9,
+           {"type": 5}, {"type": "object", "properties": {"x": {"type": 1.5}}}, *RAW_NUMBERS]
 
 
 def _hostile(fdp: atheris.FuzzedDataProvider):
@@ -134,7 +141,8 @@ def _doc(data: bytes, seed) -> bytes:
     if not data or data[0] % 2 == 0:
         return data[1:]
     fdp = atheris.FuzzedDataProvider(data[1:])
-    return json.dumps(_mutate(seed, fdp), allow_nan=True).encode()
+    text = json.dumps(_mutate(seed, fdp), allow_nan=True)
+    return re.sub(r'"\\u0000raw:([^"]*)"', r"\1", text).encode()
 
 
 # -- config ------------------------------------------------------------------------------------
