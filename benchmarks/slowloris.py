@@ -183,6 +183,10 @@ def run_flood(port: int, wait: float) -> tuple[int, tuple | None]:
     return closed, _get(port, 10)
 
 
+def _fmt(result: tuple | None) -> str:
+    return "no answer" if result is None else f"{result[0]} in {result[1] * 1e3:.0f} ms"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--timeout", type=float, default=2.0)
@@ -215,9 +219,8 @@ def main() -> int:
             closed, flood_after = run_flood(port, wait)
         finally:
             log = _stop(proc)
-        fmt = (lambda r: "no answer" if r is None else f"{r[0]} in {r[1] * 1e3:.0f} ms")
-        print(f"| {stack} | {held_h} | {held_b} | {fmt(after)} | {closed} | "
-              f"{'yes' if 'Too many open files' in log else 'no'} | {fmt(flood_after)} |", flush=True)
+        print(f"| {stack} | {held_h} | {held_b} | {_fmt(after)} | {closed} | "
+              f"{'yes' if 'Too many open files' in log else 'no'} | {_fmt(flood_after)} |", flush=True)
     return 0
 
 
