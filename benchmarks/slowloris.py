@@ -116,7 +116,8 @@ def _get(port: int, timeout: float) -> tuple[int, float] | None:
         return None
 
 
-def _closed(s: socket.socket) -> bool:
+def closed_by_server(s: socket.socket) -> bool:
+    """True once the server has closed the connection (EOF or reset); reads what it sent."""
     s.setblocking(False)
     try:
         while True:
@@ -128,8 +129,9 @@ def _closed(s: socket.socket) -> bool:
         return True
 
 
-def run_slow_clients(port: int, wait: float) -> tuple[int, int]:
-    """(slow-header connections still open, slow-body ones still open) after `wait` seconds."""
+def run_slow_clients(port: int, wait: float, early: float = 0.5) -> tuple[int, int, int]:
+    """32 slow-header and 16 slow-body clients: (connections of the 48 open after `early`
+    seconds, slow-header ones still open after `wait` seconds, slow-body ones still open)."""
     heads, bodies = [], []
     for _ in range(32):
         s = socket.create_connection(("127.0.0.1", port), timeout=5)
@@ -158,13 +160,15 @@ def run_slow_clients(port: int, wait: float) -> tuple[int, int]:
 
     t = threading.Thread(target=trickle, daemon=True)
     t.start()
-    time.sleep(wait)
-    held = (sum(not _closed(s) for s in heads), sum(not _closed(s) for s in bodies))
+    time.sleep(early)
+    held_early = sum(not closed_by_server(s) for s in heads + bodies)
+    time.sleep(max(wait - early, 0))
+    held = (sum(not closed_by_server(s) for s in heads), sum(not closed_by_server(s) for s in bodies))
     stop.set()
     t.join()
     for s in heads + bodies:
         s.close()
-    return held
+    return held_early, *held
 
 
 def run_flood(port: int, wait: float) -> tuple[int, tuple | None]:
@@ -176,7 +180,7 @@ def run_flood(port: int, wait: float) -> tuple[int, tuple | None]:
         except OSError:
             break
     time.sleep(wait)
-    closed = sum(_closed(s) for s in socks)
+    closed = sum(closed_by_server(s) for s in socks)
     for s in socks:
         s.close()
     time.sleep(1.0)
@@ -210,7 +214,7 @@ def main() -> int:
             continue
         proc = _start(cmd, port, None)
         try:
-            held_h, held_b = run_slow_clients(port, wait)
+            _, held_h, held_b = run_slow_clients(port, wait)
             after = _get(port, 10)
         finally:
             _stop(proc)

@@ -63,14 +63,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+def start_server(*args: str, preexec_fn=None) -> tuple[subprocess.Popen, str, int]:
+    """`python -m lily serve` with `args` on a free port of 127.0.0.1, once /health answers:
+    (process, base URL, port). The caller stops it with stop_server."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=LILY_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lily", "serve", "--port", str(port), "--api-key", KEY, "--max-queue",
-         str(MAX_QUEUE), "--log-level", "warning"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "lily", "serve", "--port", str(port), "--log-level", "warning",
+                             *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=preexec_fn)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
     while True:
@@ -78,19 +78,30 @@ def server():
             raise RuntimeError(f"lily serve exited: {proc.stdout.read()}")
         try:
             if _request(base, "GET", "/health", timeout=1).status_code == 200:
-                break
+                return proc, base, port
         except OSError:
             pass
         if time.time() > deadline:
             proc.kill()
             raise RuntimeError("lily serve did not come up in 60 s")
         time.sleep(0.2)
-    yield base
+
+
+def stop_server(proc: subprocess.Popen) -> str:
+    """Stops a start_server process; returns what it logged."""
     proc.terminate()
     try:
-        proc.wait(10)
+        return proc.communicate(timeout=10)[0]
     except subprocess.TimeoutExpired:
         proc.kill()
+        return proc.communicate()[0]
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, base, _ = start_server("--api-key", KEY, "--max-queue", str(MAX_QUEUE))
+    yield base
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")

@@ -15,18 +15,19 @@ Every wait is bounded; nothing leaves 127.0.0.1.
 from __future__ import annotations
 
 import json
-import os
 import random
 import resource
 import socket
-import subprocess
 import sys
 import threading
 import time
 
 import pytest
 
-from test_server import LILY_PARENT, _free_port, _request
+from test_server import ROOT, _request, start_server, stop_server
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import slowloris  # noqa: E402  (the slow clients of the stack comparison)
 
 HEADER_TIMEOUT = BODY_TIMEOUT = STREAM_TIMEOUT = 1.5
 MAX_CONNECTIONS = 56
@@ -35,67 +36,20 @@ OPEN_FILES = 160  # the server's RLIMIT_NOFILE: fewer than the connections a tes
 
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=LILY_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
     def low_file_limit():
         resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES, OPEN_FILES))
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lily", "serve", "--port", str(port), "--log-level", "warning",
-         "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT),
-         "--max-connections", str(MAX_CONNECTIONS), "--stream-timeout", str(STREAM_TIMEOUT)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=low_file_limit)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"lily serve exited: {proc.stdout.read()}")
-        try:
-            if _request(base, "GET", "/health", timeout=1).status_code == 200:
-                break
-        except OSError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            raise RuntimeError("lily serve did not come up in 60 s")
-        time.sleep(0.2)
+    proc, base, port = start_server(
+        "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT),
+        "--max-connections", str(MAX_CONNECTIONS), "--stream-timeout", str(STREAM_TIMEOUT),
+        preexec_fn=low_file_limit)
     yield base, port
-    proc.terminate()
-    try:
-        out, _ = proc.communicate(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-    assert "Too many open files" not in out, out[-3000:]
+    log = stop_server(proc)
+    assert "Too many open files" not in log, log[-3000:]
 
 
 def _health(base) -> dict:
     return _request(base, "GET", "/health", timeout=10).json()
-
-
-def _closed_by_server(sock: socket.socket) -> bool:
-    """True once the server has closed the connection (EOF or reset), reading what it sent."""
-    sock.setblocking(False)
-    try:
-        while True:
-            data = sock.recv(65536)
-            if not data:
-                return True
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
-def _wait_closed(socks, timeout: float) -> list[socket.socket]:
-    """The sockets still open after up to `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    open_ = list(socks)
-    while open_ and time.monotonic() < deadline:
-        open_ = [s for s in open_ if not _closed_by_server(s)]
-        time.sleep(0.05)
-    return open_
 
 
 def _ok_request(base) -> None:
@@ -108,50 +62,13 @@ def _ok_request(base) -> None:
 
 def test_slowloris_connections_are_dropped_after_the_deadline(server):
     """32 connections that trickle their headers (a header line every 0.3 s) and 16 that send a
-    body slower than promised: all held before the deadline, all closed by the server after it
-    (the old server held them for as long as the client liked), then a request succeeds."""
+    body slower than promised (benchmarks/slowloris.py's clients): all held before the
+    deadline, all closed by the server after it (the old server held them for as long as the
+    client liked), then a request succeeds."""
     base, port = server
-    slow_headers, slow_bodies = [], []
-    for _ in range(32):
-        s = socket.create_connection(("127.0.0.1", port), timeout=5)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-        slow_headers.append(s)
-    for _ in range(16):
-        s = socket.create_connection(("127.0.0.1", port), timeout=5)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
-        slow_bodies.append(s)
-    stop = threading.Event()
-
-    def trickle():  # keep every connection busy, so no idle timeout could be what drops them
-        i = 0
-        while not stop.wait(0.3):
-            i += 1
-            for s in slow_headers:
-                try:
-                    s.sendall(f"X-Slow-{i}: 1\r\n".encode())
-                except OSError:
-                    pass
-            for s in slow_bodies:
-                try:
-                    s.sendall(b" ")
-                except OSError:
-                    pass
-
-    t = threading.Thread(target=trickle, daemon=True)
-    t.start()
-    try:
-        time.sleep(0.5)
-        held = [s for s in slow_headers + slow_bodies if not _closed_by_server(s)]
-        n_held = len(held)
-        assert n_held == 48, "the server dropped connections before their deadline"
-        n_open = len(_wait_closed(held, HEADER_TIMEOUT + BODY_TIMEOUT + 8))
-        assert n_open == 0, f"{n_open} of 48 slow connections still open after the deadlines"
-    finally:
-        stop.set()
-        t.join(5)
-        for s in slow_headers + slow_bodies:
-            s.close()
+    early, heads, bodies = slowloris.run_slow_clients(port, wait=HEADER_TIMEOUT + BODY_TIMEOUT + 4, early=0.5)
+    assert early == 48, f"the server dropped {48 - early} connections before their deadline"
+    assert (heads, bodies) == (0, 0), f"still open after the deadlines: {heads} of 32 slow-header, {bodies} of 16 slow-body"
     _ok_request(base)
 
 
