@@ -170,7 +170,7 @@ class _LimitedH11Protocol(H11Protocol):
             return
         timeout = self.limits.header_timeout_s if phase == "headers" else self.limits.body_timeout_s
         log.warning("closing a connection whose request %s did not arrive within %g s", phase, timeout)
-        if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
+        if self.cycle is None or not self.cycle.response_started:  # else the response has begun: just close
             self.transport.write(_raw_response(408, "Request Timeout", "request_timeout",
                                                f"the request {phase} did not arrive within {timeout:g} s"))
         if self.cycle is not None and not self.cycle.response_complete:
