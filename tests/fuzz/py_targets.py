@@ -136,13 +136,16 @@ def _get_parent(doc, path):
     return cur
 
 
+def _dumps(doc) -> bytes:
+    """JSON text of a document, with the RAW_NUMBERS placeholders written as bare literals."""
+    return re.sub(r'"\\u0000raw:([^"]*)"', r"\1", json.dumps(doc, allow_nan=True)).encode()
+
+
 def _doc(data: bytes, seed) -> bytes:
     """The document an input stands for: raw bytes, or the seed with structured edits."""
     if not data or data[0] % 2 == 0:
         return data[1:]
-    fdp = atheris.FuzzedDataProvider(data[1:])
-    text = json.dumps(_mutate(seed, fdp), allow_nan=True)
-    return re.sub(r'"\\u0000raw:([^"]*)"', r"\1", text).encode()
+    return _dumps(_mutate(seed, atheris.FuzzedDataProvider(data[1:])))
 
 
 # -- config ------------------------------------------------------------------------------------
@@ -154,9 +157,9 @@ CONFIG_DIR = WORK / "config"
 
 def config_target(data: bytes) -> None:
     if data and data[0] % 2 == 1:
-        doc = json.loads(_doc(data, CONFIG_SEED))
-        cfg_bytes = json.dumps(doc.get("config") if isinstance(doc, dict) else doc).encode()
-        gen_bytes = json.dumps(doc.get("generation", {}) if isinstance(doc, dict) else {}).encode()
+        doc = _mutate(CONFIG_SEED, atheris.FuzzedDataProvider(data[1:]))
+        cfg_bytes = _dumps(doc.get("config") if isinstance(doc, dict) else doc)
+        gen_bytes = _dumps(doc.get("generation", {}) if isinstance(doc, dict) else {})
     else:
         cfg_bytes, gen_bytes = _split(data[1:])
     (CONFIG_DIR / "config.json").write_bytes(cfg_bytes)
