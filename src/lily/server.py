@@ -15,8 +15,14 @@ Design choices:
   Reasoning (``<think>`` ... ``</think>``) and content are split as they stream with the
   same rules as the non-streamed parse (lily.tool_calls.parse_output), so the streamed pieces
   concatenate to the non-streamed message; tool calls are sent once complete.
-- A client that disconnects cancels its job (checked before every engine step); a queued job
-  whose client left is dropped without running.
+- A client that disconnects cancels its job (checked before every engine step): a stream when
+  its response ends early, a non-streamed request through the ASGI server's http.disconnect,
+  awaited beside the job's events; a queued job whose client left is dropped without running.
+- Nothing a client sends or fails to read costs unbounded time or memory: bodies are parsed
+  into 400s whatever they hold, prompts are tokenized off the event loop (GIL released) and
+  refused as soon as they cannot fit, a job buffers at most `stream_buffer_chunks` chunks its
+  client has not taken, and the connection layer (lily.server_limits) enforces header and body
+  deadlines and a connection cap.
 """
 
 from __future__ import annotations
