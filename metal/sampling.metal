@@ -1,8 +1,9 @@
 // Sampling family: the next token chosen on the GPU, so a decode step's token is written into the
 // next step's input slot without a CPU round trip.
 //
-//   sample   token[0] = argmax(logits), or a seeded draw after temperature / top-k / top-p /
-//            min-p; rng[4] advances by one draw; status[3] reports bad logits.
+//   sample   token[0] = argmax(logits[0, a.vocab)), or a seeded draw after temperature / top-k /
+//            top-p / min-p; rng[4] advances by one draw; status[3] reports bad logits. a.vocab
+//            may be less than the row (the sampler's token limit: padding rows are never chosen).
 //            grid (1), LILY_SAMPLE_THREADS threads.
 //
 // The algorithm is the CPU sampler's (engine/sampler.{h,cpp}), and the arithmetic is shared
@@ -77,7 +78,7 @@ inline uint tg_min_u32(uint v, threadgroup uint* scratch, uint simd_id, uint lan
 
 [[max_total_threads_per_threadgroup(LILY_SAMPLE_THREADS)]]
 kernel void sample(constant SampleArgs& args [[buffer(0)]],
-                   device const float* logits [[buffer(1)]],  // [vocab]
+                   device const float* logits [[buffer(1)]],  // [>= vocab]: only [0, args.vocab) is read
                    device float* w [[buffer(2)]],              // [vocab] scratch: e^((l - max) / T)
                    device ulong* rng [[buffer(3)]],            // [4] xoshiro256** state (advanced in place)
                    device int* token [[buffer(4)]],            // [1]

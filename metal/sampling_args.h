@@ -5,7 +5,8 @@
 // One token from logits[0, vocab): argmax (temperature off), or a seeded draw after
 // temperature / top-k / top-p / min-p, the CPU sampler's algorithm (engine/sampler.h).
 struct SampleArgs {
-  uint32_t vocab;
+  uint32_t vocab;      // tokens that may be chosen: logits [0, vocab) of a row that may be longer
+                       // (the sampler's token limit: an embedding's rows past the tokenizer's)
   uint32_t sample;     // 0: argmax (lowest id on ties); 1: draw
   uint32_t top_k;      // 0: off (also when >= vocab)
   uint32_t use_top_p;  // top_p < 1

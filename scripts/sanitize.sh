@@ -5,9 +5,10 @@
 # and the MSL-on-CPU runtime. Any ASan report or UBSan diagnostic fails the run.
 #   scripts/sanitize.sh [--ci] [extra pytest args]
 # --ci: the subset scripts/test.sh (CI) runs, chosen to take well under 12 minutes with the build
-# on a fresh 2-core machine: every native-facing area once (loader bad inputs and fuzz findings,
-# sampler, failure tests, MSL-on-CPU runtime, the CPU engine against transformers on one model
-# type, a Metal decode on the MSL-on-CPU runtime). Without --ci: every file below, in full.
+# on a fresh 2-core machine: every native-facing area once (loader bad inputs, fuzz findings and
+# hostile model folders, sampler and its token mask on both samplers, failure tests, MSL-on-CPU
+# runtime, the CPU engine against transformers on one model type, a Metal decode on the
+# MSL-on-CPU runtime). Without --ci: every file below, in full.
 #
 # The extension is a shared object loaded by an uninstrumented python, so the ASan runtime must
 # be the first library in the process: it is LD_PRELOADed (clang's shared runtime, which carries
@@ -54,6 +55,8 @@ never=(--deselect tests/test_msl_cpu_bugs.py::test_asan_needs_its_runtime
 if [ "$mode" = ci ]; then
   tests=(tests/test_bad_checkpoints.py tests/test_fuzz_regressions.py tests/test_sampler.py
          tests/test_failures.py tests/test_msl_cpu.py tests/test_msl_cpu_bugs.py
+         tests/test_loader_hardening.py tests/test_padded_vocab.py
+         "tests/test_metal_sampling.py::test_token_limit_same_token_as_cpu_sampler"
          "tests/test_forward_transformers.py::test_prefill_then_decode"
          "tests/test_forward_transformers.py::test_long_prompt_chunked"
          "tests/test_metal_decode.py::test_prefill_then_decode")
@@ -63,6 +66,7 @@ if [ "$mode" = ci ]; then
 else
   tests=(tests/test_bad_checkpoints.py tests/test_failures.py tests/test_fuzz_regressions.py
          tests/test_sampler.py tests/test_msl_cpu.py tests/test_msl_cpu_bugs.py
+         tests/test_loader_hardening.py tests/test_padded_vocab.py tests/test_metal_sampling.py
          tests/test_forward_transformers.py tests/test_metal_decode.py)
   select=()
 fi

@@ -5,6 +5,8 @@ import json
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerFast
 
 from lily.chat_template import ChatTemplateError, render
@@ -228,3 +230,112 @@ def test_bad_messages():
         render(TEMPLATE, [{"role": "system", "content": "x"}])
     with pytest.raises(TypeError, match="JSON-like"):
         render(TEMPLATE, [{"role": "user", "content": object()}])
+
+
+# -- issue 22, item 10: memory, not only time -------------------------------------------------
+
+# Templates that build a value of gigabytes in a few steps; before the value limit covered every
+# string and list the sandbox builds, each reached GBs before MemoryError (or ran out the clock
+# after taking them).
+MEMORY_BOMBS = {
+    "concat_doubling": "{% set ns = namespace(x='ab') %}{% for i in range(64) %}{% set ns.x = ns.x ~ ns.x %}"
+                       "{% endfor %}{{ ns.x | length }}",
+    "replace_growth": "{% set ns = namespace(x='a') %}{% for i in range(64) %}{% set ns.x = ns.x.replace('a', 'aa') %}"
+                      "{% endfor %}{{ ns.x | length }}",
+    "replace_filter": "{% set ns = namespace(x='a') %}{% for i in range(64) %}"
+                      "{% set ns.x = ns.x | replace('a', 'aaaa') %}{% endfor %}",
+    "join_filter": "{{ (['x' * 100000] * 100000) | join }}",
+    "join_method": "{{ ''.join(['x' * 1000000] * 1000) }}",
+    "set_block": "{% set s = 'x' * 1000000 %}{% set out %}{% for i in range(10000) %}{{ s }}{% endfor %}{% endset %}"
+                 "{{ out | length }}",
+    "macro_doubling": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% else %}{{ 'x' * 1000000 }}"
+                      "{% endif %}{% endmacro %}{{ f(12) | length }}",
+    "print_references": "{{ ['x' * 1000000] * 1000 }}",
+    "tojson_references": "{{ (['x' * 1000000] * 1000) | tojson }}",
+    "concat_list": "{{ (['x' * 1000000] * 1000) ~ '' }}",
+    "sum_lists": "{{ ([['x'] * 1000000] * 1000) | sum(start=[]) | length }}",
+    "format_fields": "{{ ('{0}' * 100000).format('x' * 1000000) }}",
+    "percent_fields": "{{ ('%s' * 100000) % (('x' * 1000000,) * 100000) }}",
+    "indent": "{{ ('x\\n' * 500000) | indent(900000) }}",
+    "lipsum": "{{ lipsum(1000000) }}",
+    "int_squaring": "{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}{% endfor %}",
+}
+
+_GROWTH = ["{v} ~ {v}", "{v} + {v}", "{v} * 2", "{v}.replace('a', 'aa')", "{v} | replace('a', 'aaa')",
+           "[{v}, {v}] | join", "'{{0}}{{0}}'.format({v})", "{v} | indent(3, true)", "{v} | string",
+           "{v} | tojson", "[{v}] * 3", "([{v}] * 3) | sum(start=[])", "'%s%s' % ({v}, {v})", "{v} | list",
+           "{v} | center(2 * ({v} | length))", "{v} | wordwrap(1, wrapstring='ab')"]
+
+
+def _template(ops: list[int], loops: int, block: bool) -> str:
+    body = "".join(f"{{% set ns.x = {_GROWTH[i].format(v='ns.x')} %}}" for i in ops)
+    loop = f"{{% for i in range({loops}) %}}{body}{{% endfor %}}"
+    if block:
+        loop = f"{{% set captured %}}{{% for i in range({loops}) %}}{{{{ ns.x }}}}{{% endfor %}}{{% endset %}}" + loop
+    return "{% set ns = namespace(x='ab') %}" + loop + "{{ ns.x | length }}"
+
+
+def _render_in_child(template: str, limits: dict, address_space: int, timeout: float) -> tuple[str, int]:
+    """Renders in a forked child under an address-space limit (so a template that escapes the
+    budget fails there instead of taking the machine): (outcome, tracemalloc peak bytes)."""
+    import os
+    import resource
+    import signal
+    import tracemalloc
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never returns into pytest
+        os.close(r)
+        outcome, peak = "rendered", -1
+        try:
+            vm = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+            resource.setrlimit(resource.RLIMIT_AS, (vm + address_space, resource.RLIM_INFINITY))
+            tracemalloc.start()
+            try:
+                render(template, [{"role": "user", "content": "hi"}], limits=limits)
+            except ChatTemplateError as e:
+                outcome = f"ChatTemplateError: {str(e)[:200]}"
+            peak = tracemalloc.get_traced_memory()[1]
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            outcome = type(e).__name__
+        os.write(w, json.dumps([outcome, peak]).encode())
+        os._exit(0)
+    os.close(w)
+    deadline = time.monotonic() + timeout
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(r)
+            return "timeout", -1
+        time.sleep(0.01)
+    data = os.read(r, 4096)
+    os.close(r)
+    return tuple(json.loads(data)) if data else ("crashed", -1)
+
+
+def test_template_memory_bombs_are_bounded():
+    """Each bomb fails with a ChatTemplateError naming the size limit it hit, and the render's
+    peak memory (tracemalloc) stays within a few times the value limit (1,000,000 characters).
+    Each runs in a child under an address-space limit, so the old code fails instead of taking
+    the machine."""
+    for name, template in MEMORY_BOMBS.items():
+        outcome, peak = _render_in_child(template, {"timeout_s": 5.0}, address_space=2 << 30, timeout=60)
+        assert outcome.startswith("ChatTemplateError") and ("limit" in outcome or "too large" in outcome), \
+            (name, outcome)
+        assert peak < 64 << 20, f"{name}: peak {peak / 2**20:.0f} MiB"
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.integers(0, len(_GROWTH) - 1), min_size=1, max_size=4), loops=st.integers(1, 40),
+       block=st.booleans())
+def test_template_growth_property(ops, loops, block):
+    """Any mix of the operations that grow a value, repeated in a loop: the render ends in text
+    or a ChatTemplateError, and its peak memory stays within a few times the value limit."""
+    limits = {"max_value_len": 20_000, "max_output_chars": 40_000, "max_steps": 50_000, "timeout_s": 5.0}
+    template = _template(ops, loops, block)
+    outcome, peak = _render_in_child(template, limits, address_space=1 << 30, timeout=30)
+    assert outcome == "rendered" or outcome.startswith("ChatTemplateError"), (outcome, template)
+    # 20,000 characters are at most 80 KB (UCS-4); a few of them plus Jinja's own state.
+    assert peak < 4 << 20, f"peak {peak / 2**20:.1f} MiB for {template}"

@@ -54,7 +54,9 @@ class GpuSampler:
         self.rng = dev.buffer(np.array(sampler.rng_state, np.uint64))
         self.token = dev.buffer_empty(4)
         self.status = dev.buffer_empty(16)
-        self.args = sample_args(sampler, self.n)
+        # The kernel chooses among the first `vocab` rows: the sampler's token limit, if any.
+        limit = sampler.token_limit
+        self.args = sample_args(sampler, limit if 0 < limit < self.n else self.n)
 
     def dispatch(self, threads: int = THREADS) -> tuple[int, list[int]]:
         """One draw: the token and the first three status words."""
@@ -111,6 +113,25 @@ def test_same_token_and_stream_as_cpu_sampler(dev, pipeline, config, vocab, seed
             want = cpu.sample(logits)[0]
             got = gpu.draw()
             assert got == want, f"seed {params.seed} draw {step}: gpu {got}, cpu {want}"
+            assert gpu.rng_state == cpu.rng_state
+
+
+@pytest.mark.parametrize("config", ["greedy"] + list(CONFIGS))
+def test_token_limit_same_token_as_cpu_sampler(dev, pipeline, config):
+    """Issue 22, item 9: the rows past the tokenizer's entries (here the last 243 of 5,003, which
+    hold the largest logits) are never chosen, and the kernel reading only the first `vocab`
+    rows of the longer row picks exactly the CPU sampler's token under the same limit."""
+    rng = np.random.default_rng(9)
+    logits = llm_like_logits(rng, 5003)
+    logits[4760:] = np.abs(logits[4760:]) + 30.0
+    for seed in range(6):
+        params = SamplingParams(seed=seed, **CONFIGS.get(config, {}))
+        cpu = Sampler(params, token_limit=4760)
+        gpu = GpuSampler(dev, pipeline, logits, cpu)
+        for step in range(2):
+            want = cpu.sample(logits)[0]
+            got = gpu.draw()
+            assert got == want < 4760, f"seed {seed} draw {step}: gpu {got}, cpu {want}"
             assert gpu.rng_state == cpu.rng_state
 
 

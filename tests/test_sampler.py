@@ -316,3 +316,97 @@ def test_masked_logits_never_sampled():
     logits[::2] = -np.inf
     draws = draw_many(make_sampler(temperature=1.5, seed=2), logits, 2000)
     assert (draws % 2 == 1).all()
+
+
+# ------------------------------------------------------------------------ the token mask (issue 22, item 9)
+# A sampled id the tokenizer cannot decode (the embedding's padding rows: 248,320 rows for
+# 248,077 tokens) ended a completion with a 500. Every sampler takes a per-request token mask:
+# a limit (ids below it) and an optional per-step bitmask (structured output).
+
+
+def _bits(allowed: np.ndarray, vocab: int) -> np.ndarray:
+    bits = np.zeros((vocab + 31) // 32, np.uint32)
+    for i in np.flatnonzero(allowed):
+        bits[i // 32] |= np.uint32(1) << np.uint32(i % 32)
+    return bits
+
+
+def test_token_limit_keeps_padding_rows_out():
+    """The padding rows hold the largest logits; greedy, draws and top logprobs stay below the limit."""
+    rng = np.random.default_rng(22)
+    logits = rng.standard_normal(300).astype(np.float32)
+    logits[250:] += 20.0  # what an untrained padding row can look like
+    greedy = Sampler(SamplingParams(top_logprobs=5), token_limit=250)
+    tok, lp, top = greedy.sample(logits)
+    assert tok == int(np.argmax(logits[:250]))
+    assert [t for t, _ in top] == list(np.argsort(-logits[:250], kind="stable")[:5])
+    assert lp == pytest.approx(ref_log_softmax(logits[:250])[tok], abs=1e-5)
+    for kw in ({}, {"top_k": 20}, {"top_p": 0.9}, {"min_p": 0.05}):
+        s = Sampler(SamplingParams(temperature=1.0, seed=4, **kw), token_limit=250)
+        ids, probs = ref_allowed(logits[:250], 1.0, **kw)
+        assert_matches_distribution(draw_many(s, logits, 3000), ids, probs)
+    assert Sampler(SamplingParams(), token_limit=250).token_limit == 250
+    assert Sampler(SamplingParams(), token_limit=1000).sample(logits)[0] == int(np.argmax(logits))  # past the row
+
+
+def test_allowed_tokens_bitmask():
+    rng = np.random.default_rng(23)
+    logits = rng.standard_normal(200).astype(np.float32)
+    allowed = rng.random(200) < 0.1
+    allowed[150:] = False
+    s = Sampler(SamplingParams(temperature=0.8, seed=1, top_logprobs=40))
+    s.set_allowed_tokens(_bits(allowed, 150))  # words for 150 ids: ids past them are out as well
+    masked = np.where(allowed, logits, -np.inf)
+    ids, probs = ref_allowed(masked[np.flatnonzero(allowed)], 0.8)
+    draws = draw_many(s, logits, 3000)
+    assert_matches_distribution(draws, np.flatnonzero(allowed)[ids], probs)
+    tok, lp, top = s.sample(logits)
+    assert lp == pytest.approx(ref_log_softmax(logits[allowed])[list(np.flatnonzero(allowed)).index(tok)], abs=1e-5)
+    assert sorted(t for t, _ in top) == sorted(np.flatnonzero(allowed).tolist())  # no masked alternative
+    greedy = Sampler(SamplingParams())
+    greedy.set_allowed_tokens(_bits(allowed, 200))
+    assert greedy.sample(logits)[0] == int(np.flatnonzero(allowed)[np.argmax(logits[allowed])])
+    greedy.set_allowed_tokens(None)
+    assert greedy.sample(logits)[0] == int(np.argmax(logits))
+    greedy.set_allowed_tokens(np.zeros(7, np.uint32))
+    with pytest.raises(lily.RequestError, match="allows no token"):
+        greedy.sample(logits)
+    with pytest.raises(lily.RequestError, match="token limit"):
+        Sampler(SamplingParams(), token_limit=-1)
+
+
+def test_token_mask_property():
+    """Property: for any logits, limit, bitmask and sampling parameters, the chosen token is
+    inside the mask, and greedy picks NumPy's argmax over the allowed ids (lowest id on ties)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=300, deadline=None)
+    @given(vocab=st.integers(1, 400), seed=st.integers(0, 2**32), limit=st.integers(0, 450),
+           density=st.floats(0.0, 1.0), use_bits=st.booleans(), temperature=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+           top_k=st.integers(0, 50), top_p=st.sampled_from([1.0, 0.9, 0.3]), min_p=st.sampled_from([0.0, 0.1]))
+    def check(vocab, seed, limit, density, use_bits, temperature, top_k, top_p, min_p):
+        rng = np.random.default_rng(seed)
+        logits = (rng.standard_normal(vocab) * 3).astype(np.float32)
+        logits[rng.random(vocab) < 0.05] = -np.inf
+        allowed = np.ones(vocab, bool)
+        if limit:
+            allowed[limit:] = False
+        s = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed),
+                    token_limit=limit)
+        if use_bits:
+            bitmask = rng.random(vocab) < density
+            s.set_allowed_tokens(_bits(bitmask, vocab))
+            allowed &= bitmask
+        finite = allowed & np.isfinite(logits)
+        if not finite.any():
+            with pytest.raises(lily.LilyError):
+                s.sample(logits)
+            return
+        tok = s.sample(logits)[0]
+        assert allowed[tok] and np.isfinite(logits[tok])
+        if temperature == 0.0:
+            best = np.flatnonzero(finite)[np.argmax(logits[finite])]
+            assert tok == best
+
+    check()

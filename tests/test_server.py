@@ -63,14 +63,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+def start_server(*args: str, preexec_fn=None) -> tuple[subprocess.Popen, str, int]:
+    """`python -m lily serve` with `args` on a free port of 127.0.0.1, once /health answers:
+    (process, base URL, port). The caller stops it with stop_server."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=LILY_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lily", "serve", "--port", str(port), "--api-key", KEY, "--max-queue",
-         str(MAX_QUEUE), "--log-level", "warning"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "lily", "serve", "--port", str(port), "--log-level", "warning",
+                             *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=preexec_fn)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
     while True:
@@ -78,19 +78,30 @@ def server():
             raise RuntimeError(f"lily serve exited: {proc.stdout.read()}")
         try:
             if _request(base, "GET", "/health", timeout=1).status_code == 200:
-                break
+                return proc, base, port
         except OSError:
             pass
         if time.time() > deadline:
             proc.kill()
             raise RuntimeError("lily serve did not come up in 60 s")
         time.sleep(0.2)
-    yield base
+
+
+def stop_server(proc: subprocess.Popen) -> str:
+    """Stops a start_server process; returns what it logged."""
     proc.terminate()
     try:
-        proc.wait(10)
+        return proc.communicate(timeout=10)[0]
     except subprocess.TimeoutExpired:
         proc.kill()
+        return proc.communicate()[0]
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, base, _ = start_server("--api-key", KEY, "--max-queue", str(MAX_QUEUE))
+    yield base
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")
@@ -329,6 +340,29 @@ def test_disconnect_mid_stream_frees_the_engine(server, client):
     print(f"\n[disconnect] engine free {after['last_cancel_release_s'] * 1e3:.1f} ms after the cancel, "
           f"{after['last_cancel_steps']} step(s) ran after it")
     # and the server keeps serving correctly
+    assert _chat(client, [{"role": "user", "content": "What is a list?"}], max_tokens=4).usage.completion_tokens >= 1
+
+
+def test_disconnect_of_a_non_streamed_request_frees_the_engine(server, client):
+    """Issue 22, item 3: a non-streamed request whose client leaves mid-generation. The server
+    noticed only after a 0.25 s gap between tokens, which a generating engine never leaves, so
+    the request ran to its end; now the client's http.disconnect cancels it at once."""
+    before = _health(server)
+    conn = _open(server, "/v1/completions", {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+                                             "max_tokens": 3000, "temperature": 0})
+    t0 = time.perf_counter()
+    while not _health(server)["running"]:
+        assert time.perf_counter() - t0 < 30, "the job never started"
+        time.sleep(0.005)
+    time.sleep(0.3)  # decoding by now
+    _leave(conn)
+    after = _wait_until_idle(server, "generating")
+    assert after["completed"] == before["completed"], "the request ran to its end after its client left"
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["last_cancel_reason"] == "client_disconnected"
+    assert after["last_cancel_steps"] is not None and after["last_cancel_steps"] <= 1
+    print(f"\n[disconnect, non-streamed] engine free {after['last_cancel_release_s'] * 1e3:.1f} ms after the "
+          f"cancel, {after['last_cancel_steps']} step(s) ran after it, {after['last_cancel_tokens']} tokens generated")
     assert _chat(client, [{"role": "user", "content": "What is a list?"}], max_tokens=4).usage.completion_tokens >= 1
 
 

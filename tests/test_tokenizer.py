@@ -144,3 +144,124 @@ def test_stream_of_every_token_is_consistent(tok):
     for _ in range(30):
         ids = [rng.randrange(0, 248077) for _ in range(rng.randint(1, 25))]
         assert "".join(stream(tok, ids)) == tok.decode(ids)
+
+
+# -- issue 22: long prompts (item 4) and ids past the vocabulary (item 9) ------------------------
+
+def _long_text(n_words: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    words = ["list", "tuple", "dictionary", "the", "of", "x1", "αβγ", "def", "return", "🙂", "\n", "  ", "12345"]
+    return " ".join(rng.choice(words) for _ in range(n_words))
+
+
+def test_encode_releases_the_gil(tok):
+    """A long prompt tokenized on one thread must not stall the others: the single-text call of
+    the tokenizers library holds the GIL for all of it (seconds for megabytes)."""
+    import threading
+    import time
+
+    text = _long_text(600_000)
+    gaps, stop = [], threading.Event()
+
+    def ticker():
+        last = time.perf_counter()
+        while not stop.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    t = threading.Thread(target=ticker)
+    t.start()
+    t0 = time.perf_counter()
+    ids = tok.encode(text)
+    took = time.perf_counter() - t0
+    stop.set()
+    t.join()
+    assert ids == tok._tok.encode(text).ids
+    # Relative, not a timing budget: with the GIL held the longest gap is the whole encode.
+    assert max(gaps) < took / 4, f"longest gap {max(gaps):.2f} s of a {took:.2f} s encode"
+
+
+class _Recording:
+    """Stands in for the tokenizers object, recording how many characters it was given."""
+
+    def __init__(self, inner):
+        self.inner, self.chars = inner, 0
+
+    def encode_batch(self, texts, **kw):
+        self.chars += sum(len(t) for t in texts)
+        return self.inner.encode_batch(texts, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_encode_stops_early_past_the_limit(tok):
+    """A text far past the limit is refused after tokenizing a small part of it (and one past the
+    size bound without tokenizing at all); the old encode had no limit and tokenized it all."""
+    from lily.tokenizer import PromptTooLong
+
+    text = _long_text(1_000_000)  # ~5 MB, ~1.5 M tokens
+    rec = _Recording(tok._tok)
+    tok._tok = rec
+    try:
+        with pytest.raises(PromptTooLong) as info:
+            tok.encode(text, max_tokens=100_000)
+        assert info.value.at_least > 100_000 and info.value.limit == 100_000
+        assert rec.chars < len(text) // 4, f"tokenized {rec.chars} of {len(text)} characters"
+        rec.chars = 0
+        with pytest.raises(PromptTooLong):
+            tok.encode(text, max_tokens=1000)  # the size bound alone: > 1000 tokens for sure
+        assert rec.chars == 0
+        short = _long_text(2000)
+        assert tok.encode(short, max_tokens=10_000) == tok.encode(short)
+        with pytest.raises(PromptTooLong) as info:
+            tok.encode(short, max_tokens=100)
+        assert info.value.at_least == len(tok.encode(short))
+    finally:
+        tok._tok = rec.inner
+
+
+def _texts():
+    from hypothesis import strategies as st
+
+    piece = st.sampled_from(["the", " list", "\n", "\n\n", "  ", "\t", "αβγδ", "🙂🙃", "12345", "x" * 300, "a" * 17,
+                             "<|im_end|>", "é", "e\u0301", "\u1100\u1161\u11a8", ".,;:!?", "def f(x):", "ÿ"])
+    return st.lists(piece | st.text(max_size=8), max_size=120).map("".join)
+
+
+def test_token_count_lower_bounds_property(tok):
+    """Property: the size bound and the piecewise bound never exceed the true token count, so a
+    prompt that fits is never refused (pieces of 40 characters: many cuts, in any place)."""
+    from hypothesis import given, settings
+
+    import lily.tokenizer as module
+
+    @settings(max_examples=400, deadline=None)
+    @given(text=_texts())
+    def check(text):
+        n = len(tok.encode(text))
+        assert tok.min_tokens(text) <= n
+        assert tok._min_tokens_by_pieces(text, stop_above=10**9) <= n
+
+    piece, module._PIECE_CHARS = module._PIECE_CHARS, 40
+    try:
+        check()
+    finally:
+        module._PIECE_CHARS = piece
+
+
+def test_ids_past_the_vocabulary_decode_as_replacement_characters(tok):
+    """The detokenizer fails safe: an id the tokenizer lacks (an embedding's padding row) reads
+    as U+FFFD instead of ending a generation with an error; decode() still refuses it unless
+    asked to replace."""
+    ids = tok.encode("Hello wörld")
+    bad = tok.vocab_size + 5
+    detok = tok.detokenizer()
+    text = "".join(detok.feed(i) for i in ids[:2] + [bad] + ids[2:]) + detok.flush()
+    assert text == tok.decode(ids[:2]) + "\ufffd" + tok.decode(ids[2:])
+    assert tok.decode([bad, -1], errors="replace") == "\ufffd\ufffd"
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tok.decode([bad])
+    assert detok.vocab_size == tok.vocab_size

@@ -110,3 +110,53 @@ def test_malformed_block_stays_in_content():
     assert out.tool_calls == []
     assert out.content == text
     assert len(out.errors) == 2 and "function" in out.errors[0] and "JSON" in out.errors[1]
+
+
+# -- issue 22, item 7: schemas from a request are untrusted --------------------------------------
+
+CALL_TEXT = ("<tool_call>\n<function=f>\n<parameter=x>\n{value}\n</parameter>\n<parameter=y>\n7\n</parameter>\n"
+             "</function>\n</tool_call>")
+
+
+@pytest.mark.parametrize("type_", [5, True, 1.5, None, [7, "string"], {"a": 1}, ["string", None]])
+def test_parameter_type_of_any_json_value_parses(type_):
+    """A parameter whose `type` was a number, true or 1.5 made the parser raise TypeError."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": type_}, "y": {"type": "integer"}}}}}]
+    parsed = parse_output(CALL_TEXT.format(value="12"), tools=tools)
+    assert [c["function"]["name"] for c in parsed.tool_calls] == ["f"]
+    args = json.loads(parsed.tool_calls[0]["function"]["arguments"])
+    assert args["y"] == 7 and args["x"] in (12, "12")
+
+
+def _json():
+    from hypothesis import strategies as st
+
+    return st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                        max_leaves=8)
+
+
+def test_any_tools_value_and_output_parse_without_raising():
+    """Property: whatever the tools value (any JSON) and whatever the model wrote, parse_output
+    returns a ParsedOutput (a block it cannot read stays in the content)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    schema = st.fixed_dictionaries({"type": st.just("object"), "properties": st.dictionaries(
+        st.sampled_from(["x", "y", "z"]), st.fixed_dictionaries({}, optional={"type": st.integers() | st.floats() | st.booleans() | st.sampled_from(
+            ["string", "integer", "object"]) | _json()}) | _json(), max_size=3)})
+
+    @settings(max_examples=400, deadline=None)
+    @given(tools=st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+               {"name": st.sampled_from(["f", "g"])}, optional={"parameters": schema | _json()})}), max_size=2)
+           | _json(),
+           value=st.text(max_size=20), body=st.text(max_size=60))
+    def check(tools, value, body):
+        tools = tools if isinstance(tools, list) and all(isinstance(t, dict) for t in tools) else None
+        for text in (CALL_TEXT.format(value=value), f"<tool_call>{body}</tool_call>", body):
+            parsed = parse_output(text, tools=tools)
+            for c in parsed.tool_calls:
+                assert isinstance(json.loads(c["function"]["arguments"]), dict)
+
+    check()

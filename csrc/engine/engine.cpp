@@ -8,6 +8,7 @@
 #include <functional>
 #include <string>
 
+#include "model/checked.h"
 #include "model/error.h"
 
 namespace lily {
@@ -54,10 +55,12 @@ uint64_t available_memory() {
 
 uint64_t Engine::kv_bytes(int64_t positions) const {
   const ModelConfig& c = config();
+  // Saturating: an absurd context reads as "too big" in check_tokens, never wraps to small.
   uint64_t per_position = 0;
   for (Mixer m : c.mixers)
-    if (m == Mixer::Attention) per_position += 2ull * c.n_kv_heads * c.head_dim * sizeof(float);
-  return per_position * uint64_t(positions);
+    if (m == Mixer::Attention)
+      per_position = saturating_add(per_position, 2ull * uint64_t(c.attn_kv_dim()) * sizeof(float));
+  return saturating_mul(per_position, uint64_t(std::max<int64_t>(positions, 0)));
 }
 
 void Engine::check_tokens(const State& st, const int32_t* tokens, int n) const {
@@ -194,6 +197,10 @@ bool Engine::begin_device_decode(State& st, const int32_t* first, int n, int max
     if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f ||
         p.top_logprobs > 0)
       throw RequestError("[engine] penalties and logprobs need the logits on the host: use the host loop");
+    // A per-step token mask is computed on the host from the tokens so far, which a device loop
+    // does not wait for: such a request decodes on the host (the caller's fallback).
+    if (sampler->has_allowed_tokens()) return false;
+    ds.token_limit = sampler->token_limit();
   }
   if (sampler && sampler->draws()) {
     const SamplingParams& p = sampler->params();

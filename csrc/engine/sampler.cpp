@@ -152,6 +152,13 @@ Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(params.se
   if (params_.top_p < 1.0f) top_p_fixed_ = static_cast<uint64_t>(std::ldexp(static_cast<double>(params_.top_p), 64));
 }
 
+void Sampler::set_token_limit(int32_t limit) {
+  if (limit < 0) throw RequestError("[sampling] token limit must be >= 0 (0 = none), got " + std::to_string(limit));
+  token_limit_ = limit;
+}
+
+void Sampler::set_allowed_tokens(std::vector<uint32_t> bits) { allowed_ = std::move(bits); }
+
 // Temperatures this small are greedy in all but name; below it 1/T stops being usable.
 constexpr float kMinTemperature = 1e-5f;
 
@@ -282,13 +289,23 @@ void Sampler::fill_logprobs(const float* logits, int32_t vocab, float max_logit,
   out->logprob = static_cast<float>(logits[token] - lse);
   select_top(logits, vocab, std::min(params_.top_logprobs, vocab), top_);
   out->top.clear();
-  for (const auto& c : top_) out->top.push_back({c.id, static_cast<float>(c.logit - lse)});
+  for (const auto& c : top_)  // masked tokens (-inf) are not alternatives
+    if (c.logit != -std::numeric_limits<float>::infinity()) out->top.push_back({c.id, static_cast<float>(c.logit - lse)});
 }
 
 int32_t Sampler::sample(float* logits, int32_t vocab, const int32_t* penalty_tokens,
                         size_t n_penalty_tokens, SampleResult* out) {
   if (vocab <= 0) throw RequestError("[sampling] vocab must be > 0, got " + std::to_string(vocab));
   apply_penalties(logits, vocab, penalty_tokens, n_penalty_tokens);
+  // The token mask: rows past the limit are not candidates at all (the GPU sampler reads the
+  // same prefix, so both derive the same fixed-point scale from it); bits mask within it.
+  if (token_limit_ > 0 && token_limit_ < vocab) vocab = token_limit_;
+  if (!allowed_.empty()) {
+    const int32_t covered = int32_t(std::min<size_t>(size_t(vocab), allowed_.size() * 32));
+    for (int32_t i = 0; i < covered; ++i)
+      if (!(allowed_[size_t(i) >> 5] >> (i & 31) & 1u)) logits[i] = -std::numeric_limits<float>::infinity();
+    for (int32_t i = covered; i < vocab; ++i) logits[i] = -std::numeric_limits<float>::infinity();
+  }
 
   // One pass: the maximum (lowest id on ties, hence strict >) and a check for bad numbers.
   float max_logit = -std::numeric_limits<float>::infinity();
@@ -302,6 +319,7 @@ int32_t Sampler::sample(float* logits, int32_t vocab, const int32_t* penalty_tok
       argmax = i;
     }
   }
+  if (argmax < 0 && !allowed_.empty()) throw RequestError("[sampling] the token mask allows no token");
   if (argmax < 0) throw Error("[sampling] every logit is -inf");
 
   int32_t token = argmax;

@@ -20,6 +20,15 @@
 // log-probability and sorts only the one bucket where the cut falls. A 248K vocabulary is never
 // fully sorted.
 //
+// Which tokens may be chosen (a per-request token mask): ids below token_limit() (an embedding
+// may have rows past the tokenizer's entries: padding the tokenizer cannot decode, 248,320 rows
+// for 248,077 tokens in Qwen3.5/3.6), and of those, when set_allowed_tokens() gave a bitmask,
+// only the ids whose bit is set. Outside the mask a token's logit counts as -inf from step 2 on:
+// it is never drawn, never the argmax, and not in the reported top logprobs; logprobs are those
+// of the masked distribution. Structured output (a grammar allowing some tokens per step) sets
+// the bitmask before each step; the limit is fixed per request. The GPU sampler honours the
+// limit (SampleArgs::vocab); a bitmask keeps sampling on the host (Engine::begin_device_decode).
+//
 // Exactness: weights are 64-bit fixed-point integers and the draw is an integer product
 // (metal/sampling.h, shared with the GPU kernel metal/sampling.metal), and the draw walks the
 // kept tokens in id order. So the result depends on the kept *set* only, and the GPU sampler,
@@ -73,9 +82,17 @@ class Sampler {
  public:
   explicit Sampler(const SamplingParams& params);  // validates params
 
-  // Picks the next token from logits[0, vocab). logits is modified in place (penalties applied;
-  // its contents afterwards are unspecified). penalty_tokens are the window the penalties see
-  // (ids in [0, vocab), repeats count for the frequency penalty). out may be null.
+  // Token mask (see the top of this file). limit 0: every id of the row. bits: bit i of
+  // bits[i / 32] allows token i; ids past the bits are not allowed; empty: no bitmask.
+  void set_token_limit(int32_t limit);
+  void set_allowed_tokens(std::vector<uint32_t> bits);
+  int32_t token_limit() const { return token_limit_; }
+  bool has_allowed_tokens() const { return !allowed_.empty(); }
+
+  // Picks the next token from logits[0, vocab), within the token mask. logits is modified in
+  // place (penalties applied, masked tokens set to -inf; its contents afterwards are
+  // unspecified). penalty_tokens are the window the penalties see (ids in [0, vocab), repeats
+  // count for the frequency penalty). out may be null.
   int32_t sample(float* logits, int32_t vocab, const int32_t* penalty_tokens,
                  size_t n_penalty_tokens, SampleResult* out = nullptr);
 
@@ -104,6 +121,8 @@ class Sampler {
                      SampleResult* out);
 
   SamplingParams params_;
+  int32_t token_limit_ = 0;
+  std::vector<uint32_t> allowed_;
   float min_p_offset_ = 0.0f;
   uint64_t top_p_fixed_ = 0;
   Rng rng_;

@@ -52,7 +52,9 @@ bool GpuBackend::begin_device_decode(State& state, int max_steps, const DeviceSa
   inflight_.clear();
   if (auto* p = static_cast<uint64_t*>(rng_->contents())) std::memcpy(p, s.rng, 32);
   sample_args_ = SampleArgs{};
-  sample_args_.vocab = uint32_t(c_.vocab);
+  // The chosen token is one of the first `vocab` rows: the sampler's token limit (rows past the
+  // tokenizer's entries are never sampled), the CPU sampler's truncation exactly.
+  sample_args_.vocab = uint32_t(s.token_limit > 0 && s.token_limit < c_.vocab ? s.token_limit : c_.vocab);
   sample_args_.sample = s.draw ? 1u : 0u;
   sample_args_.top_k = s.top_k > 0 ? uint32_t(s.top_k) : 0u;
   sample_args_.use_top_p = s.top_p_fixed != 0 ? 1u : 0u;

@@ -76,6 +76,7 @@ struct DeviceSampling {
   float inv_t = 1.0f;         // 1 / temperature
   float min_p_offset = 0.0f;  // temperature * log(min_p)
   uint64_t rng[4] = {0, 0, 0, 0};  // xoshiro256** state before the first device draw
+  int32_t token_limit = 0;          // only ids below it are chosen (0: every row); Sampler::token_limit
 };
 
 class Backend {

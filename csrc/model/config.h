@@ -44,10 +44,16 @@ struct ModelConfig {
   bool norm_topk_prob = true;
 
   int n_layers() const { return int(mixers.size()); }
-  int gdn_qkv_dim() const { return 2 * gdn_k_heads * gdn_k_dim + gdn_v_heads * gdn_v_dim; }
-  int gdn_value_dim() const { return gdn_v_heads * gdn_v_dim; }
+  // Dimensions derived from the fields. Products of untrusted numbers: validate() checks each in
+  // 64 bits and refuses a config where one does not fit in an int (model/checked.h), so these
+  // narrowings are exact on any validated config.
+  int attn_q_dim() const { return int(int64_t(n_heads) * head_dim); }      // queries, attention output
+  int attn_kv_dim() const { return int(int64_t(n_kv_heads) * head_dim); }  // keys, values
+  int gdn_key_dim() const { return int(int64_t(gdn_k_heads) * gdn_k_dim); }
+  int gdn_value_dim() const { return int(int64_t(gdn_v_heads) * gdn_v_dim); }
+  int gdn_qkv_dim() const { return int(2 * int64_t(gdn_key_dim()) + gdn_value_dim()); }
 
-  // Throws ConfigError naming the first inconsistent field.
+  // Throws ConfigError naming the first inconsistent field (or derived size that overflows).
   void validate() const;
 };
 

@@ -72,13 +72,18 @@ SafetensorsFile::SafetensorsFile(const std::string& path, Residency residency)
   auto fail = [&](const std::string& what) -> void {
     throw CheckpointError("[safetensors] " + path_ + ": " + what);
   };
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd_ < 0) fail(std::string("cannot open: ") + std::strerror(errno));
+  // O_NONBLOCK: opening a FIFO (a hostile "model.safetensors") would otherwise block until a
+  // writer appears, deaf to Ctrl-C. The descriptor is checked to be a regular file before any
+  // read; reads of a regular file ignore the flag.
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd_ < 0) fail(errno == ELOOP ? std::string("is a symbolic link loop")
+                                   : std::string("cannot open: ") + std::strerror(errno));
   struct stat st;
   if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
+    const bool fifo = S_ISFIFO(st.st_mode), dir = S_ISDIR(st.st_mode);
     ::close(fd_);
     fd_ = -1;
-    fail("not a regular file");
+    fail(fifo ? "is a FIFO, not a regular file" : dir ? "is a directory, not a regular file" : "not a regular file");
   }
   size_ = uint64_t(st.st_size);
   ident_dev_ = uint64_t(st.st_dev);
@@ -90,10 +95,14 @@ SafetensorsFile::SafetensorsFile(const std::string& path, Residency residency)
     read_exact(0, len_bytes, 8);
     uint64_t header_len = 0;
     for (int i = 7; i >= 0; --i) header_len = header_len << 8 | len_bytes[i];
+    // (The value is printed only when plausible: for any other file its 8 bytes are just the
+    // file's first bytes, which an error message must not echo.)
+    if (header_len > kMaxHeaderBytes)
+      fail("not a safetensors file: its first 8 bytes do not give a header length under " +
+           std::to_string(kMaxHeaderBytes >> 20) + " MiB");
     if (header_len > size_ - 8)
       fail("header length " + std::to_string(header_len) + " runs past the end of the file (" +
            std::to_string(size_) + " bytes): truncated or not a safetensors file");
-    if (header_len > kMaxHeaderBytes) fail("header length " + std::to_string(header_len) + " is implausibly large");
     data_size_ = size_ - 8 - header_len;
     {
       std::vector<uint8_t> header(header_len);

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <sstream>
 
+#include "model/checked.h"
 #include "model/error.h"
 
 namespace lily {
@@ -36,10 +37,30 @@ void ModelWeights::check_files_unchanged_if_touched() const {
 WeightsBuilder::WeightsBuilder(ModelConfig config) : w_(std::make_shared<ModelWeights>()) {
   config.validate();
   w_->config = std::move(config);
+  // No per-layer memory yet: layer() makes a layer's weights when a slot of it is first bound.
+  // A config.json claiming 10^6 layers (or 2^31 experts) must not cost that much memory before
+  // the checkpoint has shown a single tensor for them.
+}
+
+LayerWeights& WeightsBuilder::layer(int l) {
+  auto it = layers_.find(l);
+  if (it != layers_.end()) return it->second;
   const ModelConfig& c = w_->config;
-  w_->layers.resize(c.n_layers());
-  for (int l = 0; l < c.n_layers(); ++l)
-    if (c.ffns[l] == Ffn::Moe) w_->layers[l].moe.experts.resize(c.n_experts);
+  LayerWeights L;
+  if (c.ffns[l] == Ffn::Moe) {
+    // Each expert's three matrices take at least 2 bytes per row in any format (one f16 element,
+    // or one packed u32 plus its scale and bias): the files must be able to hold that much.
+    const uint64_t rows = saturating_add(saturating_mul(2, uint64_t(c.moe_intermediate)), uint64_t(c.hidden));
+    const uint64_t need = saturating_mul(saturating_mul(uint64_t(c.n_experts), rows), 2);
+    uint64_t have = 0;
+    for (const auto& f : w_->files) have = saturating_add(have, f->file_size());
+    if (need > have)
+      throw CheckpointError("[weights] config.json's " + std::to_string(c.n_experts) + " experts of layer " +
+                            std::to_string(l) + " need at least " + std::to_string(need) +
+                            " bytes of weights; the checkpoint files hold " + std::to_string(have));
+    L.moe.experts.resize(c.n_experts);
+  }
+  return layers_.emplace(l, std::move(L)).first->second;
 }
 
 int WeightsBuilder::add_file(const std::string& path, Residency residency) {
@@ -82,15 +103,15 @@ WeightsBuilder::Expect WeightsBuilder::resolve(const std::string& slot) {
   if (slot == "final_norm") return {nullptr, &w_->final_norm, c.hidden, 0};
   int l = 0;
   if (p.size() < 2 || p[0] != "layers" || !parse_index(p[1], c.n_layers(), &l)) return bad();
-  LayerWeights& L = w_->layers[l];
+  LayerWeights& L = layer(l);
   const std::string rest = slot.substr(p[0].size() + p[1].size() + 2);
   const bool attn = c.mixers[l] == Mixer::Attention;
   const bool moe = c.ffns[l] == Ffn::Moe;
-  const int qkv = c.gdn_qkv_dim(), vdim = c.gdn_value_dim(), vh = c.gdn_v_heads;
   if (rest == "input_norm") return {nullptr, &L.input_norm, c.hidden, 0};
   if (rest == "post_norm") return {nullptr, &L.post_norm, c.hidden, 0};
+  // (Products of config fields: the accessors' values, which validate() checked to fit an int.)
   if (attn) {
-    const int qd = c.n_heads * c.head_dim, kd = c.n_kv_heads * c.head_dim;
+    const int qd = c.attn_q_dim(), kd = c.attn_kv_dim();
     if (rest == "attn.q_proj") return {&L.attn.q_proj, nullptr, 2 * qd, c.hidden};
     if (rest == "attn.k_proj") return {&L.attn.k_proj, nullptr, kd, c.hidden};
     if (rest == "attn.v_proj") return {&L.attn.v_proj, nullptr, kd, c.hidden};
@@ -99,6 +120,7 @@ WeightsBuilder::Expect WeightsBuilder::resolve(const std::string& slot) {
     if (rest == "attn.k_norm") return {nullptr, &L.attn.k_norm, c.head_dim, 0};
   } else {
     GdnWeights& g = L.gdn;
+    const int qkv = c.gdn_qkv_dim(), vdim = c.gdn_value_dim(), vh = c.gdn_v_heads;
     if (!c.gdn_fused_qkvz) {
       if (rest == "gdn.in_qkv") return {&g.in_qkv, nullptr, qkv, c.hidden};
       if (rest == "gdn.in_z") return {&g.in_z, nullptr, vdim, c.hidden};
@@ -109,7 +131,7 @@ WeightsBuilder::Expect WeightsBuilder::resolve(const std::string& slot) {
       if (rest == "gdn.in_ba") return {&g.in_ba, nullptr, 2 * vh, c.hidden};
     }
     if (rest == "gdn.out_proj") return {&g.out_proj, nullptr, c.hidden, vdim};
-    if (rest == "gdn.conv1d") return {nullptr, &g.conv1d, qkv * c.conv_kernel, 0};
+    if (rest == "gdn.conv1d") return {nullptr, &g.conv1d, int(int64_t(qkv) * c.conv_kernel), 0};
     if (rest == "gdn.dt_bias") return {nullptr, &g.dt_bias, vh, 0};
     if (rest == "gdn.A_log") return {nullptr, &g.a_neg, vh, 0};
     if (rest == "gdn.norm") return {nullptr, &g.norm, c.gdn_v_dim, 0};
@@ -256,9 +278,16 @@ void WeightsBuilder::set_vector(const std::string& slot, std::vector<float> valu
 
 std::shared_ptr<ModelWeights> WeightsBuilder::finish() {
   const ModelConfig& c = w_->config;
-  std::vector<std::string> need = {"embed", "lm_head", "final_norm"};
+  auto check = [&](const std::vector<std::string>& need) {
+    for (const std::string& s : need)
+      if (!filled_.count(s)) throw CheckpointError("[weights] no tensor was given for '" + s + "'");
+  };
+  check({"embed", "lm_head", "final_norm"});
+  // Layer by layer, stopping at the first gap: a config claiming 10^6 layers fails at the first
+  // layer the checkpoint lacks, without listing a million slot names first.
   for (int l = 0; l < c.n_layers(); ++l) {
     const std::string p = "layers." + std::to_string(l) + ".";
+    std::vector<std::string> need;
     for (const char* s : {"input_norm", "post_norm"}) need.push_back(p + s);
     if (c.mixers[l] == Mixer::Attention) {
       for (const char* s : {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}) need.push_back(p + "attn." + s);
@@ -280,9 +309,12 @@ std::shared_ptr<ModelWeights> WeightsBuilder::finish() {
         for (const char* s : {"gate", "up", "down"})
           need.push_back(p + "moe.experts." + std::to_string(e) + "." + s);
     }
+    check(need);
   }
-  for (const std::string& s : need)
-    if (!filled_.count(s)) throw CheckpointError("[weights] no tensor was given for '" + s + "'");
+  w_->layers.clear();
+  w_->layers.reserve(c.n_layers());
+  for (int l = 0; l < c.n_layers(); ++l) w_->layers.push_back(std::move(layers_.at(l)));
+  layers_.clear();
   // Watch first, then stat once: a change before the watch existed is caught by this stat, any
   // later one queues an event.
   std::vector<std::string> paths;

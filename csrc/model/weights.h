@@ -144,12 +144,14 @@ class WeightsBuilder {
     int out = 0, in = 0;  // matrix dims, or vector length in `out`
   };
   Expect resolve(const std::string& slot);
+  LayerWeights& layer(int l);  // layer l's weights, made on first use
   Expect resolve_matrix(const std::string& slot);  // resolve, and refuse a vector slot
   Linear& bind_linear(const std::string& slot, const Expect& x, Linear::Format format, DType dtype);
   const uint8_t* slice_bytes(const TensorSlice& s, int64_t* rows, int64_t* cols, DType* dtype,
                              const std::string& slot) const;
 
   std::shared_ptr<ModelWeights> w_;
+  std::map<int, LayerWeights> layers_;  // the layers bound so far (finish() moves them into w_)
   std::map<std::string, bool> filled_;
 };
 

@@ -58,8 +58,27 @@ void init_sampler(nb::module_& m) {
   using Logits = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
   using Tokens = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
+  using Bits = nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
   nb::class_<Sampler>(m, "Sampler", "Seeded sampler over one row of logits at a time.")
-      .def(nb::init<const SamplingParams&>(), "params"_a)
+      .def(
+          "__init__",
+          [](Sampler* s, const SamplingParams& params, int32_t token_limit) {
+            new (s) Sampler(params);
+            s->set_token_limit(token_limit);
+          },
+          "params"_a, "token_limit"_a = 0,
+          "token_limit: only ids below it are ever chosen (0: every id of the logits row).")
+      .def_prop_ro("token_limit", &Sampler::token_limit)
+      .def(
+          "set_allowed_tokens",
+          [](Sampler& s, std::optional<Bits> bits) {
+            s.set_allowed_tokens(bits ? std::vector<uint32_t>(bits->data(), bits->data() + bits->shape(0))
+                                      : std::vector<uint32_t>{});
+          },
+          "bits"_a.none(),
+          "A per-step token mask: uint32 words, bit i of word i // 32 allows token i (ids past them are "
+          "not allowed); None removes it. Requests with a mask sample on the host.")
       .def_prop_ro("params", &Sampler::params)
       .def_prop_ro("rng_state", [](const Sampler& s) {
         const uint64_t* st = s.rng().state();

@@ -14,11 +14,25 @@ transformers' `apply_chat_template` builds, so output is byte-identical):
   tokens (`eos_token`, ...) and any extra keyword (`enable_thinking`, ...).
 
 The sandbox refuses attribute walks (`''.__class__.__mro__`, `obj._private`) and mutation of
-lists/dicts. On top of it, a per-render budget bounds what a hostile template can cost: total
-loop iterations over `range` plus calls and lookups (`max_steps`), macro/call nesting
-(`max_depth`), output size (`max_output_chars`), the size of strings/lists built with `*`, `+`
-and of numbers built with `**`, and wall time (`timeout_s`). Every failure is a
-`ChatTemplateError` (a ValueError) that says what went wrong.
+lists/dicts. On top of it, a per-render budget bounds what a hostile template can cost: loop
+iterations plus calls and lookups (`max_steps`), macro/call nesting (`max_depth`), wall time
+(`timeout_s`, checked at every step), output size (`max_output_chars`), and the size of every
+value the template builds (`max_value_len`: characters of a string, items of a list or dict,
+digits of a number). Both sizes grow by four times the characters of the inputs (messages,
+tools, documents), so a template can always copy what it was given.
+
+How "every value" is covered (memory, not just time: a value can double per step):
+- operators: `+`, `*`, `%`, `**` (intercepted binops) and `~` (rewritten at parse time into a
+  checked join);
+- calls, filters and methods: the result of each is checked, and those that can multiply sizes
+  in one step (`replace`, `join`, `format`, `indent`, `wordwrap`, `sum`, `expandtabs`,
+  `translate`, width arguments such as `center(n)`, `lipsum(n)`, and turning a structure into
+  text: `string`, `tojson`, `pprint`, printing it) are checked before they run, from an estimate
+  of the text they would make;
+- blocks that collect output (`{% set x %}...{% endset %}`, macros, `caller()`, filter blocks)
+  through the environment's `concat`, which adds up the pieces' lengths before joining them.
+
+Every failure is a `ChatTemplateError` (a ValueError) that says what went wrong.
 
 Inputs are normalized as transformers does: message keys whose value is None are dropped, and a
 message's `reasoning` / `thinking` is also offered as `reasoning_content`. One addition for
@@ -41,8 +55,10 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
+import jinja2.runtime
 import jinja2.sandbox
 import jinja2.utils
+import jinja2.visitor
 
 __all__ = ["ChatTemplateError", "render", "DEFAULT_LIMITS"]
 
@@ -52,20 +68,22 @@ class ChatTemplateError(ValueError):
 
 
 DEFAULT_LIMITS = {
-    "max_steps": 2_000_000,  # range iterations + calls + attribute/item lookups
+    "max_steps": 2_000_000,  # loop iterations + calls + attribute/item lookups
     "max_depth": 64,  # nested calls (macros calling macros)
-    "max_output_chars": 4_000_000,
-    "max_value_len": 1_000_000,  # a str/list built by * or +
+    "max_output_chars": 4_000_000,  # (+ 4x the input characters)
+    "max_value_len": 1_000_000,  # any str/list/dict the template builds (+ 4x the input characters)
     "timeout_s": 10.0,
 }
 
 
 class _Budget:
-    def __init__(self, limits: dict):
+    def __init__(self, limits: dict, input_chars: int = 0):
         self.limits = limits
         self.steps = 0
         self.depth = 0
         self.deadline = time.monotonic() + limits["timeout_s"]
+        self.value_limit = int(limits["max_value_len"]) + 4 * input_chars
+        self.output_limit = int(limits["max_output_chars"]) + 4 * input_chars
 
     def step(self, n: int = 1) -> None:
         self.steps += n
@@ -73,7 +91,9 @@ class _Budget:
             raise ChatTemplateError(
                 f"chat template exceeded its step budget ({self.limits['max_steps']} loop iterations/calls)"
             )
-        if (self.steps & 1023) == 0 and time.monotonic() > self.deadline:
+        # Every step: one monotonic clock read (~50 ns) against steps of microseconds, so a
+        # template whose steps are slow (a replace over a long string) cannot run far past it.
+        if time.monotonic() > self.deadline:
             raise ChatTemplateError(f"chat template ran longer than {self.limits['timeout_s']} s")
 
 
@@ -95,7 +115,123 @@ def _counted_range(*args):
 
 def _value_limit() -> int:
     b = _budget.get()
-    return int(b.limits["max_value_len"] if b else DEFAULT_LIMITS["max_value_len"])
+    return b.value_limit if b else DEFAULT_LIMITS["max_value_len"]
+
+
+def _too_big(what: str, size: int, limit: int):
+    raise ChatTemplateError(f"chat template built a value of {size}+ characters/items ({what}), more than "
+                            f"its limit of {limit}")
+
+
+def _text_len(value: Any, limit: int) -> int:
+    """About how many characters str(value) has (containers: their items' text plus
+    punctuation), counting only until it passes ``limit``, so a list of a million references to
+    one long string is known to be too big without building its text."""
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v) + 2
+        elif isinstance(v, (bytes, bytearray)):
+            total += 4 * len(v) + 3
+        elif isinstance(v, bool) or v is None:
+            total += 5
+        elif isinstance(v, int):
+            total += v.bit_length() * 30103 // 100000 + 2
+        elif isinstance(v, float):
+            total += 24
+        elif isinstance(v, dict):
+            total += 2 + 4 * len(v)
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            total += 2 + 2 * len(v)
+            stack.extend(v)
+        elif isinstance(v, jinja2.utils.Namespace):
+            total += 12
+            stack.append(object.__getattribute__(v, "_Namespace__attrs"))
+        elif isinstance(v, jinja2.runtime.Undefined):
+            pass
+        else:
+            total += 64
+    return total
+
+
+def _check_text(value: Any, what: str) -> None:
+    """Before str(value) (printing, ~, string, tojson, %): refuse text past the value limit."""
+    limit = _value_limit()
+    if isinstance(value, str):
+        n = len(value)
+    else:
+        n = _text_len(value, limit)
+    if n > limit:
+        _too_big(what, n, limit)
+
+
+def _check_built(value: Any, what: str) -> Any:
+    """After a call, filter or method: its result must be within the value limit."""
+    if isinstance(value, (str, bytes, bytearray, list, tuple, dict, set, frozenset)):
+        limit = _value_limit()
+        if len(value) > limit:
+            _too_big(what, len(value), limit)
+    elif isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4 * _value_limit():
+        _too_big(what, value.bit_length(), _value_limit())
+    return value
+
+
+def _check_growth(what: str, fn, args: tuple, kwargs: dict) -> None:
+    """Pre-checks for the calls that can multiply a size in one step (see the module docstring):
+    ``fn`` is the str method or the filter's name, ``args`` its arguments after the subject."""
+    limit = _value_limit()
+    subject, rest = (args[0], args[1:]) if args else (None, ())
+
+    def arg(i: int, name: str, default=None):
+        return rest[i] if len(rest) > i else kwargs.get(name, default)
+
+    size = 0
+    if fn == "replace" and isinstance(subject, str):
+        old, new, count = arg(0, "old"), arg(1, "new"), arg(2, "count", -1)
+        if isinstance(old, str) and isinstance(new, str) and len(new) > len(old):
+            n = len(subject) + 1 if not old else subject.count(old)
+            if isinstance(count, int) and count >= 0:
+                n = min(n, count)
+            size = len(subject) + n * (len(new) - len(old))
+    elif fn == "join":
+        # str.join(iterable): subject is the separator; the join filter: subject is the iterable.
+        sep, items = (subject, arg(0, "iterable")) if isinstance(subject, str) else (arg(0, "d", ""), subject)
+        if isinstance(items, (list, tuple, dict, set, frozenset)) and isinstance(sep, str):
+            size = _text_len(list(items), limit) + len(items) * len(sep)
+    elif fn in ("format", "format_map") and isinstance(subject, str):
+        fields = subject.count("{") + subject.count("%")
+        size = len(subject) + fields * max([_text_len(a, limit) for a in (*rest, *kwargs.values())] or [0])
+    elif fn == "indent" and isinstance(subject, str):
+        width = arg(0, "width", 4)
+        pad = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+        size = len(subject) + (subject.count("\n") + 1) * pad
+    elif fn == "wordwrap" and isinstance(subject, str):
+        width, wrap = arg(0, "width", 79), arg(2, "wrapstring", "\n")
+        if isinstance(width, int) and isinstance(wrap, str):
+            size = len(subject) + (len(subject) // max(width, 1) + 1) * len(wrap)
+    elif fn == "expandtabs" and isinstance(subject, str):
+        tab = arg(0, "tabsize", 8)
+        size = len(subject) + subject.count("\t") * (tab if isinstance(tab, int) else 0)
+    elif fn == "translate" and isinstance(subject, str):
+        table = arg(0, "table")
+        if isinstance(table, dict):
+            longest = max((len(v) for v in table.values() if isinstance(v, str)), default=1)
+            size = len(subject) * longest
+    elif fn == "sum":
+        start = arg(1, "start", 0)
+        if isinstance(start, (str, list, tuple)) and isinstance(subject, (list, tuple)):
+            size = len(start) + sum(len(x) if isinstance(x, (str, list, tuple)) else 1 for x in subject)
+    elif fn in ("string", "tojson", "pprint", "list", "format"):
+        size = _text_len(subject, limit)
+    elif fn == "generate_lorem_ipsum":
+        n, most = (args[0] if args else kwargs.get("n", 5)), kwargs.get("max", args[3] if len(args) > 3 else 100)
+        if isinstance(n, int) and isinstance(most, int):
+            size = max(n, 0) * max(most, 0) * 16
+    if size > limit:
+        _too_big(what, size, limit)
 
 
 def _check_size_args(what: str, args, kwargs) -> None:
@@ -128,27 +264,77 @@ def _loop_tick(_context, _value):
 
 
 def _bounded_filter(name: str, fn):
+    # jinja passes the context, eval context or environment first to filters marked so.
+    skip = 1 if jinja2.utils._PassArg.from_obj(fn) is not None else 0
+
     @functools.wraps(fn)  # keeps jinja's pass_context / pass_environment markers
     def wrapper(*args, **kwargs):
-        _check_size_args(f"the {name!r} filter", args[1:], kwargs)
+        what = f"the {name!r} filter"
+        _check_size_args(what, args[skip + 1:], kwargs)
         if name == "format":
             fmt = next((a for a in args if isinstance(a, str)), None)
             if fmt is not None:
                 _check_format_widths(fmt)
-        return fn(*args, **kwargs)
+        _check_growth(what, name, args[skip:], kwargs)
+        return _check_built(fn(*args, **kwargs), what)
 
     return wrapper
 
 
+@jinja2.pass_context
+def _concat_filter(_context, parts):
+    """`a ~ b ~ c`, rewritten at parse time into this filter over [a, b, c] (_BoundedSandbox._parse):
+    the joined length is checked before the string is built."""
+    limit, total = _value_limit(), 0
+    texts = []
+    for p in parts:
+        if not isinstance(p, str):
+            _check_text(p, "~")
+            p = str(p)
+        texts.append(p)
+        total += len(p)
+        if total > limit:
+            _too_big("~", total, limit)
+    return "".join(texts)
+
+
+def _bounded_concat(pieces) -> str:
+    """The environment's `concat`: joins the output of a block that collects it (set blocks,
+    macros, caller(), filter blocks), after adding up the pieces' lengths."""
+    pieces = list(pieces)
+    limit, total = _value_limit(), 0
+    for p in pieces:
+        total += len(p)
+        if total > limit:
+            _too_big("a block's output", total, limit)
+    return "".join(pieces)
+
+
+def _finalize(value):
+    """Every `{{ expression }}` passes here before it is turned into text."""
+    _check_text(value, "printing a value")
+    return value
+
+
+class _ConcatToFilter(jinja2.visitor.NodeTransformer):
+    """`a ~ b` -> `[a, b] | _lily_concat` (jinja compiles `~` to a plain join nothing intercepts)."""
+
+    def visit_Concat(self, node):
+        node = self.generic_visit(node)
+        out = jinja2.nodes.Filter(jinja2.nodes.List(node.nodes), "_lily_concat", [], [], None, None)
+        return out.set_lineno(node.lineno)
+
+
 class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset(["*", "**", "+", "%"])
+    concat = staticmethod(_bounded_concat)
 
     def _parse(self, source, name, filename):
         # Loops over strings, lists or dicts make no calls, so nothing else would count their
         # iterations (nested loops over two 100,000-char strings ran unbounded, past the time
         # budget, which is only checked when steps are taken). A call at the top of every loop
         # body costs one step per iteration and lets the time budget fire.
-        tree = super()._parse(source, name, filename)
+        tree = _ConcatToFilter().visit(super()._parse(source, name, filename))
         for loop in tree.find_all(jinja2.nodes.For):
             tick = jinja2.nodes.ExprStmt(
                 jinja2.nodes.Filter(jinja2.nodes.Const(None), "_lily_loop_tick", [], [], None, None))
@@ -161,6 +347,7 @@ class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         if operator == "%":
             if isinstance(left, str):
                 _check_format_widths(left)
+                _check_growth("%", "format", (left, right), {})
         elif operator == "**":
             if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
                 if right * max(abs(left).bit_length(), 1) > 4096:
@@ -169,28 +356,35 @@ class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
             seq, n = (left, right) if isinstance(right, int) else (right, left)
             if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * max(n, 0) > limit:
                 raise ChatTemplateError(f"chat template built a value longer than {limit} (*)")
+            if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > 4096:
+                raise ChatTemplateError("chat template built a number too large (* on big operands)")
         elif operator == "+":
             if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
                 if len(left) + len(right) > limit:
                     raise ChatTemplateError(f"chat template built a value longer than {limit} (+)")
-        return super().call_binop(context, operator, left, right)
+        return _check_built(super().call_binop(context, operator, left, right), operator)
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
         b = _budget.get()
         if b is None:
             return super().call(__context, __obj, *args, **kwargs)
         b.step()
-        _check_size_args(getattr(__obj, "__name__", "a call"), args, kwargs)
+        what = getattr(__obj, "__name__", "a call")
+        _check_size_args(what, args, kwargs)
         # str.format reaches here wrapped by the sandbox (jinja >= 3.1.5): look through it.
         method = getattr(__obj, "__wrapped__", __obj)
-        if isinstance(getattr(method, "__self__", None), str) and getattr(method, "__name__", "") in (
-                "format", "format_map"):
-            _check_format_widths(method.__self__)
+        owner, name = getattr(method, "__self__", None), getattr(method, "__name__", "")
+        if isinstance(owner, str):
+            if name in ("format", "format_map"):
+                _check_format_widths(owner)
+            _check_growth(f"str.{name}", name, (owner, *args), kwargs)
+        elif name == "generate_lorem_ipsum":
+            _check_growth("lipsum", name, args, kwargs)
         b.depth += 1
         try:
             if b.depth > b.limits["max_depth"]:
                 raise ChatTemplateError(f"chat template nested calls deeper than {b.limits['max_depth']}")
-            return super().call(__context, __obj, *args, **kwargs)
+            return _check_built(super().call(__context, __obj, *args, **kwargs), what)
         finally:
             b.depth -= 1
 
@@ -264,11 +458,13 @@ def _compile(template: str) -> jinja2.Template:
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[jinja2.ext.loopcontrols, _GenerationTag],
+        finalize=_finalize,
     )
     env.filters["tojson"] = _tojson
     for name, fn in list(env.filters.items()):
         env.filters[name] = _bounded_filter(name, fn)
     env.filters["_lily_loop_tick"] = _loop_tick
+    env.filters["_lily_concat"] = _concat_filter
     env.globals.update(
         raise_exception=_raise_exception,
         strftime_now=_strftime_now,
@@ -303,6 +499,21 @@ def _plain(value: Any, path: str = "messages") -> Any:
     if hasattr(value, "model_dump"):  # pydantic objects, e.g. the OpenAI SDK's messages
         return _plain(value.model_dump(), path)
     raise TypeError(f"{path}: chat template inputs must be JSON-like, got {type(value).__name__}")
+
+
+def _chars(value: Any) -> int:
+    """Characters of the strings in a JSON-like input (what a template may copy)."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return total
 
 
 def _normalize_messages(messages: Sequence[Any]) -> list[dict]:
@@ -375,13 +586,14 @@ def render(
     if enable_thinking is not None:
         variables["enable_thinking"] = bool(enable_thinking)
 
-    token = _budget.set(_Budget(lim))
+    budget = _Budget(lim, input_chars=_chars(variables))
+    token = _budget.set(budget)
     try:
         parts, size = [], 0
         for chunk in compiled.generate(**variables):
             size += len(chunk)
-            if size > lim["max_output_chars"]:
-                raise ChatTemplateError(f"chat template output exceeded {lim['max_output_chars']} characters")
+            if size > budget.output_limit:
+                raise ChatTemplateError(f"chat template output exceeded {budget.output_limit} characters")
             parts.append(chunk)
         return "".join(parts)
     except ChatTemplateError:
@@ -395,5 +607,7 @@ def render(
         raise ChatTemplateError("chat template recursed too deeply") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError) as e:
         raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
+    except MemoryError:
+        raise ChatTemplateError("chat template ran out of memory") from None
     finally:
         _budget.reset(token)

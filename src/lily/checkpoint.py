@@ -19,7 +19,6 @@ compute runs.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -30,9 +29,11 @@ import numpy as np
 from lily import _core
 from lily._core import CheckpointError
 from lily.config import ModelConfig
+from lily.files import check_regular, read_json
 
 # Tensors that belong to parts of the released checkpoints lily does not run.
 _SKIP = re.compile(r"^(model\.visual\.|visual\.|vision_tower\.|model\.vision_tower\.|mtp\.|model\.mtp\.|language_model\.mtp\.)")
+_LAYER = re.compile(r"layers\.(\d{1,9})\.")
 # Name prefixes of the text model, longest first.
 _PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 
@@ -52,22 +53,38 @@ def _canonical(name: str) -> str:
     return name
 
 
+def _shard_path(model_dir: Path, name, index: Path) -> Path:
+    """A shard named by the index, which must be a plain relative path inside the model folder
+    (an index naming "/etc/passwd" or "../../x" would have the loader open, and its error
+    messages describe, a file outside the checkpoint)."""
+    if not isinstance(name, str) or not name or "\x00" in name or "\\" in name:
+        raise CheckpointError(f"[checkpoint] {index} names a shard {name!r}: not a file name")
+    parts = Path(name).parts
+    if Path(name).is_absolute() or ".." in parts or os.path.normpath(name).startswith(".."):
+        raise CheckpointError(f"[checkpoint] {index} names a shard {name!r} outside the model folder")
+    return model_dir / name
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's shards (from model.safetensors.index.json, else *.safetensors), each
+    checked to be a regular file inside the folder."""
     index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"[checkpoint] {index} is malformed: {e!r}") from None
-        files = [model_dir / n for n in names]
+    if os.path.lexists(index):
+        doc = read_json(index, CheckpointError, prefix="[checkpoint] ")
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"[checkpoint] {index} is malformed: no 'weight_map' object")
+        files = [_shard_path(model_dir, n, index) for n in weight_map.values()]
+        files = sorted(set(files))
         for f in files:
-            if not f.is_file():
+            if not os.path.lexists(f):
                 raise CheckpointError(f"[checkpoint] {index} names {f.name}, which does not exist")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"[checkpoint] no .safetensors files in {model_dir}")
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"[checkpoint] no .safetensors files in {model_dir}")
+    for f in files:  # a FIFO, a directory, a symlink loop: named here, before any open
+        check_regular(f, CheckpointError, "[checkpoint] ")
     return files
 
 
@@ -88,6 +105,7 @@ class _Loader:
                         f"[checkpoint] tensor '{name}' in {path.name} duplicates '{self.tensors[key].name}'"
                     )
                 self.tensors[key] = _Tensor(fid, name, dtype, tuple(shape))
+        self._check_layers()
         # The checkpoint's own prefix, so a missing tensor is named as this file would name it.
         self.prefix = next(
             (t.name[: len(t.name) - len(k)] for k, t in self.tensors.items() if k.startswith("layers.")), ""
@@ -99,6 +117,17 @@ class _Loader:
             k.endswith(".scales") for k in self.tensors
         )
         self.quant = cfg.quantization or {}
+
+    def _check_layers(self) -> None:
+        """config.json's layer count against the tensors, before anything is made per layer: a
+        config claiming 10^6 layers over an 8-layer checkpoint fails here, at once."""
+        present = {int(m.group(1)) for k in self.tensors if (m := _LAYER.match(k))}
+        n = self.cfg.num_hidden_layers
+        missing = next((i for i in range(n) if i not in present), None)
+        if missing is not None:
+            have = f"tensors for {len(present)} layers" if present else "no layer tensors"
+            raise CheckpointError(f"[checkpoint] config.json says {n} layers, but the checkpoint has {have} "
+                                  f"(none for layer {missing})")
 
     # -- lookups ----------------------------------------------------------------------------
 

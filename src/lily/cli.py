@@ -382,9 +382,14 @@ def cmd_serve(args) -> int:
     model_id = _model_id(args, model)
     print(f"lily: serving {model_id!r} ({model.config.family}, context {model.max_context}) on "
           f"http://{args.host}:{args.port}/v1" + (" (API key required)" if api_key else ""), file=sys.stderr)
+    from lily.server_limits import ServerLimits, default_max_connections
+
+    limits = ServerLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                          max_connections=args.max_connections or default_max_connections(),
+                          stream_timeout_s=args.stream_timeout)
     serve(model, model_id=model_id, host=args.host, port=args.port, api_key=api_key, max_queue=args.max_queue,
           cache_bytes=int(args.cache_mb * (1 << 20)), log_level=args.log_level,
-          default_max_tokens=args.default_max_tokens)
+          default_max_tokens=args.default_max_tokens, limits=limits)
     return 0
 
 
@@ -499,6 +504,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-mb", type=float, default=1024, help="prompt cache budget in MiB (0 disables it)")
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="max_tokens when a chat request gives none (default: generation_config, else 512)")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="close a connection whose request headers take longer (408)")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="close a connection whose request body takes longer after the headers (408)")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="open connections beyond this get HTTP 503 (default: 256, or half the open-file limit)")
+    p.add_argument("--stream-timeout", type=float, default=30.0, metavar="S",
+                   help="drop a streamed request whose client has not read for this long")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 

@@ -10,13 +10,14 @@ naming the field.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 from lily import _core
 from lily._core import ConfigError
+from lily.files import read_json
 
 #: model_type values lily runs, top-level or under text_config.
 SUPPORTED_MODEL_TYPES = {
@@ -104,6 +105,10 @@ class ModelConfig:
 
 
 _INT32_MAX = 2**31 - 1
+# Released models have at most a few hundred layers. The per-layer tuples below are built before
+# the checkpoint is read, so a claim of 2^31 layers must stop here (the loader then checks the
+# claim against the checkpoint's tensors before anything is allocated per layer).
+MAX_LAYERS = 1 << 16
 
 
 def _get(d: dict, key: str, kind: type, default: Any = dataclasses.MISSING) -> Any:
@@ -176,8 +181,8 @@ def parse_config(raw: dict) -> ModelConfig:
     family = {"qwen3_5_moe_text": "qwen3_5_moe", "qwen3_5_text": "qwen3_5"}.get(model_type, model_type)
 
     n_layers = _get(t, "num_hidden_layers", int)
-    if n_layers < 1:
-        raise ConfigError("[config] 'num_hidden_layers' must be at least 1")
+    if not 1 <= n_layers <= MAX_LAYERS:
+        raise ConfigError(f"[config] 'num_hidden_layers' is {n_layers}; lily runs 1 to {MAX_LAYERS} layers")
     layer_types = _layer_types(t, n_layers)
     hidden = _get(t, "hidden_size", int)
     n_heads = _get(t, "num_attention_heads", int)
@@ -246,10 +251,8 @@ def parse_config(raw: dict) -> ModelConfig:
 
 def load_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise ConfigError(f"[config] no config.json in {model_dir}")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"[config] {path} is not valid JSON: {e}") from None
-    return parse_config(raw)
+    # A regular file only (a FIFO would block the open forever), JSON of any depth or number
+    # size failing as a ConfigError (lily.files).
+    return parse_config(read_json(path, ConfigError, prefix="[config] "))

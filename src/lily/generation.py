@@ -236,7 +236,9 @@ def token_loop(
     """
     if max_tokens < 0:
         raise RequestError("[generate] max_tokens must be non-negative")
-    sampler = _core.Sampler(params)
+    # Only ids the detokenizer can turn into text: an embedding may have rows past the tokenizer's
+    # entries (Qwen3.5/3.6: 248,320 rows, 248,077 tokens), which no sampler may choose.
+    sampler = _core.Sampler(params, token_limit=detokenizer.vocab_size if detokenizer is not None else 0)
     matcher = StopStringMatcher(stop)
     eos = set(int(e) for e in eos_ids)
     window: deque[int] = deque(list(history)[-PENALTY_WINDOW:], maxlen=PENALTY_WINDOW)

@@ -12,11 +12,12 @@ transformers' semantics, so lily samples as `model.generate()` would by default:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from lily.files import read_json
 
 __all__ = ["GenerationDefaults", "load_generation_config"]
 
@@ -66,12 +67,9 @@ def load_generation_config(path: str | os.PathLike | None) -> GenerationDefaults
     p = Path(path)
     if p.is_dir():
         p = p / "generation_config.json"
-        if not p.is_file():
+        if not os.path.lexists(p):
             return GenerationDefaults()
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not valid JSON ({e})") from None
+    data = read_json(p, ValueError)
     if not isinstance(data, dict):
         raise ValueError(f"{p}: expected a JSON object")
 

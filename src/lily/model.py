@@ -241,7 +241,7 @@ class Model:
         weights = load_weights(root, config, resident=resident)
         engine = _core.Engine(weights, backend, threads or 0, prefill_chunk, cpu_matmul=cpu_matmul,
                               **(backend_options or {}))
-        tokenizer = Tokenizer.from_dir(root) if (root / "tokenizer.json").is_file() else None
+        tokenizer = Tokenizer.from_dir(root) if os.path.lexists(root / "tokenizer.json") else None
         defaults = load_generation_config(root)
         if max_context is not None and max_context < 0:
             raise ConfigError("[load] max_context must be at least 1")

@@ -9,12 +9,20 @@ Design choices:
   model in the same process take turns with the server instead of corrupting it.
 - Every job carries a cancel flag. The HTTP side sets it when the client goes away; the worker
   checks it before each prefill chunk and each decode step, so a disconnect frees the engine
-  within one step. ``Scheduler.stats`` records how many steps ran after the flag was set.
+  within one step. ``Scheduler.stats`` records how many steps ran after the flag was set, and why.
+- Back-pressure: a job holds at most ``buffer_chunks`` generated chunks that the HTTP side has
+  not taken yet. When the buffer is full (a streaming client that stopped reading: its socket's
+  buffers filled and the response's send blocks), the worker waits instead of generating
+  ahead, and drops the job once it has waited ``stall_timeout_s``. Output therefore never piles
+  up in memory, and a stalled reader holds the engine for at most that long.
 - Prompt caching: each job asks the PrefixCache for the sequence sharing the longest usable
   prefix with its prompt, prefills only the rest, and hands the sequence back afterwards (the
   cache keeps it, LRU-evicted under a byte budget). Snapshots of the recurrent state are taken
-  at the end of the prompt and after 16, 32, 64, ... generated tokens (log-spaced, so a long
-  answer costs few).
+  one token before the end of the prompt (its last token is prefilled on its own: a prompt
+  sent again reuses all but that token, which must be prefilled for its logits), at the end of
+  the prompt, and after 16, 32, 64, ... generated tokens (log-spaced, so a long answer costs
+  few). Chunking never changes the logits (docs/architecture.md), so the split costs one engine
+  call, not determinism.
 - Results travel back as events through a callback; the HTTP layer turns the callback into
   an asyncio queue (``loop.call_soon_threadsafe``).
 """
@@ -48,14 +56,36 @@ class Job:
     stop: Sequence[str] | None
     want_logprobs: bool
     emit: Callable[[str, Any], None]  # ("chunk", GenerationChunk) | ("done", result) | ("error", exc)
+    buffer_chunks: int = 64  # chunks emitted but not yet taken (took_chunk) before the worker waits
+    stall_timeout_s: float = 30.0  # how long the worker waits for room before dropping the job
     cancelled: threading.Event = field(default_factory=threading.Event)
     cancel_time: float | None = None
+    cancel_reason: str | None = None
     enqueued: float = field(default_factory=time.perf_counter)
 
-    def cancel(self) -> None:
+    def __post_init__(self):
+        self._room = threading.Semaphore(self.buffer_chunks)
+
+    def cancel(self, reason: str = "cancelled") -> None:
         if not self.cancelled.is_set():
             self.cancel_time = time.perf_counter()
+            self.cancel_reason = reason
             self.cancelled.set()
+
+    def took_chunk(self) -> None:
+        """The consumer took one chunk: room for the worker to emit another."""
+        self._room.release()
+
+    def wait_for_room(self) -> None:
+        """Blocks the worker until the consumer has room for one more chunk; raises Cancelled
+        when the job is cancelled meanwhile or no room came for stall_timeout_s."""
+        deadline = time.monotonic() + self.stall_timeout_s
+        while not self._room.acquire(timeout=0.05):
+            if self.cancelled.is_set():
+                raise Cancelled
+            if time.monotonic() > deadline:
+                self.cancel("slow_reader")
+                raise Cancelled
 
 
 @dataclass
@@ -68,6 +98,9 @@ class SchedulerStats:
     # the cancel flag was set, and seconds from the flag to the engine being free.
     last_cancel_steps: int | None = None
     last_cancel_release_s: float | None = None
+    # "client_disconnected", "slow_reader" (no room for stall_timeout_s) or "shutdown".
+    last_cancel_reason: str | None = None
+    last_cancel_tokens: int | None = None  # tokens the cancelled job had generated
 
 
 class Scheduler:
@@ -97,14 +130,14 @@ class Scheduler:
 
     def shutdown(self, timeout: float = 5.0) -> None:
         if self.running is not None:
-            self.running.cancel()
+            self.running.cancel("shutdown")
         while True:  # drop waiting jobs, then wake the worker
             try:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 break
             if job is not None:
-                job.cancel()
+                job.cancel("shutdown")
         self._queue.put(None)
         self._thread.join(timeout)
 
@@ -127,6 +160,7 @@ class Scheduler:
         steps_after_cancel = 0
         model._generation.acquire()
         seq = None
+        stats = None
         try:
             seq, reused = self.cache.acquire(job.ids)
             stats = GenerationStats(prompt_tokens=int(job.ids.size), cached_tokens=reused)
@@ -142,7 +176,15 @@ class Scheduler:
                     steps_after_cancel += 1
                 return out
 
+            prompt_end = int(job.ids.size)
+
             def prefill(chunk: np.ndarray) -> np.ndarray:
+                # The prompt's last token alone, after a snapshot: the same prompt sent again
+                # then reuses all of it but that token (see the module docstring).
+                if len(seq.tokens) + len(chunk) == prompt_end and len(chunk) > 1:
+                    step(seq.prefill, chunk[:-1])
+                    seq.take_snapshot()
+                    chunk = chunk[-1:]
                 return step(seq.prefill, chunk)
 
             decoded = 0
@@ -166,18 +208,24 @@ class Scheduler:
             texts: list[str] = []
             tokens: list[int] = []
             lps: list[dict] = []
-            for c in chunks:
-                texts.append(c.text)
-                if c.token is not None:
-                    tokens.append(c.token)
-                    if job.want_logprobs:
-                        lps.append({"token": c.token, "logprob": c.logprob, "top_logprobs": c.top_logprobs})
-                job.emit("chunk", c)
+            try:
+                for c in chunks:
+                    texts.append(c.text)
+                    if c.token is not None:
+                        tokens.append(c.token)
+                        if job.want_logprobs:
+                            lps.append({"token": c.token, "logprob": c.logprob, "top_logprobs": c.top_logprobs})
+                    job.wait_for_room()
+                    job.emit("chunk", c)
+            finally:
+                chunks.close()  # a job dropped between steps: close the token loop now
             result = result_from(stats, "".join(texts), tokens, lps if job.want_logprobs else None)
             self.stats.completed += 1
             job.emit("done", result)
         except Cancelled:
             self.stats.cancelled += 1
+            self.stats.last_cancel_reason = job.cancel_reason
+            self.stats.last_cancel_tokens = stats.completion_tokens if stats is not None else 0
             self.stats.last_cancel_steps = steps_after_cancel
             self.stats.last_cancel_release_s = (time.perf_counter() - job.cancel_time
                                                 if job.cancel_time is not None else None)

@@ -15,8 +15,14 @@ Design choices:
   Reasoning (``<think>`` ... ``</think>``) and content are split as they stream with the
   same rules as the non-streamed parse (lily.tool_calls.parse_output), so the streamed pieces
   concatenate to the non-streamed message; tool calls are sent once complete.
-- A client that disconnects cancels its job (checked before every engine step); a queued job
-  whose client left is dropped without running.
+- A client that disconnects cancels its job (checked before every engine step): a stream when
+  its response ends early, a non-streamed request through the ASGI server's http.disconnect,
+  awaited beside the job's events; a queued job whose client left is dropped without running.
+- Nothing a client sends or fails to read costs unbounded time or memory: bodies are parsed
+  into 400s whatever they hold, prompts are tokenized off the event loop (GIL released) and
+  refused as soon as they cannot fit, a job buffers at most `stream_buffer_chunks` chunks its
+  client has not taken, and the connection layer (lily.server_limits) enforces header and body
+  deadlines and a connection cap.
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ import asyncio
 import contextlib
 import hmac
 import json
+import math
 import queue
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -35,26 +43,30 @@ import numpy as np
 from lily._core import LilyError
 from lily.generation import sampling_params
 from lily.scheduler import Job, Scheduler
+from lily.server_limits import ServerLimits, limited_protocol
+from lily.tokenizer import PromptTooLong
 from lily.tool_calls import CALL_OPEN, THINK_CLOSE, THINK_OPEN, _split_reasoning, parse_output
 
 try:
+    import jsonschema
     from sse_starlette.sse import EventSourceResponse
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
-    from starlette.requests import Request
+    from starlette.requests import ClientDisconnect, Request
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 except ImportError as e:  # pragma: no cover - depends on the install
     raise ImportError(
         "lily serve needs the server extra: pip install \".[server]\" in a lily checkout (the distribution "
-        "lily-llm; or pip install starlette uvicorn sse-starlette)"
+        "lily-llm; or pip install starlette uvicorn sse-starlette jsonschema)"
     ) from e
 
 MAX_BODY_BYTES = 16 << 20
 MAX_STOP = 16
 MAX_STOP_CHARS = 1024  # a stop string holds back that much streamed text
 MAX_TOP_LOGPROBS = 20
+INT32_MAX = 2**31 - 1  # fields the native sampler holds as C ints
 
 
 class APIError(Exception):
@@ -85,6 +97,8 @@ def _get(body: dict, key: str, kinds, default=None, *, lo=None, hi=None, allow_n
     ok = isinstance(v, kinds) and not (isinstance(v, bool) and bool not in kinds)
     if not ok and float in kinds and isinstance(v, int) and not isinstance(v, bool):
         v, ok = float(v), True
+    if ok and isinstance(v, float) and not math.isfinite(v):
+        ok = False
     if not ok:
         names = " or ".join(k.__name__ for k in kinds).replace("str", "string").replace("float", "number")
         names = names.replace("int", "integer").replace("bool", "boolean").replace("dict", "object")
@@ -112,15 +126,70 @@ def _stop(body: dict) -> list[str] | None:
     return [s for s in stop if s] or None
 
 
+def _parse_json(raw: bytes) -> Any:
+    """A request body as JSON; anything that does not parse is a 400, never a 500.
+
+    Beyond malformed JSON and invalid UTF-8 that means: nesting past Python's recursion limit
+    (RecursionError), integers past Python's 4,300-digit conversion limit (a plain ValueError,
+    not a JSONDecodeError: it was a 500), and the non-standard NaN / Infinity literals or
+    numbers that overflow to infinity (1e999), which no field takes and which passed range
+    checks (every comparison with NaN is false)."""
+
+    def refuse(what: str):
+        raise APIError(400, f"could not parse the JSON body of the request ({what})", code="invalid_json")
+
+    def finite(text: str) -> float:
+        v = float(text)
+        return v if math.isfinite(v) else refuse(f"the number {text[:32]} is out of range")
+
+    try:
+        return json.loads(raw.decode("utf-8"), parse_float=finite,
+                          parse_constant=lambda name: refuse(f"{name} is not a JSON number"))
+    except json.JSONDecodeError as e:
+        refuse(e.msg)
+    except (UnicodeDecodeError, RecursionError) as e:
+        refuse(type(e).__name__)
+    except ValueError as e:  # int('1' * 5000): "Exceeds the limit (4300 digits) ..."
+        refuse(str(e).split(";")[0])
+
+
+def _check_tool_schema(schema: Any, where: str) -> None:
+    """A tool's parameters must be a JSON Schema object (checked against the JSON Schema
+    meta-schema by the jsonschema library): the tool-call parser reads each argument's type
+    from it, and a type of 5, true or 1.5 made it raise (a 500 once the model wrote a call)."""
+    if schema is None:
+        return
+    if not isinstance(schema, dict):
+        raise APIError(400, f"'{where}' must be a JSON Schema object", param=where, code="invalid_type")
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        at = "".join(f"[{p!r}]" for p in e.absolute_path)
+        raise APIError(400, f"'{where}{at}' is not a valid JSON Schema: {e.message[:200]}", param=where,
+                       code="invalid_value") from None
+    except RecursionError:
+        raise APIError(400, f"'{where}' is nested too deeply", param=where, code="invalid_value") from None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (after the body was read, the next ASGI message is
+    http.disconnect, which uvicorn sends when the connection closes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 class Server:
     """The served model, its scheduler and the request handlers."""
 
     def __init__(self, model, *, model_id: str, api_key: str | None = None, max_queue: int = 64,
-                 cache_bytes: int = 1 << 30, default_max_tokens: int | None = None):
+                 cache_bytes: int = 1 << 30, default_max_tokens: int | None = None,
+                 limits: ServerLimits | None = None):
         self.model = model
         self.model_id = model_id
         self.api_key = api_key
         self.default_max_tokens = default_max_tokens
+        self.limits = limits or ServerLimits()
+        self.open_connections: Callable[[], int | None] = lambda: None  # set by serve()
         self.created = int(time.time())
         self.scheduler = Scheduler(model, max_queue=max_queue, cache_bytes=cache_bytes)
 
@@ -136,17 +205,15 @@ class Server:
 
     async def _body(self, request: Request) -> dict:
         raw = bytearray()
-        async for part in request.stream():
-            raw += part
-            if len(raw) > MAX_BODY_BYTES:
-                raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes",
-                               code="request_too_large")
         try:
-            body = json.loads(bytes(raw).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            msg = e.msg if isinstance(e, json.JSONDecodeError) else type(e).__name__
-            raise APIError(400, f"could not parse the JSON body of the request ({msg})",
-                           code="invalid_json") from None
+            async for part in request.stream():
+                raw += part
+                if len(raw) > MAX_BODY_BYTES:
+                    raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes",
+                                   code="request_too_large")
+        except ClientDisconnect:  # gone, or dropped by the body deadline (lily.server_limits)
+            raise APIError(499, "client disconnected while sending the request") from None
+        body = _parse_json(bytes(raw))
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
         try:
@@ -187,7 +254,7 @@ class Server:
         overrides = dict(
             temperature=_get(body, "temperature", float, None, lo=0.0, hi=2.0),
             top_p=_get(body, "top_p", float, None, lo=0.0, hi=1.0),
-            top_k=_get(body, "top_k", int, None, lo=-1),
+            top_k=_get(body, "top_k", int, None, lo=-1, hi=INT32_MAX),
             min_p=_get(body, "min_p", float, None, lo=0.0, hi=1.0),
             repetition_penalty=_get(body, "repetition_penalty", float, None, lo=0.0),
             presence_penalty=_get(body, "presence_penalty", float, None, lo=-2.0, hi=2.0),
@@ -204,12 +271,23 @@ class Server:
             raise APIError(400, str(e), code="invalid_value") from None
         return params, int(max_tokens), _stop(body), want_lp
 
-    def _fit(self, ids: np.ndarray, max_tokens: int) -> int:
-        ctx = self.model.max_context
-        if ids.size >= ctx:
-            raise APIError(400, f"This model's maximum context length is {ctx} tokens; the prompt has "
-                                f"{ids.size} tokens", param="messages", code="context_length_exceeded")
-        return min(max_tokens, ctx - int(ids.size))
+    def _too_long(self, tokens: str, param: str) -> APIError:
+        return APIError(400, f"This model's maximum context length is {self.model.max_context} tokens; the "
+                             f"prompt has {tokens} tokens", param=param, code="context_length_exceeded")
+
+    def _fit(self, ids: np.ndarray, max_tokens: int, param: str) -> int:
+        if ids.size >= self.model.max_context:
+            raise self._too_long(str(ids.size), param)
+        return min(max_tokens, self.model.max_context - int(ids.size))
+
+    async def _encode(self, text: str, param: str) -> np.ndarray:
+        """Tokenizes off the event loop (the tokenizer releases the GIL, so other requests and
+        /health keep being served), refusing a prompt as soon as it is known not to fit."""
+        try:
+            ids = await run_in_threadpool(self.model.tokenizer.encode, text, max_tokens=self.model.max_context - 1)
+        except PromptTooLong as e:
+            raise self._too_long(f"at least {e.at_least}", param) from None
+        return np.asarray(ids, dtype=np.int32)
 
     async def _run(self, request: Request, job_args: dict):
         """Queues a job; returns (job, asyncio.Queue of events)."""
@@ -220,9 +298,10 @@ class Server:
             try:
                 loop.call_soon_threadsafe(events.put_nowait, (kind, value))
             except RuntimeError:  # the event loop is gone (shutdown): stop generating
-                job.cancel()
+                job.cancel("shutdown")
 
-        job = Job(emit=emit, **job_args)
+        job = Job(emit=emit, buffer_chunks=self.limits.stream_buffer_chunks,
+                  stall_timeout_s=self.limits.stream_timeout_s, **job_args)
         try:
             self.scheduler.submit(job)
         except queue.Full:
@@ -231,25 +310,30 @@ class Server:
         return job, events
 
     async def _collect(self, request: Request, job: Job, events: asyncio.Queue):
-        """Waits for a non-streamed job, cancelling it if the client disconnects."""
+        """Waits for a non-streamed job. The client's disconnect (the ASGI server's
+        http.disconnect, awaited beside the job's events) cancels the job at once, so the
+        engine stops within the step it is running."""
         chunks = []
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
             while True:
-                try:
-                    kind, value = await asyncio.wait_for(events.get(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        job.cancel()
-                        raise APIError(499, "client disconnected") from None
-                    continue
+                event = asyncio.ensure_future(events.get())
+                await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not event.done():
+                    event.cancel()
+                    job.cancel("client_disconnected")
+                    raise APIError(499, "client disconnected")
+                kind, value = event.result()
                 if kind == "chunk":
+                    job.took_chunk()
                     chunks.append(value)
                 elif kind == "done":
                     return chunks, value
                 else:
                     raise value
         finally:
-            job.cancel()  # no-op once finished; frees the engine if we leave early
+            gone.cancel()
+            job.cancel("client_disconnected")  # no-op once finished; frees the engine if we leave early
 
     # -- endpoints ------------------------------------------------------------------------------
 
@@ -260,7 +344,9 @@ class Server:
             "status": "ok", "model": self.model_id, "running": s.running is not None, "queued": s.queued,
             "completed": st.completed, "cancelled": st.cancelled, "failed": st.failed,
             "rejected": st.rejected, "last_cancel_steps": st.last_cancel_steps,
-            "last_cancel_release_s": st.last_cancel_release_s,
+            "last_cancel_release_s": st.last_cancel_release_s, "last_cancel_reason": st.last_cancel_reason,
+            "last_cancel_tokens": st.last_cancel_tokens,
+            "connections": self.open_connections(),
             "cache": {"sequences": len(s.cache), "bytes": s.cache.nbytes, "budget_bytes": s.cache.budget_bytes,
                       "hits": s.cache.hits, "misses": s.cache.misses, "evictions": s.cache.evictions},
         })
@@ -269,7 +355,9 @@ class Server:
         self._check_auth(request)
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
-    async def model(self, request: Request):
+    async def model_card(self, request: Request):
+        # (Named model_card, not model: the attribute `model` is the served Model, and a method
+        # of that name was shadowed by it, so this route answered 500 and skipped the key check.)
         self._check_auth(request)
         name = request.path_params["name"]
         if name != self.model_id:
@@ -295,16 +383,18 @@ class Server:
         if self.model.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send token ids to /v1/completions", param="messages")
 
-        def render() -> tuple[str, np.ndarray]:
+        def render() -> str:
             try:
-                text = self.model.render_chat(messages, tools=tools if tool_choice != "none" else None,
+                return self.model.render_chat(messages, tools=tools if tool_choice != "none" else None,
                                               enable_thinking=enable_thinking)
             except Exception as e:  # template errors (raise_exception, bad message structure)
                 raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
-            return text, np.asarray(self.model.tokenizer.encode(text), dtype=np.int32)
 
-        # Rendering and tokenizing a long conversation takes a while: off the event loop.
-        text, ids = await run_in_threadpool(render)
+        # Rendering a long conversation takes a while: off the event loop. (The sandbox's size
+        # budgets grow with the messages, so a long message gets context_length_exceeded from
+        # the tokenizer below, not a template error.)
+        text = await run_in_threadpool(render)
+        ids = await self._encode(text, "messages")
         if ids.size == 0:
             raise APIError(400, "the rendered prompt is empty", param="messages")
         reasoning_started = text.rstrip().endswith(THINK_OPEN)
@@ -314,7 +404,7 @@ class Server:
         forced = _forced_call_prefix(tool_choice, tools) if not reasoning_started else ""
         if forced:
             ids = np.concatenate([ids, np.asarray(self.model.tokenizer.encode(forced), dtype=np.int32)])
-        max_tokens = self._fit(ids, max_tokens)
+        max_tokens = self._fit(ids, max_tokens, "messages")
         job, events = await self._run(request, dict(ids=ids, params=params, max_tokens=max_tokens, stop=stop,
                                                     want_logprobs=bool(want_lp)))
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
@@ -323,7 +413,7 @@ class Server:
         if stream:
             return EventSourceResponse(
                 self._chat_stream(job, events, rid, created, call_tools, reasoning_started, include_usage, forced),
-                ping=15, sep="\n")
+                ping=15, sep="\n", send_timeout=self.limits.stream_timeout_s)
         _chunks, result = await self._collect(request, job, events)
         parsed = parse_output(forced + result.text, tools=call_tools, reasoning_started=reasoning_started)
         msg = parsed.to_message()
@@ -347,7 +437,7 @@ class Server:
                 raise APIError(400, "'prompt' is empty", param="prompt")
             if self.model.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-            ids = np.asarray(await run_in_threadpool(self.model.tokenizer.encode, prompt), dtype=np.int32)
+            ids = await self._encode(prompt, "prompt")
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                           for t in prompt):
             vocab = self.model.config.vocab_size
@@ -369,14 +459,14 @@ class Server:
         params, max_tokens, stop, want_lp = self._sampling(body, chat=False)
         if "max_tokens" not in body:
             max_tokens = min(max_tokens, 16)  # OpenAI's default for completions
-        max_tokens = self._fit(ids, max_tokens)
+        max_tokens = self._fit(ids, max_tokens, "prompt")
         job, events = await self._run(request, dict(ids=ids, params=params, max_tokens=max_tokens, stop=stop,
                                                     want_logprobs=bool(want_lp)))
         rid = "cmpl-" + uuid.uuid4().hex[:24]
         created = int(time.time())
         if stream:
             return EventSourceResponse(self._completion_stream(job, events, rid, created, want_lp, include_usage),
-                                       ping=15, sep="\n")
+                                       ping=15, sep="\n", send_timeout=self.limits.stream_timeout_s)
         _chunks, result = await self._collect(request, job, events)
         choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason,
                   "logprobs": self._completion_logprobs(result.logprobs) if want_lp else None}
@@ -465,11 +555,16 @@ class Server:
                         or not isinstance(fn.get("name"), str) or not fn["name"]:
                     raise APIError(400, f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": "
                                         f"{{\"name\": ...}}}}", param=f"tools[{i}]")
+                _check_tool_schema(fn.get("parameters"), f"tools[{i}].function.parameters")
             tools = tools or None
         choice = body.get("tool_choice")
         if choice is None:
             return tools, "auto"
-        if choice in ("none", "auto", "required"):
+        if choice in ("none", "auto"):
+            return tools, choice
+        if choice == "required":
+            if not tools:
+                raise APIError(400, "'tool_choice' is 'required' but the request has no 'tools'", param="tool_choice")
             return tools, choice
         if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
             name = choice["function"].get("name")
@@ -514,17 +609,29 @@ class Server:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     async def _events(self, job: Job, events: asyncio.Queue):
-        """Yields ("chunk"|"done", value); cancels the job if the consumer stops early."""
+        """Yields ("chunk"|"done", value); cancels the job if the consumer stops early.
+
+        A chunk counts as taken (room for the engine to generate one more, see Job) when the
+        consumer asks for the next one, i.e. once the previous one was handed to the socket: a
+        client that stops reading blocks the send, so the engine stops after
+        ``stream_buffer_chunks`` chunks and the job is dropped after ``stream_timeout_s``."""
+        resumed = time.monotonic()
         try:
             while True:
                 kind, value = await events.get()
                 if kind == "error":
                     raise value
+                if kind == "chunk":
+                    job.took_chunk()
                 yield kind, value
+                resumed = time.monotonic()
                 if kind == "done":
                     return
         finally:
-            job.cancel()
+            # Closed while suspended in a send for the whole stream timeout: the response's send
+            # timed out (the client stopped reading), else the client went away.
+            stalled = time.monotonic() - resumed >= 0.9 * self.limits.stream_timeout_s
+            job.cancel("slow_reader" if stalled else "client_disconnected")
 
     def _stream_error(self, e: Exception) -> str:
         kind = "invalid_request_error" if isinstance(e, LilyError) else "server_error"
@@ -675,7 +782,7 @@ def build_app(server: Server) -> Starlette:
     routes = [
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
-        Route("/v1/models/{name:path}", server.model, methods=["GET"]),
+        Route("/v1/models/{name:path}", server.model_card, methods=["GET"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
     ]
@@ -692,10 +799,16 @@ def build_app(server: Server) -> Starlette:
 
 def serve(model, *, model_id: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_queue: int = 64, cache_bytes: int = 1 << 30, log_level: str = "info",
-          default_max_tokens: int | None = None) -> None:
+          default_max_tokens: int | None = None, limits: ServerLimits | None = None) -> None:
     """Runs the server until interrupted."""
     import uvicorn
 
+    limits = limits or ServerLimits()
     server = Server(model, model_id=model_id, api_key=api_key, max_queue=max_queue, cache_bytes=cache_bytes,
-                    default_max_tokens=default_max_tokens)
-    uvicorn.run(build_app(server), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
+                    default_max_tokens=default_max_tokens, limits=limits)
+    # uvicorn's h11 protocol with read deadlines, a connection cap and small send buffers
+    # (lily.server_limits: uvicorn has no deadline for reading a request).
+    protocol = limited_protocol(limits)
+    server.open_connections = protocol.open_connections
+    uvicorn.run(build_app(server), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,
+                http=protocol, backlog=limits.backlog)

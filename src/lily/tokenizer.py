@@ -8,6 +8,13 @@ lists both `<|im_end|>` and `<|endoftext|>`), so `eos_token_ids` is the union of
 Encoding never adds BOS/EOS (Qwen has none; chat templates write every control token) but
 does recognise added tokens written in the text, as transformers' `apply_chat_template` does.
 
+Long texts: `encode` runs in the `tokenizers` library with the GIL released (its batch call
+does; the single-text call holds it), so a long prompt tokenized on one thread does not stall
+the others. With `max_tokens` it also stops early once a text is known to hold more tokens:
+first by a bound from its size alone (`min_tokens`: no token of the vocabulary covers more than
+a known number of bytes), then by tokenizing it in pieces and stopping once they add up past the
+limit (see `_PIECE_CHARS`).
+
 `IncrementalDetokenizer` turns a token stream into text deltas. Byte-level BPE splits a
 multi-byte UTF-8 character across tokens, so decoding token by token would emit U+FFFD halves.
 It keeps a small window (the tokens since the last emitted boundary) and emits only when the
@@ -23,16 +30,32 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from lily._core import RequestError
+from lily.files import check_regular, read_json, read_text
 
-__all__ = ["Tokenizer", "IncrementalDetokenizer", "load_json_file"]
+__all__ = ["Tokenizer", "IncrementalDetokenizer", "PromptTooLong", "load_json_file"]
+
+# Tokenizing in pieces (only for texts far longer than the limit allows, so short prompts are
+# tokenized once): pieces of this many characters, cut at whitespace where there is some, where
+# byte-level BPE pre-tokenizers split anyway. A cut can still change the tokens next to it (the
+# word it falls in); counting _CUT_SLACK tokens off per cut keeps the sum a lower bound (a
+# property test checks it), so a prompt is refused only when it surely does not fit.
+_PIECE_CHARS = 1 << 18
+_CUT_SLACK = 64
+# Unicode normalization can shrink text before it is tokenized: composing a Hangul syllable
+# from its three jamo takes 9 UTF-8 bytes to 3. The size bound divides by this much more.
+_NORMALIZATION_SHRINK = 4
+
+
+class PromptTooLong(RequestError):
+    """`encode(text, max_tokens=N)`: the text holds more than N tokens (at least `at_least`)."""
+
+    def __init__(self, at_least: int, limit: int):
+        super().__init__(f"[tokenizer] the text has at least {at_least} tokens, more than {limit}")
+        self.at_least, self.limit = at_least, limit
 
 
 def load_json_file(path: Path) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    data = read_json(path, ValueError)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return data
@@ -77,8 +100,9 @@ class Tokenizer:
         from tokenizers import Tokenizer as _HFTokenizer
 
         path = Path(tokenizer_json)
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise FileNotFoundError(f"tokenizer file not found: {path}")
+        check_regular(path, ValueError)  # (the tokenizers library would block on a FIFO)
         try:
             self._tok = _HFTokenizer.from_file(str(path))
         except Exception as e:  # the tokenizers library raises plain Exception subclasses
@@ -119,19 +143,19 @@ class Tokenizer:
         and config.json for extra EOS ids) from a checkpoint folder."""
         root = Path(path)
         tj = root / "tokenizer.json"
-        if not tj.is_file():
+        if not os.path.lexists(tj):
             raise FileNotFoundError(f"{root}: no tokenizer.json (lily needs the fast-tokenizer file)")
-        config = load_json_file(root / "tokenizer_config.json") if (root / "tokenizer_config.json").is_file() else {}
+        config = load_json_file(root / "tokenizer_config.json") if os.path.lexists(root / "tokenizer_config.json") else {}
         extra: list[int] = []
         for name in ("generation_config.json", "config.json"):
-            if (root / name).is_file():
+            if os.path.lexists(root / name):
                 data = load_json_file(root / name)
                 # Multimodal configs nest the text model's fields.
                 value = data.get("eos_token_id", (data.get("text_config") or {}).get("eos_token_id"))
                 extra += _ids(value)
         template = None
-        if (root / "chat_template.jinja").is_file():
-            template = (root / "chat_template.jinja").read_text(encoding="utf-8")
+        if os.path.lexists(root / "chat_template.jinja"):
+            template = read_text(root / "chat_template.jinja", ValueError)
         return cls(tj, config, extra_eos_token_ids=extra, chat_template=template)
 
     # ------------------------------------------------------------------------- basic
@@ -159,11 +183,16 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = False, max_tokens: int | None = None) -> list[int]:
+        """Token ids of ``text`` (the GIL is released while the tokenizer runs). With
+        ``max_tokens``, raises PromptTooLong as soon as the text is known to hold more, often
+        without tokenizing all of it."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
         try:
-            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+            if max_tokens is not None:
+                self._check_fits(text, max_tokens, add_special_tokens)
+            ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         except TypeError:
             # The tokenizers library refuses text that is not valid Unicode (a lone surrogate,
             # which JSON's \ud800 escapes can produce) with a bare TypeError; found by the
@@ -175,15 +204,76 @@ class Tokenizer:
                 f"[tokenizer] the text has an unpaired surrogate U+{ord(text[bad]):04X} at index {bad}; "
                 "it is not valid Unicode"
             ) from None
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise PromptTooLong(len(ids), max_tokens)
+        return ids
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))`` from the text's size alone (0 when this
+        tokenizer allows none: a model that can cover any length with one unknown token)."""
+        per_token = self._max_token_bytes()
+        if not per_token or not text:
+            return 0
+        n_bytes = len(text.encode("utf-8", "surrogatepass"))
+        return -(-n_bytes // (per_token * _NORMALIZATION_SHRINK))
+
+    def _check_fits(self, text: str, limit: int, add_special_tokens: bool) -> None:
+        bound = self.min_tokens(text)
+        if bound > limit:
+            raise PromptTooLong(bound, limit)
+        # Far longer than `limit` tokens usually take: count in pieces, stop once past it.
+        if len(text) > max(_PIECE_CHARS, 16 * limit):
+            bound = self._min_tokens_by_pieces(text, limit, add_special_tokens)
+            if bound > limit:
+                raise PromptTooLong(bound, limit)
+
+    def _min_tokens_by_pieces(self, text: str, stop_above: int, add_special_tokens: bool = False) -> int:
+        """A lower bound on len(encode(text)) from tokenizing pieces of _PIECE_CHARS characters
+        (cut at a space where one is near), less _CUT_SLACK per cut; stops as soon as the bound
+        passes ``stop_above``."""
+        total, cuts, start = 0, 0, 0
+        while start < len(text):
+            end = min(start + _PIECE_CHARS, len(text))
+            if end < len(text):
+                space = text.rfind(" ", start + _PIECE_CHARS // 2, end)
+                end = space if space > start else end
+            total += len(self._tok.encode_batch([text[start:end]], add_special_tokens=add_special_tokens)[0].ids)
+            cuts += start > 0
+            if total - cuts * _CUT_SLACK > stop_above:
+                break
+            start = end
+        return total - cuts * _CUT_SLACK
+
+    def _max_token_bytes(self) -> int | None:
+        """The most bytes of text one token covers, or None if unbounded; computed once from
+        the tokenizer's description (byte-level BPE: one character of a token is one byte)."""
+        if not hasattr(self, "_per_token"):
+            self._per_token = _max_token_bytes(json.loads(self._tok.to_str()))
+        return self._per_token
 
     def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool = False) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False, errors: str = "strict") -> str:
+        """Text of ``ids``. An id outside the vocabulary raises ValueError, or with
+        ``errors="replace"`` decodes as U+FFFD (an embedding can have rows past the tokenizer's
+        entries: Qwen3.5/3.6 have 248,320 rows for 248,077 tokens)."""
         ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary ({self.vocab_size})")
+        n = self.vocab_size
+        if any(not 0 <= i < n for i in ids):
+            if errors != "replace":
+                bad = next(i for i in ids if not 0 <= i < n)
+                raise ValueError(f"token id {bad} is outside the vocabulary ({n})")
+            out, run = [], []
+            for i in ids:
+                if 0 <= i < n:
+                    run.append(i)
+                    continue
+                out.append(self._tok.decode(run, skip_special_tokens=skip_special_tokens) if run else "")
+                out.append("\ufffd")
+                run = []
+            out.append(self._tok.decode(run, skip_special_tokens=skip_special_tokens) if run else "")
+            return "".join(out)
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def detokenizer(self, *, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
@@ -209,6 +299,33 @@ class Tokenizer:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos={self.eos_token!r}, eos_token_ids={self.eos_token_ids})"
 
 
+def _max_token_bytes(desc: dict) -> int | None:
+    """From a parsed tokenizer.json: the most bytes of (normalized) text one token stands for,
+    or None when no bound holds: a non-BPE model (WordPiece maps a whole long word to [UNK]), or
+    BPE fusing runs of unknown characters into one unknown token."""
+    model = desc.get("model") or {}
+    if model.get("type") != "BPE" or (model.get("unk_token") is not None and model.get("fuse_unk")
+                                      and not model.get("byte_fallback")):
+        return None
+    normalizer = desc.get("normalizer")
+    kinds = [n.get("type") for n in (normalizer.get("normalizers", [normalizer]) if normalizer else [])]
+    if any(k not in ("NFC", "NFD", "NFKC", "NFKD") for k in kinds):
+        return None  # a Replace or Strip normalizer could shrink the text by any amount
+
+    def is_byte_level(part) -> bool:
+        parts = part.get("pretokenizers", [part]) if isinstance(part, dict) else []
+        return any(isinstance(p, dict) and p.get("type") == "ByteLevel" for p in parts)
+
+    byte_level = is_byte_level(desc.get("pre_tokenizer")) or is_byte_level(desc.get("decoder"))
+    # Byte-level vocabularies spell each byte as one character; otherwise a token's UTF-8 length
+    # is at least the text it covers (Metaspace's 3-byte "\u2581" stands for one space).
+    size = (lambda t: len(t)) if byte_level else (lambda t: len(t.encode("utf-8")))
+    longest = max((size(t) for t in (model.get("vocab") or {})), default=1)
+    for t in desc.get("added_tokens") or []:
+        longest = max(longest, len(str(t.get("content", "")).encode("utf-8")))
+    return max(longest, 1)
+
+
 class IncrementalDetokenizer:
     """Feed token ids one at a time; get text deltas that never split a character.
 
@@ -225,8 +342,15 @@ class IncrementalDetokenizer:
         self._read = 0  # tokens in [prefix, read) are emitted as text already
         self.text = ""  # everything emitted so far
 
+    @property
+    def vocab_size(self) -> int:
+        """Ids this detokenizer can decode (the sampler chooses no others)."""
+        return self._tokenizer.vocab_size
+
     def _decode(self, a: int, b: int) -> str:
-        return self._tokenizer.decode(self.ids[a:b], skip_special_tokens=self._skip)
+        # Fail safe: an id the tokenizer lacks (a padding row of the embedding) reads as U+FFFD
+        # instead of ending the generation with an error.
+        return self._tokenizer.decode(self.ids[a:b], skip_special_tokens=self._skip, errors="replace")
 
     def feed(self, token_id: int) -> str:
         self.ids.append(int(token_id))

@@ -74,9 +74,12 @@ def _schemas(tools: Sequence[Mapping] | None) -> dict[str, dict]:
     return out
 
 
-def _convert(value: str, schema: Mapping | None) -> Any:
+def _convert(value: str, schema: Any) -> Any:
+    # The schema comes from whoever sent the request: anything may be here (the server checks
+    # schemas, but the Python API does not), so a type that is not a string or a list of
+    # strings counts as no type at all.
     types = schema.get("type") if isinstance(schema, Mapping) else None
-    types = [types] if isinstance(types, str) else list(types or [])
+    types = [types] if isinstance(types, str) else list(types) if isinstance(types, (list, tuple)) else []
     if types and all(t == "string" for t in types):
         return value
     try:

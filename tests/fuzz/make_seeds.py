@@ -136,6 +136,31 @@ def main() -> None:
     _write("template", "ns", b"{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
                              b"{% endfor %}{{ ns.n }}{{ tools | tojson }}")
 
+    # Issue 22 (the adversarial review, docs/reliability.md): one input per finding.
+    ok_chat = {"model": "lily-demo", "messages": [{"role": "user", "content": "Hi"}]}
+    _write("server", "regress22_int_5000_digits", b"\0\0" + json.dumps(ok_chat)[:-1].encode()
+           + b', "max_tokens": ' + b"1" * 5000 + b"}")
+    _write("server", "regress22_nan", b"\1\0" + b'{"prompt": "x", "temperature": NaN}')
+    _write("server", "regress22_top_k_1e12", b"\1\0" + json.dumps({"prompt": "x", "top_k": 10**12}).encode())
+    bad_tool = {**ok_chat, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": 5}}}}}]}
+    _write("server", "regress22_tool_type_5", b"\0\0" + json.dumps(bad_tool).encode())
+    _write("server", "regress22_required_no_tools", b"\0\0" + json.dumps({**ok_chat, "tool_choice": "required"}).encode())
+    _write("config", "regress22_nested_100k", b"\0" + _pair(b"[" * 100_000 + b"]" * 100_000, b"{}"))
+    for field, value in (("num_hidden_layers", 10**6), ("head_dim", 10**9)):
+        c = json.loads(json.dumps(cfg))
+        c["text_config"][field] = value
+        c["text_config"].pop("layer_types", None)
+        _write("config", f"regress22_{field}", b"\0" + _pair(json.dumps(c).encode(), b"{}"))
+    _write("template", "regress22_concat_doubling",
+           b"{% set ns = namespace(x='ab') %}{% for i in range(64) %}{% set ns.x = ns.x ~ ns.x %}{% endfor %}")
+    _write("template", "regress22_replace_growth",
+           b"{% set ns = namespace(x='a') %}{% for i in range(64) %}{% set ns.x = ns.x.replace('a', 'aa') %}"
+           b"{% endfor %}")
+    _write("template", "regress22_join_references", b"{{ (['x' * 100000] * 100000) | join }}")
+    _write("template", "regress22_set_block",
+           b"{% set s = 'x' * 100000 %}{% set out %}{% for i in range(100000) %}{{ s }}{% endfor %}{% endset %}")
+
 
 def _pair(a: bytes, b: bytes) -> bytes:
     """Two documents in one input: a 4-byte little-endian length of the first, then both."""

@@ -31,6 +31,7 @@ import atexit
 import copy
 import json
 import os
+import re
 import shutil
 import struct
 import sys
@@ -54,10 +55,16 @@ with atheris.instrument_imports(include=["lily"]):
 DEMO = Path(lily.__file__).resolve().parent / "demo"
 WORK = Path(tempfile.mkdtemp(prefix="lily-fuzz-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
 
+# Number literals json.dumps cannot write: past Python's 4,300-digit int conversion limit (a
+# ValueError out of json.loads), and one that overflows a float. _doc writes them raw.
+_RAW = "\x00raw:"
+RAW_NUMBERS = [_RAW + "1" * 4400, _RAW + "-" + "9" * 5000, _RAW + "1e999"]
+
 HOSTILE = [None, True, False, 0, -1, 1, 2, 3, 7, 2**31, -(2**31) - 1, 2**63, 10**400 // 10**370, 1e308, -1e-308,
            0.5, float("nan"), float("inf"), "", "x", "\x00", "\ud800", "affine", "mxfp4", "default",
            "full_attention", "linear_attention", "<|im_end|>", [], [1], [None], ["a"] * 3, {}, {"a": 1},
-           {"bits": 4}, {"group_size": 32, "bits": 8}, [[[[[]]]]], "a" * 10000]
+           {"bits": 4}, {"group_size": 32, "bits": 8}, [[[[[]]]]], "a" * 10000, 10**12, 10**9,
+           {"type": 5}, {"type": "object", "properties": {"x": {"type": 1.5}}}, *RAW_NUMBERS]
 
 
 def _hostile(fdp: atheris.FuzzedDataProvider):
@@ -129,12 +136,16 @@ def _get_parent(doc, path):
     return cur
 
 
+def _dumps(doc) -> bytes:
+    """JSON text of a document, with the RAW_NUMBERS placeholders written as bare literals."""
+    return re.sub(r'"\\u0000raw:([^"]*)"', r"\1", json.dumps(doc, allow_nan=True)).encode()
+
+
 def _doc(data: bytes, seed) -> bytes:
     """The document an input stands for: raw bytes, or the seed with structured edits."""
     if not data or data[0] % 2 == 0:
         return data[1:]
-    fdp = atheris.FuzzedDataProvider(data[1:])
-    return json.dumps(_mutate(seed, fdp), allow_nan=True).encode()
+    return _dumps(_mutate(seed, atheris.FuzzedDataProvider(data[1:])))
 
 
 # -- config ------------------------------------------------------------------------------------
@@ -146,9 +157,9 @@ CONFIG_DIR = WORK / "config"
 
 def config_target(data: bytes) -> None:
     if data and data[0] % 2 == 1:
-        doc = json.loads(_doc(data, CONFIG_SEED))
-        cfg_bytes = json.dumps(doc.get("config") if isinstance(doc, dict) else doc).encode()
-        gen_bytes = json.dumps(doc.get("generation", {}) if isinstance(doc, dict) else {}).encode()
+        doc = _mutate(CONFIG_SEED, atheris.FuzzedDataProvider(data[1:]))
+        cfg_bytes = _dumps(doc.get("config") if isinstance(doc, dict) else doc)
+        gen_bytes = _dumps(doc.get("generation", {}) if isinstance(doc, dict) else {})
     else:
         cfg_bytes, gen_bytes = _split(data[1:])
     (CONFIG_DIR / "config.json").write_bytes(cfg_bytes)
