@@ -271,21 +271,37 @@ bool fused_f32(const Linear& W) {
 
 // ---- Larger chunks: panel GEMM in the same order ---------------------------------------------
 // A panel of kPanel rows is expanded once into f32 codes (dense rows: f32 values) in the kernels'
-// element order, Q [kPanel][in] (in L2), then swept by a register tile of kTileR rows x kTileN
-// tokens whose every output keeps its own 16-lane accumulators, exactly as the fused kernels'
-// do: per 16-value step, kTileR + kTileN loads feed kTileR * kTileN FMAs (the fused kernels
-// re-read and re-widen each packed row for every 8 tokens). The bias term runs 16 tokens at a
-// time on the group sums transposed to [G][16].
+// element order (in L2). It is swept by register tiles of kTileR rows x kTileN tokens, each
+// output with its own 16-lane accumulators, exactly as the fused kernels keep them: per 16-value
+// step, kTileR + kTileN loads feed kTileR * kTileN FMAs (the fused kernels re-read and re-widen
+// each packed row for every 8 tokens). The values are taken kKChunk at a time, so the tile's
+// slice of x stays in L1 while every row of the panel passes over it; between chunks the
+// accumulators wait in a small L1 buffer. The panel is stored in the order the tiles read it
+// (per chunk, per row pair, per step: the pair's two 16-value slices), one sequential stream.
+// The bias term runs 16 tokens at a time on the group sums transposed to [G][16].
 constexpr int kPanel = 32;
-constexpr int kTileR = 2, kTileN = 4;
+constexpr int kTileR = 2, kTileN = 6;
+constexpr int kKChunk = 512;
+static_assert(kPanel % kTileR == 0, "whole row pairs per panel");
+
+// A 64-byte aligned view into a vector (the tiles' 64-byte loads must not split cache lines:
+// unaligned, they ran at half speed).
+inline float* aligned64(std::vector<float>& v, size_t n) {
+  v.resize(n + 16);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
+}
 
 struct F32GemmInput {
   MatvecInput x;            // x (de-interleaved for 4-bit) and its group sums
   std::vector<float> gsT;   // [ceil(T / 16)][G][16]
+  std::vector<float> xa_store;
+  float* xa = nullptr;      // [T, in]: x as the tiles read it, 64-byte aligned
 };
 
 void prepare_f32_gemm(const Linear& W, const float* x, int T, F32GemmInput& g) {
   g.x.prepare(W, x, T, Matmul::F32);
+  g.xa = aligned64(g.xa_store, size_t(T) * W.in);
+  std::memcpy(g.xa, g.x.deinterleaved ? g.x.xd.data() : x, size_t(T) * W.in * sizeof(float));
   if (!W.quantized()) return;
   const int G = W.in / W.group, groups16 = (T + 15) / 16;
   g.gsT.assign(size_t(groups16) * G * 16, 0.0f);
@@ -293,85 +309,111 @@ void prepare_f32_gemm(const Linear& W, const float* x, int T, F32GemmInput& g) {
     for (int gi = 0; gi < G; ++gi) g.gsT[(size_t(t / 16) * G + gi) * 16 + t % 16] = g.x.gsum[size_t(t) * G + gi];
 }
 
-// Rows [r0, r0 + nr) as f32 codes in the fused kernels' element order, Q [nr][in].
-void expand_panel(const Linear& W, int r0, int nr, float* Q) {
+// Where the panel keeps values [k, k + 16) of row i: chunks of `chunk` values, each holding the
+// row pairs' blocks of steps (16 values of both rows of the pair per step).
+struct PanelLayout {
+  int chunk, main;  // values per chunk; values in the panel (dense rows: without the tail)
+  size_t offset(int i, int k) const {
+    const int kc = k / chunk, k0 = kc * chunk, len = std::min(chunk, main - k0);
+    return size_t(k0) * kPanel + (size_t(i / kTileR) * len + size_t(k - k0)) * kTileR + size_t(i % kTileR) * 16;
+  }
+};
+
+// Rows [r0, r0 + nr) as f32 codes in the fused kernels' element order, at L's offsets in Q;
+// rows nr .. kPanel - 1 repeat row nr - 1 (computed, never stored). Dense rows' tails (values
+// past the last whole step) go to tail [kPanel][16].
+void expand_panel(const Linear& W, int r0, int nr, const PanelLayout& L, float* Q, float* tail) {
   const int in = W.in;
-  for (int i = 0; i < nr; ++i) {
-    float* q = Q + size_t(i) * in;
+  thread_local std::vector<float> row_store;
+  row_store.resize(in);
+  float* row = row_store.data();
+  for (int i = 0; i < kPanel; ++i) {
+    const int r = r0 + std::min(i, nr - 1);
     if (!W.quantized()) {
-      convert_row(W.w + size_t(r0 + i) * W.row_bytes(), W.dtype, in, q);
+      convert_row(W.w + size_t(r) * W.row_bytes(), W.dtype, in, row);
+      for (int k = 0; k < L.main; k += 16) std::memcpy(Q + L.offset(i, k), row + k, 16 * sizeof(float));
+      std::memcpy(tail + size_t(i) * 16, row + L.main, size_t(in - L.main) * sizeof(float));
     } else if (W.bits == 4) {
-      const uint8_t* p = W.w + size_t(r0 + i) * (size_t(in) / 2);
+      const uint8_t* p = W.w + size_t(r) * (size_t(in) / 2);
       for (int e0 = 0; e0 < in; e0 += 32) {
         __m512 lo, hi;
         codes4(p + e0 / 2, lo, hi);
-        _mm512_storeu_ps(q + e0, lo);
-        _mm512_storeu_ps(q + e0 + 16, hi);
+        _mm512_storeu_ps(Q + L.offset(i, e0), lo);
+        _mm512_storeu_ps(Q + L.offset(i, e0 + 16), hi);
       }
     } else {
-      const uint8_t* p = W.w + size_t(r0 + i) * size_t(in);
-      for (int e0 = 0; e0 < in; e0 += 16) _mm512_storeu_ps(q + e0, codes8(p + e0));
+      const uint8_t* p = W.w + size_t(r) * size_t(in);
+      for (int e0 = 0; e0 < in; e0 += 16) _mm512_storeu_ps(Q + L.offset(i, e0), codes8(p + e0));
     }
   }
 }
 
-// out[r][t] = hsum of the canonical accumulators of R rows (q[r]: codes) x N tokens (x[t]);
-// sf[r]: row r's f32 scales (affine).
-template <int R, int N, bool kAffine>
-void tile(const float* const* q, const float* const* x, int in, int group, const float* const* sf, float out[][kTileN]) {
-  __m512 acc[R][N];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < N; ++t) acc[r][t] = _mm512_setzero_ps();
-  auto steps = [&](__m512 (&a)[R][N], int k0, int k1) {
-    for (int k = k0; k < k1; k += 16) {
+// Advances the accumulators of kTileR rows x N tokens (x[t]) over `len` values of one chunk:
+// q, the row pair's steps in the chunk (PanelLayout); acc + 16 * (r * kTileN + t) holds output
+// (r, t)'s 16 lanes. Affine: per group (sf[r][g0 + j]: row r's scale of the chunk's group j)
+// gacc from zero, then acc = fma(gacc, s, acc); dense: acc itself runs through the FMAs.
+template <int N, bool kAffine>
+void tile_chunk(const float* q, const float* const* x, int k0, int len, int group, const float* const* sf, int g0,
+                float* acc) {
+  constexpr int R = kTileR;
+  auto steps = [&](__m512 (&a)[R][N], int s0, int s1) {
+    for (int k = s0; k < s1; k += 16) {
       __m512 w[R];
-      for (int r = 0; r < R; ++r) w[r] = _mm512_loadu_ps(q[r] + k);
+      for (int r = 0; r < R; ++r) w[r] = _mm512_loadu_ps(q + size_t(k) * R + r * 16);
       for (int t = 0; t < N; ++t) {
-        const __m512 xv = _mm512_loadu_ps(x[t] + k);
+        const __m512 xv = _mm512_loadu_ps(x[t] + k0 + k);
         for (int r = 0; r < R; ++r) a[r][t] = _mm512_fmadd_ps(w[r], xv, a[r][t]);
       }
     }
   };
+  __m512 a[R][N];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < N; ++t) a[r][t] = _mm512_loadu_ps(acc + 16 * (r * kTileN + t));
   if constexpr (kAffine) {
-    for (int g0 = 0, g = 0; g0 < in; g0 += group, ++g) {
-      __m512 gacc[R][N];
+    for (int k = 0, g = g0; k < len; k += group, ++g) {
+      __m512 ga[R][N];
       for (int r = 0; r < R; ++r)
-        for (int t = 0; t < N; ++t) gacc[r][t] = _mm512_setzero_ps();
-      steps(gacc, g0, g0 + group);
+        for (int t = 0; t < N; ++t) ga[r][t] = _mm512_setzero_ps();
+      if (group == 64) steps(ga, k, k + 64);  // the common group, with a constant trip count
+      else steps(ga, k, k + group);
       for (int r = 0; r < R; ++r) {
         const __m512 sc = _mm512_set1_ps(sf[r][g]);
-        for (int t = 0; t < N; ++t) acc[r][t] = _mm512_fmadd_ps(gacc[r][t], sc, acc[r][t]);
+        for (int t = 0; t < N; ++t) a[r][t] = _mm512_fmadd_ps(ga[r][t], sc, a[r][t]);
       }
     }
   } else {
-    steps(acc, 0, in - in % 16);
+    steps(a, 0, len);
   }
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < N; ++t) out[r][t] = hsum(acc[r][t]);
+    for (int t = 0; t < N; ++t) _mm512_storeu_ps(acc + 16 * (r * kTileN + t), a[r][t]);
 }
 
-template <int R, int N>
-void tile_for(bool affine, const float* const* q, const float* const* x, int in, int group, const float* const* sf,
-              float out[][kTileN]) {
-  if (affine) tile<R, N, true>(q, x, in, group, sf, out);
-  else tile<R, N, false>(q, x, in, group, sf, out);
+template <int N>
+void tile_chunk_for(bool affine, const float* q, const float* const* x, int k0, int len, int group,
+                    const float* const* sf, int g0, float* acc) {
+  if (affine) tile_chunk<N, true>(q, x, k0, len, group, sf, g0, acc);
+  else tile_chunk<N, false>(q, x, k0, len, group, sf, g0, acc);
 }
 
 // Panels [p0, p1) of y[T, out], by the calling thread.
 void f32_gemm_panels(const Linear& W, const F32GemmInput& g, float* y, int64_t p0, int64_t p1) {
   const int in = W.in, T = g.x.T, out_rows = W.out;
   const bool affine = W.quantized();
-  const int group = affine ? W.group : in, G = affine ? in / W.group : 0;
-  const float* X = g.x.deinterleaved ? g.x.xd.data() : g.x.x;
-  thread_local std::vector<float> q_store, sf_store, bf_store;
-  q_store.resize(size_t(kPanel) * in);
+  const int group = affine ? W.group : 16, G = affine ? in / W.group : 0;
+  PanelLayout L;
+  L.main = affine ? in : in - in % 16;  // dense: the tail is added after the tree sum
+  L.chunk = std::max(kKChunk / group, 1) * group;
+  const float* X = g.xa;
+  thread_local std::vector<float> q_store, tail_store, sf_store, bf_store, acc_store;
+  tail_store.resize(size_t(kPanel) * 16);
   sf_store.resize(size_t(kPanel) * std::max(G, 1));
   bf_store.resize(size_t(kPanel) * std::max(G, 1));
-  float* Q = q_store.data();
+  float* Q = aligned64(q_store, size_t(kPanel) * std::max(L.main, 16));
+  float* acc_all = aligned64(acc_store, size_t(kPanel) * kTileN * 16);
   const size_t esz = dtype_size(W.dtype);
   for (int64_t p = p0; p < p1; ++p) {
     const int r0 = int(p * kPanel), nr = std::min(kPanel, out_rows - r0);
-    expand_panel(W, r0, nr, Q);
+    expand_panel(W, r0, nr, L, Q, tail_store.data());
     for (int i = 0; i < nr && affine; ++i)
       for (int gi = 0; gi < G; ++gi) {
         sf_store[size_t(i) * G + gi] = load_as_f32(W.scales + size_t(r0 + i) * G * esz, W.dtype, gi);
@@ -381,43 +423,43 @@ void f32_gemm_panels(const Linear& W, const F32GemmInput& g, float* y, int64_t p
       const int N = std::min(kTileN, T - t0);
       const float* xs[kTileN];
       for (int t = 0; t < kTileN; ++t) xs[t] = X + size_t(t0 + std::min(t, N - 1)) * in;
-      for (int i0 = 0; i0 < nr; i0 += kTileR) {
-        const int R = std::min(kTileR, nr - i0);
-        const float* qs[kTileR];
-        const float* sfs[kTileR];
-        for (int r = 0; r < kTileR; ++r) {
-          qs[r] = Q + size_t(i0 + std::min(r, R - 1)) * in;
-          sfs[r] = sf_store.data() + size_t(i0 + std::min(r, R - 1)) * G;
+      std::fill(acc_all, acc_all + size_t(kPanel) * kTileN * 16, 0.0f);
+      for (int k0 = 0; k0 < L.main; k0 += L.chunk) {
+        const int len = std::min(L.chunk, L.main - k0);
+        for (int i0 = 0; i0 < nr; i0 += kTileR) {
+          const float* q = Q + L.offset(i0, k0);
+          const float* sfs[kTileR];
+          for (int r = 0; r < kTileR; ++r) sfs[r] = sf_store.data() + size_t(std::min(i0 + r, nr - 1)) * G;
+          float* acc = acc_all + size_t(i0) * kTileN * 16;
+          switch (N) {
+            case 1: tile_chunk_for<1>(affine, q, xs, k0, len, group, sfs, k0 / group, acc); break;
+            case 2: tile_chunk_for<2>(affine, q, xs, k0, len, group, sfs, k0 / group, acc); break;
+            case 3: tile_chunk_for<3>(affine, q, xs, k0, len, group, sfs, k0 / group, acc); break;
+            case 4: tile_chunk_for<4>(affine, q, xs, k0, len, group, sfs, k0 / group, acc); break;
+            case 5: tile_chunk_for<5>(affine, q, xs, k0, len, group, sfs, k0 / group, acc); break;
+            default: tile_chunk_for<kTileN>(affine, q, xs, k0, len, group, sfs, k0 / group, acc); break;
+          }
         }
-        float o[kTileR][kTileN];
-        switch (N) {  // the row count stays kTileR: a missing row repeats the last, not stored
-          case 1: tile_for<kTileR, 1>(affine, qs, xs, in, group, sfs, o); break;
-          case 2: tile_for<kTileR, 2>(affine, qs, xs, in, group, sfs, o); break;
-          case 3: tile_for<kTileR, 3>(affine, qs, xs, in, group, sfs, o); break;
-          default: tile_for<kTileR, kTileN>(affine, qs, xs, in, group, sfs, o); break;
-        }
-        for (int r = 0; r < R; ++r)
-          for (int t = 0; t < N; ++t) y[size_t(t0 + t) * out_rows + r0 + i0 + r] = o[r][t];
       }
-    }
-    // The bias term (affine) or the tail (dense), in the order of the fused kernels.
-    for (int i = 0; i < nr; ++i) {
-      const int r = r0 + i;
-      if (affine) {
-        const float* bf = bf_store.data() + size_t(i) * G;
-        for (int tg = 0; tg * 16 < T; ++tg) {
-          __m512 bias = _mm512_setzero_ps();
-          for (int gi = 0; gi < G; ++gi)
-            bias = _mm512_add_ps(bias, _mm512_mul_ps(_mm512_set1_ps(bf[gi]), _mm512_loadu_ps(g.gsT.data() + (size_t(tg) * G + gi) * 16)));
-          alignas(64) float lanes[16];
-          _mm512_store_ps(lanes, bias);
-          for (int l = 0; l < 16 && tg * 16 + l < T; ++l) y[size_t(tg * 16 + l) * out_rows + r] += lanes[l];
+      for (int i = 0; i < nr; ++i)
+        for (int t = 0; t < N; ++t) {
+          const float* a = acc_all + (size_t(i) * kTileN + t) * 16;
+          float v = hsum(_mm512_loadu_ps(a));
+          if (!affine && L.main < in)
+            v = dense_tail(v, tail_store.data() + size_t(i) * 16, X + size_t(t0 + t) * in + L.main, in - L.main);
+          y[size_t(t0 + t) * out_rows + r0 + i] = v;
         }
-      } else if (in % 16) {
-        const int main = in - in % 16;
-        for (int t = 0; t < T; ++t)
-          y[size_t(t) * out_rows + r] =
-              dense_tail(y[size_t(t) * out_rows + r], Q + size_t(i) * in + main, X + size_t(t) * in + main, in % 16);
+    }
+    // The bias term, 16 tokens at a time, in the order of the fused kernels.
+    for (int i = 0; i < nr && affine; ++i) {
+      const float* bf = bf_store.data() + size_t(i) * G;
+      for (int tg = 0; tg * 16 < T; ++tg) {
+        __m512 bias = _mm512_setzero_ps();
+        for (int gi = 0; gi < G; ++gi)
+          bias = _mm512_add_ps(bias, _mm512_mul_ps(_mm512_set1_ps(bf[gi]), _mm512_loadu_ps(g.gsT.data() + (size_t(tg) * G + gi) * 16)));
+        alignas(64) float lanes[16];
+        _mm512_store_ps(lanes, bias);
+        for (int l = 0; l < 16 && tg * 16 + l < T; ++l) y[size_t(tg * 16 + l) * out_rows + r0 + i] += lanes[l];
       }
     }
   }
