@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/linear.h"
@@ -189,8 +190,8 @@ void row_params(const uint8_t* p, DType dt, int n, float* out) {
 
 // Software prefetch of one row-major stream. Why: batch-1 decode is one pass over each matrix,
 // and the hardware prefetchers stop at every 4 KiB page and ramp up again on the next, which
-// left one thread's loads waiting on DRAM. The row kernels keep the next block of rows in
-// flight while they read the current one.
+// left one thread's loads waiting on DRAM. The row kernels keep the next quad of rows in flight
+// while they read the current one (further ahead measured slower).
 struct StreamPrefetch {
   const uint8_t* next;  // first byte not yet prefetched
   const uint8_t* end;   // the stream's end: nothing past it is touched
@@ -201,10 +202,20 @@ struct StreamPrefetch {
 
 // ---- Block sums with rows in lanes -----------------------------------------------------------
 //
-// Step<BITS>::run(rows, xt, v, blk) reads values [v, v + width) of kRows rows (rows[i]: row i's
-// packed bytes) and of one token's xq (xt), and writes blk[k] = the integer dot products of
-// block v / 32 + k, lane i = row i; it returns the number of blocks (width / 32). Step::kFull is
-// the width of the main steps; a row may end with one half-width step (tail = true).
+// Rows are taken kRows at a time (a block of rows), four at a time within it (a quad). A quad's
+// four rows are read together, front to back, and the quad's block sums wait in a small buffer;
+// then, step by step, the quads' vectors are rearranged into one vector per block whose lane i
+// is row i of the block, and the f32 sequence runs for the kRows rows at once.
+//   Step<BITS>::quad<kHalf, NT>(rows, xt, v, q): values [v, v + width) of the quad's rows
+//     (rows[i]: row i's packed bytes) against NT (1 or 2) tokens (xt[j]: token j's xq); q[j]
+//     gets token j's block sums in the layout blocks() reads. Two tokens share each row's loads
+//     and nibble unpacking. Step::kFull is the width of the main steps; a row may end with one
+//     half-width step (kHalf).
+//   Step<BITS>::blocks(q, blk): the quads' vectors of one step (q[0 .. kRows / 4)) -> blk[k] =
+//     the block sums of block v / 32 + k, lane i = row i; returns the number of blocks.
+// (Why quads: 16 rows read interleaved streamed ~10% slower from DRAM than 4, and rows read one
+// at a time need a 16 x 16 transpose per 16 blocks, ~15% more instructions; measured with
+// benchmarks/kernels/matvec_bench.)
 #if defined(LILY_INT8_AVX512)
 constexpr int kRows = 16;
 using IVec = __m512i;
@@ -237,48 +248,84 @@ inline __m512i load_bytes(const void* p) {
 template <int BITS>
 struct Step;
 
+// 4-bit: 128 values per step, 64 packed bytes per row. Lane m of a row's product covers values
+// [8m, 8m + 8) of the step: block m / 4. The quad vector: 128-bit lane k = the quad's rows' sums
+// of the step's block k.
 template <>
 struct Step<4> {
-  static constexpr int kFull = 128;  // values: 64 packed bytes
-  template <bool kHalf>
-  static int run(const uint8_t* const* rows, const int8_t* xt, int v, __m512i* blk) {
+  static constexpr int kFull = 128;
+  template <bool kHalf, int NT>
+  static void quad(const uint8_t* const* rows, const int8_t* const* xt, int v, __m512i* q) {
     constexpr int half = kHalf ? 32 : 64;  // bytes of codes per row = x bytes per parity
     const __m512i m4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
-    const __m512i xe = load_bytes<kHalf>(xt + v), xo = load_bytes<kHalf>(xt + v + half);
-    __m512i quad[4];
-    for (int k = 0; k < 4; ++k) {
-      __m512i ia[4];
-      for (int i = 0; i < 4; ++i) {
-        const __m512i w = load_bytes<kHalf>(rows[4 * k + i] + v / 2);
-        const __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
-        ia[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, xe), hi, xo);
-      }
-      quad[k] = sum_lane_quads(ia[0], ia[1], ia[2], ia[3]);
+    __m512i xe[NT], xo[NT], ia[NT][4];
+    for (int j = 0; j < NT; ++j) {
+      xe[j] = load_bytes<kHalf>(xt[j] + v);
+      xo[j] = load_bytes<kHalf>(xt[j] + v + half);
     }
-    transpose_lanes(quad, blk);
+    for (int i = 0; i < 4; ++i) {
+      const __m512i w = load_bytes<kHalf>(rows[i] + v / 2);
+      const __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
+      for (int j = 0; j < NT; ++j) ia[j][i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, xe[j]), hi, xo[j]);
+    }
+    for (int j = 0; j < NT; ++j) q[j] = sum_lane_quads(ia[j][0], ia[j][1], ia[j][2], ia[j][3]);
+  }
+  template <bool kHalf>
+  static int blocks(const __m512i* q, __m512i* blk) {
+    transpose_lanes(q, blk);
     return kHalf ? 2 : 4;
   }
 };
 
+// 8-bit: 64 values = bytes per step, two blocks of 8 lanes. The quad vector: 128-bit lanes 0, 1
+// = the two halves of the step's first block, lanes 2, 3 of its second.
 template <>
 struct Step<8> {
-  static constexpr int kFull = 64;  // values = bytes
-  template <bool kHalf>
-  static int run(const uint8_t* const* rows, const int8_t* xt, int v, __m512i* blk) {
-    const __m512i zero = _mm512_setzero_si512(), x = load_bytes<kHalf>(xt + v);
-    __m512i quad[4], t[4];
-    for (int k = 0; k < 4; ++k) {
-      __m512i ia[4];
-      for (int i = 0; i < 4; ++i) ia[i] = _mm512_dpbusd_epi32(zero, load_bytes<kHalf>(rows[4 * k + i] + v), x);
-      quad[k] = sum_lane_quads(ia[0], ia[1], ia[2], ia[3]);
+  static constexpr int kFull = 64;
+  template <bool kHalf, int NT>
+  static void quad(const uint8_t* const* rows, const int8_t* const* xt, int v, __m512i* q) {
+    const __m512i zero = _mm512_setzero_si512();
+    __m512i x[NT], ia[NT][4];
+    for (int j = 0; j < NT; ++j) x[j] = load_bytes<kHalf>(xt[j] + v);
+    for (int i = 0; i < 4; ++i) {
+      const __m512i w = load_bytes<kHalf>(rows[i] + v);
+      for (int j = 0; j < NT; ++j) ia[j][i] = _mm512_dpbusd_epi32(zero, w, x[j]);
     }
-    // A block is 8 lanes: two 128-bit lanes of partial sums.
-    transpose_lanes(quad, t);
+    for (int j = 0; j < NT; ++j) q[j] = sum_lane_quads(ia[j][0], ia[j][1], ia[j][2], ia[j][3]);
+  }
+  template <bool kHalf>
+  static int blocks(const __m512i* q, __m512i* blk) {
+    __m512i t[4];
+    transpose_lanes(q, t);
     blk[0] = _mm512_add_epi32(t[0], t[1]);
     blk[1] = _mm512_add_epi32(t[2], t[3]);
     return kHalf ? 1 : 2;
   }
 };
+
+// out[c * 16 + i] = in[i * ld + c] for i, c < 16.
+inline void transpose16x16(const float* in, size_t ld, float* out) {
+  __m512 r[16], a[16], b[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + i * ld);
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // b[4i + k], 128-bit lane L: rows 4i .. 4i+3 of column 4L + k
+    b[4 * i + 0] = _mm512_shuffle_ps(a[4 * i + 0], a[4 * i + 2], 0x44);
+    b[4 * i + 1] = _mm512_shuffle_ps(a[4 * i + 0], a[4 * i + 2], 0xEE);
+    b[4 * i + 2] = _mm512_shuffle_ps(a[4 * i + 1], a[4 * i + 3], 0x44);
+    b[4 * i + 3] = _mm512_shuffle_ps(a[4 * i + 1], a[4 * i + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i q[4] = {_mm512_castps_si512(b[k]), _mm512_castps_si512(b[4 + k]), _mm512_castps_si512(b[8 + k]),
+                          _mm512_castps_si512(b[12 + k])};
+    __m512i v[4];
+    transpose_lanes(q, v);
+    for (int L = 0; L < 4; ++L) _mm512_storeu_si512(out + (4 * L + k) * 16, v[L]);
+  }
+}
+inline void transpose_rows(const float* in, size_t ld, float* out) { transpose16x16(in, ld, out); }
 
 inline FVec fzero() { return _mm512_setzero_ps(); }
 inline FVec fload(const float* p) { return _mm512_loadu_ps(p); }
@@ -304,49 +351,79 @@ inline __m256i load_bytes(const void* p) { return _mm256_loadu_si256(static_cast
 template <int BITS>
 struct Step;
 
+// 4-bit: 64 values per step (32 packed bytes), blocks of 4 lanes; the quad vector's 128-bit lane
+// k = the quad's rows' sums of the step's block k.
 template <>
 struct Step<4> {
-  static constexpr int kFull = 64;  // values: 32 packed bytes
-  template <bool kHalf>
-  static int run(const uint8_t* const* rows, const int8_t* xt, int v, __m256i* blk) {
+  static constexpr int kFull = 64;
+  template <bool kHalf, int NT>
+  static void quad(const uint8_t* const* rows, const int8_t* const* xt, int v, __m256i* q) {
     static_assert(!kHalf, "4-bit rows are multiples of 64 values");
     const __m256i m4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
-    const __m256i xe = load_bytes(xt + v), xo = load_bytes(xt + v + 32);
-    __m256i quad[2];
-    for (int k = 0; k < 2; ++k) {
-      __m256i ia[4];
-      for (int i = 0; i < 4; ++i) {
-        const __m256i w = load_bytes(rows[4 * k + i] + v / 2);
-        const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
-        ia[i] = dpbusd(dpbusd(zero, lo, xe), hi, xo);
-      }
-      quad[k] = sum_lane_quads(ia[0], ia[1], ia[2], ia[3]);
+    __m256i xe[NT], xo[NT], ia[NT][4];
+    for (int j = 0; j < NT; ++j) {
+      xe[j] = load_bytes(xt[j] + v);
+      xo[j] = load_bytes(xt[j] + v + 32);
     }
-    blk[0] = _mm256_permute2x128_si256(quad[0], quad[1], 0x20);
-    blk[1] = _mm256_permute2x128_si256(quad[0], quad[1], 0x31);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i w = load_bytes(rows[i] + v / 2);
+      const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+      for (int j = 0; j < NT; ++j) ia[j][i] = dpbusd(dpbusd(zero, lo, xe[j]), hi, xo[j]);
+    }
+    for (int j = 0; j < NT; ++j) q[j] = sum_lane_quads(ia[j][0], ia[j][1], ia[j][2], ia[j][3]);
+  }
+  template <bool kHalf>
+  static int blocks(const __m256i* q, __m256i* blk) {
+    blk[0] = _mm256_permute2x128_si256(q[0], q[1], 0x20);
+    blk[1] = _mm256_permute2x128_si256(q[0], q[1], 0x31);
     return 2;
   }
 };
 
+// 8-bit: 32 values = bytes per step, one block of 8 lanes; the quad vector's two 128-bit lanes
+// hold its halves.
 template <>
 struct Step<8> {
-  static constexpr int kFull = 32;  // values = bytes: one block
-  template <bool kHalf>
-  static int run(const uint8_t* const* rows, const int8_t* xt, int v, __m256i* blk) {
+  static constexpr int kFull = 32;
+  template <bool kHalf, int NT>
+  static void quad(const uint8_t* const* rows, const int8_t* const* xt, int v, __m256i* q) {
     static_assert(!kHalf, "8-bit rows are multiples of 32 values");
-    const __m256i zero = _mm256_setzero_si256(), x = load_bytes(xt + v);
-    __m256i quad[2];
-    for (int k = 0; k < 2; ++k) {
-      __m256i ia[4];
-      for (int i = 0; i < 4; ++i) ia[i] = dpbusd(zero, load_bytes(rows[4 * k + i] + v), x);
-      quad[k] = sum_lane_quads(ia[0], ia[1], ia[2], ia[3]);
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i x[NT], ia[NT][4];
+    for (int j = 0; j < NT; ++j) x[j] = load_bytes(xt[j] + v);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i w = load_bytes(rows[i] + v);
+      for (int j = 0; j < NT; ++j) ia[j][i] = dpbusd(zero, w, x[j]);
     }
-    // A block is 8 lanes: the two 128-bit lanes hold partial sums.
-    blk[0] = _mm256_add_epi32(_mm256_permute2x128_si256(quad[0], quad[1], 0x20),
-                              _mm256_permute2x128_si256(quad[0], quad[1], 0x31));
+    for (int j = 0; j < NT; ++j) q[j] = sum_lane_quads(ia[j][0], ia[j][1], ia[j][2], ia[j][3]);
+  }
+  template <bool kHalf>
+  static int blocks(const __m256i* q, __m256i* blk) {
+    blk[0] = _mm256_add_epi32(_mm256_permute2x128_si256(q[0], q[1], 0x20), _mm256_permute2x128_si256(q[0], q[1], 0x31));
     return 1;
   }
 };
+
+// out[c * 8 + i] = in[i * ld + c] for i, c < 8.
+inline void transpose8x8(const float* in, size_t ld, float* out) {
+  __m256 r[8], t[8], q[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(in + i * ld);
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // q[4i + k], 128-bit lane L: rows 4i .. 4i+3 of column 4L + k
+    q[4 * i + 0] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
+    q[4 * i + 1] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xEE);
+    q[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    q[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {
+    _mm256_storeu_ps(out + k * 8, _mm256_permute2f128_ps(q[k], q[4 + k], 0x20));
+    _mm256_storeu_ps(out + (4 + k) * 8, _mm256_permute2f128_ps(q[k], q[4 + k], 0x31));
+  }
+}
+inline void transpose_rows(const float* in, size_t ld, float* out) { transpose8x8(in, ld, out); }
 
 inline FVec fzero() { return _mm256_setzero_ps(); }
 inline FVec fload(const float* p) { return _mm256_loadu_ps(p); }
@@ -361,23 +438,33 @@ inline void fstore(float* y, FVec v, int n) {
 }
 #endif
 
+// A vector in a std::vector (which drops a bare vector type's alignment attribute).
+struct IVecSlot {
+  IVec v;
+};
+
 // Rows [r0, r1) for T tokens, kRows rows at a time in the canonical order (linear_int8.h).
 template <int BITS>
 void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int T, float* y, int ldy,
                int64_t r0, int64_t r1) {
   using S = Step<BITS>;
-  const int in = W.in, G = in / W.group, nb = in / kInt8Block;
+  constexpr int kQuads = kRows / 4;
+  const int in = W.in, G = in / W.group, nb = in / kInt8Block, nsteps = (in + S::kFull - 1) / S::kFull;
+  const bool tail = in % S::kFull != 0;  // AVX-512 only: one half-width last step
+  const int Gp = (G + kRows - 1) / kRows * kRows;  // G padded to whole transposes
   int gshift = 0;  // group = 32 << gshift
   while ((kInt8Block << gshift) < W.group) ++gshift;
   const size_t esz = dtype_size(W.dtype), wbytes = size_t(in) * BITS / 8, pbytes = size_t(G) * esz;
-  // The block's scales and biases as f32, transposed to [G][kRows] (lane i = row i); G <= 2048
-  // (int8_supported).
+  // Per thread: the block of rows' scales and biases as f32 rows [kRows][Gp], then transposed to
+  // [Gp][kRows] (lane i = row i); the quads' block-sum vectors [2 tokens][kQuads][nsteps].
   thread_local std::vector<float> params_store;
-  params_store.resize(size_t(2) * G * kRows);
-  float* sT = params_store.data();
-  float* bT = sT + size_t(G) * kRows;
-  constexpr int kMaxG = 2048;
-  float row[kMaxG];
+  thread_local std::vector<IVecSlot> sums_store;
+  params_store.resize(size_t(4) * Gp * kRows);
+  sums_store.resize(size_t(2) * kQuads * nsteps);
+  float* rowp = params_store.data();          // [2][kRows][Gp]
+  float* sT = rowp + size_t(2) * kRows * Gp;  // [Gp][kRows]
+  float* bT = sT + size_t(Gp) * kRows;        // [Gp][kRows]
+  IVecSlot* sums = sums_store.data();  // [2][kQuads][nsteps]
   StreamPrefetch wpf{W.w + size_t(r0) * wbytes, W.w + size_t(r1) * wbytes};
   StreamPrefetch spf{W.scales + size_t(r0) * pbytes, W.scales + size_t(r1) * pbytes};
   StreamPrefetch bpf{W.biases + size_t(r0) * pbytes, W.biases + size_t(r1) * pbytes};
@@ -389,38 +476,63 @@ void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* 
     const int64_t next = rb + nr, next_rows = std::min<int64_t>(kRows, r1 - next);
     spf.upto(W.scales + size_t(next + next_rows) * pbytes);
     bpf.upto(W.biases + size_t(next + next_rows) * pbytes);
-    for (int i = 0; i < nr; ++i) {
-      row_params(W.scales + size_t(rb + i) * pbytes, W.dtype, G, row);
-      for (int g = 0; g < G; ++g) sT[size_t(g) * kRows + i] = row[g];
-      row_params(W.biases + size_t(rb + i) * pbytes, W.dtype, G, row);
-      for (int g = 0; g < G; ++g) bT[size_t(g) * kRows + i] = row[g];
+    for (int i = 0; i < kRows; ++i) {
+      const int64_t r = rb + std::min(i, nr - 1);
+      float* sr = rowp + size_t(i) * Gp;
+      float* br = rowp + size_t(kRows + i) * Gp;
+      row_params(W.scales + size_t(r) * pbytes, W.dtype, G, sr);
+      row_params(W.biases + size_t(r) * pbytes, W.dtype, G, br);
+      std::fill(sr + G, sr + Gp, 0.0f);
+      std::fill(br + G, br + Gp, 0.0f);
     }
-    // The next block of rows is contiguous: fetch it in step with the reads of this one.
-    const uint8_t* next_w = W.w + size_t(next) * wbytes;
-    const size_t next_bytes = size_t(next_rows) * wbytes;
-    for (int t = 0; t < T; ++t) {
-      const int8_t* xt = xq + size_t(t) * in;
-      const float* dt = dx + size_t(t) * nb;
-      const float* gt = gsum + size_t(t) * G;
-      FVec acc = fzero();
-      IVec blk[4];
-      auto fold = [&](int v, int n) {
-        for (int k = 0; k < n; ++k) {
-          const int b = v / kInt8Block + k;
-          acc = fma_block(acc, blk[k], fload(sT + size_t(b >> gshift) * kRows), dt[b]);
-        }
-      };
-      int v = 0;
-      for (; v + S::kFull <= in; v += S::kFull) {
-        if (t == 0) wpf.upto(next_w + size_t(v + S::kFull) * next_bytes / in);
-        fold(v, S::template run<false>(rows, xt, v, blk));
-      }
+    for (int g = 0; g < Gp; g += kRows) {
+      transpose_rows(rowp + g, Gp, sT + size_t(g) * kRows);
+      transpose_rows(rowp + size_t(kRows) * Gp + g, Gp, bT + size_t(g) * kRows);
+    }
+    // Tokens t0 .. t0 + NT - 1 (NT = 1 or 2) over the block: each token's own canonical sequence.
+    auto pass = [&](int t0, auto nt) {
+      constexpr int NT = decltype(nt)::value;
+      const int8_t* xt[NT];
+      for (int j = 0; j < NT; ++j) xt[j] = xq + size_t(t0 + j) * in;
+      // Integer sums, quad by quad. On the first pass over the block the rows stream from
+      // memory: the next quad's bytes (contiguous after this one's) are prefetched in step with
+      // the reads of this one.
+      for (int qd = 0; qd < kQuads; ++qd) {
+        const uint8_t* const* qrows = rows + 4 * qd;
+        const uint8_t* quad_end = W.w + size_t(rb + 4 * qd + 4) * wbytes;
+        IVec q[NT];
+        for (int st = 0; st < nsteps; ++st) {
+          if (t0 == 0) wpf.upto(quad_end + size_t(st + 1) * 4 * wbytes / nsteps);
 #if defined(LILY_INT8_AVX512)
-      if (v < in) fold(v, S::template run<true>(rows, xt, v, blk));
+          if (tail && st == nsteps - 1) S::template quad<true, NT>(qrows, xt, st * S::kFull, q);
+          else
 #endif
-      for (int g = 0; g < G; ++g) acc = fma_bias(acc, fload(bT + size_t(g) * kRows), gt[g]);
-      fstore(y + size_t(t) * ldy + rb, acc, nr);
-    }
+            S::template quad<false, NT>(qrows, xt, st * S::kFull, q);
+          for (int j = 0; j < NT; ++j) sums[(size_t(j) * kQuads + qd) * nsteps + st].v = q[j];
+        }
+      }
+      // The f32 sequence, kRows rows per vector.
+      for (int j = 0; j < NT; ++j) {
+        const int t = t0 + j;
+        const float* dt = dx + size_t(t) * nb;
+        FVec acc = fzero();
+        for (int st = 0; st < nsteps; ++st) {
+          IVec qv[kQuads], blk[4];
+          for (int qd = 0; qd < kQuads; ++qd) qv[qd] = sums[(size_t(j) * kQuads + qd) * nsteps + st].v;
+          const int n = tail && st == nsteps - 1 ? S::template blocks<true>(qv, blk) : S::template blocks<false>(qv, blk);
+          for (int k = 0; k < n; ++k) {
+            const int b = st * S::kFull / kInt8Block + k;
+            acc = fma_block(acc, blk[k], fload(sT + size_t(b >> gshift) * kRows), dt[b]);
+          }
+        }
+        const float* gt = gsum + size_t(t) * G;
+        for (int g = 0; g < G; ++g) acc = fma_bias(acc, fload(bT + size_t(g) * kRows), gt[g]);
+        fstore(y + size_t(t) * ldy + rb, acc, nr);
+      }
+    };
+    int t = 0;
+    for (; t + 2 <= T; t += 2) pass(t, std::integral_constant<int, 2>());
+    if (t < T) pass(t, std::integral_constant<int, 1>());
   }
 }
 
