@@ -66,10 +66,14 @@ std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weigh
                                       bool check_dependencies, int interleavings, const std::string& kv_dtype,
                                       bool asan, int gemm_min_rows, bool metal4, const std::string& gemm,
                                       int block_threshold, int block_len, const std::string& cpu_matmul) {
+  // "auto": int8 where this build has the integer kernels (x86 AVX2 / AVX-VNNI / AVX-512 VNNI,
+  // arm64), f32 elsewhere. Both modes give each token the same result however it is chunked,
+  // cached or batched (csrc/cpu/linear.h), so the faster one can be the default.
   cpu::Matmul matmul;
   if (cpu_matmul == "f32") matmul = cpu::Matmul::F32;
   else if (cpu_matmul == "int8") matmul = cpu::Matmul::Int8;
-  else throw ConfigError("[engine] cpu_matmul must be 'int8' or 'f32', not '" + cpu_matmul + "'");
+  else if (cpu_matmul == "auto") matmul = cpu::int8_kernels_available() ? cpu::Matmul::Int8 : cpu::Matmul::F32;
+  else throw ConfigError("[engine] cpu_matmul must be 'auto', 'int8' or 'f32', not '" + cpu_matmul + "'");
   if (name == "cpu") return std::make_unique<cpu::CpuBackend>(weights, threads, matmul);
   gpu::GpuOptions opt;
   if (split_threshold >= 0) opt.split_threshold = split_threshold;
@@ -285,7 +289,7 @@ void init_model(nb::module_& m) {
           nb::arg("split_threshold") = -1, nb::arg("split_len") = -1, nb::arg("check_dependencies") = false,
           nb::arg("interleavings") = 0, nb::arg("kv_dtype") = "float32", nb::arg("asan") = false,
           nb::arg("gemm_min_rows") = -1, nb::arg("metal4") = false, nb::arg("gemm") = "auto",
-          nb::arg("block_threshold") = -1, nb::arg("block_len") = -1, nb::arg("cpu_matmul") = "f32")
+          nb::arg("block_threshold") = -1, nb::arg("block_len") = -1, nb::arg("cpu_matmul") = "auto")
       .def_prop_ro("gpu_stats", [](Engine& e) {
         auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
         if (!g) throw Error("[engine] gpu_stats: the backend is not a GPU backend");
@@ -312,7 +316,7 @@ void init_model(nb::module_& m) {
         auto* cpu = dynamic_cast<cpu::CpuBackend*>(&e.backend());
         if (!cpu) return std::string();
         return std::string(cpu->matmul() == cpu::Matmul::Int8 ? "int8" : "f32");
-      })
+      }, "The CPU backend's matmul mode that runs: 'int8' or 'f32' ('auto' resolved; '' on other backends).")
       .def_prop_ro("prefill_chunk", &Engine::prefill_chunk)
       .def("new_state", &Engine::new_state, nb::arg("max_context"))
       .def("kv_bytes", &Engine::kv_bytes, nb::arg("positions"),

@@ -46,7 +46,8 @@ def bench(model, lengths: list[int], *, decode_tokens: int = 64, repeats: int = 
 
 
 def print_table(model, rows: list[dict]) -> None:
-    print(f"lily bench - {model.config.family}, backend {model._engine.backend}, {model._engine.threads} threads")
+    mode = f", cpu_matmul {model._engine.cpu_matmul}" if model._engine.cpu_matmul else ""
+    print(f"lily bench - {model.config.family}, backend {model._engine.backend}, {model._engine.threads} threads{mode}")
     print(f"{'prompt':>8} {'prefill tok/s':>14} {'ttft ms':>10} {'decode tok/s':>13}")
     for r in rows:
         print(f"{r['prompt_tokens']:>8} {r['prefill_tok_s']:>14.1f} {r['ttft_ms']:>10.1f} {r['decode_tok_s']:>13.1f}")

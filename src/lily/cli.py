@@ -27,9 +27,10 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--revision", default=None, help="Hugging Face revision (branch, tag or commit)")
     p.add_argument("--backend", default="auto", help="compute backend: auto or cpu (default: auto)")
     p.add_argument("--threads", type=int, default=None, help="CPU worker threads (default: all cores)")
-    p.add_argument("--cpu-matmul", choices=("f32", "int8"), default=None,
-                   help="CPU products with quantized weights: f32, or int8 activations with integer dot "
-                        "products (faster, ~1%% logits error; default: Model.load's)")
+    p.add_argument("--cpu-matmul", choices=("auto", "f32", "int8"), default=None,
+                   help="CPU products with quantized weights: int8 activations with integer dot products "
+                        "(fast, ~1%% logits error), f32 (the reference), or auto: int8 where the CPU has the "
+                        "integer kernels (default: Model.load's, auto)")
     p.add_argument("--max-context", type=int, default=None,
                    help="context length of new sequences (default: the model's)")
 
@@ -253,7 +254,8 @@ def cmd_bench(args) -> int:
         import json
 
         payload = json.dumps({"model": _model_id(args, model), "backend": model._engine.backend,
-                              "threads": model._engine.threads, "rows": rows}, indent=2)
+                              "threads": model._engine.threads, "cpu_matmul": model._engine.cpu_matmul,
+                              "rows": rows}, indent=2)
         if args.json == "-":
             print(payload)
         else:
