@@ -28,7 +28,7 @@
 // the initial value of that block's integer accumulator: still exact (|u . q| < 2^20).
 //
 // Speed is unverified on Apple hardware: CI runs these kernels under qemu, for correctness only
-// (tests/test_arm64_kernels.py); docs/performance.md gives the loops' instruction counts.
+// (tests/test_cpu_kernel_builds.py, bit for bit against NumPy).
 #include "cpu/linear_int8.h"
 
 #if defined(LILY_INT8_NEON)
