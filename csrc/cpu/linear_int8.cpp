@@ -188,10 +188,17 @@ void row_params(const uint8_t* p, DType dt, int n, float* out) {
   for (; i < n; ++i) out[i] = load_as_f32(p, dt, i);
 }
 
-// Software prefetch of one row-major stream. Why: batch-1 decode is one pass over each matrix,
-// and the hardware prefetchers stop at every 4 KiB page and ramp up again on the next, which
-// left one thread's loads waiting on DRAM. The row kernels keep the next quad of rows in flight
-// while they read the current one (further ahead measured slower).
+// Software prefetch. Why: batch-1 decode is one pass over each matrix, and the hardware
+// prefetchers stop at every 4 KiB page and ramp up again on the next, which left one thread's
+// loads waiting on DRAM. The row kernels prefetch each of a quad's four weight streams a
+// distance ahead (rows are contiguous: near a row's end that is a later row), and the scales
+// and biases of the next block of rows (StreamPrefetch). The distance, about five rows (at least
+// 5 KiB, at most 16 KiB), is empirical (benchmarks/kernels/matvec_bench, 2 threads, matrices of
+// 64-256 MB): 1 KiB rows (the lm_head, in = 2048) ran best at 5-6 KiB and 10-15% slower at 2, 4
+// and 8 KiB; 2 KiB rows at 8-10 KiB; 256-byte rows anywhere from 5 to 8 KiB.
+inline size_t prefetch_distance(size_t row_bytes) { return std::clamp<size_t>(5 * row_bytes, 5120, 16384); }
+
+// One row-major stream, prefetched up to a moving target.
 struct StreamPrefetch {
   const uint8_t* next;  // first byte not yet prefetched
   const uint8_t* end;   // the stream's end: nothing past it is touched
@@ -303,10 +310,18 @@ struct Step<8> {
   }
 };
 
-// out[c * 16 + i] = in[i * ld + c] for i, c < 16.
-inline void transpose16x16(const float* in, size_t ld, float* out) {
-  __m512 r[16], a[16], b[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + i * ld);
+// kRows f32 values of a parameter row (n of them there, the rest zero).
+inline __m512 load_params(const uint8_t* p, DType dt, int n) {
+  const __mmask16 m = __mmask16((1u << n) - 1);  // masked loads touch nothing past the n values
+  if (dt == DType::F32) return _mm512_maskz_loadu_ps(m, p);
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  if (dt == DType::BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_cvtph_ps(h);
+}
+
+// out[c * 16 + i] = lane c of r[i], for i, c < 16.
+inline void transpose16x16(const __m512* r, float* out) {
+  __m512 a[16], b[16];
   for (int i = 0; i < 8; ++i) {
     a[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
     a[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -325,7 +340,7 @@ inline void transpose16x16(const float* in, size_t ld, float* out) {
     for (int L = 0; L < 4; ++L) _mm512_storeu_si512(out + (4 * L + k) * 16, v[L]);
   }
 }
-inline void transpose_rows(const float* in, size_t ld, float* out) { transpose16x16(in, ld, out); }
+inline void transpose_rows(const __m512* r, float* out) { transpose16x16(r, out); }
 
 inline FVec fzero() { return _mm512_setzero_ps(); }
 inline FVec fload(const float* p) { return _mm512_loadu_ps(p); }
@@ -404,10 +419,19 @@ struct Step<8> {
   }
 };
 
-// out[c * 8 + i] = in[i * ld + c] for i, c < 8.
-inline void transpose8x8(const float* in, size_t ld, float* out) {
-  __m256 r[8], t[8], q[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(in + i * ld);
+// kRows f32 values of a parameter row (n of them there, the rest zero).
+inline __m256 load_params(const uint8_t* p, DType dt, int n) {
+  alignas(32) uint8_t tail[32] = {};
+  if (n < 8) p = static_cast<const uint8_t*>(std::memcpy(tail, p, size_t(n) * dtype_size(dt)));
+  if (dt == DType::F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if (dt == DType::BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return _mm256_cvtph_ps(h);
+}
+
+// out[c * 8 + i] = lane c of r[i], for i, c < 8.
+inline void transpose8x8(const __m256* r, float* out) {
+  __m256 t[8], q[8];
   for (int i = 0; i < 4; ++i) {
     t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
     t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -423,7 +447,7 @@ inline void transpose8x8(const float* in, size_t ld, float* out) {
     _mm256_storeu_ps(out + (4 + k) * 8, _mm256_permute2f128_ps(q[k], q[4 + k], 0x31));
   }
 }
-inline void transpose_rows(const float* in, size_t ld, float* out) { transpose8x8(in, ld, out); }
+inline void transpose_rows(const __m256* r, float* out) { transpose8x8(r, out); }
 
 inline FVec fzero() { return _mm256_setzero_ps(); }
 inline FVec fload(const float* p) { return _mm256_loadu_ps(p); }
@@ -455,17 +479,17 @@ void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* 
   int gshift = 0;  // group = 32 << gshift
   while ((kInt8Block << gshift) < W.group) ++gshift;
   const size_t esz = dtype_size(W.dtype), wbytes = size_t(in) * BITS / 8, pbytes = size_t(G) * esz;
-  // Per thread: the block of rows' scales and biases as f32 rows [kRows][Gp], then transposed to
-  // [Gp][kRows] (lane i = row i); the quads' block-sum vectors [2 tokens][kQuads][nsteps].
+  // Per thread: the block of rows' scales and biases as f32, transposed to [Gp][kRows] (lane i
+  // = row i); the quads' block-sum vectors [2 tokens][kQuads][nsteps].
   thread_local std::vector<float> params_store;
   thread_local std::vector<IVecSlot> sums_store;
-  params_store.resize(size_t(4) * Gp * kRows);
+  params_store.resize(size_t(2) * Gp * kRows);
   sums_store.resize(size_t(2) * kQuads * nsteps);
-  float* rowp = params_store.data();          // [2][kRows][Gp]
-  float* sT = rowp + size_t(2) * kRows * Gp;  // [Gp][kRows]
-  float* bT = sT + size_t(Gp) * kRows;        // [Gp][kRows]
+  float* sT = params_store.data();      // [Gp][kRows]
+  float* bT = sT + size_t(Gp) * kRows;  // [Gp][kRows]
   IVecSlot* sums = sums_store.data();  // [2][kQuads][nsteps]
-  StreamPrefetch wpf{W.w + size_t(r0) * wbytes, W.w + size_t(r1) * wbytes};
+  const uint8_t* w_end = W.w + size_t(r1) * wbytes;  // nothing past this thread's rows is touched
+  const size_t pf_distance = prefetch_distance(wbytes);
   StreamPrefetch spf{W.scales + size_t(r0) * pbytes, W.scales + size_t(r1) * pbytes};
   StreamPrefetch bpf{W.biases + size_t(r0) * pbytes, W.biases + size_t(r1) * pbytes};
   for (int64_t rb = r0; rb < r1; rb += kRows) {
@@ -476,18 +500,17 @@ void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* 
     const int64_t next = rb + nr, next_rows = std::min<int64_t>(kRows, r1 - next);
     spf.upto(W.scales + size_t(next + next_rows) * pbytes);
     bpf.upto(W.biases + size_t(next + next_rows) * pbytes);
-    for (int i = 0; i < kRows; ++i) {
-      const int64_t r = rb + std::min(i, nr - 1);
-      float* sr = rowp + size_t(i) * Gp;
-      float* br = rowp + size_t(kRows + i) * Gp;
-      row_params(W.scales + size_t(r) * pbytes, W.dtype, G, sr);
-      row_params(W.biases + size_t(r) * pbytes, W.dtype, G, br);
-      std::fill(sr + G, sr + Gp, 0.0f);
-      std::fill(br + G, br + Gp, 0.0f);
-    }
-    for (int g = 0; g < Gp; g += kRows) {
-      transpose_rows(rowp + g, Gp, sT + size_t(g) * kRows);
-      transpose_rows(rowp + size_t(kRows) * Gp + g, Gp, bT + size_t(g) * kRows);
+    // kRows groups of kRows rows at a time: loaded, widened to f32 and transposed in registers.
+    for (int g = 0; g < G; g += kRows) {
+      const int n = std::min(kRows, G - g);
+      FVec sr[kRows], br[kRows];
+      for (int i = 0; i < kRows; ++i) {
+        const size_t at = size_t(rb + std::min(i, nr - 1)) * pbytes + size_t(g) * esz;
+        sr[i] = load_params(W.scales + at, W.dtype, n);
+        br[i] = load_params(W.biases + at, W.dtype, n);
+      }
+      transpose_rows(sr, sT + size_t(g) * kRows);
+      transpose_rows(br, bT + size_t(g) * kRows);
     }
     // Tokens t0 .. t0 + NT - 1 (NT = 1 or 2) over the block: each token's own canonical sequence.
     auto pass = [&](int t0, auto nt) {
@@ -495,14 +518,16 @@ void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* 
       const int8_t* xt[NT];
       for (int j = 0; j < NT; ++j) xt[j] = xq + size_t(t0 + j) * in;
       // Integer sums, quad by quad. On the first pass over the block the rows stream from
-      // memory: the next quad's bytes (contiguous after this one's) are prefetched in step with
-      // the reads of this one.
+      // memory: each of the quad's four streams is prefetched pf_distance ahead.
       for (int qd = 0; qd < kQuads; ++qd) {
         const uint8_t* const* qrows = rows + 4 * qd;
-        const uint8_t* quad_end = W.w + size_t(rb + 4 * qd + 4) * wbytes;
         IVec q[NT];
         for (int st = 0; st < nsteps; ++st) {
-          if (t0 == 0) wpf.upto(quad_end + size_t(st + 1) * 4 * wbytes / nsteps);
+          if (t0 == 0)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t* ahead = qrows[i] + size_t(st) * S::kFull * BITS / 8 + pf_distance;
+              if (ahead < w_end) __builtin_prefetch(ahead, 0, 3);
+            }
 #if defined(LILY_INT8_AVX512)
           if (tail && st == nsteps - 1) S::template quad<true, NT>(qrows, xt, st * S::kFull, q);
           else
