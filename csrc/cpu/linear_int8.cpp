@@ -220,8 +220,9 @@ struct StreamPrefetch {
 //     half-width step (kHalf).
 //   Step<BITS>::blocks(q, blk): the quads' vectors of one step (q[0 .. kRows / 4)) -> blk[k] =
 //     the block sums of block v / 32 + k, lane i = row i; returns the number of blocks.
-// (Why quads: 16 rows read interleaved streamed ~10% slower from DRAM than 4, and rows read one
-// at a time need a 16 x 16 transpose per 16 blocks, ~15% more instructions; measured with
+// (Why quads: reading all 16 rows interleaved, no prefetch pattern we tried streamed the lm_head
+// from DRAM as fast as one row at a time (15-20% short); reading rows one at a time needs a
+// 16 x 16 transpose of block sums per 16 blocks, ~15% more instructions. Measured with
 // benchmarks/kernels/matvec_bench.)
 #if defined(LILY_INT8_AVX512)
 constexpr int kRows = 16;
