@@ -172,22 +172,6 @@ inline __m256i dpbusd(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
-// n scales or biases of one row as f32 (dtype fixed per matrix).
-void row_params(const uint8_t* p, DType dt, int n, float* out) {
-  int i = 0;
-  if (dt == DType::F32) {
-    std::memcpy(out, p, size_t(n) * 4);
-    return;
-  }
-  for (; i + 8 <= n; i += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i));
-    const __m256 f = dt == DType::BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
-                                       : _mm256_cvtph_ps(h);
-    _mm256_storeu_ps(out + i, f);
-  }
-  for (; i < n; ++i) out[i] = load_as_f32(p, dt, i);
-}
-
 // Software prefetch. Why: batch-1 decode is one pass over each matrix, and the hardware
 // prefetchers stop at every 4 KiB page and ramp up again on the next, which left one thread's
 // loads waiting on DRAM. The row kernels prefetch each of a quad's four weight streams a
@@ -608,6 +592,22 @@ namespace lily::cpu {
 #if defined(LILY_INT8_AVX512)
 
 namespace {
+
+// n scales or biases of one row as f32 (dtype fixed per matrix).
+void row_params(const uint8_t* p, DType dt, int n, float* out) {
+  int i = 0;
+  if (dt == DType::F32) {
+    std::memcpy(out, p, size_t(n) * 4);
+    return;
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i));
+    const __m256 f = dt == DType::BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                                       : _mm256_cvtph_ps(h);
+    _mm256_storeu_ps(out + i, f);
+  }
+  for (; i < n; ++i) out[i] = load_as_f32(p, dt, i);
+}
 
 constexpr int kGemmRows = 16;  // rows unpacked per step (16 x in bytes in L1)
 constexpr int kGemmR = 8;      // rows per register block (8 int32 + 8 f32 accumulators in zmm)
