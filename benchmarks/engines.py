@@ -54,7 +54,10 @@ def prompt_ids(n: int, vocab: int, seed: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 
 class LilyTimer:
-    cpu_matmul = "f32"
+    """lily as a user gets it: Model.load's default cpu_matmul ("auto": int8 where the CPU has
+    the integer kernels, else f32; the info line, the model's repr, says which ran)."""
+
+    cpu_matmul = "auto"
 
     def __init__(self, path: str, threads: int):
         sys.path.insert(0, str(ROOT / "src"))
@@ -141,7 +144,14 @@ class LilyInt8Timer(LilyTimer):
     cpu_matmul = "int8"
 
 
-TIMERS = {"lily": LilyTimer, "lily int8": LilyInt8Timer, "mlx-lm": MlxTimer, "transformers": TransformersTimer}
+class LilyF32Timer(LilyTimer):
+    """lily's f32 reference mode (`cpu_matmul="f32"`: mlx-lm's numerics to ~1e-6)."""
+
+    cpu_matmul = "f32"
+
+
+TIMERS = {"lily": LilyTimer, "lily int8": LilyInt8Timer, "lily f32": LilyF32Timer, "mlx-lm": MlxTimer,
+          "transformers": TransformersTimer}
 
 
 def serve(engine: str, path: str, threads: int) -> None:

@@ -8,7 +8,8 @@
 # on a fresh 2-core machine: every native-facing area once (loader bad inputs, fuzz findings and
 # hostile model folders, sampler and its token mask on both samplers, failure tests, MSL-on-CPU
 # runtime, the CPU engine against transformers on one model type, a Metal decode on the
-# MSL-on-CPU runtime). Without --ci: every file below, in full.
+# MSL-on-CPU runtime, the int8 and f32 matmul kernels of both modes through a prefill and a
+# decode). Without --ci: every file below, in full.
 #
 # The extension is a shared object loaded by an uninstrumented python, so the ASan runtime must
 # be the first library in the process: it is LD_PRELOADed (clang's shared runtime, which carries
@@ -59,7 +60,9 @@ if [ "$mode" = ci ]; then
          "tests/test_metal_sampling.py::test_token_limit_same_token_as_cpu_sampler"
          "tests/test_forward_transformers.py::test_prefill_then_decode"
          "tests/test_forward_transformers.py::test_long_prompt_chunked"
-         "tests/test_metal_decode.py::test_prefill_then_decode")
+         "tests/test_metal_decode.py::test_prefill_then_decode"
+         "tests/test_cpu_int8.py::test_int8_kernel_matches_numpy"
+         "tests/test_invariance.py::test_decode_equals_prefill")
   # One model type of the parametrized engine tests (the dense-FFN hybrid; the MoE types share
   # the attention / DeltaNet code and are covered by the full job).
   select=(-k "not ((test_forward_transformers or test_metal_decode) and (qwen3_5_moe or qwen3_next))")
@@ -67,7 +70,8 @@ else
   tests=(tests/test_bad_checkpoints.py tests/test_failures.py tests/test_fuzz_regressions.py
          tests/test_sampler.py tests/test_msl_cpu.py tests/test_msl_cpu_bugs.py
          tests/test_loader_hardening.py tests/test_padded_vocab.py tests/test_metal_sampling.py
-         tests/test_forward_transformers.py tests/test_metal_decode.py)
+         tests/test_forward_transformers.py tests/test_metal_decode.py tests/test_cpu_int8.py
+         tests/test_invariance.py)
   select=()
 fi
 start=$SECONDS

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 # clang runs the Metal kernels on the CPU (MSL-on-CPU runtime); GNUstep headers type-check the
 # Objective-C++ Metal host; the aarch64 cross compiler and qemu-user build and run the arm64
-# (NEON) kernels (tests/test_arm64_kernels.py).
+# (NEON) kernels (tests/test_cpu_kernel_builds.py).
 if command -v apt-get >/dev/null; then
   if ! command -v clang-19 >/dev/null || ! command -v llvm-symbolizer-19 >/dev/null || ! [ -d /usr/include/GNUstep ] \
       || ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then

@@ -47,12 +47,12 @@ def qcase(request, store):
 
 def test_quantized_prefill_logits(qcase, lily):
     path, ref = qcase
-    _check(lily.Model.load(path).logits(cases.PROMPT), ref.prompt, "logits(prompt)")
+    _check(lily.Model.load(path, cpu_matmul="f32").logits(cases.PROMPT), ref.prompt, "logits(prompt)")
 
 
 def test_quantized_prefill_then_decode(qcase, lily):
     path, ref = qcase
-    s = lily.Model.load(path).session()
+    s = lily.Model.load(path, cpu_matmul="f32").session()
     n = cases.DECODE_SPLIT
     _check(s.prefill(cases.PROMPT[:n], all_logits=True), ref.prompt[:n], "prefill(all_logits)")
     for i in range(n, len(cases.PROMPT)):
@@ -61,7 +61,7 @@ def test_quantized_prefill_then_decode(qcase, lily):
 
 def test_quantized_long_prompt_chunked(qcase, lily):
     path, ref = qcase
-    model = lily.Model.load(path, prefill_chunk=cases.PREFILL_CHUNK)
+    model = lily.Model.load(path, prefill_chunk=cases.PREFILL_CHUNK, cpu_matmul="f32")
     _check(model.logits(cases.LONG_PROMPT), ref.long, "chunked logits(long prompt)")
     s = model.session()
     k = len(cases.LONG_PROMPT) - cases.LONG_DECODE
@@ -72,7 +72,7 @@ def test_quantized_long_prompt_chunked(qcase, lily):
 
 def test_quantized_generate_greedy(qcase, lily):
     path, ref = qcase
-    cases.assert_greedy_matches(lily.Model.load(path), ref.gen_tokens)
+    cases.assert_greedy_matches(lily.Model.load(path, cpu_matmul="f32"), ref.gen_tokens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,7 +83,7 @@ def test_quantized_generate_greedy(qcase, lily):
 def test_mlx_layout_fp32_matches_transformers(model_type, store, lily):
     path = store.mlx(model_type, None)
     ref = store.hf_reference(path.with_name(path.name + ".hf"))
-    model = lily.Model.load(path)
+    model = lily.Model.load(path, cpu_matmul="f32")
     _check(model.logits(cases.PROMPT), ref.prompt, "logits(prompt)", cases.TOL_FP32)
     s = model.session()
     n = cases.DECODE_SPLIT

@@ -38,7 +38,7 @@ def case(request, store):
 
 def test_config(case, lily):
     path, _ = case
-    model = lily.Model.load(path)
+    model = lily.Model.load(path, cpu_matmul="f32")
     raw = json.loads((path / "config.json").read_text())
     text = raw.get("text_config", raw)
     cfg = model.config
@@ -51,7 +51,7 @@ def test_config(case, lily):
 
 def test_prefill_logits(case, lily):
     path, ref = case
-    model = lily.Model.load(path)
+    model = lily.Model.load(path, cpu_matmul="f32")
     logits = model.logits(cases.PROMPT)
     assert logits.shape == ref.prompt.shape
     _assert_close(logits, ref.prompt, "logits(prompt)")
@@ -59,7 +59,7 @@ def test_prefill_logits(case, lily):
 
 def test_prefill_then_decode(case, lily):
     path, ref = case
-    model = lily.Model.load(path)
+    model = lily.Model.load(path, cpu_matmul="f32")
     s = model.session()
     n = cases.DECODE_SPLIT
     last = s.prefill(cases.PROMPT[:n])
@@ -73,7 +73,7 @@ def test_prefill_then_decode(case, lily):
 
 def test_prefill_all_logits(case, lily):
     path, ref = case
-    model = lily.Model.load(path)
+    model = lily.Model.load(path, cpu_matmul="f32")
     s = model.session()
     n = cases.DECODE_SPLIT
     # Two prefills back to back: the second continues the state of the first.
@@ -85,7 +85,7 @@ def test_prefill_all_logits(case, lily):
 
 def test_long_prompt_chunked(case, lily):
     path, ref = case
-    model = lily.Model.load(path, prefill_chunk=cases.PREFILL_CHUNK)
+    model = lily.Model.load(path, prefill_chunk=cases.PREFILL_CHUNK, cpu_matmul="f32")
     _assert_close(model.logits(cases.LONG_PROMPT), ref.long,
                   f"logits of {len(cases.LONG_PROMPT)} tokens in chunks of {cases.PREFILL_CHUNK}")
     s = model.session()
@@ -98,4 +98,4 @@ def test_long_prompt_chunked(case, lily):
 
 def test_generate_greedy(case, lily):
     path, ref = case
-    cases.assert_greedy_matches(lily.Model.load(path), ref.gen_tokens)
+    cases.assert_greedy_matches(lily.Model.load(path, cpu_matmul="f32"), ref.gen_tokens)

@@ -128,7 +128,7 @@ def test_small_values(small):
 def test_small_runs_in_lily_like_mlx_lm(small, lily):
     out, _ = small
     ids = np.array([11, 4000, 7, 123, 999, 42], dtype=np.int32)
-    model = lily.Model.load(out, threads=2)
+    model = lily.Model.load(out, threads=2, cpu_matmul="f32")
     assert model.config.num_experts == 8 and model.config.hidden_size == 2048
     ref = mlx_logits(mlx_load(out, upcast_fp32=True), ids.tolist())  # [T, vocab]
     got = model.logits(ids)

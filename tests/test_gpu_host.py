@@ -30,7 +30,7 @@ def test_failure_while_encoding_a_decode_step(store, lily):
     the next step would read a DeltaNet state the failed step never wrote."""
     path = store.mlx(*MODEL)
     gpu = lily.Model.load(path, backend="msl-cpu", backend_options=dict(fail_dispatch="attn_decode_float_d96"))
-    cpu = lily.Model.load(path, backend="cpu")
+    cpu = lily.Model.load(path, backend="cpu", cpu_matmul="f32")
     prompt = cases.PROMPT[:8]
     s, c = gpu.session(), cpu.session()
     _check(s.prefill(prompt), c.prefill(prompt), "prefill (flash attention: no decode kernel)")
@@ -53,7 +53,7 @@ def test_failure_while_encoding_a_device_loop_step(store, lily):
     one (on a fresh and on the same session) gives the CPU backend's tokens."""
     path = store.mlx(*MODEL)
     gpu = lily.Model.load(path, backend="msl-cpu", backend_options=dict(fail_dispatch="sample"))
-    cpu = lily.Model.load(path, backend="cpu")
+    cpu = lily.Model.load(path, backend="cpu", cpu_matmul="f32")
     with pytest.raises(lily.LilyError, match="kernel 'sample': injected failure"):
         gpu.generate(cases.GEN_PROMPT, max_tokens=4)
     want = cpu.generate(cases.GEN_PROMPT, max_tokens=4).tokens

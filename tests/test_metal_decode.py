@@ -43,7 +43,7 @@ def _check(got, want, what, tol=TOL):
 def case(request, store, lily):
     path = store.mlx(*request.param)
     gpu = lily.Model.load(path, backend="msl-cpu", backend_options=ROUTES)
-    cpu = lily.Model.load(path, backend="cpu")
+    cpu = lily.Model.load(path, backend="cpu", cpu_matmul="f32")
     return gpu, cpu, store.mlx_reference(path)
 
 
@@ -208,7 +208,7 @@ def test_block_kv_layout_across_the_threshold(store, lily):
     ref = store.mlx_reference(path)
     opts = dict(split_threshold=18, split_len=4, block_threshold=5, block_len=2)
     gpu = lily.Model.load(path, backend="msl-cpu", prefill_chunk=3, backend_options=opts)
-    cpu = lily.Model.load(path, backend="cpu")
+    cpu = lily.Model.load(path, backend="cpu", cpu_matmul="f32")
     s, c = gpu.session(), cpu.session()
     n = cases.DECODE_SPLIT
     gpu._engine.gpu_records(True)
@@ -285,7 +285,7 @@ def test_decode_under_address_sanitizer(store, lily):
         from fixtures.references import rel_err
         gpu = lily.Model.load({str(path)!r}, backend="msl-cpu",
                               backend_options=dict(asan=True, split_threshold=4, split_len=2, gemm_min_rows=3))
-        cpu = lily.Model.load({str(path)!r}, backend="cpu")
+        cpu = lily.Model.load({str(path)!r}, backend="cpu", cpu_matmul="f32")
         s, c = gpu.session(), cpu.session()
         errs = [rel_err(s.prefill(cases.PROMPT[:4]), c.prefill(cases.PROMPT[:4]))]
         errs += [rel_err(s.decode(t), c.decode(t)) for t in cases.PROMPT[4:6]]
@@ -338,7 +338,7 @@ def test_kernel_sources_are_embedded(store, lily, tmp_path):
     script = textwrap.dedent(f"""
         import numpy as np, lily
         gpu = lily.Model.load({str(path)!r}, backend="msl-cpu")
-        cpu = lily.Model.load({str(path)!r}, backend="cpu")
+        cpu = lily.Model.load({str(path)!r}, backend="cpu", cpu_matmul="f32")
         prompt = {cases.PROMPT[:5]!r}
         s, c = gpu.session(), cpu.session()
         got = [s.prefill(prompt)] + [s.decode(t) for t in prompt[:2]]

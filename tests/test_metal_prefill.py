@@ -128,7 +128,7 @@ CHUNK = 5  # prompts of 3 (one partial chunk), 9 and 11 tokens (several chunks, 
 def models(request, store, lily):
     path = store.mlx(*request.param)
     gpu = lily.Model.load(path, backend="msl-cpu", prefill_chunk=CHUNK)
-    cpu = lily.Model.load(path, backend="cpu", prefill_chunk=CHUNK)
+    cpu = lily.Model.load(path, backend="cpu", cpu_matmul="f32", prefill_chunk=CHUNK)
     return gpu, cpu, store.mlx_reference(path)
 
 
@@ -176,6 +176,6 @@ def test_prefill_chunk_dependency_check(store, lily):
     path = store.mlx("qwen3_next", 4)
     gpu = lily.Model.load(path, backend="msl-cpu", prefill_chunk=4,
                           backend_options=dict(check_dependencies=True, interleavings=1))
-    cpu = lily.Model.load(path, backend="cpu", prefill_chunk=4)
+    cpu = lily.Model.load(path, backend="cpu", cpu_matmul="f32", prefill_chunk=4)
     _check(gpu.session().prefill(cases.PROMPT[:7], all_logits=True),
            cpu.session().prefill(cases.PROMPT[:7], all_logits=True), "checked chunked prefill vs cpu backend")

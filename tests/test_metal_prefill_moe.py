@@ -317,7 +317,7 @@ def test_prefill_then_decode_matches_cpu(store, lily, ckpt, chunk, min_rows, par
     buffer and one CPU wait (at its end): the routing never goes back to the CPU."""
     path = store.mlx(*ckpt)
     gpu = lily.Model.load(path, backend="msl-cpu", prefill_chunk=chunk, backend_options=dict(gemm_min_rows=min_rows))
-    cpu = lily.Model.load(path, backend="cpu", prefill_chunk=chunk)
+    cpu = lily.Model.load(path, backend="cpu", cpu_matmul="f32", prefill_chunk=chunk)
     eng = gpu._engine
     s, c = gpu.session(), cpu.session()
     got = []
@@ -353,7 +353,7 @@ def test_prefill_chunk_has_no_missing_dependency(store, lily):
                           backend_options=dict(check_dependencies=True, interleavings=1, gemm_min_rows=4))
     prompt = cases.PROMPT[:9]
     got = gpu.session().prefill(prompt, all_logits=True)
-    _close(got, lily.Model.load(path, backend="cpu").session().prefill(prompt, all_logits=True),
+    _close(got, lily.Model.load(path, backend="cpu", cpu_matmul="f32").session().prefill(prompt, all_logits=True),
            "checked prefill chunk vs cpu backend")
 
 

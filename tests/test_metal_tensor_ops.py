@@ -220,7 +220,7 @@ def test_prefill_on_tensor_ops_matches_cpu(store, lily):
     path = store.mlx("qwen3_5_moe", 4, 64, "bfloat16")
     gpu = lily.Model.load(path, backend="msl-cpu", prefill_chunk=40,
                           backend_options=dict(metal4=True, apple_gpu_family=10))
-    cpu = lily.Model.load(path, backend="cpu", prefill_chunk=40)
+    cpu = lily.Model.load(path, backend="cpu", cpu_matmul="f32", prefill_chunk=40)
     prompt = cases.LONG_PROMPT[:40]
     eng = gpu._engine
     eng.gpu_records(True)

@@ -125,8 +125,9 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=16, help="decode steps after each prefill")
     ap.add_argument("--chunk", type=int, default=512, help="prefill_chunk")
     ap.add_argument("--deadline", type=float, default=0, help="unix time by which to stop (0: none)")
-    ap.add_argument("--cpu-matmul", default="f32", choices=("f32", "int8"),
-                    help="Model.load(cpu_matmul=...): f32 or int8 activations for quantized matmuls")
+    ap.add_argument("--cpu-matmul", default="auto", choices=("auto", "f32", "int8"),
+                    help="Model.load(cpu_matmul=...): auto (the default: int8 where the CPU has the integer "
+                         "kernels), f32, or int8 activations for quantized matmuls")
     ap.add_argument("--use-mmap", default="auto", choices=("auto", "true", "false"),
                     help="Model.load(use_mmap=...): auto (None), mapped (true) or read into memory (false)")
     a = ap.parse_args()
@@ -146,6 +147,8 @@ def main() -> None:
     model = lily.Model.load(a.checkpoint, backend="cpu", threads=a.threads, prefill_chunk=a.chunk,
                             cpu_matmul=a.cpu_matmul, use_mmap=use_mmap)
     rep.data["weights_resident"] = bool(model._weights.resident)
+    rep.data["cpu_matmul"] = model._engine.cpu_matmul  # the mode that ran ("auto" resolved)
+    rep.data["cpu_matmul_asked"] = a.cpu_matmul
     load_s = time.perf_counter() - t0
     s = proc_status()
     rep.data["load"] = {

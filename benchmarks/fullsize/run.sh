@@ -10,7 +10,7 @@
 # Env: CKPT (checkpoint dir, default /tmp/qwen36-35b-a3b-random), TOKENIZER (folder with
 # tokenizer.json from scripts/make_tokenizer.py; default build/fullsize-tokenizer if present),
 # CONTEXTS (default 512,4096,32768), BUDGET_S (seconds for the whole script, default 480),
-# BUILD=0 to skip the build, CPU_MATMUL (f32 or int8; default f32), USE_MMAP (auto, true or
+# BUILD=0 to skip the build, CPU_MATMUL (auto, int8 or f32; default auto: Model.load's default), USE_MMAP (auto, true or
 # false: Model.load's use_mmap; default auto, which reads the weights into memory when they fit).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -46,5 +46,5 @@ fi
 [ -f "$OUT/build.log" ] && tail -1 "$OUT/build.log"
 
 PYTHONPATH="$root/src" "$PY" benchmarks/fullsize/bench.py "$CKPT" --threads "$THREADS" --out "$OUT" \
-  --contexts "$CONTEXTS" --cpu-matmul "${CPU_MATMUL:-f32}" --use-mmap "${USE_MMAP:-auto}" --deadline $(( start + BUDGET_S )) 2>&1 | tee "$OUT/bench.log"
+  --contexts "$CONTEXTS" --cpu-matmul "${CPU_MATMUL:-auto}" --use-mmap "${USE_MMAP:-auto}" --deadline $(( start + BUDGET_S )) 2>&1 | tee "$OUT/bench.log"
 echo "total_s=$(( $(date +%s) - start ))" | tee -a "$OUT/bench.log"

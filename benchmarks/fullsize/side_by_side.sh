@@ -3,8 +3,8 @@
 # one command: the same-host pair that issue 9 asks for, up to 32K tokens of context.
 #
 #   1. benchmarks/fullsize/run.sh: build lily, write the random-weight checkpoint, then lily's
-#      load / RSS / prefill + decode at each context, once per LILY_RUNS entry (cpu_matmul f32
-#      at 512 and 4K, int8 at CONTEXTS by default);
+#      load / RSS / prefill + decode at each context, once per LILY_RUNS entry (by default the
+#      default mode, cpu_matmul="auto" = int8 on these hosts, at CONTEXTS);
 #   2. benchmarks/fullsize/run_llamacpp.sh MODE=batched: build llama.cpp, write the Q4_0 GGUF of
 #      the same shapes, then one llama-batched-bench run per context (prefill, then 16 decode
 #      steps at that depth; peak RSS).
@@ -30,11 +30,12 @@ mkdir -p "$OUT"
 rm -f "$OUT/DONE"
 
 # lily first: its first run also builds lily and writes the checkpoint whose shapes both
-# engines use. LILY_RUNS lists "cpu_matmul[/mmap]:contexts" runs, one process each ("/mmap":
-# the checkpoint stays mapped, use_mmap=True, instead of the default read into memory). llama.cpp's share of
+# engines use. LILY_RUNS lists "cpu_matmul[/mmap]:contexts" runs, one process each (cpu_matmul:
+# auto, int8 or f32; "/mmap": the checkpoint stays mapped, use_mmap=True, instead of the default
+# read into memory); e.g. LILY_RUNS="auto:512,4096 f32:512,4096" adds the f32 reference mode. llama.cpp's share of
 # the budget is kept back: its setup (~90 s) plus its rate (~90 tok/s, measured on this shape)
 # over the contexts.
-LILY_RUNS=${LILY_RUNS:-"f32:512,4096 int8:$CONTEXTS"}
+LILY_RUNS=${LILY_RUNS:-"auto:$CONTEXTS"}
 llama_need=$(( 90 + $(echo "$CONTEXTS" | tr ',' '\n' | awk '{s += $1 / 80 + 30} END {print int(s)}') ))
 build=1
 for run in $LILY_RUNS; do

@@ -44,18 +44,27 @@ void rope(float* x, int rot, const float* cos, const float* sin) {
 //
 // The naive loop (one task per token and query head, each streaming its KV head's whole cache)
 // reads K and V from DRAM Hq * T times per chunk: at 32K positions that is 64 MB per (token,
-// head) and made long prompts crawl. Here a work item is (KV head, tile of kQTile tokens, span of
-// cache positions); its rows are the tile's tokens x the query heads sharing the KV head (GQA
-// packing), so each K/V block, once in L2, serves group x kQTile rows. Blocks of kBlock
-// positions are folded into each row's online-softmax state (running max m, running sum l,
-// unnormalised o), in fp32, so the result is softmax(qK^T)V up to summation order.
-// Decode and short chunks have too few (head, tile) items to feed every thread, so the positions
-// are split into spans whose partial (m, l, o) a second pass merges (split-K).
+// head) and made long prompts crawl. Here a work item is (KV head, tile of kQTile tokens); its
+// rows are the tile's tokens x the query heads sharing the KV head (GQA packing), so each K/V
+// block, once in L2, serves group x kQTile rows. Blocks of kBlock positions are folded into each
+// row's online-softmax state (running max m, running sum l, unnormalised o), in fp32, so the
+// result is softmax(qK^T)V up to summation order.
+//
+// One order per row. The positions are cut into fixed spans of kSpan from position 0; a span's
+// blocks are folded into a fresh state, and the spans' states are merged in ascending order
+// (merge_span). Spans, blocks and the merge depend on the row's position alone, never on the
+// chunk length, the tile or the thread count, so a token's attention output is bit-identical
+// however its prompt was chunked or cached. Decode and short chunks have too few (head, tile)
+// items to feed every thread: there each (head, tile, span) is an item of its own, and a second
+// pass merges the spans' states in the same order (split-K) -- the same operations, run by more
+// threads.
 //
 //   qg [T, Hq, 2D] (q, then the output gate)   K, V [Hkv, capacity, D]   o [T, Hq, D]
 //   item rows r = (t - t0) * group + g  <->  query head hq = hk * group + g
 constexpr int kBlock = 32;  // positions per K/V block: 32 KB of K + 32 KB of V at D = 256
 constexpr int kQTile = 16;  // chunk tokens per work item
+constexpr int kSpan = 8 * kBlock;  // positions per span (the unit of split-K)
+static_assert(kSpan % kBlock == 0, "spans are whole blocks");
 
 // Micro-kernels over one block of kBlock positions for NR rows at a time. The block's keys are
 // transposed once into kt [D, kBlock], so scores need no horizontal sums: for each d, one
@@ -91,8 +100,9 @@ void qk_block(const float* const* q, const float* kt, int D, float* s) {
 }
 
 // o_r = o_r * alpha_r + sum_{j < n} p[r, j] v_j, v_j = v + j * D (the block's values)
+// Rows whose causal limit lies before the block (active[r] false) are left untouched.
 template <int NR>
-void pv_block(const float* p, const float* v, int n, int D, float* const* o, const float* alpha) {
+void pv_block(const float* p, const float* v, int n, int D, float* const* o, const float* alpha, const bool* active) {
   int d0 = 0;
 #if defined(__AVX512F__)
   // 4 vectors (64 dims) of NR rows in registers across the block, then 1-vector slices.
@@ -111,7 +121,8 @@ void pv_block(const float* p, const float* v, int n, int D, float* const* o, con
       }
     }
     for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < W; ++c) _mm512_storeu_ps(o[r] + d0 + 16 * c, acc[r][c]);
+      if (active[r])
+        for (int c = 0; c < W; ++c) _mm512_storeu_ps(o[r] + d0 + 16 * c, acc[r][c]);
     d0 += 16 * W;
   };
   while (d0 + 64 <= D) slice(std::integral_constant<int, 4>{});
@@ -119,6 +130,7 @@ void pv_block(const float* p, const float* v, int n, int D, float* const* o, con
 #endif
   if (d0 == D) return;
   for (int r = 0; r < NR; ++r) {
+    if (!active[r]) continue;
     scale(alpha[r], o[r] + d0, D - d0);
     for (int j = 0; j < n; ++j) axpy(p[r * kBlock + j], v + size_t(j) * D + d0, o[r] + d0, D - d0);
   }
@@ -139,10 +151,12 @@ void attend_rows(KvCache& cache, int hk, const float* const* q, const int* lim, 
   const int D = cache.head_dim;
   qk_block<NR>(q, kt, D, s);
   float alpha[NR];
+  bool active[NR];
   int n_max = 0;
   for (int r = 0; r < NR; ++r) {
     float* sr = s + r * kBlock;
     const int n = std::min(bend, lim[r]) - b;
+    active[r] = n > 0;
     if (n <= 0) {  // this row's causal limit is before the block
       alpha[r] = 1.0f;
       std::fill(sr, sr + kBlock, 0.0f);
@@ -156,7 +170,7 @@ void attend_rows(KvCache& cache, int hk, const float* const* q, const int* lim, 
     std::fill(sr + n, sr + kBlock, 0.0f);
     n_max = std::max(n_max, n);
   }
-  if (n_max > 0) pv_block<NR>(s, cache.v_at(hk, b), n_max, D, o, alpha);
+  if (n_max > 0) pv_block<NR>(s, cache.v_at(hk, b), n_max, D, o, alpha, active);
 }
 
 void attend_span(KvCache& cache, int hk, const float* const* q, const int* lim, int R, int p0, int p1,
@@ -184,41 +198,52 @@ void attend_span(KvCache& cache, int hk, const float* const* q, const int* lim, 
   }
 }
 
+// (M, L, O) <- (M, L, O) merged with one span's state (m, l, o), all unnormalised. The first
+// span a row sees enters as itself (M = -inf: a = 0, b = 1); a span wholly after the row's
+// causal limit (m = -inf) adds nothing.
+void merge_span(float& M, float& L, float* O, float m, float l, const float* o, int D) {
+  if (m == -INFINITY) return;
+  const float Mn = std::max(M, m), a = std::exp(M - Mn), b = std::exp(m - Mn);
+  L = L * a + l * b;
+  for (int d = 0; d < D; ++d) O[d] = O[d] * a + o[d] * b;
+  M = Mn;
+}
+
+// Memory bound of the split-K partial states (floats): past it the items walk their spans.
+constexpr size_t kMaxPartialFloats = size_t(16) << 20;
+
 void attend(KvCache& cache, const float* qg, int pos0, int T, int Hq, int D, AttentionScratch& s, ThreadPool& pool) {
   const int Hkv = cache.kv_heads, group = Hq / Hkv;
   const int n_ctx = pos0 + T;
   const int n_tiles = (T + kQTile - 1) / kQTile;
-  // Split the positions only when (head, tile) items cannot keep every thread busy, and never
-  // into spans shorter than 4 blocks (the merge would cost more than it saves).
+  const int n_spans = (n_ctx + kSpan - 1) / kSpan;
+  // Speed only (both ways run the same operations per row): one item per span when the (head,
+  // tile) items cannot keep every thread busy and the spans' states stay small.
   const int base_items = Hkv * n_tiles;
-  const int want = (2 * pool.size() + base_items - 1) / base_items;
-  const int n_split = std::max(1, std::min(want, n_ctx / (4 * kBlock)));
-  const int span = ((n_ctx + n_split - 1) / n_split + kBlock - 1) / kBlock * kBlock;
+  const bool split = n_spans > 1 && base_items < 2 * pool.size() &&
+                     size_t(n_spans) * T * Hq * (D + 2) <= kMaxPartialFloats;
+  const int items_per_tile = split ? n_spans : 1;
   const float scale_qk = 1.0f / std::sqrt(float(D));
-  // Partial state per split: [n_split, T, Hq] (m, l) and [n_split, T, Hq, D] o. With one split
-  // the item normalises straight into s.o.
-  if (n_split > 1) {
-    s.part_ml.resize(size_t(n_split) * T * Hq * 2);
-    s.part_o.resize(size_t(n_split) * T * Hq * D);
+  // Split-K partial states: [n_spans, T, Hq] (m, l) and [n_spans, T, Hq, D] o.
+  if (split) {
+    s.part_ml.resize(size_t(n_spans) * T * Hq * 2);
+    s.part_o.resize(size_t(n_spans) * T * Hq * D);
   }
   float* out = s.o.data();
 
-  pool.parallel_for(int64_t(base_items) * n_split, [&](int64_t i0, int64_t i1, int) {
-    thread_local std::vector<float> m, l, o;
+  pool.parallel_for(int64_t(base_items) * items_per_tile, [&](int64_t i0, int64_t i1, int) {
+    thread_local std::vector<float> m, l, o, M, L, O;
     thread_local std::vector<const float*> q;
     thread_local std::vector<float*> orows;
     thread_local SpanScratch ss;
     thread_local std::vector<int> lim;
     for (int64_t item = i0; item < i1; ++item) {
-      const int split = int(item % n_split), tile = int(item / n_split % n_tiles);
-      const int hk = int(item / n_split / n_tiles);
+      const int span = int(item % items_per_tile), tile = int(item / items_per_tile % n_tiles);
+      const int hk = int(item / items_per_tile / n_tiles);
       const int t0 = tile * kQTile, t1 = std::min(T, t0 + kQTile), R = (t1 - t0) * group;
-      m.assign(R, -INFINITY);
-      l.assign(R, 0.0f);
-      o.assign(size_t(R) * D, 0.0f);
+      const int tile_end = pos0 + t1;  // the tile's last causal limit
       q.resize(R);
       orows.resize(R);
-      for (int r = 0; r < R; ++r) orows[r] = o.data() + size_t(r) * D;
       lim.resize(R);
       for (int t = t0; t < t1; ++t)
         for (int g = 0; g < group; ++g) {
@@ -226,45 +251,59 @@ void attend(KvCache& cache, const float* qg, int pos0, int T, int Hq, int D, Att
           q[r] = qg + (size_t(t) * Hq + hk * group + g) * 2 * D;
           lim[r] = pos0 + t + 1;  // causal: this token and everything before it
         }
-      const int p0 = split * span, p1 = std::min(n_ctx, p0 + span);
-      attend_span(cache, hk, q.data(), lim.data(), R, p0, std::min(p1, pos0 + t1), scale_qk, m.data(), l.data(),
-                  orows.data(), ss);
-      for (int t = t0; t < t1; ++t)
-        for (int g = 0; g < group; ++g) {
-          const int r = (t - t0) * group + g;
-          const size_t row = size_t(t) * Hq + hk * group + g;
-          if (n_split == 1) {
-            const float inv = 1.0f / l[r];
-            for (int d = 0; d < D; ++d) out[row * D + d] = o[size_t(r) * D + d] * inv;
-          } else {
-            const size_t prow = size_t(split) * T * Hq + row;
+      // One span [p0, p1) folded into a fresh state (m, l, o).
+      auto run_span = [&](int p0) {
+        m.assign(R, -INFINITY);
+        l.assign(R, 0.0f);
+        o.assign(size_t(R) * D, 0.0f);
+        for (int r = 0; r < R; ++r) orows[r] = o.data() + size_t(r) * D;
+        const int p1 = std::min(tile_end, p0 + kSpan);
+        if (p0 < p1) attend_span(cache, hk, q.data(), lim.data(), R, p0, p1, scale_qk, m.data(), l.data(), orows.data(), ss);
+      };
+      if (split) {
+        run_span(span * kSpan);
+        for (int t = t0; t < t1; ++t)
+          for (int g = 0; g < group; ++g) {
+            const int r = (t - t0) * group + g;
+            const size_t prow = size_t(span) * T * Hq + size_t(t) * Hq + hk * group + g;
             s.part_ml[prow * 2] = m[r];
             s.part_ml[prow * 2 + 1] = l[r];
             std::memcpy(s.part_o.data() + prow * D, o.data() + size_t(r) * D, D * sizeof(float));
           }
+        continue;
+      }
+      M.assign(R, -INFINITY);
+      L.assign(R, 0.0f);
+      O.assign(size_t(R) * D, 0.0f);
+      for (int p0 = 0; p0 < tile_end; p0 += kSpan) {
+        run_span(p0);
+        for (int r = 0; r < R; ++r) merge_span(M[r], L[r], O.data() + size_t(r) * D, m[r], l[r], o.data() + size_t(r) * D, D);
+      }
+      for (int t = t0; t < t1; ++t)
+        for (int g = 0; g < group; ++g) {
+          const int r = (t - t0) * group + g;
+          const float inv = 1.0f / L[r];
+          float* orow = out + (size_t(t) * Hq + hk * group + g) * D;
+          for (int d = 0; d < D; ++d) orow[d] = O[size_t(r) * D + d] * inv;
         }
     }
   });
-  if (n_split == 1) return;
+  if (!split) return;
 
-  // Merge the splits: o = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, M = max_s m_s. A split
-  // entirely after a row's causal limit has m = -inf and weighs 0.
+  // Merge the spans' states in ascending order, as the walking items do.
   pool.parallel_for(int64_t(T) * Hq, [&](int64_t r0, int64_t r1, int) {
+    thread_local std::vector<float> O;
+    O.resize(D);
     for (int64_t row = r0; row < r1; ++row) {
-      float M = -INFINITY;
-      for (int sp = 0; sp < n_split; ++sp) M = std::max(M, s.part_ml[(size_t(sp) * T * Hq + row) * 2]);
-      float L = 0;
-      float* orow = out + size_t(row) * D;
-      std::fill(orow, orow + D, 0.0f);
-      for (int sp = 0; sp < n_split; ++sp) {
+      float M = -INFINITY, L = 0;
+      std::fill(O.begin(), O.end(), 0.0f);
+      for (int sp = 0; sp < n_spans; ++sp) {
         const size_t prow = size_t(sp) * T * Hq + row;
-        const float ms = s.part_ml[prow * 2];
-        if (ms == -INFINITY) continue;
-        const float w = std::exp(ms - M);
-        L += w * s.part_ml[prow * 2 + 1];
-        axpy(w, s.part_o.data() + prow * D, orow, D);
+        merge_span(M, L, O.data(), s.part_ml[prow * 2], s.part_ml[prow * 2 + 1], s.part_o.data() + prow * D, D);
       }
-      scale(1.0f / L, orow, D);
+      const float inv = 1.0f / L;
+      float* orow = out + size_t(row) * D;
+      for (int d = 0; d < D; ++d) orow[d] = O[d] * inv;
     }
   });
 }

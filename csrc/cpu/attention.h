@@ -31,7 +31,7 @@ struct KvCache {
 struct AttentionScratch {
   Matmul matmul = Matmul::F32;  // the backend's choice for the projections
   std::vector<float> qg, k, v, o, rope_cos, rope_sin;
-  std::vector<float> part_ml, part_o;  // split-K partials: [splits, T, Hq] (m, l) and [splits, T, Hq, D]
+  std::vector<float> part_ml, part_o;  // split-K span states: [spans, T, Hq] (m, l) and [spans, T, Hq, D]
 };
 
 void attention_mixer(const ModelConfig& c, const AttentionWeights& w, KvCache& cache, int pos0, int max_context,

@@ -101,31 +101,49 @@ void dequantize_row(const Linear& W, int row, float* out) {
   }
 }
 
+void group_sums(const float* x, int T, int in, int group, float* gsum) {
+  const int G = in / group;
+  for (int t = 0; t < T; ++t)
+    for (int g = 0; g < G; ++g) {
+      const float* xg = x + size_t(t) * in + size_t(g) * group;
+      float sum = 0;
+      for (int j = 0; j < group; ++j) sum += xg[j];  // in order: the sum is part of the canonical sequence
+      gsum[size_t(t) * G + g] = sum;
+    }
+}
+
 namespace {
 
 #if defined(__AVX512F__)
-// ---- AVX-512 kernels -------------------------------------------------------------------
+// ---- AVX-512 f32 kernels -------------------------------------------------------------------
 //
-// Decode and small batches (T <= kFusedMaxT) run fused kernels straight off the packed
-// weights: each 16-byte load is widened to 16 int32 lanes, turned into floats and multiplied
-// into the activations, group by group; the group's scale multiplies the group's partial
-// sums and the bias term uses the precomputed group sums of x:
-//   y[t, r] = sum_g  s[r,g] * sum_{j in g} q[r,j] x[t,j]  +  b[r,g] * sum_{j in g} x[t,j]
-// Nothing is written back to memory, so decode reads each weight byte exactly once.
+// The reduction order of f32 mode on AVX-512 builds, one sequence per output y[t, r] whatever
+// the kernel, chunk length or thread count (the reference mode keeps the guarantee int8 has):
 //
-// 4-bit rows hold element 2i in the low nibble of byte i and 2i+1 in the high nibble, so x is
-// de-interleaved once per call into blocks of 32: [x0 x2 .. x30 | x1 x3 .. x31].
+//   affine (4/8-bit, groups of 32k):           dense:
+//     acc = 0 (16 lanes)                         acc = 0 (16 lanes)
+//     for each group g:                          for each step k of 16 values:
+//       gacc = 0 (16 lanes)                        acc = fma(w[k..k+16], x[k..k+16], acc)
+//       for each step k of 16 values in g:       y = hsum(acc), then y += w[j] * x[j] for the
+//         gacc = fma(u[k..k+16], x[k..k+16], gacc)  tail j >= in - in % 16, in order
+//       acc = fma(gacc, s[g], acc)
+//     y = hsum(acc) + sum_g b[g] * gsum[g]       (the bias sum in order, each product rounded)
+//
+// u: the weight codes as f32; for 4-bit rows each 32-value block is taken as its 16 even values
+// (low nibbles) then its 16 odd ones, with x de-interleaved to match (MatvecInput::xd); hsum: a
+// fixed tree (lanes i + i+8, then + i+4, + i+2, + i+1). Two kernels run it: fused row kernels
+// straight off the packed bytes (decode and small batches) and a panel GEMM over rows expanded
+// to f32 codes once per call (prefill).
 
+// Tokens per pass of the fused kernels over a row.
 constexpr int kFusedMaxT = 8;
-// Above this many tokens the panel GEMM wins over re-reading packed weights per 8 tokens.
-constexpr int kPanelMinT = 32;
 
 inline float hsum(__m512 v) {
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, v);
-  float s = 0;
-  for (float l : lanes) s += l;
-  return s;
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
+  return _mm_cvtss_f32(q);
 }
 
 // One scale or bias, with its dtype fixed at compile time (no per-group switch).
@@ -142,8 +160,19 @@ inline float scalar_at(const uint8_t* p, int i) {
   }
 }
 
-// One row of an affine-quantized matrix (4 or 8 bits) against NT tokens. Per group, the
-// partial dot products gacc[t] are scaled once; the bias term uses the group sums of x.
+// The codes of 16 bytes of a 4-bit row as two vectors: the 16 low nibbles (even values), the 16
+// high ones (odd values).
+inline void codes4(const uint8_t* p, __m512& lo, __m512& hi) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+inline __m512 codes8(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// One row of an affine-quantized matrix (4 or 8 bits) against NT tokens, straight off the packed
+// bytes (nothing is written back, so decode reads each weight byte once).
 template <int NT, DType SD, int BITS>
 void row_affine(const Linear& W, int r, const float* x, int ldx, const float* gsum, int G, float* out, int ldo) {
   static_assert(BITS == 4 || BITS == 8, "fused kernels exist for 4 and 8 bits");
@@ -158,12 +187,9 @@ void row_affine(const Linear& W, int r, const float* x, int ldx, const float* gs
     __m512 gacc[NT];
     for (int t = 0; t < NT; ++t) gacc[t] = _mm512_setzero_ps();
     if constexpr (BITS == 4) {
-      // 16 bytes = 32 weights: low nibbles pair with x's even block half, high with the odd.
-      const __m512i low4 = _mm512_set1_epi32(0xF);
       for (int e0 = g * W.group; e0 < (g + 1) * W.group; e0 += 32) {
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + e0 / 2)));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low4));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        __m512 lo, hi;
+        codes4(wrow + e0 / 2, lo, hi);
         for (int t = 0; t < NT; ++t) {
           const float* xb = x + size_t(t) * ldx + e0;
           gacc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), gacc[t]);
@@ -172,8 +198,7 @@ void row_affine(const Linear& W, int r, const float* x, int ldx, const float* gs
       }
     } else {
       for (int e0 = g * W.group; e0 < (g + 1) * W.group; e0 += 16) {
-        const __m512 w = _mm512_cvtepi32_ps(
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + e0))));
+        const __m512 w = codes8(wrow + e0);
         for (int t = 0; t < NT; ++t) gacc[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + size_t(t) * ldx + e0), gacc[t]);
       }
     }
@@ -194,22 +219,27 @@ inline __m512 load16_as_f32(const uint8_t* p, DType dt) {
   return _mm512_cvtph_ps(h);
 }
 
+// The dense tail: s += w[j] * x[j] for j < n, in order.
+inline float dense_tail(float s, const float* w, const float* x, int n) {
+  for (int j = 0; j < n; ++j) s += w[j] * x[j];
+  return s;
+}
+
 template <int NT>
 void row_dense(const Linear& W, int r, const float* x, int ldx, float* out, int ldo) {
   const size_t esz = dtype_size(W.dtype);
   const uint8_t* wrow = W.w + size_t(r) * W.in * esz;
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
-  int i = 0;
-  for (; i + 16 <= W.in; i += 16) {
+  const int main = W.in - W.in % 16;
+  for (int i = 0; i < main; i += 16) {
     const __m512 w = load16_as_f32(wrow + i * esz, W.dtype);
     for (int t = 0; t < NT; ++t) acc[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + size_t(t) * ldx + i), acc[t]);
   }
-  for (int t = 0; t < NT; ++t) {
-    float s = hsum(acc[t]);
-    for (int j = i; j < W.in; ++j) s += load_as_f32(wrow, W.dtype, j) * x[size_t(t) * ldx + j];
-    out[size_t(t) * ldo] = s;
-  }
+  float tail[16];
+  for (int j = main; j < W.in; ++j) tail[j - main] = load_as_f32(wrow, W.dtype, j);
+  for (int t = 0; t < NT; ++t)
+    out[size_t(t) * ldo] = dense_tail(hsum(acc[t]), tail, x + size_t(t) * ldx + main, W.in - main);
 }
 
 // Rows [r0, r1) for NT tokens of a prepared input.
@@ -233,62 +263,204 @@ void matvec_rows_nt(const Linear& W, const MatvecInput& in, int t0, float* y, in
     else rows(row_affine<NT, DType::F32, 8>);
   }
 }
-#endif  // __AVX512F__
 
-#if defined(__AVX512F__)
-// ---- Larger chunks: panel GEMM ----------------------------------------------------------
-// A panel of kPanel rows is expanded once into a k-major f32 buffer Wt[in][kPanel] (in L2),
-// then swept by a register-blocked micro-kernel: kMR tokens x kPanel rows of accumulators,
-// each k step = 2 weight loads, kMR broadcasts, 2*kMR FMAs.
+// Whether the fused kernels (and the panel GEMM, their twin in order) run W.
+bool fused_f32(const Linear& W) {
+  return W.quantized() ? ((W.bits == 4 || W.bits == 8) && W.group % 32 == 0) : true;
+}
+
+// ---- Larger chunks: panel GEMM in the same order ---------------------------------------------
+// A panel of kPanel rows is expanded once into f32 codes (dense rows: f32 values) in the kernels'
+// element order (in L2). It is swept by register tiles of kTileR rows x kTileN tokens, each
+// output with its own 16-lane accumulators, exactly as the fused kernels keep them: per 16-value
+// step, kTileR + kTileN loads feed kTileR * kTileN FMAs (the fused kernels re-read and re-widen
+// each packed row for every 8 tokens). The values are taken kKChunk at a time, so the tile's
+// slice of x stays in L1 while every row of the panel passes over it; between chunks the
+// accumulators wait in a small L1 buffer. The panel is stored in the order the tiles read it
+// (per chunk, per row pair, per step: the pair's two 16-value slices), one sequential stream.
+// The bias term runs 16 tokens at a time on the group sums transposed to [G][16].
 constexpr int kPanel = 32;
-constexpr int kMR = 6;
+constexpr int kTileR = 2, kTileN = 6;
+constexpr int kKChunk = 512;
+static_assert(kPanel % kTileR == 0, "whole row pairs per panel");
 
-template <int MR>
-void micro_kernel(const float* Wt, int in, const float* x, int ldx, float* y, int ldy, int nr) {
-  __m512 acc0[MR], acc1[MR];
-  for (int t = 0; t < MR; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
-  for (int k = 0; k < in; ++k) {
-    const __m512 w0 = _mm512_load_ps(Wt + size_t(k) * kPanel);
-    const __m512 w1 = _mm512_load_ps(Wt + size_t(k) * kPanel + 16);
-    for (int t = 0; t < MR; ++t) {
-      const __m512 bx = _mm512_set1_ps(x[size_t(t) * ldx + k]);
-      acc0[t] = _mm512_fmadd_ps(w0, bx, acc0[t]);
-      acc1[t] = _mm512_fmadd_ps(w1, bx, acc1[t]);
-    }
+// A 64-byte aligned view into a vector (the tiles' 64-byte loads must not split cache lines:
+// unaligned, they ran at half speed).
+inline float* aligned64(std::vector<float>& v, size_t n) {
+  v.resize(n + 16);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
+}
+
+struct F32GemmInput {
+  MatvecInput x;            // x (de-interleaved for 4-bit) and its group sums
+  std::vector<float> gsT;   // [ceil(T / 16)][G][16]
+  std::vector<float> xa_store;
+  float* xa = nullptr;      // [T, in]: x as the tiles read it, 64-byte aligned
+};
+
+void prepare_f32_gemm(const Linear& W, const float* x, int T, F32GemmInput& g) {
+  g.x.prepare(W, x, T, Matmul::F32);
+  g.xa = aligned64(g.xa_store, size_t(T) * W.in);
+  std::memcpy(g.xa, g.x.deinterleaved ? g.x.xd.data() : x, size_t(T) * W.in * sizeof(float));
+  if (!W.quantized()) return;
+  const int G = W.in / W.group, groups16 = (T + 15) / 16;
+  g.gsT.assign(size_t(groups16) * G * 16, 0.0f);
+  for (int t = 0; t < T; ++t)
+    for (int gi = 0; gi < G; ++gi) g.gsT[(size_t(t / 16) * G + gi) * 16 + t % 16] = g.x.gsum[size_t(t) * G + gi];
+}
+
+// Where the panel keeps values [k, k + 16) of row i: chunks of `chunk` values, each holding the
+// row pairs' blocks of steps (16 values of both rows of the pair per step).
+struct PanelLayout {
+  int chunk, main;  // values per chunk; values in the panel (dense rows: without the tail)
+  size_t offset(int i, int k) const {
+    const int kc = k / chunk, k0 = kc * chunk, len = std::min(chunk, main - k0);
+    return size_t(k0) * kPanel + (size_t(i / kTileR) * len + size_t(k - k0)) * kTileR + size_t(i % kTileR) * 16;
   }
-  for (int t = 0; t < MR; ++t) {
-    alignas(64) float tmp[kPanel];
-    _mm512_store_ps(tmp, acc0[t]);
-    _mm512_store_ps(tmp + 16, acc1[t]);
-    std::memcpy(y + size_t(t) * ldy, tmp, size_t(nr) * sizeof(float));
+};
+
+// Rows [r0, r0 + nr) as f32 codes in the fused kernels' element order, at L's offsets in Q;
+// rows nr .. kPanel - 1 repeat row nr - 1 (computed, never stored). Dense rows' tails (values
+// past the last whole step) go to tail [kPanel][16].
+void expand_panel(const Linear& W, int r0, int nr, const PanelLayout& L, float* Q, float* tail) {
+  const int in = W.in;
+  thread_local std::vector<float> row_store;
+  row_store.resize(in);
+  float* row = row_store.data();
+  for (int i = 0; i < kPanel; ++i) {
+    const int r = r0 + std::min(i, nr - 1);
+    if (!W.quantized()) {
+      convert_row(W.w + size_t(r) * W.row_bytes(), W.dtype, in, row);
+      for (int k = 0; k < L.main; k += 16) std::memcpy(Q + L.offset(i, k), row + k, 16 * sizeof(float));
+      std::memcpy(tail + size_t(i) * 16, row + L.main, size_t(in - L.main) * sizeof(float));
+    } else if (W.bits == 4) {
+      const uint8_t* p = W.w + size_t(r) * (size_t(in) / 2);
+      for (int e0 = 0; e0 < in; e0 += 32) {
+        __m512 lo, hi;
+        codes4(p + e0 / 2, lo, hi);
+        _mm512_storeu_ps(Q + L.offset(i, e0), lo);
+        _mm512_storeu_ps(Q + L.offset(i, e0 + 16), hi);
+      }
+    } else {
+      const uint8_t* p = W.w + size_t(r) * size_t(in);
+      for (int e0 = 0; e0 < in; e0 += 16) _mm512_storeu_ps(Q + L.offset(i, e0), codes8(p + e0));
+    }
   }
 }
 
-// Panels [p0, p1) of y[T, out], in the calling thread.
-void panel_rows(const Linear& W, const float* x, int T, float* y, int64_t p0, int64_t p1) {
-  const int in = W.in, out = W.out;
-  thread_local std::vector<float> wt_store, row;
-  wt_store.resize(size_t(in) * kPanel + 16);
-  row.resize(in);
-  // 64-byte aligned view for the aligned loads.
-  float* Wt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(wt_store.data()) + 63) & ~uintptr_t(63));
-  for (int64_t p = p0; p < p1; ++p) {
-    const int r0 = int(p * kPanel), nr = std::min(kPanel, out - r0);
-    for (int i = 0; i < nr; ++i) {
-      dequantize_row(W, r0 + i, row.data());
-      for (int k = 0; k < in; ++k) Wt[size_t(k) * kPanel + i] = row[k];
+// Advances the accumulators of kTileR rows x N tokens (x[t]) over `len` values of one chunk:
+// q, the row pair's steps in the chunk (PanelLayout); acc + 16 * (r * kTileN + t) holds output
+// (r, t)'s 16 lanes. Affine: per group (sf[r][g0 + j]: row r's scale of the chunk's group j)
+// gacc from zero, then acc = fma(gacc, s, acc); dense: acc itself runs through the FMAs.
+template <int N, bool kAffine>
+void tile_chunk(const float* q, const float* const* x, int k0, int len, int group, const float* const* sf, int g0,
+                float* acc) {
+  constexpr int R = kTileR;
+  auto steps = [&](__m512 (&a)[R][N], int s0, int s1) {
+    for (int k = s0; k < s1; k += 16) {
+      __m512 w[R];
+      for (int r = 0; r < R; ++r) w[r] = _mm512_loadu_ps(q + size_t(k) * R + r * 16);
+      for (int t = 0; t < N; ++t) {
+        const __m512 xv = _mm512_loadu_ps(x[t] + k0 + k);
+        for (int r = 0; r < R; ++r) a[r][t] = _mm512_fmadd_ps(w[r], xv, a[r][t]);
+      }
     }
-    for (int i = nr; i < kPanel; ++i)
-      for (int k = 0; k < in; ++k) Wt[size_t(k) * kPanel + i] = 0.0f;
-    int t = 0;
-    for (; t + kMR <= T; t += kMR) micro_kernel<kMR>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr);
-    switch (T - t) {
-      case 1: micro_kernel<1>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
-      case 2: micro_kernel<2>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
-      case 3: micro_kernel<3>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
-      case 4: micro_kernel<4>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
-      case 5: micro_kernel<5>(Wt, in, x + size_t(t) * in, in, y + size_t(t) * out + r0, out, nr); break;
-      default: break;
+  };
+  __m512 a[R][N];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < N; ++t) a[r][t] = _mm512_loadu_ps(acc + 16 * (r * kTileN + t));
+  if constexpr (kAffine) {
+    for (int k = 0, g = g0; k < len; k += group, ++g) {
+      __m512 ga[R][N];
+      for (int r = 0; r < R; ++r)
+        for (int t = 0; t < N; ++t) ga[r][t] = _mm512_setzero_ps();
+      if (group == 64) steps(ga, k, k + 64);  // the common group, with a constant trip count
+      else steps(ga, k, k + group);
+      for (int r = 0; r < R; ++r) {
+        const __m512 sc = _mm512_set1_ps(sf[r][g]);
+        for (int t = 0; t < N; ++t) a[r][t] = _mm512_fmadd_ps(ga[r][t], sc, a[r][t]);
+      }
+    }
+  } else {
+    steps(a, 0, len);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < N; ++t) _mm512_storeu_ps(acc + 16 * (r * kTileN + t), a[r][t]);
+}
+
+template <int N>
+void tile_chunk_for(bool affine, const float* q, const float* const* x, int k0, int len, int group,
+                    const float* const* sf, int g0, float* acc) {
+  if (affine) tile_chunk<N, true>(q, x, k0, len, group, sf, g0, acc);
+  else tile_chunk<N, false>(q, x, k0, len, group, sf, g0, acc);
+}
+
+// Panels [p0, p1) of y[T, out], by the calling thread.
+void f32_gemm_panels(const Linear& W, const F32GemmInput& g, float* y, int64_t p0, int64_t p1) {
+  const int in = W.in, T = g.x.T, out_rows = W.out;
+  const bool affine = W.quantized();
+  const int group = affine ? W.group : 16, G = affine ? in / W.group : 0;
+  PanelLayout L;
+  L.main = affine ? in : in - in % 16;  // dense: the tail is added after the tree sum
+  L.chunk = std::max(kKChunk / group, 1) * group;
+  const float* X = g.xa;
+  thread_local std::vector<float> q_store, tail_store, sf_store, bf_store, acc_store;
+  tail_store.resize(size_t(kPanel) * 16);
+  sf_store.resize(size_t(kPanel) * std::max(G, 1));
+  bf_store.resize(size_t(kPanel) * std::max(G, 1));
+  float* Q = aligned64(q_store, size_t(kPanel) * std::max(L.main, 16));
+  float* acc_all = aligned64(acc_store, size_t(kPanel) * kTileN * 16);
+  const size_t esz = dtype_size(W.dtype);
+  for (int64_t p = p0; p < p1; ++p) {
+    const int r0 = int(p * kPanel), nr = std::min(kPanel, out_rows - r0);
+    expand_panel(W, r0, nr, L, Q, tail_store.data());
+    for (int i = 0; i < nr && affine; ++i)
+      for (int gi = 0; gi < G; ++gi) {
+        sf_store[size_t(i) * G + gi] = load_as_f32(W.scales + size_t(r0 + i) * G * esz, W.dtype, gi);
+        bf_store[size_t(i) * G + gi] = load_as_f32(W.biases + size_t(r0 + i) * G * esz, W.dtype, gi);
+      }
+    for (int t0 = 0; t0 < T; t0 += kTileN) {
+      const int N = std::min(kTileN, T - t0);
+      const float* xs[kTileN];
+      for (int t = 0; t < kTileN; ++t) xs[t] = X + size_t(t0 + std::min(t, N - 1)) * in;
+      std::fill(acc_all, acc_all + size_t(kPanel) * kTileN * 16, 0.0f);
+      for (int k0 = 0; k0 < L.main; k0 += L.chunk) {
+        const int len = std::min(L.chunk, L.main - k0);
+        for (int i0 = 0; i0 < nr; i0 += kTileR) {
+          const float* q = Q + L.offset(i0, k0);
+          const float* sfs[kTileR];
+          for (int r = 0; r < kTileR; ++r) sfs[r] = sf_store.data() + size_t(std::min(i0 + r, nr - 1)) * G;
+          float* acc = acc_all + size_t(i0) * kTileN * 16;
+          switch (N) {
+            case 1: tile_chunk_for<1>(affine, q, xs, k0, len, group, sfs, k0 / group, acc); break;
+            case 2: tile_chunk_for<2>(affine, q, xs, k0, len, group, sfs, k0 / group, acc); break;
+            case 3: tile_chunk_for<3>(affine, q, xs, k0, len, group, sfs, k0 / group, acc); break;
+            case 4: tile_chunk_for<4>(affine, q, xs, k0, len, group, sfs, k0 / group, acc); break;
+            case 5: tile_chunk_for<5>(affine, q, xs, k0, len, group, sfs, k0 / group, acc); break;
+            default: tile_chunk_for<kTileN>(affine, q, xs, k0, len, group, sfs, k0 / group, acc); break;
+          }
+        }
+      }
+      for (int i = 0; i < nr; ++i)
+        for (int t = 0; t < N; ++t) {
+          const float* a = acc_all + (size_t(i) * kTileN + t) * 16;
+          float v = hsum(_mm512_loadu_ps(a));
+          if (!affine && L.main < in)
+            v = dense_tail(v, tail_store.data() + size_t(i) * 16, X + size_t(t0 + t) * in + L.main, in - L.main);
+          y[size_t(t0 + t) * out_rows + r0 + i] = v;
+        }
+    }
+    // The bias term, 16 tokens at a time, in the order of the fused kernels.
+    for (int i = 0; i < nr && affine; ++i) {
+      const float* bf = bf_store.data() + size_t(i) * G;
+      for (int tg = 0; tg * 16 < T; ++tg) {
+        __m512 bias = _mm512_setzero_ps();
+        for (int gi = 0; gi < G; ++gi)
+          bias = _mm512_add_ps(bias, _mm512_mul_ps(_mm512_set1_ps(bf[gi]), _mm512_loadu_ps(g.gsT.data() + (size_t(tg) * G + gi) * 16)));
+        alignas(64) float lanes[16];
+        _mm512_store_ps(lanes, bias);
+        for (int l = 0; l < 16 && tg * 16 + l < T; ++l) y[size_t(tg * 16 + l) * out_rows + r0 + i] += lanes[l];
+      }
     }
   }
 }
@@ -307,17 +479,11 @@ void MatvecInput::prepare(const Linear& W, const float* x_, int T_, Matmul mode)
   deinterleaved = false;
   int8 = mode == Matmul::Int8 && int8_supported(W);
   if (!W.quantized()) return;
-  const int G = in / group;
-  gsum.resize(size_t(T) * G);
-  for (int t = 0; t < T; ++t)
-    for (int g = 0; g < G; ++g) {
-      float sum = 0;
-      for (int j = 0; j < group; ++j) sum += x[size_t(t) * in + g * group + j];
-      gsum[size_t(t) * G + g] = sum;
-    }
+  gsum.resize(size_t(T) * (in / group));
+  group_sums(x, T, in, group, gsum.data());
   if (int8) {
     xq.resize(size_t(T) * in);
-    dx.resize(size_t(T) * int8_dx_per_token(in, bits));
+    dx.resize(size_t(T) * int8_dx_per_token(in));
     quantize_activations(x, T, in, bits, xq.data(), dx.data());
     return;
   }
@@ -341,13 +507,11 @@ bool MatvecInput::matches(const Linear& W) const {
 
 void matvec_rows(const Linear& W, const MatvecInput& in, float* y, int ldy, int64_t r0, int64_t r1) {
   if (in.int8) {
-    for (int t = 0; t < in.T; t += 8)
-      int8_rows(W, in.xq.data(), in.dx.data(), in.gsum.data(), t, std::min(8, in.T - t), y, ldy, r0, r1);
+    int8_rows(W, in.xq.data(), in.dx.data(), in.gsum.data(), in.T, y, ldy, r0, r1);
     return;
   }
 #if defined(__AVX512F__)
-  const bool fused = W.quantized() ? ((W.bits == 4 || W.bits == 8) && W.group % 32 == 0) : true;
-  if (fused) {
+  if (fused_f32(W)) {
     for (int t = 0; t < in.T; t += kFusedMaxT) {
       switch (std::min(kFusedMaxT, in.T - t)) {
         case 1: matvec_rows_nt<1>(W, in, t, y, ldy, r0, r1); break;
@@ -363,7 +527,7 @@ void matvec_rows(const Linear& W, const MatvecInput& in, float* y, int ldy, int6
     return;
   }
 #endif
-  // Portable: expand each row once, one dot per token.
+  // Portable: expand each row once, one dot per token (dot's order depends on n alone).
   thread_local std::vector<float> row;
   row.resize(W.in);
   for (int64_t r = r0; r < r1; ++r) {
@@ -376,21 +540,45 @@ void matvec_rows(const Linear& W, const MatvecInput& in, float* y, int ldy, int6
   }
 }
 
-void linear(const Linear& W, const float* x, int T, float* y, ThreadPool& pool, Matmul mode) {
-  // int8: from kInt8GemmMinT tokens the token-vector GEMM beats the row kernels (measured with
-  // benchmarks/kernels: 1.3-1.6x at 16-32 tokens), which matters for MoE expert groups.
-  if (mode == Matmul::Int8 && T >= kInt8GemmMinT && int8_gemm_supported(W)) {
-    int8_gemm(W, x, T, y, &pool);
-    return;
-  }
+namespace {
+
+// Which kernel runs a chunk of T tokens. Every kernel of a mode computes each output in that
+// mode's one order (linear_int8.h for int8; the f32 order above), so this choice is speed only:
+//   int8, T >= kInt8GemmMinT where the host has it: the token-vector GEMM (1.3-1.6x the row
+//     kernels at 16-32 tokens, measured with benchmarks/kernels; matters for MoE expert groups);
+//   f32, T >= kF32GemmMinT on AVX-512: the panel GEMM;
+//   else the row kernels (matvec_rows), parallel over rows.
+enum class Kernel { Rows, Int8Gemm, F32Gemm };
+
 #if defined(__AVX512F__)
-  // Large chunks: expand each panel of weights once and sweep it with a register-blocked
-  // micro-kernel. Small ones (decode, small expert groups): fused kernels off the packed bytes.
-  if (T > kPanelMinT) {
-    pool.parallel_for(panel_count(W), [&](int64_t p0, int64_t p1, int) { panel_rows(W, x, T, y, p0, p1); });
-    return;
-  }
+// From this many tokens the f32 panel GEMM beats the fused kernels (benchmarks/kernels).
+constexpr int kF32GemmMinT = 16;
 #endif
+
+Kernel kernel_for(const Linear& W, int T, Matmul mode) {
+  if (mode == Matmul::Int8 && int8_supported(W)) return T >= kInt8GemmMinT && int8_gemm_supported(W) ? Kernel::Int8Gemm : Kernel::Rows;
+#if defined(__AVX512F__)
+  if (T >= kF32GemmMinT && fused_f32(W)) return Kernel::F32Gemm;
+#endif
+  return Kernel::Rows;
+}
+
+}  // namespace
+
+void linear(const Linear& W, const float* x, int T, float* y, ThreadPool& pool, Matmul mode) {
+  switch (kernel_for(W, T, mode)) {
+    case Kernel::Int8Gemm: int8_gemm(W, x, T, y, &pool); return;
+#if defined(__AVX512F__)
+    case Kernel::F32Gemm: {
+      thread_local F32GemmInput prepared;  // bound by reference: workers must see this thread's
+      F32GemmInput& g = prepared;
+      prepare_f32_gemm(W, x, T, g);
+      pool.parallel_for(panel_count(W), [&](int64_t p0, int64_t p1, int) { f32_gemm_panels(W, g, y, p0, p1); });
+      return;
+    }
+#endif
+    default: break;
+  }
   // Reused across calls (no per-token allocation). Bound to a plain reference: a lambda that
   // named the thread_local itself would see each worker thread's own (empty) instance.
   thread_local MatvecInput prepared;
@@ -400,18 +588,18 @@ void linear(const Linear& W, const float* x, int T, float* y, ThreadPool& pool, 
 }
 
 void linear_serial(const Linear& W, const float* x, int T, float* y, Matmul mode) {
-  // int8: from kInt8GemmMinT tokens the token-vector GEMM beats the row kernels (measured with
-  // benchmarks/kernels: 1.3-1.6x at 16-32 tokens), which matters for MoE expert groups.
-  if (mode == Matmul::Int8 && T >= kInt8GemmMinT && int8_gemm_supported(W)) {
-    int8_gemm(W, x, T, y, nullptr);
-    return;
-  }
+  switch (kernel_for(W, T, mode)) {
+    case Kernel::Int8Gemm: int8_gemm(W, x, T, y, nullptr); return;
 #if defined(__AVX512F__)
-  if (T > kPanelMinT) {
-    panel_rows(W, x, T, y, 0, panel_count(W));
-    return;
-  }
+    case Kernel::F32Gemm: {
+      thread_local F32GemmInput g;
+      prepare_f32_gemm(W, x, T, g);
+      f32_gemm_panels(W, g, y, 0, panel_count(W));
+      return;
+    }
 #endif
+    default: break;
+  }
   thread_local MatvecInput in;
   in.prepare(W, x, T, mode);
   matvec_rows(W, in, y, W.out, 0, W.out);

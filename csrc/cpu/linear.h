@@ -2,6 +2,12 @@
 // 2..8 bits), with dequantization fused: weights stay packed in memory and are expanded a few
 // rows at a time into a per-thread scratch that lives in L1/L2.
 //
+// Invariance: each output y[t, r] is computed by one fixed sequence of f32 operations that
+// depends on x[t] and W's row r alone, never on T, on the other tokens or rows sharing the call,
+// or on the thread count; kernels are chosen by T for speed only. (The sequences: int8 mode in
+// linear_int8.h, f32 mode in linear.cpp.) So a token's logits are bit-identical however its
+// prompt was chunked, cached or batched.
+//
 // Shapes: W [out, in], x [T, in], y [T, out]  (T = tokens in the chunk)
 #pragma once
 #include <cstdint>
@@ -30,6 +36,9 @@ void linear(const Linear& W, const float* x, int T, float* y, ThreadPool& pool, 
 // over something else, e.g. MoE prefill over experts).
 void linear_serial(const Linear& W, const float* x, int T, float* y, Matmul mode);
 
+// gsum[T, in / group] = sum of x over each group, in order (the affine bias term's input).
+void group_sums(const float* x, int T, int in, int group, float* gsum);
+
 // Activations prepared once for the fused small-batch kernels (decode, small expert groups):
 // group sums for the affine bias term and, for 4-bit rows, x de-interleaved to match the
 // nibble order. Valid for every matrix with the same (in, bits, group), so a decode step can
@@ -42,7 +51,7 @@ struct MatvecInput {
   std::vector<float> xd;    // [T, in] (4-bit f32 kernels only)
   std::vector<float> gsum;  // [T, in / group]
   std::vector<int8_t> xq;   // [T, in] (int8 only)
-  std::vector<float> dx;    // [T, int8_dx_per_token] (int8 only)
+  std::vector<float> dx;    // [T, in / 32]: block scales (int8 only)
 
   void prepare(const Linear& W, const float* x, int T, Matmul mode);
   bool matches(const Linear& W) const;

@@ -3,34 +3,40 @@
 // Why: the f32 fused kernels widen every nibble to an f32 lane and spend ~36 instructions per
 // 64 bytes of weights, so decode was instruction-bound at ~2 GB/s per core. Here 32 packed bytes
 // (64 weights) become two u8 vectors with one AND and one shift, and VPDPBUSD multiplies them by
-// int8 activations and sums groups of four into int32 lanes: ~10 instructions per 32 bytes.
+// int8 activations and sums groups of four into int32 lanes.
 //
 // Numerics. Each row of x is quantized per block of 32 values: d = max|x| / 127, q = round(x / d).
 // With weights w = s * u + b (u the unsigned code, s/b the group's scale and bias):
 //   sum_j w_j x_j  =  sum_groups [ s * sum_j u_j x_j  +  b * sum_j x_j ]
-//                 ~=  sum_groups [ s * sum_blocks d * (sum_j u_j q_j) ]  +  b * gsum
+//                 ~=  sum_blocks (s * d) * (sum_j u_j q_j)  +  sum_groups b * gsum
 // The integer sums are exact; the only new error is the rounding of x to q (relative 1/254 of the
-// block's max per element, unbiased), and the bias term keeps the exact f32 group sum of x.
-// This is the scheme of llama.cpp's Q4_0 x Q8_0 dot product.
+// block's max per element, unbiased), and the bias term keeps the f32 group sum of x. This is the
+// scheme of llama.cpp's Q4_0 x Q8_0 dot product. The f32 steps run in the canonical order of
+// linear_int8.h, the same in every kernel.
 //
-// Layout. A 256-bit vector holds eight int32 lanes, each the dot of 4 weights with 4 x values.
-// For 4-bit weights, byte i of a 32-byte chunk holds weights 2i (low nibble) and 2i+1 (high), so
-// x is stored per 64 values as [evens | odds]: the low-nibble vector pairs with the evens, the
-// high-nibble vector with the odds, and lane j covers x block (2c + j/4). Block scales are stored
-// expanded to lanes (dx: one float per lane), so applying them is one load and one multiply.
+// Row kernels: rows in vector lanes. A VPDPBUSD result holds, per row, the partial dot products
+// of a block spread over 4 (4-bit) or 8 (8-bit) int32 lanes. Integer sums are exact in any order,
+// so a few unpack/add/shuffle steps turn the results of 16 rows (8 on AVX2) into one vector per
+// block whose lane i is row i's block sum; the f32 steps then run for 16 rows at once, one FMA
+// per block, and 16 consecutive outputs are stored together. For 4-bit weights byte i of a chunk
+// holds weights 2i (low nibble) and 2i+1 (high), so x is stored per chunk as [evens | odds]: the
+// low-nibble vector pairs with the evens, the high-nibble vector with the odds, and lane j of
+// either product covers values [8j, 8j + 8) of the chunk, i.e. block j / 4.
 //
-// Instruction sets: AVX-512 VNNI (256-bit forms, AVX512VL) or AVX-VNNI (VPDPBUSD); plain AVX2
-// emulates it with VPMADDUBSW + VPMADDWD, exact for 4-bit codes (2 * 15 * 127 fits an int16) but
-// not for 8-bit codes, which therefore need VNNI. arm64 has its own row kernels
-// (linear_int8_neon.cpp). Elsewhere int8_supported() is false and linear.cpp keeps the f32
-// kernels.
+// Instruction sets: AVX-512 VNNI (512-bit VPDPBUSD, 16 rows), AVX-VNNI or AVX-512 VNNI without
+// BW (256-bit, 8 rows); plain AVX2 emulates VPDPBUSD with VPMADDUBSW + VPMADDWD, exact for 4-bit
+// codes (2 * 15 * 127 fits an int16) but not for 8-bit codes, which therefore need VNNI. arm64 has
+// its own row kernels (linear_int8_neon.cpp). Elsewhere int8_supported() is false and linear.cpp
+// runs the f32 kernels.
 #include "cpu/linear_int8.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+#include "cpu/linear.h"
 #include "model/dtype.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -61,11 +67,11 @@ constexpr int kChunk4 = 64;
 #endif
 
 void quantize_activations(const float* x, int T, int in, int bits, int8_t* xq, float* dx) {
-  const int nb = in / kInt8Block, ndx = int8_dx_per_token(in, bits);
+  const int nb = in / kInt8Block;
   for (int t = 0; t < T; ++t) {
     const float* xt = x + size_t(t) * in;
     int8_t* qt = xq + size_t(t) * in;
-    float* dt = dx + size_t(t) * ndx;
+    float* dt = dx + size_t(t) * nb;
     for (int b = 0; b < nb; ++b) {
       const float* xb = xt + b * kInt8Block;
 #if defined(LILY_INT8_AVX512)
@@ -85,14 +91,13 @@ void quantize_activations(const float* x, int T, int in, int bits, int8_t* xq, f
           _mm_storeu_si128(reinterpret_cast<__m128i*>(qc), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(e, vi))));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(qc + wc / 2),
                            _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(o, vi))));
-          for (int l = 0; l < 4; ++l) dt[b * 4 + l] = d;
         } else {
           _mm_storeu_si128(reinterpret_cast<__m128i*>(qt + b * kInt8Block),
                            _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, vi))));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(qt + b * kInt8Block + 16),
                            _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, vi))));
-          dt[b] = d;
         }
+        dt[b] = d;
         continue;
       }
 #elif defined(LILY_INT8_NEON)
@@ -113,12 +118,11 @@ void quantize_activations(const float* x, int T, int in, int bits, int8_t* xq, f
         if (bits == 4) {
           vst1q_s8(qb, vuzp1q_s8(q0, q1));
           vst1q_s8(qb + 16, vuzp2q_s8(q0, q1));
-          for (int l = 0; l < 4; ++l) dt[b * 4 + l] = d;
         } else {
           vst1q_s8(qb, q0);
           vst1q_s8(qb + 16, q1);
-          dt[b] = d;
         }
+        dt[b] = d;
         continue;
       }
 #endif
@@ -136,22 +140,25 @@ void quantize_activations(const float* x, int T, int in, int bits, int8_t* xq, f
           qc[i] = q[2 * i];
           qc[wc / 2 + i] = q[2 * i + 1];
         }
-        for (int l = 0; l < 4; ++l) dt[b * 4 + l] = d;  // the 4 lanes (of 8 values) of block b
       } else {
         std::memcpy(qt + b * kInt8Block, q, kInt8Block);
-        dt[b] = d;
       }
+      dt[b] = d;
     }
   }
+}
+
+bool int8_kernels_available() {
+#if defined(LILY_INT8_KERNELS) || defined(LILY_INT8_NEON)
+  return true;
+#else
+  return false;
+#endif
 }
 
 #if defined(LILY_INT8_KERNELS)
 
 namespace {
-
-#if defined(LILY_INT8_AVX512)
-inline __m512i dpbusd512(__m512i acc, __m512i a, __m512i b) { return _mm512_dpbusd_epi32(acc, a, b); }
-#endif
 
 // acc + sum of 4 products u8 (a) x s8 (b) per int32 lane.
 inline __m256i dpbusd(__m256i acc, __m256i a, __m256i b) {
@@ -165,12 +172,426 @@ inline __m256i dpbusd(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
+// Software prefetch. Why: batch-1 decode is one pass over each matrix, and the hardware
+// prefetchers stop at every 4 KiB page and ramp up again on the next, which left one thread's
+// loads waiting on DRAM. The row kernels prefetch each of a quad's four weight streams a
+// distance ahead (rows are contiguous: near a row's end that is a later row), and the scales
+// and biases of the next block of rows (StreamPrefetch). The distance, about five rows (at least
+// 5 KiB, at most 16 KiB), is empirical (benchmarks/kernels/matvec_bench, 2 threads, matrices of
+// 64-256 MB): 1 KiB rows (the lm_head, in = 2048) ran best at 5-6 KiB and 10-15% slower at 2, 4
+// and 8 KiB; 2 KiB rows at 8-10 KiB; 256-byte rows anywhere from 5 to 8 KiB.
+inline size_t prefetch_distance(size_t row_bytes) { return std::clamp<size_t>(5 * row_bytes, 5120, 16384); }
+
+// One row-major stream, prefetched up to a moving target.
+struct StreamPrefetch {
+  const uint8_t* next;  // first byte not yet prefetched
+  const uint8_t* end;   // the stream's end: nothing past it is touched
+  void upto(const uint8_t* target) {
+    for (const uint8_t* t = std::min(end, target); next < t; next += 64) __builtin_prefetch(next, 0, 3);
+  }
+};
+
+// ---- Block sums with rows in lanes -----------------------------------------------------------
+//
+// Rows are taken kRows at a time (a block of rows), four at a time within it (a quad). A quad's
+// four rows are read together, front to back, and the quad's block sums wait in a small buffer;
+// then, step by step, the quads' vectors are rearranged into one vector per block whose lane i
+// is row i of the block, and the f32 sequence runs for the kRows rows at once.
+//   Step<BITS>::quad<kHalf, NT>(rows, xt, v, q): values [v, v + width) of the quad's rows
+//     (rows[i]: row i's packed bytes) against NT (1 or 2) tokens (xt[j]: token j's xq); q[j]
+//     gets token j's block sums in the layout blocks() reads. Two tokens share each row's loads
+//     and nibble unpacking. Step::kFull is the width of the main steps; a row may end with one
+//     half-width step (kHalf).
+//   Step<BITS>::blocks(q, blk): the quads' vectors of one step (q[0 .. kRows / 4)) -> blk[k] =
+//     the block sums of block v / 32 + k, lane i = row i; returns the number of blocks.
+// (Why quads: reading all 16 rows interleaved, no prefetch pattern we tried streamed the lm_head
+// from DRAM as fast as one row at a time (15-20% short); reading rows one at a time needs a
+// 16 x 16 transpose of block sums per 16 blocks, ~15% more instructions. Measured with
+// benchmarks/kernels/matvec_bench.)
+#if defined(LILY_INT8_AVX512)
+constexpr int kRows = 16;
+using IVec = __m512i;
+using FVec = __m512;
+
+// [a b c d] of each 128-bit lane k: the sums of lanes 4k .. 4k+3 of a, b, c and d.
+inline __m512i sum_lane_quads(__m512i a, __m512i b, __m512i c, __m512i d) {
+  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
 }
+
+// v[k] = 128-bit lane k of q[0], q[1], q[2], q[3] (a 4 x 4 transpose of 128-bit lanes).
+inline void transpose_lanes(const __m512i* q, __m512i* v) {
+  const __m512i t0 = _mm512_shuffle_i32x4(q[0], q[1], 0x44), t1 = _mm512_shuffle_i32x4(q[0], q[1], 0xEE);
+  const __m512i t2 = _mm512_shuffle_i32x4(q[2], q[3], 0x44), t3 = _mm512_shuffle_i32x4(q[2], q[3], 0xEE);
+  v[0] = _mm512_shuffle_i32x4(t0, t2, 0x88);
+  v[1] = _mm512_shuffle_i32x4(t0, t2, 0xDD);
+  v[2] = _mm512_shuffle_i32x4(t1, t3, 0x88);
+  v[3] = _mm512_shuffle_i32x4(t1, t3, 0xDD);
+}
+
+// 64 bytes, or 32 zero-extended (a masked load touches no byte past the 32).
+template <bool kHalf>
+inline __m512i load_bytes(const void* p) {
+  if constexpr (kHalf) return _mm512_maskz_loadu_epi8(0xFFFFFFFFull, p);
+  return _mm512_loadu_si512(p);
+}
+
+template <int BITS>
+struct Step;
+
+// 4-bit: 128 values per step, 64 packed bytes per row. Lane m of a row's product covers values
+// [8m, 8m + 8) of the step: block m / 4. The quad vector: 128-bit lane k = the quad's rows' sums
+// of the step's block k.
+template <>
+struct Step<4> {
+  static constexpr int kFull = 128;
+  template <bool kHalf, int NT>
+  static void quad(const uint8_t* const* rows, const int8_t* const* xt, int v, __m512i* q) {
+    constexpr int half = kHalf ? 32 : 64;  // bytes of codes per row = x bytes per parity
+    const __m512i m4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+    __m512i xe[NT], xo[NT], ia[NT][4];
+    for (int j = 0; j < NT; ++j) {
+      xe[j] = load_bytes<kHalf>(xt[j] + v);
+      xo[j] = load_bytes<kHalf>(xt[j] + v + half);
+    }
+    for (int i = 0; i < 4; ++i) {
+      const __m512i w = load_bytes<kHalf>(rows[i] + v / 2);
+      const __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
+      for (int j = 0; j < NT; ++j) ia[j][i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, xe[j]), hi, xo[j]);
+    }
+    for (int j = 0; j < NT; ++j) q[j] = sum_lane_quads(ia[j][0], ia[j][1], ia[j][2], ia[j][3]);
+  }
+  template <bool kHalf>
+  static int blocks(const __m512i* q, __m512i* blk) {
+    transpose_lanes(q, blk);
+    return kHalf ? 2 : 4;
+  }
+};
+
+// 8-bit: 64 values = bytes per step, two blocks of 8 lanes. The quad vector: 128-bit lanes 0, 1
+// = the two halves of the step's first block, lanes 2, 3 of its second.
+template <>
+struct Step<8> {
+  static constexpr int kFull = 64;
+  template <bool kHalf, int NT>
+  static void quad(const uint8_t* const* rows, const int8_t* const* xt, int v, __m512i* q) {
+    const __m512i zero = _mm512_setzero_si512();
+    __m512i x[NT], ia[NT][4];
+    for (int j = 0; j < NT; ++j) x[j] = load_bytes<kHalf>(xt[j] + v);
+    for (int i = 0; i < 4; ++i) {
+      const __m512i w = load_bytes<kHalf>(rows[i] + v);
+      for (int j = 0; j < NT; ++j) ia[j][i] = _mm512_dpbusd_epi32(zero, w, x[j]);
+    }
+    for (int j = 0; j < NT; ++j) q[j] = sum_lane_quads(ia[j][0], ia[j][1], ia[j][2], ia[j][3]);
+  }
+  template <bool kHalf>
+  static int blocks(const __m512i* q, __m512i* blk) {
+    __m512i t[4];
+    transpose_lanes(q, t);
+    blk[0] = _mm512_add_epi32(t[0], t[1]);
+    blk[1] = _mm512_add_epi32(t[2], t[3]);
+    return kHalf ? 1 : 2;
+  }
+};
+
+// kRows f32 values of a parameter row (n of them there, the rest zero).
+inline __m512 load_params(const uint8_t* p, DType dt, int n) {
+  const __mmask16 m = __mmask16((1u << n) - 1);  // masked loads touch nothing past the n values
+  if (dt == DType::F32) return _mm512_maskz_loadu_ps(m, p);
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  if (dt == DType::BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_cvtph_ps(h);
+}
+
+// out[c * 16 + i] = lane c of r[i], for i, c < 16.
+inline void transpose16x16(const __m512* r, float* out) {
+  __m512 a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // b[4i + k], 128-bit lane L: rows 4i .. 4i+3 of column 4L + k
+    b[4 * i + 0] = _mm512_shuffle_ps(a[4 * i + 0], a[4 * i + 2], 0x44);
+    b[4 * i + 1] = _mm512_shuffle_ps(a[4 * i + 0], a[4 * i + 2], 0xEE);
+    b[4 * i + 2] = _mm512_shuffle_ps(a[4 * i + 1], a[4 * i + 3], 0x44);
+    b[4 * i + 3] = _mm512_shuffle_ps(a[4 * i + 1], a[4 * i + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i q[4] = {_mm512_castps_si512(b[k]), _mm512_castps_si512(b[4 + k]), _mm512_castps_si512(b[8 + k]),
+                          _mm512_castps_si512(b[12 + k])};
+    __m512i v[4];
+    transpose_lanes(q, v);
+    for (int L = 0; L < 4; ++L) _mm512_storeu_si512(out + (4 * L + k) * 16, v[L]);
+  }
+}
+inline void transpose_rows(const __m512* r, float* out) { transpose16x16(r, out); }
+
+inline FVec fzero() { return _mm512_setzero_ps(); }
+inline FVec fload(const float* p) { return _mm512_loadu_ps(p); }
+inline FVec fma_block(FVec acc, IVec sums, FVec s, float d) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(s, _mm512_set1_ps(d)), acc);
+}
+inline FVec fma_bias(FVec acc, FVec b, float gsum) { return _mm512_fmadd_ps(b, _mm512_set1_ps(gsum), acc); }
+inline void fstore(float* y, FVec v, int n) { _mm512_mask_storeu_ps(y, __mmask16((1u << n) - 1), v); }
+
+#else  // 256-bit: AVX2, AVX-VNNI
+constexpr int kRows = 8;
+using IVec = __m256i;
+using FVec = __m256;
+
+inline __m256i sum_lane_quads(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i ab = _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+  const __m256i cd = _mm256_add_epi32(_mm256_unpacklo_epi32(c, d), _mm256_unpackhi_epi32(c, d));
+  return _mm256_add_epi32(_mm256_unpacklo_epi64(ab, cd), _mm256_unpackhi_epi64(ab, cd));
+}
+
+inline __m256i load_bytes(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+template <int BITS>
+struct Step;
+
+// 4-bit: 64 values per step (32 packed bytes), blocks of 4 lanes; the quad vector's 128-bit lane
+// k = the quad's rows' sums of the step's block k.
+template <>
+struct Step<4> {
+  static constexpr int kFull = 64;
+  template <bool kHalf, int NT>
+  static void quad(const uint8_t* const* rows, const int8_t* const* xt, int v, __m256i* q) {
+    static_assert(!kHalf, "4-bit rows are multiples of 64 values");
+    const __m256i m4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    __m256i xe[NT], xo[NT], ia[NT][4];
+    for (int j = 0; j < NT; ++j) {
+      xe[j] = load_bytes(xt[j] + v);
+      xo[j] = load_bytes(xt[j] + v + 32);
+    }
+    for (int i = 0; i < 4; ++i) {
+      const __m256i w = load_bytes(rows[i] + v / 2);
+      const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+      for (int j = 0; j < NT; ++j) ia[j][i] = dpbusd(dpbusd(zero, lo, xe[j]), hi, xo[j]);
+    }
+    for (int j = 0; j < NT; ++j) q[j] = sum_lane_quads(ia[j][0], ia[j][1], ia[j][2], ia[j][3]);
+  }
+  template <bool kHalf>
+  static int blocks(const __m256i* q, __m256i* blk) {
+    blk[0] = _mm256_permute2x128_si256(q[0], q[1], 0x20);
+    blk[1] = _mm256_permute2x128_si256(q[0], q[1], 0x31);
+    return 2;
+  }
+};
+
+// 8-bit: 32 values = bytes per step, one block of 8 lanes; the quad vector's two 128-bit lanes
+// hold its halves.
+template <>
+struct Step<8> {
+  static constexpr int kFull = 32;
+  template <bool kHalf, int NT>
+  static void quad(const uint8_t* const* rows, const int8_t* const* xt, int v, __m256i* q) {
+    static_assert(!kHalf, "8-bit rows are multiples of 32 values");
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i x[NT], ia[NT][4];
+    for (int j = 0; j < NT; ++j) x[j] = load_bytes(xt[j] + v);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i w = load_bytes(rows[i] + v);
+      for (int j = 0; j < NT; ++j) ia[j][i] = dpbusd(zero, w, x[j]);
+    }
+    for (int j = 0; j < NT; ++j) q[j] = sum_lane_quads(ia[j][0], ia[j][1], ia[j][2], ia[j][3]);
+  }
+  template <bool kHalf>
+  static int blocks(const __m256i* q, __m256i* blk) {
+    blk[0] = _mm256_add_epi32(_mm256_permute2x128_si256(q[0], q[1], 0x20), _mm256_permute2x128_si256(q[0], q[1], 0x31));
+    return 1;
+  }
+};
+
+// kRows f32 values of a parameter row (n of them there, the rest zero).
+inline __m256 load_params(const uint8_t* p, DType dt, int n) {
+  alignas(32) uint8_t tail[32] = {};
+  if (n < 8) p = static_cast<const uint8_t*>(std::memcpy(tail, p, size_t(n) * dtype_size(dt)));
+  if (dt == DType::F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if (dt == DType::BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return _mm256_cvtph_ps(h);
+}
+
+// out[c * 8 + i] = lane c of r[i], for i, c < 8.
+inline void transpose8x8(const __m256* r, float* out) {
+  __m256 t[8], q[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // q[4i + k], 128-bit lane L: rows 4i .. 4i+3 of column 4L + k
+    q[4 * i + 0] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
+    q[4 * i + 1] = _mm256_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xEE);
+    q[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    q[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {
+    _mm256_storeu_ps(out + k * 8, _mm256_permute2f128_ps(q[k], q[4 + k], 0x20));
+    _mm256_storeu_ps(out + (4 + k) * 8, _mm256_permute2f128_ps(q[k], q[4 + k], 0x31));
+  }
+}
+inline void transpose_rows(const __m256* r, float* out) { transpose8x8(r, out); }
+
+inline FVec fzero() { return _mm256_setzero_ps(); }
+inline FVec fload(const float* p) { return _mm256_loadu_ps(p); }
+inline FVec fma_block(FVec acc, IVec sums, FVec s, float d) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(s, _mm256_set1_ps(d)), acc);
+}
+inline FVec fma_bias(FVec acc, FVec b, float gsum) { return _mm256_fmadd_ps(b, _mm256_set1_ps(gsum), acc); }
+inline void fstore(float* y, FVec v, int n) {
+  alignas(32) float lanes[kRows];
+  _mm256_store_ps(lanes, v);
+  std::memcpy(y, lanes, size_t(n) * sizeof(float));
+}
+#endif
+
+// A vector in a std::vector (which drops a bare vector type's alignment attribute).
+struct IVecSlot {
+  IVec v;
+};
+
+// Rows [r0, r1) for T tokens, kRows rows at a time in the canonical order (linear_int8.h).
+template <int BITS>
+void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int T, float* y, int ldy,
+               int64_t r0, int64_t r1) {
+  using S = Step<BITS>;
+  constexpr int kQuads = kRows / 4;
+  const int in = W.in, G = in / W.group, nb = in / kInt8Block, nsteps = (in + S::kFull - 1) / S::kFull;
+  const bool tail = in % S::kFull != 0;  // AVX-512 only: one half-width last step
+  const int Gp = (G + kRows - 1) / kRows * kRows;  // G padded to whole transposes
+  int gshift = 0;  // group = 32 << gshift
+  while ((kInt8Block << gshift) < W.group) ++gshift;
+  const size_t esz = dtype_size(W.dtype), wbytes = size_t(in) * BITS / 8, pbytes = size_t(G) * esz;
+  // Per thread: the block of rows' scales and biases as f32, transposed to [Gp][kRows] (lane i
+  // = row i); the quads' block-sum vectors [2 tokens][kQuads][nsteps].
+  thread_local std::vector<float> params_store;
+  thread_local std::vector<IVecSlot> sums_store;
+  params_store.resize(size_t(2) * Gp * kRows);
+  sums_store.resize(size_t(2) * kQuads * nsteps);
+  float* sT = params_store.data();      // [Gp][kRows]
+  float* bT = sT + size_t(Gp) * kRows;  // [Gp][kRows]
+  IVecSlot* sums = sums_store.data();  // [2][kQuads][nsteps]
+  const uint8_t* w_end = W.w + size_t(r1) * wbytes;  // nothing past this thread's rows is touched
+  const size_t pf_distance = prefetch_distance(wbytes);
+  StreamPrefetch spf{W.scales + size_t(r0) * pbytes, W.scales + size_t(r1) * pbytes};
+  StreamPrefetch bpf{W.biases + size_t(r0) * pbytes, W.biases + size_t(r1) * pbytes};
+  for (int64_t rb = r0; rb < r1; rb += kRows) {
+    const int nr = int(std::min<int64_t>(kRows, r1 - rb));
+    // Rows past the end repeat the last one: their lanes are computed and never stored.
+    const uint8_t* rows[kRows];
+    for (int i = 0; i < kRows; ++i) rows[i] = W.w + size_t(rb + std::min(i, nr - 1)) * wbytes;
+    const int64_t next = rb + nr, next_rows = std::min<int64_t>(kRows, r1 - next);
+    spf.upto(W.scales + size_t(next + next_rows) * pbytes);
+    bpf.upto(W.biases + size_t(next + next_rows) * pbytes);
+    // kRows groups of kRows rows at a time: loaded, widened to f32 and transposed in registers.
+    for (int g = 0; g < G; g += kRows) {
+      const int n = std::min(kRows, G - g);
+      FVec sr[kRows], br[kRows];
+      for (int i = 0; i < kRows; ++i) {
+        const size_t at = size_t(rb + std::min(i, nr - 1)) * pbytes + size_t(g) * esz;
+        sr[i] = load_params(W.scales + at, W.dtype, n);
+        br[i] = load_params(W.biases + at, W.dtype, n);
+      }
+      transpose_rows(sr, sT + size_t(g) * kRows);
+      transpose_rows(br, bT + size_t(g) * kRows);
+    }
+    // Tokens t0 .. t0 + NT - 1 (NT = 1 or 2) over the block: each token's own canonical sequence.
+    auto pass = [&](int t0, auto nt) {
+      constexpr int NT = decltype(nt)::value;
+      const int8_t* xt[NT];
+      for (int j = 0; j < NT; ++j) xt[j] = xq + size_t(t0 + j) * in;
+      // Integer sums, quad by quad. On the first pass over the block the rows stream from
+      // memory: each of the quad's four streams is prefetched pf_distance ahead.
+      for (int qd = 0; qd < kQuads; ++qd) {
+        const uint8_t* const* qrows = rows + 4 * qd;
+        IVec q[NT];
+        for (int st = 0; st < nsteps; ++st) {
+          if (t0 == 0)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t* ahead = qrows[i] + size_t(st) * S::kFull * BITS / 8 + pf_distance;
+              if (ahead < w_end) __builtin_prefetch(ahead, 0, 3);
+            }
+#if defined(LILY_INT8_AVX512)
+          if (tail && st == nsteps - 1) S::template quad<true, NT>(qrows, xt, st * S::kFull, q);
+          else
+#endif
+            S::template quad<false, NT>(qrows, xt, st * S::kFull, q);
+          for (int j = 0; j < NT; ++j) sums[(size_t(j) * kQuads + qd) * nsteps + st].v = q[j];
+        }
+      }
+      // The f32 sequence, kRows rows per vector.
+      for (int j = 0; j < NT; ++j) {
+        const int t = t0 + j;
+        const float* dt = dx + size_t(t) * nb;
+        FVec acc = fzero();
+        for (int st = 0; st < nsteps; ++st) {
+          IVec qv[kQuads], blk[4];
+          for (int qd = 0; qd < kQuads; ++qd) qv[qd] = sums[(size_t(j) * kQuads + qd) * nsteps + st].v;
+          const int n = tail && st == nsteps - 1 ? S::template blocks<true>(qv, blk) : S::template blocks<false>(qv, blk);
+          for (int k = 0; k < n; ++k) {
+            const int b = st * S::kFull / kInt8Block + k;
+            acc = fma_block(acc, blk[k], fload(sT + size_t(b >> gshift) * kRows), dt[b]);
+          }
+        }
+        const float* gt = gsum + size_t(t) * G;
+        for (int g = 0; g < G; ++g) acc = fma_bias(acc, fload(bT + size_t(g) * kRows), gt[g]);
+        fstore(y + size_t(t) * ldy + rb, acc, nr);
+      }
+    };
+    int t = 0;
+    for (; t + 2 <= T; t += 2) pass(t, std::integral_constant<int, 2>());
+    if (t < T) pass(t, std::integral_constant<int, 1>());
+  }
+}
+
+}  // namespace
+
+bool int8_supported(const Linear& W) {
+  if (!W.quantized() || W.in / W.group > 2048 || W.group % kInt8Block != 0) return false;
+  const int blocks = W.group / kInt8Block;  // per group: a power of two (32 << gshift)
+  if ((blocks & (blocks - 1)) != 0) return false;
+  if (W.bits == 4) return W.in % 64 == 0;  // 4-bit chunks are 64 or 128 values
+#if defined(LILY_INT8_VNNI)
+  if (W.bits == 8) return true;
+#endif
+  return false;
+}
+
+void int8_rows(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int T, float* y, int ldy,
+               int64_t r0, int64_t r1) {
+  if (W.bits == 4) rows_int8<4>(W, xq, dx, gsum, T, y, ldy, r0, r1);
+  else rows_int8<8>(W, xq, dx, gsum, T, y, ldy, r0, r1);
+}
+
+#elif !defined(LILY_INT8_NEON)  // no AVX2 nor NEON: the f32 kernels serve both modes
+
+bool int8_supported(const Linear&) { return false; }
+void int8_rows(const Linear&, const int8_t*, const float*, const float*, int, float*, int, int64_t, int64_t) {}
+
+#endif
+
+}  // namespace lily::cpu
+
+
+// ---- Larger chunks: tokens in vectors ---------------------------------------------------------
+//
+// For larger T the row kernels would re-read (and re-unpack) each weight row once per token.
+// Here the roles turn: a 512-bit vector holds one 4-byte slice of x for 16 tokens (x is
+// transposed once per call into Xp[token group][dword][16]), and each weight dword is broadcast
+// against it, so one VPDPBUSD does 4 values x 16 tokens. Weight rows are unpacked to u8 codes
+// once per call (16 rows at a time, into L1) and then swept by every token group:
+//   per 8 rows x 32 values x 16 tokens: 8 x loads, 64 broadcasts, 64 VPDPBUSD, 24 scale ops
+//   (8 rows rather than 4: +6% measured, the x loads shared by more rows).
+// Block scales and group sums are transposed the same way (dxT, gsT), so the per-block scale is
+// one vector multiply per row and the bias term one FMA per group. Each lane (token) of a row's
+// accumulator runs the canonical sequence of linear_int8.h: the row kernels' result exactly.
+namespace lily::cpu {
+
+#if defined(LILY_INT8_AVX512)
+
+namespace {
 
 // n scales or biases of one row as f32 (dtype fixed per matrix).
 void row_params(const uint8_t* p, DType dt, int n, float* out) {
@@ -187,182 +608,6 @@ void row_params(const uint8_t* p, DType dt, int n, float* out) {
   }
   for (; i < n; ++i) out[i] = load_as_f32(p, dt, i);
 }
-
-// Software prefetch of one row-major stream, kPrefetchBytes past the end of the row being read.
-// Why: batch-1 decode is one pass over each matrix, and the hardware prefetchers stop at every
-// 4 KiB page and ramp up again on the next, which left one thread's loads waiting on DRAM.
-// Measured with benchmarks/kernels/matvec_bench (2 threads, 4-bit, this VM): lm_head-shaped
-// rows (in 2048) 21.2 -> 24.6 GB/s, expert-shaped rows (in 512) 15.4 -> 23.4 GB/s; 2 KiB
-// beat 1 KiB and 4 KiB.
-constexpr size_t kPrefetchBytes = 2048;
-
-struct StreamPrefetch {
-  const uint8_t* next;  // first byte not yet prefetched
-  const uint8_t* end;   // the stream's end: nothing past it is touched
-  void upto(const uint8_t* target) {
-    for (const uint8_t* t = std::min(end, target); next < t; next += 64) __builtin_prefetch(next, 0, 3);
-  }
-};
-
-// One row against NT tokens. sf/bf: the row's scales and biases as f32 [G].
-template <int NT, int BITS>
-void row_int8(const uint8_t* wrow, const float* sf, const float* bf, int in, int group, const int8_t* xq,
-              const float* dx, int ndx, const float* gsum, int G, float* out, int ldo) {
-  __m256 acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-  const __m256i zero = _mm256_setzero_si256();
-  if constexpr (BITS == 4) {
-    int v0 = 0;  // first value of the current chunk
-#if defined(LILY_INT8_AVX512)
-    // 128 values per step; two accumulator sets (even / odd steps) so consecutive FMAs into
-    // one register do not serialise on its latency.
-    const __m512i m4x = _mm512_set1_epi8(0x0F), zx = _mm512_setzero_si512();
-    const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    __m512 wacc[2][NT];
-    for (int t = 0; t < NT; ++t) wacc[0][t] = wacc[1][t] = _mm512_setzero_ps();
-    auto step = [&](int v, __m512* a) {
-      const __m512i w = _mm512_loadu_si512(wrow + v / 2);
-      const __m512i lo = _mm512_and_si512(w, m4x);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4x);
-      // Lanes 0-7 hold values v..v+63, lanes 8-15 v+64..v+127: one group of 64 each, or one
-      // group of >= 128 for both.
-      const __m512 s = group == 64
-          ? _mm512_permutexvar_ps(pair, _mm512_castpd_ps(_mm512_castpd128_pd512(_mm_load_sd(
-                reinterpret_cast<const double*>(sf + v / 64)))))
-          : _mm512_set1_ps(sf[v / group]);
-      for (int t = 0; t < NT; ++t) {
-        const int8_t* xc = xq + size_t(t) * in + v;
-        __m512i ia = dpbusd512(zx, lo, _mm512_loadu_si512(xc));
-        ia = dpbusd512(ia, hi, _mm512_loadu_si512(xc + 64));
-        const __m512 scale = _mm512_mul_ps(s, _mm512_loadu_ps(dx + size_t(t) * ndx + v / 8));
-        a[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), scale, a[t]);
-      }
-    };
-    for (; v0 + 256 <= in; v0 += 256) {
-      step(v0, wacc[0]);
-      step(v0 + 128, wacc[1]);
-    }
-    if (v0 + 128 <= in) {
-      step(v0, wacc[0]);
-      v0 += 128;
-    }
-    for (int t = 0; t < NT; ++t) {
-      const __m512 sum = _mm512_add_ps(wacc[0][t], wacc[1][t]);
-      acc[t] = _mm256_add_ps(_mm512_castps512_ps256(sum),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sum), 1)));
-    }
-#endif
-    // 64 values per step (the whole row on AVX2, the tail after the 128-steps on AVX-512).
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    for (; v0 < in; v0 += 64) {
-      const __m256 s = _mm256_broadcast_ss(sf + v0 / group);
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + v0 / 2));
-      const __m256i lo = _mm256_and_si256(v, m4);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-      for (int t = 0; t < NT; ++t) {
-        const int8_t* xc = xq + size_t(t) * in + v0;
-        __m256i ia = dpbusd(zero, lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc)));
-        ia = dpbusd(ia, hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32)));
-        const __m256 scale = _mm256_mul_ps(s, _mm256_loadu_ps(dx + size_t(t) * ndx + v0 / 8));
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), scale, acc[t]);
-      }
-    }
-  } else {
-    const int blocks_per_group = group / kInt8Block;
-    for (int g = 0, b = 0; g < G; ++g) {
-      for (int bg = 0; bg < blocks_per_group; ++bg, ++b) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + 32 * b));
-        for (int t = 0; t < NT; ++t) {
-          const __m256i ia =
-              dpbusd(zero, w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + size_t(t) * in + 32 * b)));
-          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(sf[g] * dx[size_t(t) * ndx + b]), acc[t]);
-        }
-      }
-    }
-  }
-  // Bias term: sum_g b[g] * gsum[t, g], folded into the same accumulator lanes.
-  int g = 0;
-  for (; g + 8 <= G; g += 8) {
-    const __m256 bv = _mm256_loadu_ps(bf + g);
-    for (int t = 0; t < NT; ++t) acc[t] = _mm256_fmadd_ps(bv, _mm256_loadu_ps(gsum + size_t(t) * G + g), acc[t]);
-  }
-  for (int t = 0; t < NT; ++t) {
-    float s = hsum(acc[t]);
-    for (int k = g; k < G; ++k) s += bf[k] * gsum[size_t(t) * G + k];
-    out[size_t(t) * ldo] = s;
-  }
-}
-
-template <int NT>
-void rows_nt(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, float* y, int ldy, int64_t r0,
-             int64_t r1) {
-  const int G = W.in / W.group, ndx = int8_dx_per_token(W.in, W.bits);
-  const size_t esz = dtype_size(W.dtype), wbytes = size_t(W.in) * W.bits / 8;
-  // Per-row f32 scales and biases; G <= in / 32, so a model with in <= 65536 fits on the stack.
-  constexpr int kMaxG = 2048;
-  float sf[kMaxG], bf[kMaxG];
-  // The three streams this thread reads (weights, scales, biases), prefetched ahead in step.
-  const size_t pbytes = size_t(G) * esz;
-  const size_t pahead = kPrefetchBytes * pbytes / wbytes;
-  StreamPrefetch wpf{W.w + size_t(r0) * wbytes, W.w + size_t(r1) * wbytes};
-  StreamPrefetch spf{W.scales + size_t(r0) * pbytes, W.scales + size_t(r1) * pbytes};
-  StreamPrefetch bpf{W.biases + size_t(r0) * pbytes, W.biases + size_t(r1) * pbytes};
-  for (int64_t r = r0; r < r1; ++r) {
-    wpf.upto(W.w + size_t(r + 1) * wbytes + kPrefetchBytes);
-    spf.upto(W.scales + size_t(r + 1) * pbytes + pahead);
-    bpf.upto(W.biases + size_t(r + 1) * pbytes + pahead);
-    row_params(W.scales + size_t(r) * G * esz, W.dtype, G, sf);
-    row_params(W.biases + size_t(r) * G * esz, W.dtype, G, bf);
-    const uint8_t* wrow = W.w + size_t(r) * wbytes;
-    if (W.bits == 4) row_int8<NT, 4>(wrow, sf, bf, W.in, W.group, xq, dx, ndx, gsum, G, y + r, ldy);
-    else row_int8<NT, 8>(wrow, sf, bf, W.in, W.group, xq, dx, ndx, gsum, G, y + r, ldy);
-  }
-}
-
-}  // namespace
-
-bool int8_supported(const Linear& W) {
-  if (!W.quantized() || W.in / W.group > 2048) return false;
-  if (W.bits == 4) return W.group % 64 == 0;
-#if defined(LILY_INT8_VNNI)
-  if (W.bits == 8) return W.group % kInt8Block == 0;
-#endif
-  return false;
-}
-
-void int8_rows(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int t0, int nt, float* y,
-               int ldy, int64_t r0, int64_t r1) {
-  int8_rows_for_tokens(W, xq, dx, gsum, t0, nt, y, ldy,
-                       [&](auto n, const int8_t* q, const float* d, const float* gs, float* yt) {
-                         rows_nt<decltype(n)::value>(W, q, d, gs, yt, ldy, r0, r1);
-                       });
-}
-
-#elif !defined(LILY_INT8_NEON)  // no AVX2 nor NEON: the f32 kernels serve both modes
-
-bool int8_supported(const Linear&) { return false; }
-void int8_rows(const Linear&, const int8_t*, const float*, const float*, int, int, float*, int, int64_t, int64_t) {}
-
-#endif
-
-}  // namespace lily::cpu
-
-// ---- Larger chunks: tokens in vectors ---------------------------------------------------------
-//
-// For T > 32 the row kernels would re-read (and re-unpack) each weight row once per 8 tokens.
-// Here the roles turn: a 512-bit vector holds one 4-byte slice of x for 16 tokens (x is
-// transposed once per call into Xp[token group][dword][16]), and each weight dword is broadcast
-// against it, so one VPDPBUSD does 4 values x 16 tokens. Weight rows are unpacked to u8 codes
-// once per call (16 rows at a time, into L1) and then swept by every token group:
-//   per 8 rows x 32 values x 16 tokens: 8 x loads, 64 broadcasts, 64 VPDPBUSD, 24 scale ops
-//   (8 rows rather than 4: +6% measured, the x loads shared by more rows).
-// Block scales and group sums are transposed the same way (dxT, gsT), so the per-block scale is
-// one vector multiply per row and the bias term one FMA per group.
-namespace lily::cpu {
-
-#if defined(LILY_INT8_AVX512)
-
-namespace {
 
 constexpr int kGemmRows = 16;  // rows unpacked per step (16 x in bytes in L1)
 constexpr int kGemmR = 8;      // rows per register block (8 int32 + 8 f32 accumulators in zmm)
@@ -391,15 +636,17 @@ inline void block_dwords(int b, int in, int bits, int& e0, int& o0) {
 }
 
 void prepare_gemm(const Linear& W, const float* x, int T, GemmInput& g) {
-  const int in = W.in, G = in / W.group, nb = in / kInt8Block, ndx = int8_dx_per_token(in, W.bits);
+  const int in = W.in, G = in / W.group, nb = in / kInt8Block;
   g.T = T;
   g.in = in;
   g.G = G;
   g.nb = nb;
   g.groups16 = (T + 15) / 16;
   g.xq.resize(size_t(T) * in);
-  g.dx.resize(size_t(T) * ndx);
+  g.dx.resize(size_t(T) * nb);
+  g.gsum.resize(size_t(T) * G);
   quantize_activations(x, T, in, W.bits, g.xq.data(), g.dx.data());
+  group_sums(x, T, in, W.group, g.gsum.data());
   g.Xp.assign(size_t(g.groups16) * (in / 4) * 16, 0);
   g.dxT.assign(size_t(g.groups16) * nb * 16, 0.0f);
   g.gsT.assign(size_t(g.groups16) * G * 16, 0.0f);
@@ -408,16 +655,12 @@ void prepare_gemm(const Linear& W, const float* x, int T, GemmInput& g) {
     const int32_t* q = reinterpret_cast<const int32_t*>(g.xq.data() + size_t(t) * in);
     int32_t* xp = g.Xp.data() + size_t(tg) * (in / 4) * 16 + l;
     for (int k = 0; k < in / 4; ++k) xp[size_t(k) * 16] = q[k];
-    // dx: 4-bit keeps one scale per lane of 8 values (4 per block), 8-bit one per block.
-    const float* d = g.dx.data() + size_t(t) * ndx;
+    const float* d = g.dx.data() + size_t(t) * nb;
     float* dt = g.dxT.data() + size_t(tg) * nb * 16 + l;
-    for (int b = 0; b < nb; ++b) dt[size_t(b) * 16] = W.bits == 4 ? d[b * 4] : d[b];
+    for (int b = 0; b < nb; ++b) dt[size_t(b) * 16] = d[b];
+    const float* gsum = g.gsum.data() + size_t(t) * G;
     float* gs = g.gsT.data() + size_t(tg) * G * 16 + l;
-    for (int gi = 0; gi < G; ++gi) {
-      float s = 0;
-      for (int j = 0; j < W.group; ++j) s += x[size_t(t) * in + gi * W.group + j];
-      gs[size_t(gi) * 16] = s;
-    }
+    for (int gi = 0; gi < G; ++gi) gs[size_t(gi) * 16] = gsum[gi];
   }
 }
 

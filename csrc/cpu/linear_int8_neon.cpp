@@ -3,10 +3,9 @@
 // Larger chunks (prefill) run as passes of 8 tokens: the token-vector GEMM of linear_int8.cpp
 // is AVX-512 only (int8_gemm_supported() is false here).
 //
-// Numerics are those of the x86 kernels (see linear_int8.cpp): x rounded per block of 32 values
-// by quantize_activations, exact integer dot products per block, then
-//   y = sum_blocks (s_group * d_block) * (u . q)  +  sum_groups b * gsum
-// so results differ from the x86 build only in the f32 summation order.
+// Numerics are those of the x86 kernels, bit for bit: x rounded per block of 32 values by
+// quantize_activations, exact integer dot products per block, then the canonical f32 sequence
+// of linear_int8.h (one FMA per block in ascending order, then one per group for the bias term).
 //
 // Dot products. SDOT (vdotq_s32, __ARM_FEATURE_DOTPROD: Apple M1 and later, Neoverse, Cortex-A55
 // and later) sums four s8 x s8 products into each int32 lane. Plain ARMv8.0 has no such
@@ -29,13 +28,14 @@
 // the initial value of that block's integer accumulator: still exact (|u . q| < 2^20).
 //
 // Speed is unverified on Apple hardware: CI runs these kernels under qemu, for correctness only
-// (tests/test_arm64_kernels.py); docs/performance.md gives the loops' instruction counts.
+// (tests/test_cpu_kernel_builds.py, bit for bit against NumPy).
 #include "cpu/linear_int8.h"
 
 #if defined(LILY_INT8_NEON)
 
 #include <arm_neon.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -77,66 +77,59 @@ void row_params(const uint8_t* p, DType dt, int n, float* out) {
   for (; i < n; ++i) out[i] = load_as_f32(p, dt, i);
 }
 
-// One row against NT tokens. sf/bf: the row's scales and biases as f32 [G]; xq/dx/gsum as
-// quantize_activations and MatvecInput write them ([NT, in], [NT, ndx], [NT, G]); qoff
-// [NT, in / 32]: 128 * sum(q) per block (8-bit only).
+// Rows in lanes: four rows against NT tokens, in the canonical order of linear_int8.h. A block's
+// dot products leave each row's block sum spread over the four int32 lanes of its own vector;
+// two pairwise adds (ADDP) gather the four rows' sums into one vector (lane i = row i), so the
+// f32 steps run for the four rows at once: one FMA per block and token.
+// rows[i]: row i's packed codes; sT, bT: the rows' scales and biases as f32, [G][4]; xq, dx,
+// gsum as quantize_activations and MatvecInput write them ([NT, in], [NT, in / 32], [NT, G]);
+// qoff [NT, in / 32]: 128 * sum(q) per block (8-bit only). Writes y[t, i] for i < nr.
 template <int NT, int BITS>
-void row_int8(const uint8_t* wrow, const float* sf, const float* bf, int in, int gshift, const int8_t* xq,
-              const float* dx, int ndx, const int32_t* qoff, const float* gsum, int G, float* out, int ldo) {
+void rows4(const uint8_t* const* rows, const float* sT, const float* bT, int in, int gshift, const int8_t* xq,
+           const float* dx, const int32_t* qoff, const float* gsum, int G, float* y, int ldy, int nr) {
   const int nb = in / kInt8Block;
-  // dx holds one scale per block for 8-bit and the same scale four times (one per 32-bit lane
-  // of x86's 256-bit vectors) for 4-bit.
-  constexpr int kDxPerBlock = BITS == 4 ? 4 : 1;
-  // Few tokens: two accumulator sets (even / odd blocks), so consecutive FMAs into one register
-  // do not wait on each other's latency. From 4 tokens the tokens give that independence, and
-  // a second set would not fit in the 32 vector registers (spills at 8 tokens).
-  constexpr int kSets = NT < 4 ? 2 : 1;
-  float32x4_t acc[kSets][NT];
-  for (int i = 0; i < kSets; ++i)
-    for (int t = 0; t < NT; ++t) acc[i][t] = vdupq_n_f32(0.0f);
-  auto block = [&](int b, float32x4_t* a) {
-    int8x16_t w0, w1;  // codes of the block's first and second 16 activations
-    if constexpr (BITS == 4) {
-      const uint8x16_t p = vld1q_u8(wrow + 16 * b);
-      w0 = vreinterpretq_s8_u8(vandq_u8(p, vdupq_n_u8(0x0F)));  // even values
-      w1 = vreinterpretq_s8_u8(vshrq_n_u8(p, 4));                // odd values
-    } else {
-      w0 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(wrow + 32 * b), vdupq_n_u8(0x80)));  // u - 128
-      w1 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(wrow + 32 * b + 16), vdupq_n_u8(0x80)));
+  float32x4_t acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = vdupq_n_f32(0.0f);
+  for (int b = 0; b < nb; ++b) {
+    int8x16_t w0[4], w1[4];  // per row: codes of the block's first and second 16 activations
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (BITS == 4) {
+        const uint8x16_t p = vld1q_u8(rows[i] + 16 * b);
+        w0[i] = vreinterpretq_s8_u8(vandq_u8(p, vdupq_n_u8(0x0F)));  // even values
+        w1[i] = vreinterpretq_s8_u8(vshrq_n_u8(p, 4));                // odd values
+      } else {
+        w0[i] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(rows[i] + 32 * b), vdupq_n_u8(0x80)));  // u - 128
+        w1[i] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(rows[i] + 32 * b + 16), vdupq_n_u8(0x80)));
+      }
     }
-    const float s = sf[b >> gshift];
+    const float32x4_t s = vld1q_f32(sT + size_t(b >> gshift) * 4);
     for (int t = 0; t < NT; ++t) {
       const int8_t* xb = xq + size_t(t) * in + kInt8Block * b;
-      int32x4_t ia = vdupq_n_s32(0);
-      if constexpr (BITS == 8) ia = vsetq_lane_s32(qoff[size_t(t) * nb + b], ia, 0);
-      ia = dot_s8(ia, w0, vld1q_s8(xb));
-      ia = dot_s8(ia, w1, vld1q_s8(xb + 16));
-      a[t] = vfmaq_n_f32(a[t], vcvtq_f32_s32(ia), s * dx[size_t(t) * ndx + b * kDxPerBlock]);
+      const int8x16_t x0 = vld1q_s8(xb), x1 = vld1q_s8(xb + 16);
+      int32x4_t init = vdupq_n_s32(0);
+      if constexpr (BITS == 8) init = vsetq_lane_s32(qoff[size_t(t) * nb + b], init, 0);
+      int32x4_t ia[4];
+      for (int i = 0; i < 4; ++i) ia[i] = dot_s8(dot_s8(init, w0[i], x0), w1[i], x1);
+      const int32x4_t sums = vpaddq_s32(vpaddq_s32(ia[0], ia[1]), vpaddq_s32(ia[2], ia[3]));
+      acc[t] = vfmaq_f32(acc[t], vcvtq_f32_s32(sums), vmulq_n_f32(s, dx[size_t(t) * nb + b]));
     }
-  };
-  int b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    block(b, acc[0]);
-    block(b + 1, acc[kSets - 1]);
   }
-  if (b < nb) block(b, acc[0]);
-  // Bias term: sum_g b[g] * gsum[t, g], four groups per FMA.
-  int g = 0;
-  for (; g + 4 <= G; g += 4) {
-    const float32x4_t bv = vld1q_f32(bf + g);
-    for (int t = 0; t < NT; ++t) acc[0][t] = vfmaq_f32(acc[0][t], bv, vld1q_f32(gsum + size_t(t) * G + g));
+  for (int g = 0; g < G; ++g) {
+    const float32x4_t bv = vld1q_f32(bT + size_t(g) * 4);
+    for (int t = 0; t < NT; ++t) acc[t] = vfmaq_n_f32(acc[t], bv, gsum[size_t(t) * G + g]);
   }
   for (int t = 0; t < NT; ++t) {
-    float s = vaddvq_f32(kSets == 2 ? vaddq_f32(acc[0][t], acc[kSets - 1][t]) : acc[0][t]);
-    for (int k = g; k < G; ++k) s += bf[k] * gsum[size_t(t) * G + k];
-    out[size_t(t) * ldo] = s;
+    float lanes[4];
+    vst1q_f32(lanes, acc[t]);
+    std::memcpy(y + size_t(t) * ldy, lanes, size_t(nr) * sizeof(float));
   }
 }
 
+// Rows [r0, r1) for NT tokens.
 template <int NT>
 void rows_nt(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, float* y, int ldy, int64_t r0,
              int64_t r1) {
-  const int G = W.in / W.group, nb = W.in / kInt8Block, ndx = int8_dx_per_token(W.in, W.bits);
+  const int G = W.in / W.group, nb = W.in / kInt8Block;
   const size_t esz = dtype_size(W.dtype), wbytes = size_t(W.in) * W.bits / 8;
   int gshift = 0;  // group = 32 << gshift
   while ((kInt8Block << gshift) < W.group) ++gshift;
@@ -151,15 +144,26 @@ void rows_nt(const Linear& W, const int8_t* xq, const float* dx, const float* gs
       }
   }
   const int32_t* qoff = qoff_store.data();
-  // Per-row f32 scales and biases; G <= 2048 (int8_supported), as on x86.
+  // The four rows' f32 scales and biases, [G][4]; G <= 2048 (int8_supported), as on x86.
   constexpr int kMaxG = 2048;
-  float sf[kMaxG], bf[kMaxG];
-  for (int64_t r = r0; r < r1; ++r) {
-    row_params(W.scales + size_t(r) * G * esz, W.dtype, G, sf);
-    row_params(W.biases + size_t(r) * G * esz, W.dtype, G, bf);
-    const uint8_t* wrow = W.w + size_t(r) * wbytes;
-    if (W.bits == 4) row_int8<NT, 4>(wrow, sf, bf, W.in, gshift, xq, dx, ndx, qoff, gsum, G, y + r, ldy);
-    else row_int8<NT, 8>(wrow, sf, bf, W.in, gshift, xq, dx, ndx, qoff, gsum, G, y + r, ldy);
+  thread_local std::vector<float> params_store;
+  params_store.resize(size_t(8) * G);
+  float* sT = params_store.data();
+  float* bT = sT + size_t(4) * G;
+  float row[kMaxG];
+  for (int64_t rb = r0; rb < r1; rb += 4) {
+    const int nr = int(std::min<int64_t>(4, r1 - rb));
+    const uint8_t* rows[4];  // rows past the end repeat the last one, and are not stored
+    for (int i = 0; i < 4; ++i) rows[i] = W.w + size_t(rb + std::min(i, nr - 1)) * wbytes;
+    for (int i = 0; i < 4; ++i) {
+      const int64_t r = rb + std::min(i, nr - 1);
+      row_params(W.scales + size_t(r) * G * esz, W.dtype, G, row);
+      for (int g = 0; g < G; ++g) sT[size_t(g) * 4 + i] = row[g];
+      row_params(W.biases + size_t(r) * G * esz, W.dtype, G, row);
+      for (int g = 0; g < G; ++g) bT[size_t(g) * 4 + i] = row[g];
+    }
+    if (W.bits == 4) rows4<NT, 4>(rows, sT, bT, W.in, gshift, xq, dx, qoff, gsum, G, y + rb, ldy, nr);
+    else rows4<NT, 8>(rows, sT, bT, W.in, gshift, xq, dx, qoff, gsum, G, y + rb, ldy, nr);
   }
 }
 
@@ -171,12 +175,27 @@ bool int8_supported(const Linear& W) {
   return W.group % kInt8Block == 0 && blocks > 0 && (blocks & (blocks - 1)) == 0;
 }
 
-void int8_rows(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int t0, int nt, float* y,
-               int ldy, int64_t r0, int64_t r1) {
-  int8_rows_for_tokens(W, xq, dx, gsum, t0, nt, y, ldy,
-                       [&](auto n, const int8_t* q, const float* d, const float* gs, float* yt) {
-                         rows_nt<decltype(n)::value>(W, q, d, gs, yt, ldy, r0, r1);
-                       });
+void int8_rows(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int T, float* y, int ldy,
+               int64_t r0, int64_t r1) {
+  // Passes of up to 8 tokens over the weights (every token's outputs are independent of the
+  // others in its pass: only the loads are shared).
+  const int G = W.in / W.group, nb = W.in / kInt8Block;
+  for (int t = 0; t < T; t += 8) {
+    const int8_t* q = xq + size_t(t) * W.in;
+    const float* d = dx + size_t(t) * nb;
+    const float* gs = gsum + size_t(t) * G;
+    float* yt = y + size_t(t) * ldy;
+    switch (std::min(8, T - t)) {
+      case 1: rows_nt<1>(W, q, d, gs, yt, ldy, r0, r1); break;
+      case 2: rows_nt<2>(W, q, d, gs, yt, ldy, r0, r1); break;
+      case 3: rows_nt<3>(W, q, d, gs, yt, ldy, r0, r1); break;
+      case 4: rows_nt<4>(W, q, d, gs, yt, ldy, r0, r1); break;
+      case 5: rows_nt<5>(W, q, d, gs, yt, ldy, r0, r1); break;
+      case 6: rows_nt<6>(W, q, d, gs, yt, ldy, r0, r1); break;
+      case 7: rows_nt<7>(W, q, d, gs, yt, ldy, r0, r1); break;
+      default: rows_nt<8>(W, q, d, gs, yt, ldy, r0, r1); break;
+    }
+  }
 }
 
 }  // namespace lily::cpu

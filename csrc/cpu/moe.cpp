@@ -212,12 +212,24 @@ void moe_block(const ModelConfig& c, const MoeWeights& w, const float* x, int T,
                     H * sizeof(float));
     }
   });
+  // y = sum of the routed outputs in expert-id order, as the single-token path adds them (the
+  // same operations, so a token's result does not depend on which path or chunk ran it).
   pool.parallel_for(T, [&](int64_t t0, int64_t t1, int) {
+    thread_local std::vector<int> order;  // the token's slots by expert id
+    order.resize(k);
     for (int64_t t = t0; t < t1; ++t) {
       float* yt = y + size_t(t) * H;
       std::fill(yt, yt + H, 0.0f);
       for (int slot = 0; slot < k; ++slot) {
-        const size_t i = size_t(t) * k + slot;
+        int pos = slot;
+        while (pos > 0 && s.route_id[size_t(t) * k + order[pos - 1]] > s.route_id[size_t(t) * k + slot]) {
+          order[pos] = order[pos - 1];
+          --pos;
+        }
+        order[pos] = slot;
+      }
+      for (int j = 0; j < k; ++j) {
+        const size_t i = size_t(t) * k + order[j];
         axpy(s.route_w[i], s.slot_out.data() + i * H, yt, H);
       }
     }

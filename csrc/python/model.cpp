@@ -67,7 +67,7 @@ struct BackendArgs {
   int split_threshold = -1, split_len = -1, gemm_min_rows = -1, block_threshold = -1, block_len = -1;
   bool check_dependencies = false, asan = false, metal4 = false;
   int interleavings = 0;
-  std::string kv_dtype = "float32", gemm = "auto", cpu_matmul = "f32";
+  std::string kv_dtype = "float32", gemm = "auto", cpu_matmul = "auto";
   int apple_gpu_family = 0;    // msl-cpu: the family the device reports (0: its default)
   uint64_t working_set = 0;    // msl-cpu: recommendedMaxWorkingSetSize reported (0: none)
   std::string fail_dispatch, fail_library;  // msl-cpu: fault injection (tests of error paths)
@@ -77,10 +77,14 @@ struct BackendArgs {
 // (run on an NVIDIA GPU) or "metal".
 std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weights, const std::string& name,
                                       const BackendArgs& a) {
+  // "auto": int8 where this build has the integer kernels (x86 AVX2 / AVX-VNNI / AVX-512 VNNI,
+  // arm64), f32 elsewhere. Both modes give each token the same result however it is chunked,
+  // cached or batched (csrc/cpu/linear.h), so the faster one can be the default.
   cpu::Matmul matmul;
   if (a.cpu_matmul == "f32") matmul = cpu::Matmul::F32;
   else if (a.cpu_matmul == "int8") matmul = cpu::Matmul::Int8;
-  else throw ConfigError("[engine] cpu_matmul must be 'int8' or 'f32', not '" + a.cpu_matmul + "'");
+  else if (a.cpu_matmul == "auto") matmul = cpu::int8_kernels_available() ? cpu::Matmul::Int8 : cpu::Matmul::F32;
+  else throw ConfigError("[engine] cpu_matmul must be 'auto', 'int8' or 'f32', not '" + a.cpu_matmul + "'");
   if (name == "cpu") return std::make_unique<cpu::CpuBackend>(weights, a.threads, matmul);
   gpu::GpuOptions opt;
   if (a.split_threshold >= 0) opt.split_threshold = a.split_threshold;
@@ -330,7 +334,7 @@ void init_model(nb::module_& m) {
           nb::arg("split_threshold") = -1, nb::arg("split_len") = -1, nb::arg("check_dependencies") = false,
           nb::arg("interleavings") = 0, nb::arg("kv_dtype") = "float32", nb::arg("asan") = false,
           nb::arg("gemm_min_rows") = -1, nb::arg("metal4") = false, nb::arg("gemm") = "auto",
-          nb::arg("block_threshold") = -1, nb::arg("block_len") = -1, nb::arg("cpu_matmul") = "f32",
+          nb::arg("block_threshold") = -1, nb::arg("block_len") = -1, nb::arg("cpu_matmul") = "auto",
           nb::arg("apple_gpu_family") = 0, nb::arg("working_set") = 0, nb::arg("fail_dispatch") = "",
           nb::arg("fail_library") = "")
       .def_prop_ro("max_fitting_context", [](Engine& e) { return e.backend().max_fitting_context(); },
@@ -371,7 +375,7 @@ void init_model(nb::module_& m) {
         auto* cpu = dynamic_cast<cpu::CpuBackend*>(&e.backend());
         if (!cpu) return std::string();
         return std::string(cpu->matmul() == cpu::Matmul::Int8 ? "int8" : "f32");
-      })
+      }, "The CPU backend's matmul mode that runs: 'int8' or 'f32' ('auto' resolved; '' on other backends).")
       .def_prop_ro("prefill_chunk", &Engine::prefill_chunk)
       .def("new_state", &Engine::new_state, nb::arg("max_context"))
       .def("kv_bytes", &Engine::kv_bytes, nb::arg("positions"),

@@ -49,7 +49,8 @@ def bench(model, lengths: list[int], *, decode_tokens: int = 64, repeats: int = 
 
 def print_table(model, rows: list[dict], file: TextIO | None = None) -> None:
     out = file or sys.stdout
-    print(f"lily bench - {model.config.family}, backend {model._engine.backend}, {model._engine.threads} threads",
+    mode = f", cpu_matmul {model._engine.cpu_matmul}" if model._engine.cpu_matmul else ""
+    print(f"lily bench - {model.config.family}, backend {model._engine.backend}, {model._engine.threads} threads{mode}",
           file=out)
     print(f"{'prompt':>8} {'prefill tok/s':>14} {'ttft ms':>10} {'decode tok/s':>13}", file=out)
     for r in rows:

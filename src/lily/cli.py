@@ -58,9 +58,10 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--backend", default="auto",
                    help="compute backend: auto (the CPU today), cpu, or metal (macOS; unverified on Apple hardware)")
     p.add_argument("--threads", type=int, default=None, help="CPU worker threads (default: all cores)")
-    p.add_argument("--cpu-matmul", choices=("f32", "int8"), default=None,
-                   help="CPU products with quantized weights: f32, or int8 activations with integer dot "
-                        "products (faster, ~1%% logits error; default: Model.load's)")
+    p.add_argument("--cpu-matmul", choices=("auto", "f32", "int8"), default=None,
+                   help="CPU products with quantized weights: int8 activations with integer dot products "
+                        "(fast, ~1%% logits error), f32 (the reference), or auto: int8 where the CPU has the "
+                        "integer kernels (default: Model.load's, auto)")
     p.add_argument("--max-context", type=int, default=None,
                    help="context length of new sequences (default: the model's)")
 
@@ -417,7 +418,8 @@ def cmd_bench(args) -> int:
     print_table(model, rows, file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json:
         _write_json({"model": _model_id(args, model), "backend": model._engine.backend,
-                     "threads": model._engine.threads, "rows": rows}, args.json)
+                     "threads": model._engine.threads,
+                     "cpu_matmul": model._engine.cpu_matmul, "rows": rows}, args.json)
     return 0
 
 

@@ -167,7 +167,7 @@ class Model:
         prefill_chunk: int = 512,
         max_context: int | None = None,
         backend_options: dict | None = None,
-        cpu_matmul: str = "f32",
+        cpu_matmul: str = "auto",
         use_mmap: bool | None = None,
     ) -> Model:
         """Loads a checkpoint: a local folder, or a Hugging Face repo id (downloaded into the
@@ -192,12 +192,13 @@ class Model:
         metal4, apple_gpu_family, working_set: what the MSL-on-CPU device reports (Metal 4
         tensors, the Apple GPU family 7-10, recommendedMaxWorkingSetSize in bytes);
         fail_dispatch, fail_library: its fault injection for tests of the host's error paths).
-        cpu_matmul: how the CPU backend multiplies quantized (4/8-bit) weights: "f32" expands
-        them to f32 (matches mlx-lm to ~1e-6), "int8" rounds activations to int8 per block of
-        32 and uses integer dot products (2-4x faster; logits within ~1% of f32, see
-        docs/performance.md; its sums depend on how a prompt is chunked, so a prefix-cache
-        hit may pick other tokens than a fresh prefill; "f32" is tested not to). Hosts
-        without the integer kernels run "f32" either way.
+        cpu_matmul: how the CPU backend multiplies quantized (4/8-bit) weights: "int8" rounds
+        activations to int8 per block of 32 and uses integer dot products (2-4x faster; logits
+        within ~1% of f32, see docs/performance.md); "f32" expands the weights to f32 (the
+        reference: matches mlx-lm to ~1e-6); "auto" (default): "int8" where the CPU has the
+        integer kernels (x86 AVX2, AVX-VNNI or AVX-512 VNNI; arm64), else "f32". Either way a
+        token's logits are bit-identical however its prompt was chunked, cached or restored
+        (tests/test_invariance.py). The model's repr says which mode runs.
         use_mmap: True maps the checkpoint files (instant load, no private memory; the files
         must not change while loaded, which lily checks); False reads them into memory (2 MiB
         pages where the OS gives them: CPU decode ~30% faster in docs/performance.md; costs
@@ -222,8 +223,8 @@ class Model:
             raise ConfigError(f"[load] unknown backend {backend!r}; available: auto, {', '.join(BACKENDS)}")
         if prefill_chunk < 1:
             raise ConfigError("[load] prefill_chunk must be at least 1")
-        if cpu_matmul not in ("f32", "int8"):
-            raise ConfigError(f"[load] cpu_matmul must be 'int8' or 'f32', not {cpu_matmul!r}")
+        if cpu_matmul not in ("auto", "f32", "int8"):
+            raise ConfigError(f"[load] cpu_matmul must be 'auto', 'int8' or 'f32', not {cpu_matmul!r}")
         if path_or_repo_id is None:
             root = demo_model_path()
         elif Path(path_or_repo_id).expanduser().is_dir():
@@ -264,7 +265,8 @@ class Model:
         return (
             f"<lily.Model {c.family} ({c.model_type}) layers={c.num_hidden_layers} hidden={c.hidden_size} "
             f"vocab={c.vocab_size} {q} {self._weights.nbytes / 1e9:.2f} GB backend={self._engine.backend} "
-            f"threads={self._engine.threads}>"
+            f"threads={self._engine.threads}"
+            + (f" cpu_matmul={self._engine.cpu_matmul}" if self._engine.cpu_matmul else "") + ">"
         )
 
     # -- low level -------------------------------------------------------------------------

@@ -1,15 +1,16 @@
 // Runs the CPU backend's quantized matmul (cpu::linear, both Matmul modes) on cases written by
-// tests/test_arm64_kernels.py, so that the arm64 kernels can be checked under qemu against
-// NumPy. Built for aarch64 by that test; it is not part of lily.
+// tests/test_cpu_kernel_builds.py, so that the kernels of each instruction set (arm64 under
+// qemu, x86 natively) can be checked bit for bit against NumPy. Built by that test, once per
+// instruction set; it is not part of lily.
 //
-// Usage: arm64_int8_driver DIR OUT. DIR/cases.txt has one line per weight matrix:
+// Usage: linear_driver DIR OUT. DIR/cases.txt has one line per weight matrix:
 //   name bits group rows in dtype T1,T2,...      (dtype of scales/biases: f32, f16 or bf16)
 // with inputs (raw little-endian) DIR/name.w: packed codes uint32 [rows, in * bits / 32],
 // DIR/name.s and DIR/name.b: scales and biases [rows, in / group], DIR/name.x: f32 [max T, in].
 // For each T (the first T rows of x) y = x · Wᵀ is computed in int8 and in f32 mode and
 // appended to OUT/name.int8 and OUT/name.f32 (f32 [T, rows] each, in the order of the T list).
 // The int8 kernels' input for all of x, as quantize_activations writes it, goes to OUT/name.xq
-// (int8 [max T, in]) and OUT/name.dx (f32 [max T, int8_dx_per_token]).
+// (int8 [max T, in]) and OUT/name.dx (f32 [max T, in / 32]).
 // Prints the build's instruction set, then "name int8_supported=0|1" per matrix.
 #include <algorithm>
 #include <cstdio>
@@ -51,23 +52,43 @@ int main(int argc, char** argv) {
   const std::string dir = argv[1], out_dir = argv[2];
 #if defined(__aarch64__)
   std::printf("arch=aarch64");
+#elif defined(__x86_64__)
+  std::printf("arch=x86_64");
 #else
   std::printf("arch=other");
 #endif
+  // The features the kernels dispatch on at compile time.
+  std::printf(" dotprod=%d neon_int8=%d avx2=%d avx512vnni=%d avxvnni=%d int8=%d\n",
 #if defined(__ARM_FEATURE_DOTPROD)
-  std::printf(" dotprod=1");
+              1,
 #else
-  std::printf(" dotprod=0");
+              0,
 #endif
 #if defined(LILY_INT8_NEON)
-  std::printf(" neon_int8=1\n");
+              1,
 #else
-  std::printf(" neon_int8=0\n");
+              0,
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+              1,
+#else
+              0,
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+              1,
+#else
+              0,
+#endif
+#if defined(__AVXVNNI__)
+              1,
+#else
+              0,
+#endif
+              int(cpu::int8_kernels_available()));
   cpu::ThreadPool pool(2);
   std::ifstream cases(dir + "/cases.txt");
   if (!cases) {
-    std::fprintf(stderr, "arm64_int8_driver: cannot read %s/cases.txt\n", dir.c_str());
+    std::fprintf(stderr, "linear_driver: cannot read %s/cases.txt\n", dir.c_str());
     return 1;
   }
   std::string line;
@@ -96,7 +117,7 @@ int main(int argc, char** argv) {
       const float* x = reinterpret_cast<const float*>(xb.data());
       std::printf("%s int8_supported=%d\n", name.c_str(), int(cpu::int8_supported(W)));
       std::vector<int8_t> xq(size_t(max_t) * W.in);
-      std::vector<float> dx(size_t(max_t) * cpu::int8_dx_per_token(W.in, W.bits));
+      std::vector<float> dx(size_t(max_t) * cpu::int8_dx_per_token(W.in));
       cpu::quantize_activations(x, max_t, W.in, W.bits, xq.data(), dx.data());
       write_file(out_dir + "/" + name + ".xq", xq.data(), xq.size());
       write_file(out_dir + "/" + name + ".dx", dx.data(), dx.size() * 4);
@@ -112,7 +133,7 @@ int main(int argc, char** argv) {
       }
     }
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "arm64_int8_driver: %s\n", e.what());
+    std::fprintf(stderr, "linear_driver: %s\n", e.what());
     return 1;
   }
   return 0;

@@ -1,0 +1,166 @@
+"""A token's logits do not depend on how its prompt was processed: bit for bit, in both CPU
+matmul modes (the default "int8" where the CPU has the integer kernels, and "f32").
+
+Reference: the teacher-forced logits of the whole prompt in one prefill chunk, one process. Each
+test reaches the same tokens another way and asserts the very same float32 bits:
+- prefill in chunks of 1, 5, 12 and 37 tokens (Model.load's prefill_chunk), and in random
+  chunkings through Session.prefill (seeded);
+- prefill part of the prompt, then decode the rest one token at a time (the single-token MoE
+  path, split-K attention over the cache);
+- 1 and 3 worker threads (how rows, tiles and attention spans are shared out);
+- a prefix-cache hit (lily.prefix_cache, as the server uses it): a longer prompt continuing a
+  cached sequence, and a branch rewound to a snapshot;
+- a restored DeltaNet snapshot (State.snapshot / restore) followed by other tokens;
+- a Chat's second turn (state reused from the first) generates greedily the same tokens as a
+  fresh model given the whole conversation.
+The prompt is 300 tokens, so attention crosses its fixed 256-position spans (csrc/cpu/attention.cpp)
+and the one-chunk reference is a single prefill of 300 rows.
+
+Why bit-identity: int8 mode rounds activations to int8 per block, so any one-ulp difference
+upstream can move a value across a rounding boundary and change the logits by ~1% (before this
+was fixed, chunk 1 vs 512 moved the demo model's int8 logits by up to 1.9); a prefix-cache hit
+would then continue a conversation differently from a fresh prefill. Every kernel computes each
+output with one fixed order of operations (csrc/cpu/linear.h, linear_int8.h, attention.cpp),
+which these tests pin end to end; tests/test_cpu_kernel_builds.py pins the kernels themselves.
+"""
+
+from __future__ import annotations
+
+import platform
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lily
+from lily.prefix_cache import PrefixCache
+
+MODES = ["int8", "f32"]
+PROMPT = [int(t) for t in np.random.default_rng(18).integers(0, 4000, size=300)]
+
+
+def _bits(a):
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+def _assert_same(got, want, what):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} vs {want.shape}"
+    diff = np.argwhere(_bits(got) != _bits(want))
+    if diff.size:
+        at = tuple(diff[0])
+        raise AssertionError(f"{what}: {len(diff)} logits differ, first at {at}: {got[at]!r} vs {want[at]!r} "
+                             f"(max |diff| {np.max(np.abs(got.astype(np.float64) - want)):.3g})")
+
+
+@pytest.fixture(scope="module", params=MODES)
+def mode(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def reference(mode):
+    """(model with prefill_chunk 512 and 2 threads, logits of PROMPT in one chunk)."""
+    model = lily.Model.load(cpu_matmul=mode, threads=2)
+    assert model._engine.cpu_matmul == mode
+    return model, model.logits(PROMPT)
+
+
+def test_default_mode_is_int8_where_the_cpu_has_the_kernels():
+    model = lily.Model.load()
+    flags = set()
+    if platform.machine() in ("x86_64", "AMD64") and Path("/proc/cpuinfo").exists():
+        m = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
+        flags = set(m.group(1).split()) if m else set()
+    if {"avx2", "fma"} <= flags or platform.machine() in ("aarch64", "arm64"):
+        assert model._engine.cpu_matmul == "int8"
+    assert model._engine.cpu_matmul == ("int8" if lily._core.cpu_int8_supported(4, 64, 256) else "f32")
+    assert f"cpu_matmul={model._engine.cpu_matmul}" in repr(model)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 12, 37])
+def test_prefill_chunk_length(reference, mode, chunk):
+    _, want = reference
+    got = lily.Model.load(cpu_matmul=mode, threads=2, prefill_chunk=chunk).logits(PROMPT)
+    _assert_same(got, want, f"{mode}: prefill_chunk={chunk} vs one chunk")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_chunkings(reference, mode, seed):
+    model, want = reference
+    rng = np.random.default_rng(seed)
+    s, parts, done = model.session(), [], 0
+    while done < len(PROMPT):
+        n = int(rng.choice([1, 2, 3, 7, 11, 16, 23, 64, 129]))
+        parts.append(s.prefill(PROMPT[done:done + n], all_logits=True))
+        done += len(parts[-1])
+    _assert_same(np.concatenate(parts), want, f"{mode}: random chunking (seed {seed})")
+
+
+def test_decode_equals_prefill(reference, mode):
+    model, want = reference
+    s = model.session()
+    first = s.prefill(PROMPT[:200], all_logits=True)
+    steps = np.stack([s.decode(t) for t in PROMPT[200:]])
+    _assert_same(np.concatenate([first, steps]), want, f"{mode}: prefill 200 then decode 100")
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_thread_count(reference, mode, threads):
+    _, want = reference
+    model = lily.Model.load(cpu_matmul=mode, threads=threads, prefill_chunk=37)
+    _assert_same(model.logits(PROMPT), want, f"{mode}: {threads} threads, chunks of 37")
+    s = model.session()
+    s.prefill(PROMPT[:280])
+    steps = np.stack([s.decode(t) for t in PROMPT[280:]])
+    _assert_same(steps, want[280:], f"{mode}: {threads} threads, decode after 280")
+
+
+def test_prefix_cache_hit_and_rewind(reference, mode):
+    model, want = reference
+    cache = PrefixCache(model, 1 << 30)
+    a = PROMPT[:180]
+    seq, reused = cache.acquire(a)
+    assert reused == 0
+    seq.prefill(np.asarray(a, dtype=np.int32))
+    seq.take_snapshot()
+    seq.prefill(np.asarray(PROMPT[180:190], dtype=np.int32))  # state moves past the snapshot
+    cache.release(seq)
+
+    seq, reused = cache.acquire(PROMPT)  # continues everything cached
+    assert reused == 190
+    got = seq.session.prefill(np.asarray(PROMPT[190:], dtype=np.int32), all_logits=True)
+    _assert_same(got, want[190:], f"{mode}: prefix-cache hit after 190 tokens")
+    cache.release(seq)
+
+    branch = a + [7, 8, 9] + PROMPT[183:]  # differs right after the snapshot: rewound to it
+    seq, reused = cache.acquire(branch)
+    assert reused == 180 and seq.position == 180
+    got = seq.session.prefill(np.asarray(branch[180:], dtype=np.int32), all_logits=True)
+    fresh = model.logits(branch)
+    _assert_same(got, fresh[180:], f"{mode}: branch rewound to the snapshot at 180")
+
+
+def test_restored_snapshot(reference, mode):
+    model, want = reference
+    s = model.session()
+    s.prefill(PROMPT[:150])
+    snap = s._state.snapshot()
+    s.prefill(PROMPT[150:260])  # other work on the state, then back
+    s._state.restore(snap)
+    assert s.position == 150
+    got = s.prefill(PROMPT[150:], all_logits=True)
+    _assert_same(got, want[150:], f"{mode}: restored snapshot at 150")
+
+
+def test_chat_turn_reuses_state_and_matches_a_fresh_prompt(mode):
+    model = lily.Model.load(cpu_matmul=mode, threads=2, prefill_chunk=16)
+    chat = model.chat("You are terse.", enable_thinking=False)
+    chat.send("Name three colours.", temperature=0, max_tokens=12)
+    second = chat.send("And three animals?", temperature=0, max_tokens=12)
+    assert second.cached_tokens > 0, "the second turn reused nothing"
+    fresh = lily.Model.load(cpu_matmul=mode, threads=1, prefill_chunk=512).generate(
+        chat.messages[:-1], temperature=0, max_tokens=12, enable_thinking=False)
+    assert fresh.prompt_tokens == second.prompt_tokens
+    assert fresh.tokens == second.tokens, f"{mode}: chat turn {second.tokens} vs fresh {fresh.tokens}"
