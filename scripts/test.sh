@@ -29,6 +29,13 @@ else
 fi
 python -m ruff check src tests scripts benchmarks examples
 python -m pytest -q tests "$@"
+# The GPU backend's host side as msl-cuda drives it: the same Metal decode and prefill tests on
+# msl-cpu buffers without host storage (opaque_buffers; tests/conftest.py), so a direct use of
+# Buffer::contents() in csrc/gpu, which silently skips a copy on device memory, fails here.
+LILY_TEST_OPAQUE_BUFFERS=1 python -m pytest -q tests/test_metal_decode.py tests/test_metal_prefill.py \
+  tests/test_metal_prefill_moe.py -k "(test_metal_decode and (prefill_then_decode or device_greedy_pipelined \
+  or sampled_device_loop or block_kv_layout or fork_and_snapshot)) or chunked_prefill_then_decode \
+  or generate_greedy_from_prompt or prefill_then_decode_matches_cpu"
 # The sanitizer job: lily._core rebuilt with ASan + UBSan into build/asan (the installed lily is
 # not touched) and a subset of the native-facing tests run against it. A sanitizer report aborts
 # the process that hit it, so the step, and CI, fail. Full job: scripts/sanitize.sh.

@@ -4,6 +4,10 @@
   conversions of the same weights) into one session tmp dir, and computes reference outputs
   from transformers / mlx-lm on the files as saved (see tests/fixtures/).
 - `lily`: the package under test, imported once; an import failure is a test failure.
+- LILY_TEST_OPAQUE_BUFFERS=1: every msl-cpu model loads with `opaque_buffers=True` (buffers
+  without host storage, as msl-cuda's device memory), so a GPU-backend test run this way fails
+  where the backend would read or write buffer contents directly (scripts/test.sh runs a subset
+  of the Metal decode and prefill tests so).
 
 Checkpoint building and the references need torch, transformers, mlx[cpu] and mlx-lm (the
 `test` extra of pyproject.toml); they are imported lazily so a run of tests that need none of
@@ -12,6 +16,8 @@ them does not pay for them.
 
 from __future__ import annotations
 
+import functools
+import os
 import signal
 import sys
 from pathlib import Path
@@ -35,6 +41,27 @@ def lily():
     import lily as _lily
 
     return _lily
+
+
+@pytest.fixture(scope="session", autouse=True)
+def opaque_gpu_buffers():
+    """LILY_TEST_OPAQUE_BUFFERS=1: msl-cpu models get opaque buffers (see the top of this file)."""
+    if os.environ.get("LILY_TEST_OPAQUE_BUFFERS") != "1":
+        yield
+        return
+    import lily as _lily
+
+    load = _lily.Model.load.__func__
+
+    @functools.wraps(load)
+    def opaque_load(cls, *args, **kwargs):
+        if kwargs.get("backend") == "msl-cpu":
+            kwargs["backend_options"] = {"opaque_buffers": True, **(kwargs.get("backend_options") or {})}
+        return load(cls, *args, **kwargs)
+
+    _lily.Model.load = classmethod(opaque_load)
+    yield
+    _lily.Model.load = classmethod(load)
 
 
 @pytest.fixture

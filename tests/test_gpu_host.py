@@ -8,7 +8,11 @@ its fault injection and a device that reports a small working set (backend_optio
 - the weights plus the KV cache and recurrent state of the context a sequence is created with
   must fit the GPU's recommended working set: the default context is capped to what fits (the
   sizes computed here from config.json and the checkpoint files), an explicit larger one is
-  refused naming the sizes.
+  refused naming the sizes;
+- opaque buffers (msl_cpu's `opaque_buffers`, standing in for msl-cuda's device memory): bytes
+  move only through Buffer read / write / fill and Device.copy, checked against their ranges,
+  and kernels still see them (the whole-model runs on such buffers are scripts/test.sh's
+  LILY_TEST_OPAQUE_BUFFERS pass).
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 
 from fixtures import cases
+from lily._core import msl_cpu
+from msl_cpu_harness import library, u32
 from test_metal_decode import _check
 
 MODEL = ("qwen3_5_moe", 4, 64, "bfloat16")  # head_dim 96, float KV: attn_decode_float_d96
@@ -98,3 +105,35 @@ def test_context_must_fit_the_working_set(store, lily):
     # The CPU backend and a device without a reported limit keep the model's full context.
     full = json.loads((path / "config.json").read_text())["text_config"]["max_position_embeddings"]
     assert lily.Model.load(path, backend="msl-cpu").max_context == full
+
+
+def test_opaque_buffers_move_bytes_without_host_storage():
+    dev = msl_cpu.device(opaque_buffers=True)
+    assert not dev.unified_memory and "opaque buffers" in dev.name and msl_cpu.device().unified_memory
+    x = np.arange(64, dtype=np.float32)
+    a, b = dev.buffer(x), dev.buffer_empty(4 * 64)
+    a.fill(8, 0xFF, 8)  # x[2], x[3] -> NaN bit patterns
+    dev.copy(b, 4, a, 0, 4 * 63)  # b[1:] = a[:63]
+    got = np.frombuffer(b.read(), np.float32)
+    want = np.concatenate([[0], x[:63]]).astype(np.float32)
+    want.view(np.uint32)[3:5] = 0xFFFFFFFF
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    for bad in (lambda: dev.copy(b, 8, a, 0, 4 * 63), lambda: a.fill(250, 0, 7),
+                lambda: b.write(np.zeros(2, np.float32), 4 * 63)):
+        with pytest.raises(ValueError, match="do not fit in a buffer of 256"):
+            bad()
+    # A kernel reads and writes them as any buffer (reduce_tree: per-threadgroup sums of `in`).
+    lib = library(dev, "reduce.metal")
+    out = dev.buffer_empty(4)
+    cb = dev.command_buffer()
+    enc = cb.compute_encoder()
+    enc.set_pipeline(lib.pipeline("reduce_tree"))
+    enc.set_buffer(0, dev.buffer(x), 0)
+    enc.set_buffer(1, out, 0)
+    enc.set_bytes(2, u32(64, 64))
+    enc.set_threadgroup_memory_length(0, 256)
+    enc.dispatch_threadgroups((1,), (64,))
+    enc.end_encoding()
+    cb.commit()
+    cb.wait_until_completed()
+    assert np.frombuffer(out.read(), np.float32)[0] == x.sum()

@@ -326,7 +326,7 @@ def test_prefill_then_decode_matches_cpu(store, lily, ckpt, chunk, min_rows, par
         _, _, cb0, w0, _ = eng.gpu_stats
         got.append(s.prefill(part, all_logits=True))
         _, _, cb1, w1, _ = eng.gpu_stats
-        used = {name for name, _, _ in eng.gpu_records(True)}
+        used = {r[0] for r in eng.gpu_records(True)}
         n_chunks = -(-len(part) // chunk)
         assert (cb1 - cb0, w1 - w0) == (n_chunks, n_chunks), "a prefill chunk is one command buffer and one CPU wait"
         if len(part) - (n_chunks - 1) * chunk >= min_rows:  # every chunk long enough: GEMMs only

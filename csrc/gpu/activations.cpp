@@ -2,7 +2,6 @@
 #include "gpu/activations.h"
 
 #include <algorithm>
-#include <cstring>
 
 namespace lily::gpu {
 
@@ -43,7 +42,7 @@ void Activations::size_for(int T) {
   grow(sgate, f);
   if (!zeros || zeros->length() < f) {
     grow(zeros, f);
-    if (zeros->contents()) std::memset(zeros->contents(), 0, zeros->length());
+    zeros->fill(0, 0, zeros->length());
   }
 }
 

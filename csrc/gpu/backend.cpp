@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
-#include <cstring>
 
 #include "model/error.h"
 
@@ -18,7 +17,7 @@ namespace {
 std::shared_ptr<Buffer> copy_buffer(Device& dev, const std::shared_ptr<Buffer>& b) {
   if (!b) return nullptr;
   auto out = dev.new_buffer(b->length());
-  if (out->contents() && b->contents()) std::memcpy(out->contents(), b->contents(), b->length());
+  dev.copy(*out, 0, *b, 0, b->length());
   return out;
 }
 
@@ -35,9 +34,10 @@ class GpuSnapshot : public Snapshot {
 };
 
 std::vector<uint8_t> bytes_of(const std::shared_ptr<Buffer>& b) {
-  if (!b || !b->contents()) return {};
-  const auto* p = static_cast<const uint8_t*>(b->contents());
-  return std::vector<uint8_t>(p, p + b->length());
+  if (!b) return {};
+  std::vector<uint8_t> out(b->length());
+  b->read(0, out.data(), out.size());
+  return out;
 }
 
 std::string gib(uint64_t bytes) {
@@ -86,10 +86,8 @@ void GpuState::apply(const Snapshot& snap) {
   if (!s || s->owner != this) throw RequestError("[state] snapshot was taken from another sequence");
   backend->finish();
   for (size_t l = 0; l < conv[parity].size(); ++l) {
-    auto& c = conv[parity][l];
-    auto& S_ = S[parity][l];
-    if (c && c->contents()) std::memcpy(c->contents(), s->conv[l].data(), s->conv[l].size());
-    if (S_ && S_->contents()) std::memcpy(S_->contents(), s->S[l].data(), s->S[l].size());
+    if (const auto& c = conv[parity][l]) c->write(0, s->conv[l].data(), s->conv[l].size());
+    if (const auto& S_ = S[parity][l]) S_->write(0, s->S[l].data(), s->S[l].size());
   }
 }
 
@@ -123,10 +121,11 @@ GpuBackend::GpuBackend(std::shared_ptr<const ModelWeights> weights, std::shared_
 
   // RoPE inverse frequencies, rounded exactly as the CPU backend computes them.
   const int half = c_.rotary_dim / 2;
-  inv_freq_ = ctx_.device().new_buffer(size_t(std::max(half, 1)) * 4);
-  if (auto* p = static_cast<float*>(inv_freq_->contents()))
-    for (int i = 0; i < half; ++i)
-      p[i] = float(1.0 / std::pow(c_.rope_theta, double(float(2 * i) / float(c_.rotary_dim))));
+  std::vector<float> inv_freq(size_t(std::max(half, 1)), 0.0f);
+  for (int i = 0; i < half; ++i)
+    inv_freq[i] = float(1.0 / std::pow(c_.rope_theta, double(float(2 * i) / float(c_.rotary_dim))));
+  inv_freq_ = ctx_.device().new_buffer(inv_freq.size() * 4);
+  inv_freq_->write(0, inv_freq.data(), inv_freq.size() * 4);
 }
 
 GpuBackend::~GpuBackend() {
@@ -218,8 +217,7 @@ std::unique_ptr<State> GpuBackend::new_state(int max_context) {
       if (c_.mixers[l] != Mixer::GatedDeltaNet) continue;
       st->conv[p][l] = ctx_.device().new_buffer(size_t(c_.conv_kernel - 1) * c_.gdn_qkv_dim() * 4);
       st->S[p][l] = ctx_.device().new_buffer(size_t(c_.gdn_v_heads) * c_.gdn_k_dim * c_.gdn_v_dim * 4);
-      for (auto* b : {st->conv[p][l].get(), st->S[p][l].get()})
-        if (b->contents()) std::memset(b->contents(), 0, b->length());
+      for (auto* b : {st->conv[p][l].get(), st->S[p][l].get()}) b->fill(0, 0, b->length());
     }
   }
   return st;
@@ -256,12 +254,12 @@ void GpuBackend::embed(State& state, const int32_t* tokens, int T) {
     ctx_.finish();
     reserve_kv(st, pos0_ + T);
     acts_.size_for(T);
-    if (acts_.tokens->contents()) std::memcpy(acts_.tokens->contents(), tokens, f);
+    acts_.tokens->write(0, tokens, f);
     token_src = {acts_.tokens, 0};
   } else if (tokens) {  // the first device-loop step: a prompt's last chunk, from the host
     if (step_ != 0 || !inflight_.empty()) throw Error("[gpu] only the first device-loop step takes host tokens");
     acts_.size_for(T);  // nothing in flight: buffers may be replaced
-    if (acts_.tokens->contents()) std::memcpy(acts_.tokens->contents(), tokens, f);
+    acts_.tokens->write(0, tokens, f);
     token_src = {acts_.tokens, 0};
   } else {  // the previous step's token (sized and reserved by begin_device_decode)
     if (T != 1) throw Error("[gpu] device-loop steps take their token from the device");
@@ -457,7 +455,7 @@ void GpuBackend::lm_head(const Linear& head, int first, int n, float* logits) {
   if (!greedy_) {
     pass_state_ = nullptr;  // complete: an error from here on is the execution's, not the encoding's
     ctx_.finish();
-    if (logits && acts_.logits->contents()) std::memcpy(logits, acts_.logits->contents(), bytes);
+    if (logits) acts_.logits->read(0, logits, bytes);
     return;
   }
   // Device-loop step: the chosen token goes into this step's ring slot (the next step's input);

@@ -31,12 +31,16 @@ std::string FunctionConstants::key() const {
   return out;
 }
 
+void check_buffer_range(size_t length, size_t offset, size_t n, const char* what) {
+  if (offset > length || n > length - offset)
+    throw Error(std::string("[gpu] Buffer::") + what + ": " + std::to_string(n) + " bytes at offset " +
+                std::to_string(offset) + " do not fit in a buffer of " + std::to_string(length));
+}
+
 namespace {
 // The bytes [offset, offset + n) of b's shared storage, checked.
 uint8_t* span(Buffer& b, size_t offset, size_t n, const char* what) {
-  if (offset > b.length() || n > b.length() - offset)
-    throw Error(std::string("[gpu] Buffer::") + what + ": " + std::to_string(n) + " bytes at offset " +
-                std::to_string(offset) + " do not fit in a buffer of " + std::to_string(b.length()));
+  check_buffer_range(b.length(), offset, n, what);
   auto* p = static_cast<uint8_t*>(b.contents());
   if (!p && n)
     throw Error(std::string("[gpu] Buffer::") + what + ": this buffer has no host storage and its "

@@ -65,10 +65,11 @@ class FunctionConstants {
 };
 
 // MTLBuffer. On Metal and msl_cpu the storage is shared: contents() is the buffer's memory.
-// A device with memory of its own (msl_cuda) returns nullptr from contents(); the host then
-// moves bytes with write / read / fill (on shared storage, copies through contents()). Like a
-// CPU access to contents() on Metal, they happen at once: the caller makes sure that no
-// committed, unfinished command buffer uses those bytes.
+// A device with memory of its own (msl_cuda) returns nullptr from contents(). The GPU backend
+// (csrc/gpu) never touches contents(): every host access is write / read / fill here or
+// Device::copy, which on shared storage copy through contents() (msl_cpu's opaque_buffers mode
+// hides contents() to keep it so). Like a CPU access to contents() on Metal, they happen at
+// once: the caller makes sure that no committed, unfinished command buffer uses those bytes.
 class Buffer {
  public:
   virtual ~Buffer() = default;
@@ -78,6 +79,10 @@ class Buffer {
   virtual void read(size_t offset, void* data, size_t n);         // buffer -> host
   virtual void fill(size_t offset, uint8_t value, size_t n);      // memset
 };
+
+// Throws lily::Error unless [offset, offset + n) lies in a buffer of `length` bytes ("[gpu]
+// Buffer::<what>: ..."), for implementations of write / read / fill / copy.
+void check_buffer_range(size_t length, size_t offset, size_t n, const char* what);
 
 // The most bytes ComputeEncoder::set_bytes takes (Metal's limit for setBytes:length:atIndex:).
 constexpr size_t kMaxSetBytes = 4096;

@@ -4,7 +4,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstring>
 #include <string>
 
 #include "model/error.h"
@@ -67,7 +66,7 @@ std::shared_ptr<Buffer> DeviceWeights::vector(const std::vector<float>& v) {
   auto& b = vectors_[v.data()];
   if (!b) {
     b = device_.new_buffer(std::max<size_t>(v.size(), 1) * 4);
-    if (b->contents()) std::memcpy(b->contents(), v.data(), v.size() * 4);
+    b->write(0, v.data(), v.size() * 4);
   }
   return b;
 }
@@ -87,8 +86,7 @@ ExpertMatrix DeviceWeights::expert_matrix(const std::vector<const Linear*>& list
   mt.w = {w0.buf, 0};
   mt.s = {s0.buf, 0};
   mt.b = {b0.buf, 0};
-  mt.table = device_.new_buffer(list.size() * 3 * 8);
-  auto* t = static_cast<uint64_t*>(mt.table->contents());
+  std::vector<uint64_t> t(list.size() * 3);  // per expert: weight, scales, biases offsets
   for (size_t e = 0; e < list.size(); ++e) {
     const Linear& L = *list[e];
     if (L.format != L0.format || L.bits != L0.bits || L.group != L0.group || L.dtype != L0.dtype ||
@@ -98,12 +96,12 @@ ExpertMatrix DeviceWeights::expert_matrix(const std::vector<const Linear*>& list
                 rb = L.quantized() ? find(L.biases, what) : rw;
     if (rw.buf != w0.buf || rs.buf != s0.buf || rb.buf != b0.buf)
       throw ConfigError(std::string("[gpu] ") + what + ": experts of one layer span several files");
-    if (t) {
-      t[3 * e + 0] = rw.off;
-      t[3 * e + 1] = rs.off;
-      t[3 * e + 2] = rb.off;
-    }
+    t[3 * e + 0] = rw.off;
+    t[3 * e + 1] = rs.off;
+    t[3 * e + 2] = rb.off;
   }
+  mt.table = device_.new_buffer(t.size() * 8);
+  mt.table->write(0, t.data(), t.size() * 8);
   return mt;
 }
 

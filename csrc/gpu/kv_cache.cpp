@@ -16,8 +16,8 @@
 //   contiguous rows are copied into the first arena (between passes: nothing is in flight).
 //   Short contexts keep the contiguous layout and its simpler addressing.
 #include <algorithm>
-#include <cstring>
 #include <string>
+#include <vector>
 
 #include "gpu/backend.h"
 #include "metal/attention_args.h"
@@ -39,11 +39,10 @@ void GpuBackend::reserve_kv(GpuState& st, int positions) {
     for (auto* list : {&st.k, &st.v}) {
       auto nb = ctx_.device().new_buffer(size_t(c_.n_kv_heads) * cap * row);
       auto& old = (*list)[l];
-      if (old && nb->contents() && old->contents())
+      if (old)
         for (int h = 0; h < c_.n_kv_heads; ++h)
-          std::memcpy(static_cast<uint8_t*>(nb->contents()) + size_t(h) * cap * row,
-                      static_cast<const uint8_t*>(old->contents()) + size_t(h) * st.capacity * row,
-                      size_t(st.capacity) * row);
+          ctx_.device().copy(*nb, size_t(h) * cap * row, *old, size_t(h) * st.capacity * row,
+                             size_t(st.capacity) * row);
       old = nb;
     }
   }
@@ -66,7 +65,8 @@ void GpuBackend::reserve_blocks(GpuState& st, int positions) {
   int have = 0;
   for (int n : st.arena_slots) have += n;
   const size_t block_bytes = size_t(c_.n_kv_heads) * B * c_.head_dim * (options_.kv_half ? 2 : 4);
-  auto* table = static_cast<uint32_t*>(st.block_table->contents());
+  std::vector<uint32_t> entries;  // the block table from `have` on, written once below
+  const int first = have;
   while (have < need) {
     const int a = int(st.arena_slots.size());
     if (a == LILY_ATTN_MAX_ARENAS)
@@ -80,11 +80,11 @@ void GpuBackend::reserve_blocks(GpuState& st, int positions) {
       st.k_arenas[l].push_back(ctx_.device().new_buffer(size_t(n) * block_bytes));
       st.v_arenas[l].push_back(ctx_.device().new_buffer(size_t(n) * block_bytes));
     }
-    if (table)
-      for (int s = 0; s < n; ++s) table[have + s] = uint32_t(a) << 24 | uint32_t(s);
+    for (int s = 0; s < n; ++s) entries.push_back(uint32_t(a) << 24 | uint32_t(s));
     st.arena_slots.push_back(n);
     have += n;
   }
+  st.block_table->write(size_t(first) * 4, entries.data(), entries.size() * 4);
   if (convert) {
     // The cached rows [0, position) of the contiguous cache [Hkv, cap, D] into blocks (all in
     // arena 0, which holds `positions` > position).
@@ -95,11 +95,13 @@ void GpuBackend::reserve_blocks(GpuState& st, int positions) {
       for (int kind = 0; kind < 2; ++kind) {
         auto& old = (kind ? st.v : st.k)[l];
         auto& dst = (kind ? st.v_arenas : st.k_arenas)[l][0];
-        if (old && old->contents() && dst->contents())
-          for (int h = 0; h < Hkv; ++h)
-            for (int p = 0; p < rows; ++p)
-              std::memcpy(static_cast<uint8_t*>(dst->contents()) + ((size_t(p / B) * Hkv + h) * B + p % B) * row,
-                          static_cast<const uint8_t*>(old->contents()) + (size_t(h) * st.capacity + p) * row, row);
+        // Block b of head h holds positions [b*B, b*B + B) contiguous, as the old run of h does:
+        // one copy per (block, head).
+        if (old)
+          for (int p = 0; p < rows; p += B)
+            for (int h = 0; h < Hkv; ++h)
+              ctx_.device().copy(*dst, (size_t(p / B) * Hkv + h) * B * row, *old,
+                                 (size_t(h) * st.capacity + p) * row, size_t(std::min(B, rows - p)) * row);
         old.reset();
       }
     }

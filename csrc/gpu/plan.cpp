@@ -1,6 +1,7 @@
 #include "gpu/plan.h"
 
 #include <cstdint>
+#include <cstring>
 
 #include "model/error.h"
 #include "model/schedule.h"
@@ -21,8 +22,12 @@ class RecBuffer final : public Buffer {
   ~RecBuffer() override {
     if (counted_) g_live_bytes -= n_;
   }
-  void* contents() override { return nullptr; }  // nothing behind it: the host skips copies
+  // Nothing behind it: host writes go nowhere and reads give zeros (a plan runs no kernel).
+  void* contents() override { return nullptr; }
   size_t length() const override { return n_; }
+  void write(size_t, const void*, size_t) override {}
+  void read(size_t, void* data, size_t n) override { std::memset(data, 0, n); }
+  void fill(size_t, uint8_t, size_t) override {}
 
  private:
   size_t n_;
@@ -79,6 +84,8 @@ class RecDevice final : public Device {
     return std::make_shared<RecBuffer>(n);
   }
   std::shared_ptr<Buffer> wrap_buffer(void*, size_t n) override { return std::make_shared<RecBuffer>(n, false); }
+  bool unified_memory() const override { return false; }
+  void copy(Buffer&, size_t, Buffer&, size_t, size_t) override {}
   std::shared_ptr<Library> new_library(const std::string&, const std::string&, const LibraryOptions&) override {
     return std::make_shared<RecLibrary>();
   }

@@ -50,7 +50,7 @@ bool GpuBackend::begin_device_decode(State& state, int max_steps, const DeviceSa
   acts_.grow(rng_, 32);
   step_ = read_step_ = 0;
   inflight_.clear();
-  if (auto* p = static_cast<uint64_t*>(rng_->contents())) std::memcpy(p, s.rng, 32);
+  rng_->write(0, s.rng, 32);
   sample_args_ = SampleArgs{};
   // The chosen token is one of the first `vocab` rows: the sampler's token limit (rows past the
   // tokenizer's entries are never sampled), the CPU sampler's truncation exactly.
@@ -74,20 +74,20 @@ int32_t GpuBackend::wait_device_token() {
   ++ctx_.stats().waits;
   cb->wait_until_completed();
   const int64_t i = read_step_++;
-  const auto* r = static_cast<const int32_t*>(ring_->contents());
-  const auto* status = static_cast<const uint32_t*>(status_->contents());
-  if (status) {
-    const uint32_t* s = status + (i % 2) * 4;
-    if (s[0] == LILY_SAMPLE_BAD_LOGIT) {
-      float v;
-      std::memcpy(&v, &s[2], 4);
-      char buf[32];
-      std::snprintf(buf, sizeof buf, "%g", double(v));
-      throw Error("[sampling] logit of token " + std::to_string(s[1]) + " is " + buf);
-    }
-    if (s[0] == LILY_SAMPLE_ALL_NEG_INF) throw Error("[sampling] every logit is -inf");
+  // This step's slot: its token, and its status {code, token id, logit bits} (sample_step).
+  int32_t token = 0;
+  uint32_t s[3];
+  ring_->read(size_t(i % 2) * 4, &token, 4);
+  status_->read(size_t(i % 2) * 16, s, sizeof s);
+  if (s[0] == LILY_SAMPLE_BAD_LOGIT) {
+    float v;
+    std::memcpy(&v, &s[2], 4);
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", double(v));
+    throw Error("[sampling] logit of token " + std::to_string(s[1]) + " is " + buf);
   }
-  return r ? r[i % 2] : 0;
+  if (s[0] == LILY_SAMPLE_ALL_NEG_INF) throw Error("[sampling] every logit is -inf");
+  return token;
 }
 
 void GpuBackend::discard_last_step(State& state) {

@@ -21,23 +21,47 @@ namespace {
 
 class CpuBuffer final : public gpu::Buffer {
  public:
-  explicit CpuBuffer(size_t length)
+  explicit CpuBuffer(size_t length, bool opaque)
       // Exactly `length` bytes from malloc, so ASan's redzone starts right after the end.
-      : data_(std::calloc(length ? length : 1, 1)), length_(length), owned_(true) {
+      : data_(static_cast<uint8_t*>(std::calloc(length ? length : 1, 1))), length_(length), owned_(true),
+        opaque_(opaque) {
     if (!data_) fail("cannot allocate a buffer of " + std::to_string(length) + " bytes");
   }
-  CpuBuffer(void* pointer, size_t length) : data_(pointer), length_(length), owned_(false) {}
+  CpuBuffer(void* pointer, size_t length, bool opaque)
+      : data_(static_cast<uint8_t*>(pointer)), length_(length), owned_(false), opaque_(opaque) {}
   ~CpuBuffer() override {
     if (owned_) std::free(data_);
   }
-  void* contents() override { return data_; }
+  // DeviceOptions::opaque_buffers hides the storage from the host, as device memory is.
+  void* contents() override { return opaque_ ? nullptr : data_; }
   size_t length() const override { return length_; }
+  void write(size_t offset, const void* data, size_t n) override {
+    gpu::check_buffer_range(length_, offset, n, "write");
+    if (n) std::memcpy(data_ + offset, data, n);
+  }
+  void read(size_t offset, void* data, size_t n) override {
+    gpu::check_buffer_range(length_, offset, n, "read");
+    if (n) std::memcpy(data, data_ + offset, n);
+  }
+  void fill(size_t offset, uint8_t value, size_t n) override {
+    gpu::check_buffer_range(length_, offset, n, "fill");
+    if (n) std::memset(data_ + offset, value, n);
+  }
+  // The storage, for the runtime itself (kernels' bindings, the checking modes' snapshots).
+  uint8_t* data() const { return data_; }
 
  private:
-  void* data_;
+  uint8_t* data_;
   size_t length_;
-  bool owned_;
+  bool owned_, opaque_;
 };
+
+// A bound buffer's storage: a buffer of this runtime (opaque or not).
+uint8_t* storage(gpu::Buffer& b) {
+  auto* cpu = dynamic_cast<CpuBuffer*>(&b);
+  if (!cpu) fail("a bound buffer is not a buffer of an msl_cpu device");
+  return cpu->data();
+}
 
 class CpuPipeline final : public KernelPipeline {
  public:
@@ -129,7 +153,7 @@ std::vector<gpu::Buffer*> buffers_of(const std::vector<const Command*>& cmds) {
 Snapshot take(const std::vector<gpu::Buffer*>& bufs) {
   Snapshot s;
   for (gpu::Buffer* b : bufs) {
-    const uint8_t* p = static_cast<const uint8_t*>(b->contents());
+    const uint8_t* p = storage(*b);
     s.emplace_back(b, std::vector<uint8_t>(p, p + b->length()));
   }
   return s;
@@ -138,8 +162,8 @@ Snapshot take(const std::vector<gpu::Buffer*>& bufs) {
 // mmapped weights) is never written, so it must not be touched.
 void restore(const Snapshot& s) {
   for (const auto& [b, bytes] : s)
-    if (!bytes.empty() && std::memcmp(b->contents(), bytes.data(), bytes.size()) != 0)
-      std::memcpy(b->contents(), bytes.data(), bytes.size());
+    if (!bytes.empty() && std::memcmp(storage(*b), bytes.data(), bytes.size()) != 0)
+      std::memcpy(storage(*b), bytes.data(), bytes.size());
 }
 // The first buffer that differs, described by the bindings that name it; "" if none.
 std::string first_difference(const Snapshot& a, const Snapshot& b,
@@ -217,7 +241,7 @@ class CpuCommandBuffer final : public gpu::CommandBuffer {
       const Binding& b = c.buffers[i];
       if (!b.bound) continue;
       if (b.buffer) {
-        r.bindings.buffers[i] = static_cast<uint8_t*>(b.buffer->contents()) + b.offset;
+        r.bindings.buffers[i] = storage(*b.buffer) + b.offset;
         r.bindings.buffer_lengths[i] = b.buffer->length() - b.offset;
       } else {
         r.bindings.buffers[i] = const_cast<uint8_t*>(b.bytes.data());
@@ -331,17 +355,23 @@ class CpuDevice final : public gpu::Device {
   std::string name() const override {
     return std::string("msl_cpu (MSL on the CPU, 32-wide simdgroups") +
            (options_.asan ? ", AddressSanitizer" : "") + (options_.metal4 ? ", Metal 4 tensors emulated" : "") +
-           ")";
+           (options_.opaque_buffers ? ", opaque buffers" : "") + ")";
   }
+  bool unified_memory() const override { return !options_.opaque_buffers; }
   bool supports_tensor_ops() const override { return options_.metal4; }
   int apple_gpu_family() const override { return options_.apple_gpu_family; }
   uint64_t recommended_max_working_set_size() const override { return options_.working_set; }
   void make_resident(const std::vector<std::shared_ptr<gpu::Buffer>>&) override {}  // all memory is the CPU's
   std::shared_ptr<gpu::Buffer> new_buffer(size_t length) override {
-    return std::make_shared<CpuBuffer>(length);
+    return std::make_shared<CpuBuffer>(length, options_.opaque_buffers);
   }
   std::shared_ptr<gpu::Buffer> wrap_buffer(void* pointer, size_t length) override {
-    return std::make_shared<CpuBuffer>(pointer, length);
+    return std::make_shared<CpuBuffer>(pointer, length, options_.opaque_buffers);
+  }
+  void copy(gpu::Buffer& dst, size_t dst_offset, gpu::Buffer& src, size_t src_offset, size_t n) override {
+    gpu::check_buffer_range(dst.length(), dst_offset, n, "copy");
+    gpu::check_buffer_range(src.length(), src_offset, n, "copy");
+    if (n) std::memmove(storage(dst) + dst_offset, storage(src) + src_offset, n);
   }
   std::shared_ptr<gpu::Library> new_library(const std::string& source, const std::string& file_name,
                                             const gpu::LibraryOptions& library) override {

@@ -42,6 +42,10 @@ struct DeviceOptions {
   std::string fail_dispatch;
   int fail_dispatch_count = 1;
   std::string fail_library;
+  // Buffers whose contents() is null, as on a device with memory of its own (msl_cuda): the
+  // host must move bytes with Buffer::write / read / fill and Device::copy, so a GPU backend
+  // that reads or writes contents() directly shows it here, without a GPU.
+  bool opaque_buffers = false;
   uint64_t seed = 0;
   std::vector<std::string> include_dirs;  // searched by #include in kernel sources
 };

@@ -71,12 +71,6 @@ struct Context {
   }
 };
 
-void check_span(size_t offset, size_t n, size_t length, const char* what) {
-  if (offset > length || n > length - offset)
-    fail(std::string("Buffer::") + what + ": " + std::to_string(n) + " bytes at offset " +
-         std::to_string(offset) + " do not fit in a buffer of " + std::to_string(length));
-}
-
 class CudaBuffer final : public gpu::Buffer {
  public:
   // Zero-filled, as msl_cpu's (calloc) are, unless `initial` (length bytes) is copied in.
@@ -97,19 +91,19 @@ class CudaBuffer final : public gpu::Buffer {
   void* contents() override { return nullptr; }
   size_t length() const override { return length_; }
   void write(size_t offset, const void* data, size_t n) override {
-    check_span(offset, n, length_, "write");
+    gpu::check_buffer_range(length_, offset, n, "write");
     if (!n) return;
     c_->current();
     c_->copy_now(c_->d.cuMemcpyHtoDAsync(ptr_ + offset, data, n, c_->copy), "Buffer::write");
   }
   void read(size_t offset, void* data, size_t n) override {
-    check_span(offset, n, length_, "read");
+    gpu::check_buffer_range(length_, offset, n, "read");
     if (!n) return;
     c_->current();
     c_->copy_now(c_->d.cuMemcpyDtoHAsync(data, ptr_ + offset, n, c_->copy), "Buffer::read");
   }
   void fill(size_t offset, uint8_t value, size_t n) override {
-    check_span(offset, n, length_, "fill");
+    gpu::check_buffer_range(length_, offset, n, "fill");
     if (!n) return;
     c_->current();
     c_->copy_now(c_->d.cuMemsetD8Async(ptr_ + offset, value, n, c_->copy), "Buffer::fill");
@@ -475,8 +469,8 @@ class CudaDevice final : public gpu::Device {
     auto* d = dynamic_cast<CudaBuffer*>(&dst);
     auto* s = dynamic_cast<CudaBuffer*>(&src);
     if (!d || !s) fail("copy: not buffers of an msl_cuda device");
-    check_span(dst_offset, n, d->length(), "copy");
-    check_span(src_offset, n, s->length(), "copy");
+    gpu::check_buffer_range(d->length(), dst_offset, n, "copy");
+    gpu::check_buffer_range(s->length(), src_offset, n, "copy");
     if (!n) return;
     c_->current();
     c_->copy_now(c_->d.cuMemcpyDtoDAsync(d->address() + dst_offset, s->address() + src_offset, n, c_->copy),

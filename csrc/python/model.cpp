@@ -65,12 +65,15 @@ std::vector<Ffn> parse_ffns(const std::vector<std::string>& names) {
 struct BackendArgs {
   int threads = 0;
   int split_threshold = -1, split_len = -1, gemm_min_rows = -1, block_threshold = -1, block_len = -1;
-  bool check_dependencies = false, asan = false, metal4 = false;
+  bool check_dependencies = false, asan = false, metal4 = false, opaque_buffers = false;
   int interleavings = 0;
   std::string kv_dtype = "float32", gemm = "auto", cpu_matmul = "auto";
   int apple_gpu_family = 0;    // msl-cpu: the family the device reports (0: its default)
   uint64_t working_set = 0;    // msl-cpu: recommendedMaxWorkingSetSize reported (0: none)
   std::string fail_dispatch, fail_library;  // msl-cpu: fault injection (tests of error paths)
+  // msl-cuda: the device's checking and measuring modes (msl_cuda::DeviceOptions).
+  bool permute_threadgroups = false, timing = false, synchronous = false;
+  uint64_t seed = 0;
 };
 
 // "cpu", "msl-cpu" (the Metal backend's dispatches run by the MSL-on-CPU runtime), "msl-cuda"
@@ -92,10 +95,10 @@ std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weigh
   if (a.gemm_min_rows > 0) opt.gemm_min_rows = a.gemm_min_rows;
   opt.gemm = a.gemm;
   const bool device_options = a.metal4 || a.apple_gpu_family || a.working_set || !a.fail_dispatch.empty() ||
-                              !a.fail_library.empty();
+                              !a.fail_library.empty() || a.opaque_buffers;
   if (device_options && name != "msl-cpu")
-    throw ConfigError("[engine] metal4, apple_gpu_family, working_set, fail_dispatch and fail_library are options "
-                      "of the msl-cpu backend (a real device reports its own)");
+    throw ConfigError("[engine] metal4, apple_gpu_family, working_set, fail_dispatch, fail_library and "
+                      "opaque_buffers are options of the msl-cpu backend (a real device reports its own)");
   if (a.block_threshold >= 0) opt.block_threshold = a.block_threshold;
   if (a.block_len > 0) opt.block_len = a.block_len;
   if (a.kv_dtype != "float32" && a.kv_dtype != "float16")
@@ -107,12 +110,16 @@ std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weigh
                                       std::pair{a.interleavings != 0, "interleavings"},
                                       std::pair{a.asan, "asan"}})
       if (set) throw ConfigError(std::string("[engine] ") + option + " is an option of the msl-cpu backend, not msl-cuda");
-    auto device = msl_cuda::make_device({});  // raises without an NVIDIA driver, naming libcuda
-    throw ConfigError("[engine] backend 'msl-cuda' (" + device->name() + ") runs kernels "
-                      "(lily._core.msl_cuda) but not yet a whole model: the GPU backend still "
-                      "reads buffer contents directly, which device memory has not "
-                      "(docs/msl-on-cuda.md, issue 17 step 4)");
+    msl_cuda::DeviceOptions dev;
+    dev.permute_threadgroups = a.permute_threadgroups;
+    dev.seed = a.seed;
+    dev.timing = a.timing;
+    dev.synchronous = a.synchronous;
+    // Raises without an NVIDIA driver, naming libcuda; the weights are uploaded once, now.
+    return std::make_unique<gpu::GpuBackend>(weights, msl_cuda::make_device(dev), "msl-cuda", opt);
   }
+  if (a.permute_threadgroups || a.timing || a.synchronous)
+    throw ConfigError("[engine] permute_threadgroups, timing and synchronous are options of the msl-cuda backend");
   if (name == "msl-cpu") {
     msl_cpu::DeviceOptions dev;
     dev.check_dependencies = a.check_dependencies;
@@ -123,6 +130,8 @@ std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weigh
     dev.working_set = a.working_set;
     dev.fail_dispatch = a.fail_dispatch;
     dev.fail_library = a.fail_library;
+    dev.opaque_buffers = a.opaque_buffers;
+    dev.seed = a.seed;
     return std::make_unique<gpu::GpuBackend>(weights, msl_cpu::make_device(dev), "msl-cpu", opt);
   }
 #if defined(LILY_HAVE_METAL)
@@ -309,8 +318,14 @@ void init_model(nb::module_& m) {
              int prefill_chunk, int split_threshold, int split_len, bool check_dependencies, int interleavings,
              const std::string& kv_dtype, bool asan, int gemm_min_rows, bool metal4, const std::string& gemm,
              int block_threshold, int block_len, const std::string& cpu_matmul, int apple_gpu_family,
-             uint64_t working_set, const std::string& fail_dispatch, const std::string& fail_library) {
+             uint64_t working_set, const std::string& fail_dispatch, const std::string& fail_library,
+             bool opaque_buffers, bool permute_threadgroups, uint64_t seed, bool timing, bool synchronous) {
             BackendArgs a;
+            a.opaque_buffers = opaque_buffers;
+            a.permute_threadgroups = permute_threadgroups;
+            a.seed = seed;
+            a.timing = timing;
+            a.synchronous = synchronous;
             a.threads = threads;
             a.split_threshold = split_threshold;
             a.split_len = split_len;
@@ -336,7 +351,8 @@ void init_model(nb::module_& m) {
           nb::arg("gemm_min_rows") = -1, nb::arg("metal4") = false, nb::arg("gemm") = "auto",
           nb::arg("block_threshold") = -1, nb::arg("block_len") = -1, nb::arg("cpu_matmul") = "auto",
           nb::arg("apple_gpu_family") = 0, nb::arg("working_set") = 0, nb::arg("fail_dispatch") = "",
-          nb::arg("fail_library") = "")
+          nb::arg("fail_library") = "", nb::arg("opaque_buffers") = false, nb::arg("permute_threadgroups") = false,
+          nb::arg("seed") = 0, nb::arg("timing") = false, nb::arg("synchronous") = false)
       .def_prop_ro("max_fitting_context", [](Engine& e) { return e.backend().max_fitting_context(); },
                    "The longest context whose state fits beside the weights in the memory the backend may use "
                    "(GPU: the device's recommended working set); a very large number where nothing limits it.")
@@ -358,14 +374,24 @@ void init_model(nb::module_& m) {
       .def("gpu_records", [](Engine& e, bool recording) {
         auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
         if (!g) throw Error("[engine] gpu_records: the backend is not a GPU backend");
-        std::vector<std::tuple<std::string, int, uint64_t>> rows;
-        for (const auto& d : g->records()) rows.emplace_back(d.kernel, d.stage, d.weight_bytes);
+        std::vector<std::tuple<std::string, int, uint64_t, uint64_t, uint64_t>> rows;
+        for (const auto& d : g->records())
+          rows.emplace_back(d.kernel, d.stage, d.weight_bytes, d.state_bytes, d.other_bytes);
         g->records().clear();
         g->set_recording(recording);
         return rows;
       }, nb::arg("recording"),
-      "[(kernel, stage, weight bytes)] of the dispatches encoded since the last call (while "
-      "recording), then clears them and turns recording on or off.")
+      "[(kernel, stage, weight bytes, state bytes, other bytes)] of the dispatches encoded since the last "
+      "call (while recording), then clears them and turns recording on or off.")
+      .def("gpu_timings", [](Engine& e) {
+        auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
+        if (!g) throw Error("[engine] gpu_timings: the backend is not a GPU backend");
+        std::vector<std::tuple<std::string, double>> rows;
+        for (const auto& t : msl_cuda::take_timings(g->device())) rows.emplace_back(t.kernel, t.ms);
+        return rows;
+      },
+      "[(kernel, ms)] of every dispatch the msl-cuda backend completed since the last call, in order "
+      "(backend_options timing=True: CUDA events around each dispatch).")
       .def_prop_ro("backend", [](Engine& e) { return std::string(e.backend().name()); })
       .def_prop_ro("threads", [](Engine& e) {
         auto* cpu = dynamic_cast<cpu::CpuBackend*>(&e.backend());

@@ -77,7 +77,9 @@ void init_msl_cpu(nb::module_& parent) {
       }, "A copy of the buffer's contents.")
       .def("write", [](gpu::Buffer& b, Bytes data, size_t offset) {
         b.write(offset, data.data(), data.nbytes());
-      }, nb::arg("data"), nb::arg("offset") = 0);
+      }, nb::arg("data"), nb::arg("offset") = 0)
+      .def("fill", &gpu::Buffer::fill, nb::arg("offset"), nb::arg("value"), nb::arg("n"),
+           "Sets n bytes from offset to value (a memset).");
 
   nb::class_<gpu::Pipeline>(m, "Pipeline")
       .def_prop_ro("name", &gpu::Pipeline::name)
@@ -148,6 +150,11 @@ void init_msl_cpu(nb::module_& parent) {
            nb::arg("source"), nb::arg("file_name"), nb::arg("language") = "3.1", nb::arg("safe_math") = false,
            "Compile MSL source as Metal would (language: the MSL version, '3.1' or '4.0' on a metal4 "
            "device).")
+      .def_prop_ro("unified_memory", &gpu::Device::unified_memory)
+      .def("copy", [](gpu::Device& d, gpu::Buffer& dst, size_t dst_offset, gpu::Buffer& src, size_t src_offset,
+                      size_t n) { d.copy(dst, dst_offset, src, src_offset, n); },
+           nb::arg("dst"), nb::arg("dst_offset"), nb::arg("src"), nb::arg("src_offset"), nb::arg("n"),
+           "n bytes from src to dst, now (Device::copy).")
       .def_prop_ro("apple_gpu_family", &gpu::Device::apple_gpu_family)
       .def_prop_ro("recommended_max_working_set_size", &gpu::Device::recommended_max_working_set_size)
       .def("command_buffer", &gpu::Device::new_command_buffer);
@@ -177,8 +184,10 @@ void init_msl_cpu(nb::module_& parent) {
   m.def("device",
         [](bool asan, int interleavings, bool check_dependencies, uint64_t seed,
            const std::vector<std::string>& include_dirs, bool metal4, int apple_gpu_family, uint64_t working_set,
-           const std::string& fail_dispatch, int fail_dispatch_count, const std::string& fail_library) {
+           const std::string& fail_dispatch, int fail_dispatch_count, const std::string& fail_library,
+           bool opaque_buffers) {
           msl_cpu::DeviceOptions o;
+          o.opaque_buffers = opaque_buffers;
           o.metal4 = metal4;
           o.apple_gpu_family = apple_gpu_family;
           o.working_set = working_set;
@@ -196,14 +205,16 @@ void init_msl_cpu(nb::module_& parent) {
         nb::arg("check_dependencies") = false, nb::arg("seed") = 0,
         nb::arg("include_dirs") = std::vector<std::string>{}, nb::arg("metal4") = false,
         nb::arg("apple_gpu_family") = 7, nb::arg("working_set") = 0, nb::arg("fail_dispatch") = "",
-        nb::arg("fail_dispatch_count") = 1, nb::arg("fail_library") = "",
+        nb::arg("fail_dispatch_count") = 1, nb::arg("fail_library") = "", nb::arg("opaque_buffers") = false,
         "A device that runs MSL kernels on the CPU. interleavings=K reruns each dispatch under K "
         "random thread orders and fails if the result changes; check_dependencies reruns the "
         "dispatches between memory barriers of a concurrent encoder in reverse order; asan "
         "builds kernels with AddressSanitizer (preload its runtime); metal4 claims Metal 4 (libraries "
         "compiled as MSL 4.0 see __HAVE_TENSOR__ and the emulated <metal_tensor> / "
         "MetalPerformancePrimitives matmul2d); apple_gpu_family (7-10) and working_set are what the "
-        "device reports; fail_dispatch / fail_library inject failures for tests of error paths.");
+        "device reports; fail_dispatch / fail_library inject failures for tests of error paths; "
+        "opaque_buffers hides buffer storage from the host (contents() is null, as on a device with memory "
+        "of its own: bytes move only through Buffer.read / write and the device's copies).");
   m.def("clang_path", &msl_cpu::clang_path);
   m.def("library_options",
         [](const std::string& file) {

@@ -1,7 +1,7 @@
 # The kernel tests of the MSL-on-CPU suite that run on msl-cuda (sourced by prepare.sh and
 # kernel_tests.sh, so the PTX prepared here is the PTX the GPU run needs). Left out: whole-model
-# tests (backend="msl-cuda" waits for csrc/gpu's explicit upload/download, docs/msl-on-cuda.md),
-# the fiber runtime's own behaviour (ucontext fibers, compile errors, which need clang) and
+# tests (they load backend="msl-cpu" by name, so they would run on the CPU; whole models on the
+# GPU are scripts/h200/fullsize.py's), the fiber runtime's own behaviour (ucontext fibers, compile errors, which need clang) and
 # tests/test_msl_cpu_bugs.py (msl_cpu's bug detectors).
 KERNEL_TESTS=(
   tests/test_msl_cpu.py

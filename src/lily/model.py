@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 
 # "msl-cpu" runs the Metal backend's dispatch sequence on the MSL-on-CPU runtime (tests; slow);
-# "msl-cuda" the same kernels on an NVIDIA GPU (docs/msl-on-cuda.md: kernels only, so far).
+# "msl-cuda" the same kernels and dispatch sequence on an NVIDIA GPU (docs/msl-on-cuda.md).
 BACKENDS = ("cpu", "metal", "msl-cpu", "msl-cuda")
 
 
@@ -176,8 +176,8 @@ class Model:
 
         backend: "auto" (today the CPU: the Metal backend is unverified on Apple hardware, so
         it is never picked automatically), "cpu", "metal" (macOS builds; unverified on Apple
-        hardware), "msl-cpu" (the Metal kernels run on the CPU, for tests) or "msl-cuda" (on an
-        NVIDIA GPU; not yet a whole model: it raises, naming what is missing). threads: CPU worker threads
+        hardware), "msl-cpu" (the Metal kernels run on the CPU, for tests) or "msl-cuda" (the same
+        kernels on an NVIDIA GPU, PTX from the kernel cache: docs/msl-on-cuda.md). threads: CPU worker threads
         (default: all cores). prefill_chunk: tokens per prefill step (bounds scratch memory).
         max_context: default context of new sequences (default: the model's
         max_position_embeddings, capped on a GPU backend to what fits beside the weights in the
@@ -191,7 +191,10 @@ class Model:
         check_dependencies, interleavings, asan: the MSL-on-CPU runtime's checking modes;
         metal4, apple_gpu_family, working_set: what the MSL-on-CPU device reports (Metal 4
         tensors, the Apple GPU family 7-10, recommendedMaxWorkingSetSize in bytes);
-        fail_dispatch, fail_library: its fault injection for tests of the host's error paths).
+        fail_dispatch, fail_library: its fault injection for tests of the host's error paths;
+        opaque_buffers: its buffers hide their storage from the host, as device memory does;
+        permute_threadgroups, seed, timing, synchronous: the msl-cuda device's modes, see
+        docs/msl-on-cuda.md).
         cpu_matmul: how the CPU backend multiplies quantized (4/8-bit) weights: "int8" rounds
         activations to int8 per block of 32 and uses integer dot products (2-4x faster; logits
         within ~1% of f32, see docs/performance.md); "f32" expands the weights to f32 (the

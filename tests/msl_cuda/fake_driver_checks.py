@@ -251,14 +251,118 @@ def fault():
 
 
 def whole_model():
+    """lily.Model.load(path, backend="msl-cuda") over the stand-in driver ($FAKE_MODEL: a tiny
+    4-bit checkpoint). Kernels do not run here, so what is checked is what the host does: every
+    weights file uploaded once, byte for byte; the dispatch sequence of prefill, decode and the
+    device loop launched in encoding order and equal to the one msl-cpu runs (and tests
+    against mlx-lm); tokens uploaded before their pass and logits read back after it; snapshots,
+    restores, forks and the move of the KV cache into blocks as device copies."""
+    import mmap
+    from pathlib import Path
+
     import lily
 
-    try:
-        lily.Model.load(backend="msl-cuda")
-    except lily.ConfigError as e:
-        assert "Fake H200" in str(e) and "not yet a whole model" in str(e), str(e)
-    else:
-        raise AssertionError("msl-cuda loaded a whole model before the GPU backend can drive it")
+    path = Path(os.environ["FAKE_MODEL"])
+    opts = dict(split_threshold=9, split_len=4, block_threshold=8, block_len=4)
+    gpu = lily.Model.load(path, backend="msl-cuda", backend_options=opts, max_context=64)
+    assert gpu._engine.backend == "msl-cuda"
+    assert "Fake H200" in lily._core.msl_cuda.device().name
+
+    # The weights: one allocation per file (its mapping, whole pages) and one upload of it.
+    page = mmap.PAGESIZE
+    allocs = {r["ptr"]: r["bytes"] for r in log() if r["call"] == "alloc"}
+    uploads = [r for r in log() if r["call"] == "htod"]
+    files = sorted(path.glob("*.safetensors"))
+    assert files
+    for f in files:
+        data = f.read_bytes()
+        size = -(-len(data) // page) * page
+        (up,) = [u for u in uploads if u["bytes"] == size and allocs.get(u["dst"]) == size]
+        assert ctypes.string_at(up["dst"], len(data)) == data, f"{f.name} uploaded wrongly"
+
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    vocab = text["vocab_size"]
+    kinds = text["layer_types"]
+    n_attn, n_gdn = kinds.count("full_attention"), kinds.count("linear_attention")
+    hkv, hd = text["num_key_value_heads"], text["head_dim"]
+
+    def run(model, mark_log):
+        """The dispatch sequence and host transfers of: prefill 6, decode 3 (crossing the block
+        threshold), a snapshot / restore, a fork, 3 device-loop steps."""
+        eng = model._engine
+        eng.gpu_records(True)
+        s = model.session()
+        events = {}
+        mark = len(log()) if mark_log else 0
+        s.prefill([5, 7, 11, 13, 17, 19])
+        events["prefill"] = mark_log and log()[mark:]
+        for i, tok in enumerate((23, 29, 31)):
+            mark = len(log()) if mark_log else 0
+            s.decode(tok)
+            events[f"decode{i}"] = mark_log and log()[mark:]
+        mark = len(log()) if mark_log else 0
+        snap = s._state.snapshot()
+        events["snapshot"] = mark_log and log()[mark:]
+        mark = len(log()) if mark_log else 0
+        s._state.restore(snap)
+        events["restore"] = mark_log and log()[mark:]
+        mark = len(log()) if mark_log else 0
+        twin = s.fork()
+        events["fork"] = mark_log and log()[mark:]
+        forked_bytes = twin._state.nbytes
+        mark = len(log()) if mark_log else 0
+        eng.generate_greedy(twin._state, 37, 3)
+        events["loop"] = mark_log and log()[mark:]
+        return [r[0] for r in eng.gpu_records(False)], events, forked_bytes
+
+    kernels, ev, state_bytes = run(gpu, True)
+    reference = lily.Model.load(path, backend="msl-cpu", backend_options=opts, max_context=64)
+    assert kernels == run(reference, False)[0], "msl-cuda encodes another dispatch sequence than msl-cpu"
+    launched = [r["kernel"] for k in ("prefill", "decode0", "decode1", "decode2", "loop") for r in ev[k]
+                if r["call"] == "launch"]
+    assert launched == kernels, "not every encoded dispatch was launched, in order"
+    assert "sample" in launched and any(k.startswith("attn_decode_blocks") for k in launched)
+
+    for name, T, tok in (("prefill", 6, None), ("decode0", 1, 23), ("decode2", 1, 31)):
+        recs = ev[name]
+        first = next(i for i, r in enumerate(recs) if r["call"] == "launch")
+        launch = launches_in(recs)
+        embed, head = launch[0], launch[-1]
+        assert embed["kernel"].startswith("embed"), embed["kernel"]
+        # The pass's tokens went up before its first launch, into a buffer embed reads ...
+        (tokens,) = [r for r in recs[:first] if r["call"] == "htod" and r["bytes"] == 4 * T
+                     and r["dst"] in embed["buffers"] and r["stream"] != embed["stream"]]
+        assert bytes.fromhex(tokens["data"]) == struct.pack(f"<{T}i", *([5, 7, 11, 13, 17, 19] if tok is None else [tok]))
+        # ... and its logits came back after the last one, from the buffer lm_head wrote.
+        last = max(i for i, r in enumerate(recs) if r["call"] == "launch")
+        (logits,) = [r for r in recs[last:] if r["call"] == "dtoh" and r["bytes"] == 4 * vocab]
+        assert logits["src"] in head["buffers"], "logits read from another buffer than lm_head's output"
+        assert tokens["stream"] == logits["stream"] != embed["stream"], "host copies go on the copy stream"
+    # The second decode step takes the context to block_threshold 8: the 7 cached rows move into
+    # blocks of 4 by device copies, one per (block, KV head) of K and V of every attention layer.
+    moves = [r["bytes"] for r in ev["decode1"] if r["call"] == "dtod"]
+    row = hd * 4
+    assert sorted(moves) == sorted([3 * row, 4 * row] * (n_attn * 2 * hkv)), moves
+    # A snapshot reads, a restore writes, the recurrent state (conv window and S of every
+    # DeltaNet layer); a fork copies the whole state on the device.
+    snap_reads = [r["bytes"] for r in ev["snapshot"] if r["call"] == "dtoh"]
+    restore_writes = [r["bytes"] for r in ev["restore"] if r["call"] == "htod"]
+    assert len(snap_reads) == 2 * n_gdn and sorted(snap_reads) == sorted(restore_writes)
+    block_table = 4 * -(-64 // opts["block_len"])  # max_context / block_len entries of uint32
+    assert sum(r["bytes"] for r in ev["fork"] if r["call"] == "dtod") == state_bytes + block_table
+    # The device loop: each step's token and status read back from the ring (4 + 12 bytes).
+    ring = [r["bytes"] for r in ev["loop"] if r["call"] == "dtoh"]
+    assert ring.count(4) >= 3 and ring.count(12) >= 3, ring
+
+
+def launches_in(records):
+    out = []
+    for rec in records:
+        if rec["call"] == "launch":
+            a = ARGS.unpack(bytes.fromhex(rec["args"]))
+            out.append({**rec, "buffers": a[:31]})
+    return out
 
 
 if __name__ == "__main__":

@@ -99,20 +99,28 @@ CUresult cuMemFree_v2(unsigned long long p) { return OK; }
 CUresult cuMemAllocHost_v2(void** p, size_t n) { *p = calloc(1, n); return OK; }
 CUresult cuMemFreeHost(void* p) { return OK; }
 CUresult cuMemcpyHtoDAsync_v2(unsigned long long dst, const void* src, size_t n, void* stream) {
+  /* The bytes of a small copy (tokens, ring reads) go into the log: the memory is overwritten later. */
+  char hex[2 * 64 + 1] = "";
+  for (size_t i = 0; n <= 64 && i < n; ++i) sprintf(hex + 2 * i, "%02x", ((const unsigned char*)src)[i]);
   memcpy((void*)dst, src, n);
-  logf_("{\"call\": \"htod\", \"dst\": %llu, \"bytes\": %zu, \"stream\": %llu}", dst, n, (unsigned long long)stream);
+  logf_("{\"call\": \"htod\", \"dst\": %llu, \"bytes\": %zu, \"stream\": %llu, \"data\": \"%s\"}", dst, n,
+        (unsigned long long)stream, hex);
   return OK;
 }
 CUresult cuMemcpyDtoHAsync_v2(void* dst, unsigned long long src, size_t n, void* stream) {
   memcpy(dst, (const void*)src, n);
+  logf_("{\"call\": \"dtoh\", \"src\": %llu, \"bytes\": %zu, \"stream\": %llu}", src, n, (unsigned long long)stream);
   return OK;
 }
 CUresult cuMemcpyDtoDAsync_v2(unsigned long long dst, unsigned long long src, size_t n, void* stream) {
   memmove((void*)dst, (const void*)src, n);
+  logf_("{\"call\": \"dtod\", \"dst\": %llu, \"src\": %llu, \"bytes\": %zu, \"stream\": %llu}", dst, src, n,
+        (unsigned long long)stream);
   return OK;
 }
 CUresult cuMemsetD8Async(unsigned long long dst, unsigned char v, size_t n, void* stream) {
   memset((void*)dst, v, n);
+  logf_("{\"call\": \"memset\", \"dst\": %llu, \"bytes\": %zu, \"stream\": %llu}", dst, n, (unsigned long long)stream);
   return OK;
 }
 
