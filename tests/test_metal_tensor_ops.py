@@ -226,7 +226,7 @@ def test_prefill_on_tensor_ops_matches_cpu(store, lily):
     eng.gpu_records(True)
     s, c = gpu.session(), cpu.session()
     got = s.prefill(prompt, all_logits=True)
-    used = {name for name, _, _ in eng.gpu_records(False)}
+    used = {r[0] for r in eng.gpu_records(False)}  # (kernel, stage, bytes...)
     gemms = {k for k in used if "gemm" in k}
     assert gemms and all("_tensor_" in k for k in gemms), gemms
     assert any(k.startswith("moe_gemm_gate_up_tensor_") for k in gemms) and any(k.startswith("gemm_tensor_") for k in gemms)
@@ -245,7 +245,7 @@ def test_gemm_path_chosen_at_load(store, lily):
         m = lily.Model.load(path, backend="msl-cpu", backend_options=opts)
         m._engine.gpu_records(True)
         m.session().prefill(prompt)
-        return {k for k, _, _ in m._engine.gpu_records(False) if "gemm" in k}
+        return {r[0] for r in m._engine.gpu_records(False) if "gemm" in r[0]}
 
     def tensor(names):  # every GEMM on tensor ops, or none (each set must be non-empty: the
         assert names, "the 10-token prefill took no GEMMs"  # 10-token prefill has to take GEMMs)

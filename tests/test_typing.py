@@ -8,6 +8,7 @@ Reference: mypy itself (the `test` extra), run on the lily under test.
 from __future__ import annotations
 
 import os
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,12 @@ text: str = lily.generate(*lily.load(), "x")
 
 
 def _mypy(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(PACKAGE.parent), MYPY_FORCE_COLOR="0")
+    env = dict(os.environ, MYPY_FORCE_COLOR="0")
+    # A source checkout (PYTHONPATH=src) is put on mypy's path; an installed lily is found in
+    # site-packages already, and that folder on PYTHONPATH makes mypy treat every installed
+    # module as the user's own ("This file shadows library module").
+    if PACKAGE.parent.resolve() not in {Path(p).resolve() for p in site.getsitepackages()}:
+        env["PYTHONPATH"] = str(PACKAGE.parent)
     return subprocess.run([sys.executable, "-m", "mypy", "--no-error-summary", "--cache-dir", str(cwd / ".mypy"),
                            *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
 
@@ -49,5 +55,9 @@ def test_examples_and_overloads_pass_mypy_strict(tmp_path):
 
 
 def test_native_stub_resolves_every_import(tmp_path):
-    p = _mypy("--follow-imports=silent", str(PACKAGE / "_core.pyi"), cwd=tmp_path)
+    # A copy outside the package: checked in place, mypy would take the folder above lily (site-
+    # packages, for an installed lily) as a source root and report every module there as shadowing.
+    stub = tmp_path / "lily_core_stub.pyi"
+    stub.write_text((PACKAGE / "_core.pyi").read_text())
+    p = _mypy("--follow-imports=silent", str(stub), cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
