@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -169,6 +168,9 @@ def ensure_tokenizer(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2:
-        sys.exit("usage: make_tokenizer.py [OUT_DIR]")
-    print(build(sys.argv[1]) if len(sys.argv) == 2 else ensure_tokenizer())
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("out_dir", nargs="?", help="write the tokenizer here (default: the shared cache)")
+    a = ap.parse_args()  # --help prints usage instead of becoming a folder named "--help"
+    print(build(a.out_dir) if a.out_dir else ensure_tokenizer())
