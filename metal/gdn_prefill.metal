@@ -96,9 +96,9 @@ kernel void gdn_prepare(constant GdnArgs& args [[buffer(0)]],
   }
 }
 
-// 4 * Dv threads: 512 at the family's Dv = 128, up to 1024 (the host checks Dv <= 256).
+// 4 * Dv threads: 512 at the family's Dv = 128 (the host checks SPLIT * Dv <= LILY_GDN_SCAN_MAX_THREADS).
 template <int Dk>
-[[max_total_threads_per_threadgroup(1024)]]
+[[max_total_threads_per_threadgroup(LILY_GDN_SCAN_MAX_THREADS)]]
 kernel void gdn_scan(constant GdnArgs& args [[buffer(0)]],
                      device const float* x [[buffer(1)]],         // [T, C] from gdn_prepare
                      device const float* gates [[buffer(2)]],     // [T, Hv, 2]
@@ -114,6 +114,7 @@ kernel void gdn_scan(constant GdnArgs& args [[buffer(0)]],
                      uint n_simd [[simdgroups_per_threadgroup]]) {
   constexpr uint split = LILY_GDN_SCAN_SPLIT;
   LILY_THREADGROUP(float, scratch, [32]);
+  LILY_THREADGROUP(float, k_step, [Dk]);  // this step's k, for the state update
   constexpr int rows = Dk / split;  // LILY_GDN_KEY_DIMS are multiples of the split
   const uint Dv = args.Dv, Hv = args.Hv, C = args.C;
   const uint hk = hv / (Hv / args.Hk), key_dim = args.Hk * Dk, vdim = Hv * Dv;
@@ -127,6 +128,13 @@ kernel void gdn_scan(constant GdnArgs& args [[buffer(0)]],
   for (uint t = 0; t < args.T; ++t) {
     device const float* q = x + ulong(t) * C + hk * Dk;
     device const float* k = q + key_dim;
+    // The update reads k from threadgroup memory, the decay pass from device memory, so the
+    // compiler cannot keep the Dk / split k values in registers from one pass to the next
+    // beside the column: at 512 threads a thread may hold 128 registers (sm_90 spilled 192
+    // bytes with k kept, 68-76 without). k_step's readers of the previous step all passed
+    // the barrier inside that step's threadgroup_sum before this write.
+    for (uint i = tid; i < uint(Dk); i += n_simd * 32) k_step[i] = k[i];  // threads: whole SIMD groups
+    threadgroup_barrier(mem_flags::mem_threadgroup);
     const float beta = gates[(ulong(t) * Hv + hv) * 2 + 0];
     const float decay = gates[(ulong(t) * Hv + hv) * 2 + 1];
     float kv_mem = 0.0f;
@@ -139,7 +147,7 @@ kernel void gdn_scan(constant GdnArgs& args [[buffer(0)]],
     const float delta = (v - kv_mem) * beta;
     float out = 0.0f;
     LILY_UNROLL for (int r = 0; r < rows; ++r) {
-      col[r] += k[s + split * r] * delta;
+      col[r] += k_step[s + split * r] * delta;
       out += q[s + split * r] * col[r];
     }
     out = quad_sum(out);  // 0 for non-owners: their column stays 0

@@ -12,3 +12,8 @@
 #define LILY_GDN_PREP_THREADS 128  // threads of a gdn_prepare threadgroup (one head, one token)
 #define LILY_GDN_SCAN_SPLIT 4      // threads per state column in gdn_scan (one quad)
 #define LILY_GDN_SCAN_MAX_DK 256   // key head dim: Dk / SPLIT floats of a column per thread
+// Most threads of a gdn_scan threadgroup (SPLIT * Dv): 512 = the family's Dv of 128. Declared,
+// so the compiler must fit that many threads; each holds Dk / SPLIT state floats in registers,
+// which a 1024-thread promise would spill (ptxas: 64 registers a thread). Wider Dv runs the
+// per-token recurrence instead (gdn_prefill_fits).
+#define LILY_GDN_SCAN_MAX_THREADS 512

@@ -238,8 +238,11 @@ def gdn_reference(Hk, Hv, Dk, Dv, taps, window, S0, a_neg, dt_bias, norm_w, eps,
                                       torch.from_numpy(taps).double()[:, None], groups=C)[0].T
     conv = torch.nn.functional.silu(conv)
     kd = Hk * Dk
-    q = conv[:, :kd].reshape(1, T, Hk, Dk)
-    k = conv[:, kd:2 * kd].reshape(1, T, Hk, Dk)
+    # Each q/k head serves Hv // Hk consecutive value heads. transformers repeats them inside
+    # the rule since 5.2x and in the model before it in 5.17 (the H200 image's): repeated here,
+    # the call holds for both.
+    q = conv[:, :kd].reshape(1, T, Hk, Dk).repeat_interleave(Hv // Hk, dim=2)
+    k = conv[:, kd:2 * kd].reshape(1, T, Hk, Dk).repeat_interleave(Hv // Hk, dim=2)
     v = conv[:, 2 * kd:].reshape(1, T, Hv, Dv)
     beta = torch.sigmoid(torch.from_numpy(b).double())[None]
     g = torch.from_numpy(a_neg).double() * torch.nn.functional.softplus(

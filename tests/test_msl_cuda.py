@@ -61,12 +61,42 @@ def cpu_kernel_names(source: str, file_name: str) -> list[str]:
     return sorted(re.search(r"\(it has: (.*)\)", str(e.value)).group(1).split(", "))
 
 
+# Spills ptxas needs to keep a kernel's [[max_total_threads_per_threadgroup]] promise, in bytes
+# (stores, loads): a bound, so a kernel that spills more, or a new spill, fails. gdn_scan at
+# Dk = 128 keeps 32 state floats a thread and 512 threads may hold 128 registers each; its fix is
+# a state layout with fewer floats a thread (docs/msl-on-cuda.md, "Open").
+KNOWN_SPILLS = {"gdn_scan_dk128": 96}
+
+
+def declared_limits(ptx: str) -> dict[str, int]:
+    """{entry: N} of the `.maxntid N, 1, 1` that msl_cuda writes after each entry whose kernel
+    declares [[max_total_threads_per_threadgroup(N)]]."""
+    return {m.group(1): int(m.group(2))
+            for m in re.finditer(r"\.entry (\w+)\([^)]*\)[^\n]*\n\.maxntid (\d+), 1, 1", ptx)}
+
+
 def check_ptxas(path: str, entries) -> None:
     report = ptxas_report(path)
     assert sorted(k["kernel"] for k in report) == sorted(e[0] for e in entries)
     spills = [(k["kernel"], k["spill_stores"], k["spill_loads"]) for k in report
-              if k["spill_stores"] or k["spill_loads"]]
+              if max(k["spill_stores"], k["spill_loads"]) > KNOWN_SPILLS.get(k["kernel"], 0)]
     assert not spills, f"register spills (bytes stored, loaded) in sm_90 code: {spills}"
+    # Each declared maximum is launchable: ptxas fitted the kernel's registers to it.
+    limits = declared_limits(Path(path).read_text())
+    short = {k["kernel"]: (limits[k["kernel"]], register_limited_threads(k["registers"]))
+             for k in report if k["kernel"] in limits
+             and register_limited_threads(k["registers"]) < limits[k["kernel"]]}
+    assert not short, f"declared threads per threadgroup that the registers do not allow: {short}"
+
+
+def test_declared_thread_limits_reach_ptx():
+    # gdn_scan declares LILY_GDN_SCAN_MAX_THREADS (512), which clang's PTX cannot say: msl_cuda
+    # writes it as .maxntid, else ptxas gives the Dk = 128 scan 168 registers (384 threads).
+    path, _, entries = msl_cuda.compile(msl_cuda.kernel_source("gdn_prefill.metal"), "metal/gdn_prefill.metal")
+    limits = declared_limits(Path(path).read_text())
+    scans = sorted(e[0] for e in entries if e[0].startswith("gdn_scan_"))
+    assert scans and {k: limits.get(k) for k in scans} == dict.fromkeys(scans, 512)
+    assert not any(k.startswith("gdn_prepare") for k in limits)  # declares none: gets none
 
 
 def child(case: str, env: dict, drop=(), timeout=300) -> subprocess.CompletedProcess:

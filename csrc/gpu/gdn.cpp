@@ -70,7 +70,7 @@ void encode_gdn_recurrence(EncoderContext& ctx, const GdnArgs& args, const Buffe
 }
 
 bool gdn_prefill_fits(int Dk, int Dv) {
-  return Dk % LILY_GDN_SCAN_SPLIT == 0 && uint64_t(LILY_GDN_SCAN_SPLIT) * Dv <= 1024;
+  return Dk % LILY_GDN_SCAN_SPLIT == 0 && uint64_t(LILY_GDN_SCAN_SPLIT) * Dv <= LILY_GDN_SCAN_MAX_THREADS;
 }
 
 void encode_gdn_prepare(EncoderContext& ctx, const GdnArgs& args, const BufferRange& qkv, const BufferRange& b,

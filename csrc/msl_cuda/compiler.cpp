@@ -82,6 +82,24 @@ bool global_bytes(const std::string& line, std::string* name, std::vector<uint8_
   return true;
 }
 
+// Metal compiles a kernel declaring [[max_total_threads_per_threadgroup(N)]] so that N threads
+// fit (registers included): the attribute is a promise the host relies on. PTX's `.maxntid N`
+// makes ptxas keep the same promise (at most 65536 / N registers a thread). clang has no C++
+// spelling for it on NVPTX, so it is written into the text after the entry's parameter list.
+std::string with_thread_limits(const std::string& ptx, const std::vector<EntryInfo>& entries) {
+  std::string out = ptx;
+  for (const auto& e : entries) {
+    if (e.max_threads == 0) continue;
+    const size_t at = out.find(".entry " + e.host_name + "(");
+    const size_t close = at == std::string::npos ? at : out.find("\n)", at);
+    if (close == std::string::npos) fail("PTX has no parameter list for .entry " + e.host_name);
+    const size_t eol = out.find('\n', close + 1);
+    out.insert(eol == std::string::npos ? out.size() : eol,
+               "\n.maxntid " + std::to_string(e.max_threads) + ", 1, 1");
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string cache_dir() { return msl_cpu::cache_dir("LILY_MSL_CUDA_CACHE", "msl_cuda"); }
@@ -101,7 +119,10 @@ std::string libdevice_path() {
 }
 
 std::string cache_key(const std::string& unit, const CompileOptions& options) {
-  uint64_t h = msl_cpu::fnv1a("lily msl_cuda " + std::to_string(LILY_MSL_CUDA_ABI_VERSION));
+  // kPtxEdits: bumped when build_ptx changes what it writes around clang's output.
+  constexpr int kPtxEdits = 1;  // 1: .maxntid from [[max_total_threads_per_threadgroup]]
+  uint64_t h = msl_cpu::fnv1a("lily msl_cuda " + std::to_string(LILY_MSL_CUDA_ABI_VERSION) + " " +
+                              std::to_string(kPtxEdits));
   h = msl_cpu::fnv1a(unit, h);
   for (const auto& f : semantic_flags(options)) h = msl_cpu::fnv1a(f + "\x1f", h);
   h = msl_cpu::fnv1a(msl_cpu::read_file(msl_cpu::common_prelude_dir() + "/lily_msl_common.h"), h);
@@ -157,6 +178,7 @@ PtxModule build_ptx(const std::string& unit, const std::string& file_name, const
   m.text = tools + "\n// from " + file_name + "\n" + msl_cpu::read_file(tmp + ".ptx");
   std::remove((tmp + ".ptx").c_str());
   m.entries = parse_entries(m.text);  // before publishing: a malformed module never enters the cache
+  m.text = with_thread_limits(m.text, m.entries);
   write_atomically(m.path, m.text);
   return m;
 }

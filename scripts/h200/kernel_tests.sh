@@ -16,6 +16,10 @@ mkdir -p "$OUT"
   python3 -c "import sysconfig, os; h = sysconfig.get_paths()['include']; print('Python.h:', os.path.exists(h + '/Python.h'), h)"
 } > "$OUT/env.txt" 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl >> "$OUT/env.txt" 2>&1
+# The image's g++ links libstdc++ into lily._core statically; torch (imported first by the tests)
+# brings the shared one, and std::regex in the kernel scanner then crashed inside the static copy
+# (seen 2026-12-01). One libstdc++ for the process: the shared one, loaded before everything.
+export LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6)${LD_PRELOAD:+:$LD_PRELOAD}
 start=$(date +%s)
 if ! bash scripts/dev_build.sh > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"
