@@ -23,6 +23,7 @@ class CpuState : public State {
  public:
   std::vector<KvCache> kv;    // per layer (empty for DeltaNet layers)
   std::vector<GdnState> gdn;  // per layer (empty for attention layers)
+  const ModelConfig* config = nullptr;  // the model's (the backend's weights outlive its states)
 
   std::unique_ptr<State> clone() const override { return std::make_unique<CpuState>(*this); }
   size_t nbytes() const override;
@@ -30,6 +31,10 @@ class CpuState : public State {
  protected:
   std::unique_ptr<Snapshot> capture() const override;
   void apply(const Snapshot& snap) override;
+  std::vector<StateTensor> tensors_of(const Snapshot& recurrent, int positions, bool with_kv) const override;
+  std::unique_ptr<Snapshot> recurrent_from(const std::vector<StateTensor>& tensors) const override;
+  void check_kv(int positions, const std::vector<StateTensor>& tensors) const override;
+  void load_kv(const std::vector<StateTensor>& tensors) override;
 };
 
 class CpuBackend : public Backend {

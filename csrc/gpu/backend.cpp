@@ -91,6 +91,15 @@ void GpuState::apply(const Snapshot& snap) {
   }
 }
 
+void GpuState::no_state_files() const {
+  throw RequestError(std::string("[state] saving and loading sequence states is implemented on the cpu backend, "
+                                 "not yet on ") + backend->name());
+}
+std::vector<StateTensor> GpuState::tensors_of(const Snapshot&, int, bool) const { no_state_files(); }
+std::unique_ptr<Snapshot> GpuState::recurrent_from(const std::vector<StateTensor>&) const { no_state_files(); }
+void GpuState::check_kv(int, const std::vector<StateTensor>&) const { no_state_files(); }
+void GpuState::load_kv(const std::vector<StateTensor>&) { no_state_files(); }
+
 // ---- backend ---------------------------------------------------------------------------------
 
 GpuBackend::GpuBackend(std::shared_ptr<const ModelWeights> weights, std::shared_ptr<Device> device,

@@ -102,6 +102,14 @@ class GpuState : public State {
  protected:
   std::unique_ptr<Snapshot> capture() const override;
   void apply(const Snapshot& snap) override;
+  // Saving a state to a file is not implemented on GPU backends yet: these throw, naming it.
+  std::vector<StateTensor> tensors_of(const Snapshot& recurrent, int positions, bool with_kv) const override;
+  std::unique_ptr<Snapshot> recurrent_from(const std::vector<StateTensor>& tensors) const override;
+  void check_kv(int positions, const std::vector<StateTensor>& tensors) const override;
+  void load_kv(const std::vector<StateTensor>& tensors) override;
+
+ private:
+  [[noreturn]] void no_state_files() const;
 };
 
 class GpuBackend : public Backend {

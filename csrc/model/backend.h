@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "model/weights.h"
@@ -33,6 +34,14 @@ class Snapshot {
   uint64_t epoch_ = 0;  // the State's restore count when taken
 };
 
+// One tensor of a sequence state written to a file that outlives the process (lily's
+// Session.save): float32, row-major.
+struct StateTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<float> data;
+};
+
 // Everything a sequence carries between chunks: the attention KV cache, the DeltaNet conv and
 // recurrent state, and the position. Made by a backend; opaque to the schedule.
 class State {
@@ -52,10 +61,39 @@ class State {
   // earlier position followed by new tokens).
   void restore(const Snapshot& snap);
 
+  // The state as named tensors (Session.save writes them to a safetensors file): for each
+  // attention layer l, "kv.<l>.k" and "kv.<l>.v" [Hkv, P, D] holding positions [0, P); for each
+  // DeltaNet layer, "gdn.<l>.conv" [K-1, C] and "gdn.<l>.S" [Hv, Dk, Dv]. The recurrent part is
+  // a snapshot's (capture(), the same copy a turn snapshot keeps): `at`, a snapshot of this
+  // state, exports that position instead of the current one (throws as restore() would if it
+  // is stale); with_kv false leaves the KV tensors out (the recurrent state alone).
+  std::vector<StateTensor> export_tensors(const Snapshot* at, bool with_kv) const;
+  // Moves the sequence to `position` from such tensors (KV tensors required; they may hold more
+  // than `position` rows: entries past the position are overwritten as the sequence goes on).
+  // Like restore(), it invalidates snapshots taken past `position`. Throws RequestError naming
+  // the first tensor that is missing, unknown or mis-shaped, before changing anything.
+  void import_tensors(int position, const std::vector<StateTensor>& tensors);
+  // A snapshot at `position` (<= position()) of this sequence from recurrent tensors alone
+  // ("gdn.*"; "kv.*" ones are ignored), as if snapshot() had been taken there: the caller
+  // vouches that the KV cache holds the same tokens up to `position` (a saved sequence and the
+  // turn snapshots saved with it).
+  std::unique_ptr<Snapshot> snapshot_from_tensors(int position, const std::vector<StateTensor>& tensors) const;
+
  protected:
   friend class Engine;
   virtual std::unique_ptr<Snapshot> capture() const = 0;
   virtual void apply(const Snapshot& snap) = 0;
+  // The backend parts of the tensor import / export. tensors_of: `recurrent` (a snapshot of
+  // this state) and, when with_kv, KV rows [0, positions). recurrent_from: a snapshot of this
+  // state from the "gdn.*" tensors (position and epoch unset), skipping "kv.*" ones. check_kv:
+  // throws unless the "kv.*" tensors are exactly those of this model, each with >= `positions`
+  // rows (and no more than the context); load_kv copies them in.
+  virtual std::vector<StateTensor> tensors_of(const Snapshot& recurrent, int positions, bool with_kv) const = 0;
+  virtual std::unique_ptr<Snapshot> recurrent_from(const std::vector<StateTensor>& tensors) const = 0;
+  virtual void check_kv(int positions, const std::vector<StateTensor>& tensors) const = 0;
+  virtual void load_kv(const std::vector<StateTensor>& tensors) = 0;
+  // Throws RequestError if `snap` is not usable any more (see restore()).
+  void check_not_stale(const Snapshot& snap) const;
 
   int position_ = 0;
   int max_context_ = 0;
