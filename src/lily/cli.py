@@ -149,7 +149,8 @@ def cmd_generate(args) -> int:
     printer.end()
     if args.verbose and stream.result is not None:
         r = stream.result
-        print(f"[{r.prompt_tokens} prompt tokens, {r.completion_tokens} generated, ttft {r.ttft_s * 1e3:.0f} ms, "
+        cached = f" ({r.cached_tokens} from the prompt cache)" if cache is not None else ""
+        print(f"[{r.prompt_tokens} prompt tokens{cached}, {r.completion_tokens} generated, ttft {r.ttft_s * 1e3:.0f} ms, "
               f"prefill {r.prefill_tokens_per_s:.1f} tok/s, decode {r.decode_tokens_per_s:.1f} tok/s, "
               f"finish {r.finish_reason}]", file=sys.stderr)
     return 0
