@@ -162,16 +162,18 @@ def test_damaged_bytes_are_found_when_loading_not_loaded(model, tmp_path):
     from lily.prefix_cache import DiskCache, PrefixCache
 
     cache = PrefixCache(model, 1 << 30, max_snapshots=4)
-    ids = model.tokenizer.encode(SYSTEM)
+    ids = list(model.tokenizer.encode(SYSTEM))
     seq, _ = cache.acquire(ids)
     seq.prefill(np.asarray(ids, np.int32))
     seq.take_snapshot()
     disk = DiskCache(model, tmp_path, 1 << 30)
     disk.put(seq)
     (path,) = tmp_path.glob("*.safetensors")
-    raw = bytearray(path.read_bytes())
-    raw[-3] ^= 0x10
-    path.write_bytes(bytes(raw))
+    header, data = st_edit.read(path)
+    name = next(k for k in header if k.startswith("state.gdn.") and k.endswith(".S"))
+    damaged = bytearray(data)
+    damaged[header[name]["data_offsets"][0] + 2] ^= 0x10  # a bit of one DeltaNet state
+    st_edit.write(path, header, bytes(damaged))
     fresh = PrefixCache(model, 1 << 30)
     fresh.disk = DiskCache(model, tmp_path, 1 << 30)
     assert len(fresh.disk) == 1
