@@ -149,7 +149,7 @@ class Session:
 
     def save(self, path: str | os.PathLike, *, metadata: dict[str, str] | None = None) -> int:
         """Writes the token ids, KV cache and DeltaNet/conv state to ``path``: one safetensors
-        file (docs/api.md, "Saved sessions") stamped with the model's fingerprint and the engine
+        file (docs/api-generation.md, "Saved sessions and prompt caches") stamped with the model's fingerprint and the engine
         settings, which :meth:`Model.load_session` checks. ``metadata``: strings of your own
         kept with it (the loaded session's ``metadata``). Returns the file's size in bytes."""
         from lily import session_file
