@@ -168,3 +168,28 @@ def test_refuses_damaged_files(checkpoint, saved, tmp_path):
     with pytest.raises(lily.RequestError, match=rf"tensor '{name[len('state.'):]}' has shape"):
         model.load_session(bad)
 
+
+
+@pytest.mark.parametrize("options", [
+    {},                                                  # contiguous f32 KV cache
+    {"kv_dtype": "float16"},                             # f16 elements, converted to f32 in the file
+    {"block_threshold": 20, "block_len": 8},             # the fixed-block layout of long contexts
+], ids=["f32", "f16", "blocks"])
+def test_gpu_backend_sessions_continue_bit_identically(checkpoint, tmp_path, options):
+    """The Metal kernels' backend run by the MSL-on-CPU runtime: the state read back from the
+    device buffers (and written into a fresh engine's) goes on as the uninterrupted one."""
+    prompt = np.asarray(cases.LONG_PROMPT, np.int32)
+    model = _load(checkpoint, backend="msl-cpu", backend_options=options)
+    whole = model.session()
+    whole.prefill(prompt[:SPLIT])
+    rest = whole.prefill(prompt[SPLIT:], all_logits=True)
+    saved = model.session()
+    saved.prefill(prompt[:SPLIT])
+    saved.save(tmp_path / "gpu.safetensors")
+
+    fresh = _load(checkpoint, backend="msl-cpu", backend_options=options)
+    loaded = fresh.load_session(tmp_path / "gpu.safetensors")
+    np.testing.assert_array_equal(loaded.prefill(prompt[SPLIT:], all_logits=True), rest)
+    if options.get("kv_dtype") == "float16":
+        with pytest.raises(lily.ConfigError, match="KV cache dtype 'float16', this model runs 'float32'"):
+            _load(checkpoint, backend="msl-cpu").load_session(tmp_path / "gpu.safetensors")

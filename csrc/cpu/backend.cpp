@@ -38,144 +38,67 @@ void CpuState::apply(const Snapshot& snap) {
 
 // ---- state as named tensors (State::export_tensors / import_tensors) -------------------------
 
-namespace {
-
-std::string layer_name(const char* kind, size_t layer, const char* part) {
-  return std::string(kind) + "." + std::to_string(layer) + "." + part;
-}
-
-std::string shape_str(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
-bool is_kv_name(const std::string& name) { return name.rfind("kv.", 0) == 0; }
-
-// The tensor named `name`, checked to have `shape`; throws if absent or mis-shaped.
-const StateTensor& expect(const std::vector<StateTensor>& tensors, const std::string& name,
-                          const std::vector<int64_t>& shape) {
-  for (const auto& t : tensors)
-    if (t.name == name) {
-      if (t.shape != shape)
-        throw RequestError("[state] tensor '" + name + "' has shape " + shape_str(t.shape) + ", this model's is " +
-                           shape_str(shape));
-      return t;
-    }
-  throw RequestError("[state] tensor '" + name + "' is missing");
-}
-
-}  // namespace
-
 std::vector<StateTensor> CpuState::tensors_of(const Snapshot& recurrent, int positions, bool with_kv) const {
   const auto* snap = dynamic_cast<const CpuSnapshot*>(&recurrent);
   if (!snap || snap->owner != this) throw RequestError("[state] snapshot was taken from another sequence");
+  const ModelConfig& c = *config_;
   std::vector<StateTensor> out;
-  for (size_t l = 0; l < kv.size(); ++l) {
-    const KvCache& c = kv[l];
-    if (!with_kv || c.kv_heads == 0) continue;
-    for (const auto& [part, src] : {std::pair{"k", &c.k}, std::pair{"v", &c.v}}) {
-      StateTensor t{layer_name("kv", l, part), {c.kv_heads, positions, c.head_dim}, {}};
-      t.data.resize(size_t(c.kv_heads) * positions * c.head_dim);
-      for (int h = 0; h < c.kv_heads; ++h)  // [Hkv, capacity, D] -> [Hkv, positions, D]
-        std::copy_n(src->data() + size_t(h) * c.capacity * c.head_dim, size_t(positions) * c.head_dim,
-                    t.data.data() + size_t(h) * positions * c.head_dim);
+  for (int l = 0; l < c.n_layers(); ++l) {
+    if (c.mixers[l] != Mixer::Attention) {
+      const GdnState& g = snap->gdn[l];
+      out.push_back({state_tensor_name("gdn", l, "conv"), {c.conv_kernel - 1, c.gdn_qkv_dim()}, g.conv});
+      out.push_back({state_tensor_name("gdn", l, "S"), {c.gdn_v_heads, c.gdn_k_dim, c.gdn_v_dim}, g.S});
+      continue;
+    }
+    if (!with_kv) continue;
+    const KvCache& kc = kv[l];
+    for (const auto& [part, src] : {std::pair{"k", &kc.k}, std::pair{"v", &kc.v}}) {
+      StateTensor t{state_tensor_name("kv", l, part), {kc.kv_heads, positions, kc.head_dim}, {}};
+      t.data.resize(size_t(kc.kv_heads) * positions * kc.head_dim);
+      for (int h = 0; h < kc.kv_heads && positions > 0; ++h)  // [Hkv, capacity, D] -> [Hkv, positions, D]
+        std::copy_n(src->data() + size_t(h) * kc.capacity * kc.head_dim, size_t(positions) * kc.head_dim,
+                    t.data.data() + size_t(h) * positions * kc.head_dim);
       out.push_back(std::move(t));
     }
-  }
-  const ModelConfig& c = *config;
-  for (size_t l = 0; l < snap->gdn.size(); ++l) {
-    const GdnState& g = snap->gdn[l];
-    if (c.mixers[l] == Mixer::Attention) continue;
-    out.push_back({layer_name("gdn", l, "conv"), {c.conv_kernel - 1, c.gdn_qkv_dim()}, g.conv});
-    out.push_back({layer_name("gdn", l, "S"), {c.gdn_v_heads, c.gdn_k_dim, c.gdn_v_dim}, g.S});
   }
   return out;
 }
 
 std::unique_ptr<Snapshot> CpuState::recurrent_from(const std::vector<StateTensor>& tensors) const {
-  const ModelConfig& c = *config;
+  const ModelConfig& c = *config_;
   auto snap = std::make_unique<CpuSnapshot>();
   snap->owner = this;
   snap->gdn.resize(gdn.size());
-  size_t used = 0;
-  for (size_t l = 0; l < gdn.size(); ++l) {
+  for (int l = 0; l < c.n_layers(); ++l) {
     if (c.mixers[l] == Mixer::Attention) continue;
-    snap->gdn[l].conv = expect(tensors, layer_name("gdn", l, "conv"), {c.conv_kernel - 1, c.gdn_qkv_dim()}).data;
-    snap->gdn[l].S = expect(tensors, layer_name("gdn", l, "S"), {c.gdn_v_heads, c.gdn_k_dim, c.gdn_v_dim}).data;
-    used += 2;
+    snap->gdn[l].conv = find_state_tensor(tensors, state_tensor_name("gdn", l, "conv"))->data;
+    snap->gdn[l].S = find_state_tensor(tensors, state_tensor_name("gdn", l, "S"))->data;
   }
-  size_t recurrent = 0;
-  for (const auto& t : tensors)
-    if (!is_kv_name(t.name)) ++recurrent;
-  if (recurrent != used)  // a name this model does not have (another model, or a bad file)
-    for (const auto& t : tensors) {
-      if (is_kv_name(t.name)) continue;
-      bool known = false;
-      for (size_t l = 0; l < gdn.size() && !known; ++l)
-        known = c.mixers[l] != Mixer::Attention &&
-                (t.name == layer_name("gdn", l, "conv") || t.name == layer_name("gdn", l, "S"));
-      if (!known) throw RequestError("[state] unknown tensor '" + t.name + "' (not a state tensor of this model)");
-    }
   return snap;
 }
 
-void CpuState::check_kv(int positions, const std::vector<StateTensor>& tensors) const {
-  size_t expected = 0;
-  for (size_t l = 0; l < kv.size(); ++l) {
-    const KvCache& c = kv[l];
-    if (c.kv_heads == 0) continue;
-    int rows = -1;
-    for (const char* part : {"k", "v"}) {
-      const std::string name = layer_name("kv", l, part);
-      const StateTensor* t = nullptr;
-      for (const auto& x : tensors)
-        if (x.name == name) t = &x;
-      if (!t) throw RequestError("[state] tensor '" + name + "' is missing");
-      if (t->shape.size() != 3 || t->shape[0] != c.kv_heads || t->shape[2] != c.head_dim)
-        throw RequestError("[state] tensor '" + name + "' has shape " + shape_str(t->shape) + ", this model's is [" +
-                           std::to_string(c.kv_heads) + ", positions, " + std::to_string(c.head_dim) + "]");
-      if (t->shape[1] < positions || t->shape[1] > max_context_ || (rows >= 0 && t->shape[1] != rows))
-        throw RequestError("[state] tensor '" + name + "' holds " + std::to_string(t->shape[1]) + " positions; " +
-                           std::to_string(positions) + " to " + std::to_string(max_context_) + " expected, " +
-                           "the same for K and V");
-      rows = int(t->shape[1]);
-      ++expected;
-    }
-  }
-  size_t given = 0;
-  for (const auto& t : tensors)
-    if (is_kv_name(t.name)) ++given;
-  if (given != expected)
-    for (const auto& t : tensors) {
-      if (!is_kv_name(t.name)) continue;
-      bool known = false;
-      for (size_t l = 0; l < kv.size() && !known; ++l)
-        known = kv[l].kv_heads && (t.name == layer_name("kv", l, "k") || t.name == layer_name("kv", l, "v"));
-      if (!known) throw RequestError("[state] unknown tensor '" + t.name + "' (not a state tensor of this model)");
-    }
-}
-
 void CpuState::load_kv(const std::vector<StateTensor>& tensors) {
-  // check_kv has vouched for each "kv.<l>.<k|v>" name and its shape [Hkv, rows, D]. Every cache
-  // grows first, so running out of memory leaves the contents as they were.
-  for (const auto& t : tensors) {
-    if (!is_kv_name(t.name)) continue;
-    const size_t l = std::stoul(t.name.substr(3));
+  const ModelConfig& c = *config_;
+  // Every cache grows first, so running out of memory leaves the contents as they were.
+  for (int l = 0; l < c.n_layers(); ++l) {
+    if (c.mixers[l] != Mixer::Attention) continue;
+    const int rows = int(find_state_tensor(tensors, state_tensor_name("kv", l, "k"))->shape[1]);
     try {
-      kv[l].reserve(int(t.shape[1]), max_context_);
+      kv[l].reserve(rows, max_context_);
     } catch (const std::bad_alloc&) {
       throw RequestError("[kv-cache] out of memory loading layer " + std::to_string(l) + "'s KV cache of " +
-                         std::to_string(t.shape[1]) + " positions");
+                         std::to_string(rows) + " positions");
     }
   }
-  for (const auto& t : tensors) {
-    if (!is_kv_name(t.name)) continue;
-    KvCache& c = kv[std::stoul(t.name.substr(3))];
-    const size_t row = size_t(t.shape[1]) * c.head_dim;
-    std::vector<float>& dst = t.name.back() == 'k' ? c.k : c.v;
-    for (int h = 0; h < c.kv_heads; ++h)  // [Hkv, rows, D] -> [Hkv, capacity, D]
-      std::copy_n(t.data.data() + h * row, row, dst.data() + size_t(h) * c.capacity * c.head_dim);
+  for (int l = 0; l < c.n_layers(); ++l) {
+    if (c.mixers[l] != Mixer::Attention) continue;
+    KvCache& kc = kv[l];
+    for (const auto& [part, dst] : {std::pair{"k", &kc.k}, std::pair{"v", &kc.v}}) {
+      const StateTensor* t = find_state_tensor(tensors, state_tensor_name("kv", l, part));
+      const size_t run = size_t(t->shape[1]) * kc.head_dim;
+      for (int h = 0; h < kc.kv_heads; ++h)  // [Hkv, rows, D] -> [Hkv, capacity, D]
+        std::copy_n(t->data.data() + h * run, run, dst->data() + size_t(h) * kc.capacity * kc.head_dim);
+    }
   }
 }
 
@@ -188,8 +111,7 @@ CpuBackend::CpuBackend(std::shared_ptr<const ModelWeights> weights, int n_thread
 }
 
 std::unique_ptr<State> CpuBackend::new_state(int max_context) {
-  auto st = std::make_unique<CpuState>();
-  st->config = &c_;
+  auto st = std::make_unique<CpuState>(c_);
   st->kv.resize(c_.n_layers());
   st->gdn.resize(c_.n_layers());
   for (int l = 0; l < c_.n_layers(); ++l) {

@@ -21,9 +21,9 @@ class CpuSnapshot : public Snapshot {
 
 class CpuState : public State {
  public:
+  explicit CpuState(const ModelConfig& c) { config_ = &c; }
   std::vector<KvCache> kv;    // per layer (empty for DeltaNet layers)
   std::vector<GdnState> gdn;  // per layer (empty for attention layers)
-  const ModelConfig* config = nullptr;  // the model's (the backend's weights outlive its states)
 
   std::unique_ptr<State> clone() const override { return std::make_unique<CpuState>(*this); }
   size_t nbytes() const override;
@@ -33,7 +33,6 @@ class CpuState : public State {
   void apply(const Snapshot& snap) override;
   std::vector<StateTensor> tensors_of(const Snapshot& recurrent, int positions, bool with_kv) const override;
   std::unique_ptr<Snapshot> recurrent_from(const std::vector<StateTensor>& tensors) const override;
-  void check_kv(int positions, const std::vector<StateTensor>& tensors) const override;
   void load_kv(const std::vector<StateTensor>& tensors) override;
 };
 

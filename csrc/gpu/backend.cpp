@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstring>
 
 #include "model/error.h"
 
@@ -91,14 +92,70 @@ void GpuState::apply(const Snapshot& snap) {
   }
 }
 
-void GpuState::no_state_files() const {
-  throw RequestError(std::string("[state] saving and loading sequence states is implemented on the cpu backend, "
-                                 "not yet on ") + backend->name());
+// Saved sessions (State::export_tensors / import_tensors): the recurrent state goes through a
+// GpuSnapshot (the copy a turn snapshot keeps, f32 bytes), the KV rows through the backend's
+// read_kv_rows / write_kv_rows, whichever layout and element type the cache has.
+std::vector<StateTensor> GpuState::tensors_of(const Snapshot& recurrent, int positions, bool with_kv) const {
+  const auto* snap = dynamic_cast<const GpuSnapshot*>(&recurrent);
+  if (!snap || snap->owner != this) throw RequestError("[state] snapshot was taken from another sequence");
+  backend->finish();
+  const ModelConfig& c = *config_;
+  auto floats = [](const std::vector<uint8_t>& bytes) {
+    std::vector<float> f(bytes.size() / 4);
+    std::memcpy(f.data(), bytes.data(), f.size() * 4);
+    return f;
+  };
+  std::vector<StateTensor> out;
+  for (int l = 0; l < c.n_layers(); ++l) {
+    if (c.mixers[l] != Mixer::Attention) {
+      out.push_back({state_tensor_name("gdn", l, "conv"), {c.conv_kernel - 1, c.gdn_qkv_dim()}, floats(snap->conv[l])});
+      out.push_back({state_tensor_name("gdn", l, "S"), {c.gdn_v_heads, c.gdn_k_dim, c.gdn_v_dim}, floats(snap->S[l])});
+      continue;
+    }
+    if (!with_kv) continue;
+    for (const char* part : {"k", "v"}) {
+      StateTensor t{state_tensor_name("kv", l, part), {c.n_kv_heads, positions, c.head_dim}, {}};
+      t.data.resize(size_t(c.n_kv_heads) * positions * c.head_dim);
+      backend->read_kv_rows(const_cast<GpuState&>(*this), l, part[0] == 'v', positions, t.data.data());
+      out.push_back(std::move(t));
+    }
+  }
+  return out;
 }
-std::vector<StateTensor> GpuState::tensors_of(const Snapshot&, int, bool) const { no_state_files(); }
-std::unique_ptr<Snapshot> GpuState::recurrent_from(const std::vector<StateTensor>&) const { no_state_files(); }
-void GpuState::check_kv(int, const std::vector<StateTensor>&) const { no_state_files(); }
-void GpuState::load_kv(const std::vector<StateTensor>&) { no_state_files(); }
+
+std::unique_ptr<Snapshot> GpuState::recurrent_from(const std::vector<StateTensor>& tensors) const {
+  const ModelConfig& c = *config_;
+  auto snap = std::make_unique<GpuSnapshot>();
+  snap->owner = this;
+  snap->conv.resize(c.n_layers());
+  snap->S.resize(c.n_layers());
+  auto bytes = [](const StateTensor* t) {
+    std::vector<uint8_t> b(t->data.size() * 4);
+    std::memcpy(b.data(), t->data.data(), b.size());
+    return b;
+  };
+  for (int l = 0; l < c.n_layers(); ++l) {
+    if (c.mixers[l] == Mixer::Attention) continue;
+    snap->conv[l] = bytes(find_state_tensor(tensors, state_tensor_name("gdn", l, "conv")));
+    snap->S[l] = bytes(find_state_tensor(tensors, state_tensor_name("gdn", l, "S")));
+  }
+  return snap;
+}
+
+void GpuState::load_kv(const std::vector<StateTensor>& tensors) {
+  const ModelConfig& c = *config_;
+  int rows = 0;
+  for (int l = 0; l < c.n_layers() && !rows; ++l)
+    if (c.mixers[l] == Mixer::Attention) rows = int(find_state_tensor(tensors, state_tensor_name("kv", l, "k"))->shape[1]);
+  backend->finish();
+  backend->reserve_kv(*this, rows);  // every layer grows before any row is written
+  for (int l = 0; l < c.n_layers(); ++l) {
+    if (c.mixers[l] != Mixer::Attention) continue;
+    for (const char* part : {"k", "v"})
+      backend->write_kv_rows(*this, l, part[0] == 'v', rows,
+                             find_state_tensor(tensors, state_tensor_name("kv", l, part))->data.data());
+  }
+}
 
 // ---- backend ---------------------------------------------------------------------------------
 
@@ -214,7 +271,7 @@ void GpuBackend::check_context(int max_context) const {
 std::unique_ptr<State> GpuBackend::new_state(int max_context) {
   check_context(max_context);
   ctx_.finish();
-  auto st = std::make_unique<GpuState>();
+  auto st = std::make_unique<GpuState>(c_);
   st->backend = this;
   const int L = c_.n_layers();
   st->k.resize(L);

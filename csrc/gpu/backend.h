@@ -79,6 +79,7 @@ class GpuBackend;
 
 class GpuState : public State {
  public:
+  explicit GpuState(const ModelConfig& c) { config_ = &c; }
   GpuBackend* backend = nullptr;
   int capacity = 0;                                  // KV positions allocated
   std::vector<std::shared_ptr<Buffer>> k, v;         // per attention layer [Hkv, capacity, D]
@@ -102,14 +103,9 @@ class GpuState : public State {
  protected:
   std::unique_ptr<Snapshot> capture() const override;
   void apply(const Snapshot& snap) override;
-  // Saving a state to a file is not implemented on GPU backends yet: these throw, naming it.
   std::vector<StateTensor> tensors_of(const Snapshot& recurrent, int positions, bool with_kv) const override;
   std::unique_ptr<Snapshot> recurrent_from(const std::vector<StateTensor>& tensors) const override;
-  void check_kv(int positions, const std::vector<StateTensor>& tensors) const override;
   void load_kv(const std::vector<StateTensor>& tensors) override;
-
- private:
-  [[noreturn]] void no_state_files() const;
 };
 
 class GpuBackend : public Backend {
@@ -173,6 +169,10 @@ class GpuBackend : public Backend {
                int T);
   void reserve_kv(GpuState& st, int positions);      // kv_cache.cpp
   void reserve_blocks(GpuState& st, int positions);  // kv_cache.cpp
+  // Rows [0, positions) of one layer's K (or V) cache to / from host [Hkv, positions, D] f32,
+  // whichever layout holds them (f16 caches converted); between passes. kv_cache.cpp.
+  void read_kv_rows(GpuState& st, int layer, bool v, int positions, float* host);
+  void write_kv_rows(GpuState& st, int layer, bool v, int positions, const float* host);
   KvCacheView kv_view(GpuState& st, int layer) const;
   void norm(const std::vector<float>& w, bool add);
   void moe_prefill(const ExpertTables& tb);  // after moe() has routed the chunk

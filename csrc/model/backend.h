@@ -42,6 +42,11 @@ struct StateTensor {
   std::vector<float> data;
 };
 
+// The name of layer `layer`'s state tensor: "kv.<layer>.k", "gdn.<layer>.S", ...
+std::string state_tensor_name(const char* kind, int layer, const char* part);
+// The tensor called `name` in `tensors` (which check_tensors passed), or nullptr.
+const StateTensor* find_state_tensor(const std::vector<StateTensor>& tensors, const std::string& name);
+
 // Everything a sequence carries between chunks: the attention KV cache, the DeltaNet conv and
 // recurrent state, and the position. Made by a backend; opaque to the schedule.
 class State {
@@ -85,18 +90,21 @@ class State {
   virtual void apply(const Snapshot& snap) = 0;
   // The backend parts of the tensor import / export. tensors_of: `recurrent` (a snapshot of
   // this state) and, when with_kv, KV rows [0, positions). recurrent_from: a snapshot of this
-  // state from the "gdn.*" tensors (position and epoch unset), skipping "kv.*" ones. check_kv:
-  // throws unless the "kv.*" tensors are exactly those of this model, each with >= `positions`
-  // rows (and no more than the context); load_kv copies them in.
+  // state from the "gdn.*" tensors (position and epoch unset); load_kv copies the "kv.*" ones
+  // in. Both get tensors check_tensors has passed.
   virtual std::vector<StateTensor> tensors_of(const Snapshot& recurrent, int positions, bool with_kv) const = 0;
   virtual std::unique_ptr<Snapshot> recurrent_from(const std::vector<StateTensor>& tensors) const = 0;
-  virtual void check_kv(int positions, const std::vector<StateTensor>& tensors) const = 0;
   virtual void load_kv(const std::vector<StateTensor>& tensors) = 0;
+  // Throws RequestError unless `tensors` are exactly this model's state tensors (the "kv.*"
+  // ones only when with_kv, else they are ignored) with their shapes, KV holding between
+  // `positions` and max_context rows.
+  void check_tensors(int positions, const std::vector<StateTensor>& tensors, bool with_kv) const;
   // Throws RequestError if `snap` is not usable any more (see restore()).
   void check_not_stale(const Snapshot& snap) const;
 
   int position_ = 0;
   int max_context_ = 0;
+  const ModelConfig* config_ = nullptr;  // the model's (set by the backend; it outlives its states)
   uint64_t epoch_ = 0;
   // (epoch after the restore, position restored to): a snapshot at position p taken in epoch e
   // stays valid while every later restore went to a position >= p.
