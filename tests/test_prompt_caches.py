@@ -179,3 +179,32 @@ def test_damaged_bytes_are_found_when_loading_not_loaded(model, tmp_path):
     assert len(fresh.disk) == 1
     got, reused = fresh.acquire(ids + [5])
     assert reused == 0 and got.position == 0 and fresh.disk.skipped == 1
+
+
+def test_evicted_sequences_spill_to_disk_and_come_back(model, tmp_path):
+    """A sequence evicted from memory is written to the disk tier, and a later prompt it serves
+    loads it back, snapshots included: a prompt diverging after its first prompt still reuses
+    that prompt, and the logits equal a fresh state's."""
+    from lily.prefix_cache import DiskCache, PrefixCache
+
+    a = list(model.tokenizer.encode(SYSTEM))
+    b = list(model.tokenizer.encode(DOC))
+    one = PrefixCache(model, 1 << 30)
+    seq, _ = one.acquire(a)
+    seq.prefill(np.asarray(a, np.int32))
+    seq.take_snapshot()
+    seq.prefill(np.asarray([7, 8, 9], np.int32))  # generated past the prompt
+    budget = seq.nbytes + 1  # room for one sequence
+    cache = PrefixCache(model, budget)
+    cache.disk = DiskCache(model, tmp_path, 1 << 30)
+    cache.release(seq)
+    other, _ = cache.acquire(b)
+    other.prefill(np.asarray(b, np.int32))
+    cache.release(other)  # evicts `seq` to disk
+    assert cache.evictions == 1 and len(cache.disk) == 1 and cache.disk.writes == 1
+
+    branch = a + [11, 12]  # shares `a`, not the tokens generated after it
+    got, reused = cache.acquire(branch)
+    assert reused == len(a) and cache.disk.loads == 1 and len(cache.disk) == 0
+    logits = got.prefill(np.asarray(branch[reused:], np.int32))
+    np.testing.assert_array_equal(logits, model.logits(branch)[-1])

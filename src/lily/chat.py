@@ -64,6 +64,8 @@ class Chat:
             raise RequestError(f"[chat] unknown sampling argument(s): {', '.join(sorted(unknown))}")
         if max_snapshots < 1:
             raise RequestError("[chat] max_snapshots must be at least 1")
+        if prompt_cache is not None and getattr(prompt_cache, "_model", None) is not model:
+            raise RequestError("[chat] prompt_cache must be a lily.Session of this model")
         self.model = model
         self.tools = list(tools) if tools else None
         self.enable_thinking = enable_thinking

@@ -463,6 +463,9 @@ class Model:
             cached = _cached_prefix(prompt_cache, ids)
             if prompt_cache._model is not self:
                 raise RequestError("[generate] prompt_cache is a session of another model")
+            if ids.size >= prompt_cache.max_context:
+                raise RequestError(f"[generate] the prompt has {ids.size} tokens; the prompt cache's context holds "
+                                   f"{prompt_cache.max_context}")
             session = prompt_cache.fork()
             max_tokens = min(max_tokens, session.max_context - int(ids.size))
         stats = GenerationStats(prompt_tokens=int(ids.size), cached_tokens=len(cached))
