@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
-from lily import _core
+from lily import _core, session_file
 from lily._core import ConfigError, RequestError
 from lily.chat_template import render
 from lily.checkpoint import load_weights, resident_by_default
@@ -152,8 +152,6 @@ class Session:
         file (docs/api-generation.md, "Saved sessions and prompt caches") stamped with the model's fingerprint and the engine
         settings, which :meth:`Model.load_session` checks. ``metadata``: strings of your own
         kept with it (the loaded session's ``metadata``). Returns the file's size in bytes."""
-        from lily import session_file
-
         self._check_tokens("save")
         extra = dict(metadata or {})
         for k, v in extra.items():
@@ -298,7 +296,11 @@ class Model:
             engine.check_context(ctx)
         if ctx < 1:
             raise ConfigError("[load] max_context must be at least 1")
-        return cls._from_parts(root, config, weights, engine, ctx, tokenizer, defaults)
+        model = cls._from_parts(root, config, weights, engine, ctx, tokenizer, defaults)
+        # The fingerprint saved sessions carry (lily.session_file), taken from the files as they
+        # were loaded: with use_mmap=False they may change afterwards, the weights in memory not.
+        session_file.model_identity(model)
+        return model
 
     def __repr__(self) -> str:
         c = self.config
@@ -323,8 +325,6 @@ class Model:
         ConfigError naming the difference when the file belongs to another model, a changed
         checkpoint or other engine settings (backend, KV dtype, cpu_matmul), and CheckpointError
         when it is not a session file, truncated or corrupted."""
-        from lily import session_file
-
         return self._session_from(session_file.read(path, self), max_context, str(path))
 
     def _session_from(self, saved, max_context: int | None, source: str) -> Session:
