@@ -146,6 +146,7 @@ class CachedSequence:
             snap = self.snapshots[-1]
             self.session._state.restore(snap)
             del self.tokens[snap.position :]
+            del self.session._tokens[snap.position :]  # the session's own record (Session.save)
             return snap.position
         self.reset()
         return 0
@@ -255,11 +256,10 @@ class DiskCache:
 
     def put(self, seq: CachedSequence) -> None:
         """Writes ``seq`` (not in use by any request) as the most recently used file."""
-        if not seq.tokens:
-            return
-        name = hashlib.sha256(np.asarray(seq.tokens, np.int32).tobytes()).hexdigest()[:32]
-        path = self.directory / f"{name}.safetensors"
         saved = seq.saved_state()
+        if not saved.position:
+            return
+        path = self.directory / f"{hashlib.sha256(saved.tokens.tobytes()).hexdigest()[:32]}.safetensors"
         try:
             size = session_file.write(path, self.model, saved)
         except OSError as e:
