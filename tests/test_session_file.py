@@ -193,3 +193,43 @@ def test_gpu_backend_sessions_continue_bit_identically(checkpoint, tmp_path, opt
     if options.get("kv_dtype") == "float16":
         with pytest.raises(lily.ConfigError, match="KV cache dtype 'float16', this model runs 'float32'"):
             _load(checkpoint, backend="msl-cpu").load_session(tmp_path / "gpu.safetensors")
+
+
+def test_state_tensors_follow_the_config(checkpoint):
+    """export_tensors names and shapes, against the checkpoint's own config.json (the layer
+    types and head sizes transformers reads), and import_tensors' refusals."""
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    model = _load(checkpoint, cpu_matmul="f32")
+    s = model.session()
+    s.prefill(np.asarray(cases.PROMPT, np.int32))
+    tensors = s._state.export_tensors()
+    expected = {}
+    for layer, kind in enumerate(cfg["layer_types"]):
+        if kind == "full_attention":
+            shape = (cfg["num_key_value_heads"], len(cases.PROMPT), cfg["head_dim"])
+            expected[f"kv.{layer}.k"] = expected[f"kv.{layer}.v"] = shape
+        else:
+            channels = 2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"] + \
+                cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+            expected[f"gdn.{layer}.conv"] = (cfg["linear_conv_kernel_dim"] - 1, channels)
+            expected[f"gdn.{layer}.S"] = (cfg["linear_num_value_heads"], cfg["linear_key_head_dim"],
+                                          cfg["linear_value_head_dim"])
+    assert {k: v.shape for k, v in tensors.items()} == expected
+
+    fresh = model.session()
+    with pytest.raises(lily.RequestError, match="unknown tensor 'kv.99.k'"):
+        fresh._state.import_tensors(len(cases.PROMPT), {**tensors, "kv.99.k": tensors[next(iter(tensors))]})
+    with pytest.raises(lily.RequestError, match="is missing"):
+        fresh._state.import_tensors(len(cases.PROMPT), {k: v for k, v in tensors.items() if not k.endswith(".S")})
+    with pytest.raises(lily.RequestError, match="does not fit this sequence's context of 8"):
+        model.session(8)._state.import_tensors(len(cases.PROMPT), tensors)
+    assert fresh.position == 0  # every refusal changed nothing
+
+    # An import moves the sequence like a restore: a snapshot taken past its position is stale.
+    snap = s._state.snapshot()
+    early = model.session()
+    early.prefill(np.asarray(cases.PROMPT[:5], np.int32))
+    s._state.import_tensors(5, early._state.export_tensors())
+    with pytest.raises(lily.RequestError, match="stale"):
+        s._state.restore(snap)
