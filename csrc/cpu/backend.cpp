@@ -38,51 +38,46 @@ void CpuState::apply(const Snapshot& snap) {
 
 // ---- state as named tensors (State::export_tensors / import_tensors) -------------------------
 
-std::vector<StateTensor> CpuState::tensors_of(const Snapshot& recurrent, int positions, bool with_kv) const {
-  const auto* snap = dynamic_cast<const CpuSnapshot*>(&recurrent);
-  if (!snap || snap->owner != this) throw RequestError("[state] snapshot was taken from another sequence");
-  const ModelConfig& c = *config_;
-  std::vector<StateTensor> out;
-  for (int l = 0; l < c.n_layers(); ++l) {
-    if (c.mixers[l] != Mixer::Attention) {
-      const GdnState& g = snap->gdn[l];
-      out.push_back({state_tensor_name("gdn", l, "conv"), {c.conv_kernel - 1, c.gdn_qkv_dim()}, g.conv});
-      out.push_back({state_tensor_name("gdn", l, "S"), {c.gdn_v_heads, c.gdn_k_dim, c.gdn_v_dim}, g.S});
-      continue;
-    }
-    if (!with_kv) continue;
-    const KvCache& kc = kv[l];
-    for (const auto& [part, src] : {std::pair{"k", &kc.k}, std::pair{"v", &kc.v}}) {
-      StateTensor t{state_tensor_name("kv", l, part), {kc.kv_heads, positions, kc.head_dim}, {}};
-      t.data.resize(size_t(kc.kv_heads) * positions * kc.head_dim);
-      for (int h = 0; h < kc.kv_heads && positions > 0; ++h)  // [Hkv, capacity, D] -> [Hkv, positions, D]
-        std::copy_n(src->data() + size_t(h) * kc.capacity * kc.head_dim, size_t(positions) * kc.head_dim,
-                    t.data.data() + size_t(h) * positions * kc.head_dim);
-      out.push_back(std::move(t));
-    }
-  }
-  return out;
+namespace {
+
+CpuSnapshot& own(const Snapshot& snap, const CpuState* state) {
+  auto* s = dynamic_cast<const CpuSnapshot*>(&snap);
+  if (!s || s->owner != state) throw RequestError("[state] snapshot was taken from another sequence");
+  return const_cast<CpuSnapshot&>(*s);
 }
 
-std::unique_ptr<Snapshot> CpuState::recurrent_from(const std::vector<StateTensor>& tensors) const {
-  const ModelConfig& c = *config_;
+}  // namespace
+
+void CpuState::read_recurrent(const Snapshot& snap, int layer, std::vector<float>& conv, std::vector<float>& S) const {
+  const GdnState& g = own(snap, this).gdn[layer];
+  conv = g.conv;
+  S = g.S;
+}
+
+std::unique_ptr<Snapshot> CpuState::new_snapshot() const {
   auto snap = std::make_unique<CpuSnapshot>();
   snap->owner = this;
   snap->gdn.resize(gdn.size());
-  for (int l = 0; l < c.n_layers(); ++l) {
-    if (c.mixers[l] == Mixer::Attention) continue;
-    snap->gdn[l].conv = find_state_tensor(tensors, state_tensor_name("gdn", l, "conv"))->data;
-    snap->gdn[l].S = find_state_tensor(tensors, state_tensor_name("gdn", l, "S"))->data;
-  }
   return snap;
 }
 
-void CpuState::load_kv(const std::vector<StateTensor>& tensors) {
-  const ModelConfig& c = *config_;
-  // Every cache grows first, so running out of memory leaves the contents as they were.
-  for (int l = 0; l < c.n_layers(); ++l) {
-    if (c.mixers[l] != Mixer::Attention) continue;
-    const int rows = int(find_state_tensor(tensors, state_tensor_name("kv", l, "k"))->shape[1]);
+void CpuState::write_recurrent(Snapshot& snap, int layer, const std::vector<float>& conv,
+                               const std::vector<float>& S) const {
+  GdnState& g = own(snap, this).gdn[layer];
+  g.conv = conv;
+  g.S = S;
+}
+
+void CpuState::read_kv_rows(int layer, bool v, int positions, float* out) const {
+  const KvCache& c = kv[layer];
+  const size_t run = size_t(positions) * c.head_dim;
+  for (int h = 0; h < c.kv_heads && positions > 0; ++h)  // [Hkv, capacity, D] -> [Hkv, positions, D]
+    std::copy_n((v ? c.v : c.k).data() + size_t(h) * c.capacity * c.head_dim, run, out + h * run);
+}
+
+void CpuState::reserve_kv_rows(int rows) {
+  for (size_t l = 0; l < kv.size(); ++l) {
+    if (kv[l].kv_heads == 0) continue;  // a DeltaNet layer
     try {
       kv[l].reserve(rows, max_context_);
     } catch (const std::bad_alloc&) {
@@ -90,16 +85,13 @@ void CpuState::load_kv(const std::vector<StateTensor>& tensors) {
                          std::to_string(rows) + " positions");
     }
   }
-  for (int l = 0; l < c.n_layers(); ++l) {
-    if (c.mixers[l] != Mixer::Attention) continue;
-    KvCache& kc = kv[l];
-    for (const auto& [part, dst] : {std::pair{"k", &kc.k}, std::pair{"v", &kc.v}}) {
-      const StateTensor* t = find_state_tensor(tensors, state_tensor_name("kv", l, part));
-      const size_t run = size_t(t->shape[1]) * kc.head_dim;
-      for (int h = 0; h < kc.kv_heads; ++h)  // [Hkv, rows, D] -> [Hkv, capacity, D]
-        std::copy_n(t->data.data() + h * run, run, dst->data() + size_t(h) * kc.capacity * kc.head_dim);
-    }
-  }
+}
+
+void CpuState::write_kv_rows(int layer, bool v, int rows, const float* in) {
+  KvCache& c = kv[layer];
+  const size_t run = size_t(rows) * c.head_dim;
+  for (int h = 0; h < c.kv_heads && rows > 0; ++h)  // [Hkv, rows, D] -> [Hkv, capacity, D]
+    std::copy_n(in + h * run, run, (v ? c.v : c.k).data() + size_t(h) * c.capacity * c.head_dim);
 }
 
 CpuBackend::CpuBackend(std::shared_ptr<const ModelWeights> weights, int n_threads, Matmul matmul)

@@ -93,68 +93,63 @@ void GpuState::apply(const Snapshot& snap) {
 }
 
 // Saved sessions (State::export_tensors / import_tensors): the recurrent state goes through a
-// GpuSnapshot (the copy a turn snapshot keeps, f32 bytes), the KV rows through the backend's
-// read_kv_rows / write_kv_rows, whichever layout and element type the cache has.
-std::vector<StateTensor> GpuState::tensors_of(const Snapshot& recurrent, int positions, bool with_kv) const {
-  const auto* snap = dynamic_cast<const GpuSnapshot*>(&recurrent);
-  if (!snap || snap->owner != this) throw RequestError("[state] snapshot was taken from another sequence");
-  backend->finish();
-  const ModelConfig& c = *config_;
-  auto floats = [](const std::vector<uint8_t>& bytes) {
-    std::vector<float> f(bytes.size() / 4);
-    std::memcpy(f.data(), bytes.data(), f.size() * 4);
-    return f;
-  };
-  std::vector<StateTensor> out;
-  for (int l = 0; l < c.n_layers(); ++l) {
-    if (c.mixers[l] != Mixer::Attention) {
-      out.push_back({state_tensor_name("gdn", l, "conv"), {c.conv_kernel - 1, c.gdn_qkv_dim()}, floats(snap->conv[l])});
-      out.push_back({state_tensor_name("gdn", l, "S"), {c.gdn_v_heads, c.gdn_k_dim, c.gdn_v_dim}, floats(snap->S[l])});
-      continue;
-    }
-    if (!with_kv) continue;
-    for (const char* part : {"k", "v"}) {
-      StateTensor t{state_tensor_name("kv", l, part), {c.n_kv_heads, positions, c.head_dim}, {}};
-      t.data.resize(size_t(c.n_kv_heads) * positions * c.head_dim);
-      backend->read_kv_rows(const_cast<GpuState&>(*this), l, part[0] == 'v', positions, t.data.data());
-      out.push_back(std::move(t));
-    }
-  }
-  return out;
+// GpuSnapshot (the host copy a turn snapshot keeps, f32 bytes), the KV rows through the
+// backend's read_kv_rows / write_kv_rows, whichever layout and element type the cache has.
+namespace {
+
+GpuSnapshot& own(const Snapshot& snap, const GpuState* state) {
+  auto* s = dynamic_cast<const GpuSnapshot*>(&snap);
+  if (!s || s->owner != state) throw RequestError("[state] snapshot was taken from another sequence");
+  return const_cast<GpuSnapshot&>(*s);
 }
 
-std::unique_ptr<Snapshot> GpuState::recurrent_from(const std::vector<StateTensor>& tensors) const {
-  const ModelConfig& c = *config_;
+std::vector<float> floats_of(const std::vector<uint8_t>& bytes) {
+  std::vector<float> f(bytes.size() / 4);
+  std::memcpy(f.data(), bytes.data(), f.size() * 4);
+  return f;
+}
+
+std::vector<uint8_t> f32_bytes(const std::vector<float>& f) {
+  std::vector<uint8_t> b(f.size() * 4);
+  std::memcpy(b.data(), f.data(), b.size());
+  return b;
+}
+
+}  // namespace
+
+void GpuState::read_recurrent(const Snapshot& snap, int layer, std::vector<float>& conv, std::vector<float>& S) const {
+  const GpuSnapshot& s = own(snap, this);
+  conv = floats_of(s.conv[layer]);
+  S = floats_of(s.S[layer]);
+}
+
+std::unique_ptr<Snapshot> GpuState::new_snapshot() const {
   auto snap = std::make_unique<GpuSnapshot>();
   snap->owner = this;
-  snap->conv.resize(c.n_layers());
-  snap->S.resize(c.n_layers());
-  auto bytes = [](const StateTensor* t) {
-    std::vector<uint8_t> b(t->data.size() * 4);
-    std::memcpy(b.data(), t->data.data(), b.size());
-    return b;
-  };
-  for (int l = 0; l < c.n_layers(); ++l) {
-    if (c.mixers[l] == Mixer::Attention) continue;
-    snap->conv[l] = bytes(find_state_tensor(tensors, state_tensor_name("gdn", l, "conv")));
-    snap->S[l] = bytes(find_state_tensor(tensors, state_tensor_name("gdn", l, "S")));
-  }
+  snap->conv.resize(conv[parity].size());
+  snap->S.resize(S[parity].size());
   return snap;
 }
 
-void GpuState::load_kv(const std::vector<StateTensor>& tensors) {
-  const ModelConfig& c = *config_;
-  int rows = 0;
-  for (int l = 0; l < c.n_layers() && !rows; ++l)
-    if (c.mixers[l] == Mixer::Attention) rows = int(find_state_tensor(tensors, state_tensor_name("kv", l, "k"))->shape[1]);
+void GpuState::write_recurrent(Snapshot& snap, int layer, const std::vector<float>& conv_,
+                               const std::vector<float>& S_) const {
+  GpuSnapshot& s = own(snap, this);
+  s.conv[layer] = f32_bytes(conv_);
+  s.S[layer] = f32_bytes(S_);
+}
+
+void GpuState::read_kv_rows(int layer, bool v, int positions, float* out) const {
   backend->finish();
-  backend->reserve_kv(*this, rows);  // every layer grows before any row is written
-  for (int l = 0; l < c.n_layers(); ++l) {
-    if (c.mixers[l] != Mixer::Attention) continue;
-    for (const char* part : {"k", "v"})
-      backend->write_kv_rows(*this, l, part[0] == 'v', rows,
-                             find_state_tensor(tensors, state_tensor_name("kv", l, part))->data.data());
-  }
+  backend->read_kv_rows(*this, layer, v, positions, out);
+}
+
+void GpuState::reserve_kv_rows(int rows) {
+  backend->finish();
+  backend->reserve_kv(*this, rows);
+}
+
+void GpuState::write_kv_rows(int layer, bool v, int rows, const float* in) {
+  backend->write_kv_rows(*this, layer, v, rows, in);
 }
 
 // ---- backend ---------------------------------------------------------------------------------

@@ -118,7 +118,7 @@ namespace {
 // [0, positions) of one layer's K or V cache: one run per head in the contiguous layout, one
 // per (block, head) in the block layout.
 template <typename Run>
-void for_each_kv_run(GpuState& st, int layer, bool v, int positions, int Hkv, size_t row, Run run) {
+void for_each_kv_run(const GpuState& st, int layer, bool v, int positions, int Hkv, size_t row, Run run) {
   if (positions == 0) return;  // (a state that never grew has no buffers)
   if (!st.block_len) {
     Buffer& buf = *(v ? st.v : st.k)[layer];
@@ -139,7 +139,7 @@ void for_each_kv_run(GpuState& st, int layer, bool v, int positions, int Hkv, si
 
 }  // namespace
 
-void GpuBackend::read_kv_rows(GpuState& st, int layer, bool v, int positions, float* host) {
+void GpuBackend::read_kv_rows(const GpuState& st, int layer, bool v, int positions, float* host) {
   const int D = c_.head_dim;
   const bool half = options_.kv_half;
   const size_t row = size_t(D) * (half ? 2 : 4);

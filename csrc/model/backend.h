@@ -88,19 +88,27 @@ class State {
   friend class Engine;
   virtual std::unique_ptr<Snapshot> capture() const = 0;
   virtual void apply(const Snapshot& snap) = 0;
-  // The backend parts of the tensor import / export. tensors_of: `recurrent` (a snapshot of
-  // this state) and, when with_kv, KV rows [0, positions). recurrent_from: a snapshot of this
-  // state from the "gdn.*" tensors (position and epoch unset); load_kv copies the "kv.*" ones
-  // in. Both get tensors check_tensors has passed.
-  virtual std::vector<StateTensor> tensors_of(const Snapshot& recurrent, int positions, bool with_kv) const = 0;
-  virtual std::unique_ptr<Snapshot> recurrent_from(const std::vector<StateTensor>& tensors) const = 0;
-  virtual void load_kv(const std::vector<StateTensor>& tensors) = 0;
+  // The backend parts of the tensor import / export (names, shapes and checks are State's):
+  // a layer's recurrent state out of a snapshot of this state, and into a new_snapshot() of it
+  // (CPU or device layout, f32 values); KV rows [0, positions) of a layer's K (v false) or V
+  // cache as [Hkv, positions, D] f32, read and written (reserve_kv_rows first grows every
+  // layer's cache to hold `rows`, so running out of memory changes nothing).
+  virtual void read_recurrent(const Snapshot& snap, int layer, std::vector<float>& conv,
+                              std::vector<float>& S) const = 0;
+  virtual std::unique_ptr<Snapshot> new_snapshot() const = 0;
+  virtual void write_recurrent(Snapshot& snap, int layer, const std::vector<float>& conv,
+                               const std::vector<float>& S) const = 0;
+  virtual void read_kv_rows(int layer, bool v, int positions, float* out) const = 0;
+  virtual void reserve_kv_rows(int rows) = 0;
+  virtual void write_kv_rows(int layer, bool v, int rows, const float* in) = 0;
   // Throws RequestError unless `tensors` are exactly this model's state tensors (the "kv.*"
   // ones only when with_kv, else they are ignored) with their shapes, KV holding between
   // `positions` and max_context rows.
   void check_tensors(int positions, const std::vector<StateTensor>& tensors, bool with_kv) const;
   // Throws RequestError if `snap` is not usable any more (see restore()).
   void check_not_stale(const Snapshot& snap) const;
+  // A snapshot of this state holding the "gdn.*" tensors (position and epoch unset).
+  std::unique_ptr<Snapshot> recurrent_from(const std::vector<StateTensor>& tensors) const;
 
   int position_ = 0;
   int max_context_ = 0;

@@ -30,11 +30,30 @@ void State::restore(const Snapshot& snap) {
 }
 
 std::vector<StateTensor> State::export_tensors(const Snapshot* at, bool with_kv) const {
-  if (at) {
-    check_not_stale(*at);
-    return tensors_of(*at, at->position_, with_kv);  // tensors_of checks `at` is this state's
+  std::unique_ptr<Snapshot> live;
+  if (at) check_not_stale(*at);
+  else live = capture();
+  const Snapshot& snap = at ? *at : *live;
+  const int positions = at ? at->position_ : position_;
+  const ModelConfig& c = *config_;
+  std::vector<StateTensor> out;
+  for (int l = 0; l < c.n_layers(); ++l) {
+    if (c.mixers[l] != Mixer::Attention) {
+      StateTensor conv{state_tensor_name("gdn", l, "conv"), {c.conv_kernel - 1, c.gdn_qkv_dim()}, {}};
+      StateTensor S{state_tensor_name("gdn", l, "S"), {c.gdn_v_heads, c.gdn_k_dim, c.gdn_v_dim}, {}};
+      read_recurrent(snap, l, conv.data, S.data);  // throws if `at` is another state's
+      out.push_back(std::move(conv));
+      out.push_back(std::move(S));
+    } else if (with_kv) {
+      for (const char* part : {"k", "v"}) {
+        StateTensor t{state_tensor_name("kv", l, part), {c.n_kv_heads, positions, c.head_dim}, {}};
+        t.data.resize(size_t(c.n_kv_heads) * positions * c.head_dim);
+        read_kv_rows(l, part[0] == 'v', positions, t.data.data());
+        out.push_back(std::move(t));
+      }
+    }
   }
-  return tensors_of(*capture(), position_, with_kv);
+  return out;
 }
 
 // ---- state as named tensors ------------------------------------------------------------------
@@ -97,13 +116,31 @@ void State::check_tensors(int positions, const std::vector<StateTensor>& tensors
     throw RequestError("[state] unknown tensor '" + left.begin()->first + "' (not a state tensor of this model)");
 }
 
+std::unique_ptr<Snapshot> State::recurrent_from(const std::vector<StateTensor>& tensors) const {
+  const ModelConfig& c = *config_;
+  auto snap = new_snapshot();
+  for (int l = 0; l < c.n_layers(); ++l)
+    if (c.mixers[l] != Mixer::Attention)
+      write_recurrent(*snap, l, find_state_tensor(tensors, state_tensor_name("gdn", l, "conv"))->data,
+                      find_state_tensor(tensors, state_tensor_name("gdn", l, "S"))->data);
+  return snap;
+}
+
 void State::import_tensors(int position, const std::vector<StateTensor>& tensors) {
   if (position < 0 || position > max_context_)
     throw RequestError("[state] a saved state at position " + std::to_string(position) +
                        " does not fit this sequence's context of " + std::to_string(max_context_));
   check_tensors(position, tensors, true);  // everything is checked before anything changes
   auto recurrent = recurrent_from(tensors);
-  load_kv(tensors);
+  const ModelConfig& c = *config_;
+  int rows = 0;  // the same in every layer (check_tensors)
+  for (int l = 0; l < c.n_layers() && !rows; ++l)
+    if (c.mixers[l] == Mixer::Attention) rows = int(find_state_tensor(tensors, state_tensor_name("kv", l, "k"))->shape[1]);
+  reserve_kv_rows(rows);
+  for (int l = 0; l < c.n_layers(); ++l)
+    if (c.mixers[l] == Mixer::Attention)
+      for (const char* part : {"k", "v"})
+        write_kv_rows(l, part[0] == 'v', rows, find_state_tensor(tensors, state_tensor_name("kv", l, part))->data.data());
   apply(*recurrent);
   position_ = position;
   ++epoch_;
