@@ -1,5 +1,6 @@
 #include "cpu/backend.h"
 
+#include <algorithm>
 #include <new>
 #include <string>
 
@@ -35,6 +36,64 @@ void CpuState::apply(const Snapshot& snap) {
   gdn = s->gdn;
 }
 
+// ---- state as named tensors (State::export_tensors / import_tensors) -------------------------
+
+namespace {
+
+CpuSnapshot& own(const Snapshot& snap, const CpuState* state) {
+  auto* s = dynamic_cast<const CpuSnapshot*>(&snap);
+  if (!s || s->owner != state) throw RequestError("[state] snapshot was taken from another sequence");
+  return const_cast<CpuSnapshot&>(*s);
+}
+
+}  // namespace
+
+void CpuState::read_recurrent(const Snapshot& snap, int layer, std::vector<float>& conv, std::vector<float>& S) const {
+  const GdnState& g = own(snap, this).gdn[layer];
+  conv = g.conv;
+  S = g.S;
+}
+
+std::unique_ptr<Snapshot> CpuState::new_snapshot() const {
+  auto snap = std::make_unique<CpuSnapshot>();
+  snap->owner = this;
+  snap->gdn.resize(gdn.size());
+  return snap;
+}
+
+void CpuState::write_recurrent(Snapshot& snap, int layer, const std::vector<float>& conv,
+                               const std::vector<float>& S) const {
+  GdnState& g = own(snap, this).gdn[layer];
+  g.conv = conv;
+  g.S = S;
+}
+
+void CpuState::read_kv_rows(int layer, bool v, int positions, float* out) const {
+  const KvCache& c = kv[layer];
+  const size_t run = size_t(positions) * c.head_dim;
+  for (int h = 0; h < c.kv_heads && positions > 0; ++h)  // [Hkv, capacity, D] -> [Hkv, positions, D]
+    std::copy_n((v ? c.v : c.k).data() + size_t(h) * c.capacity * c.head_dim, run, out + h * run);
+}
+
+void CpuState::reserve_kv_rows(int rows) {
+  for (size_t l = 0; l < kv.size(); ++l) {
+    if (kv[l].kv_heads == 0) continue;  // a DeltaNet layer
+    try {
+      kv[l].reserve(rows, max_context_);
+    } catch (const std::bad_alloc&) {
+      throw RequestError("[kv-cache] out of memory loading layer " + std::to_string(l) + "'s KV cache of " +
+                         std::to_string(rows) + " positions");
+    }
+  }
+}
+
+void CpuState::write_kv_rows(int layer, bool v, int rows, const float* in) {
+  KvCache& c = kv[layer];
+  const size_t run = size_t(rows) * c.head_dim;
+  for (int h = 0; h < c.kv_heads && rows > 0; ++h)  // [Hkv, rows, D] -> [Hkv, capacity, D]
+    std::copy_n(in + h * run, run, (v ? c.v : c.k).data() + size_t(h) * c.capacity * c.head_dim);
+}
+
 CpuBackend::CpuBackend(std::shared_ptr<const ModelWeights> weights, int n_threads, Matmul matmul)
     : weights_(std::move(weights)), c_(weights_->config), pool_(n_threads), matmul_(matmul) {
   attn_.matmul = gdn_.matmul = ffn_.matmul = matmul;
@@ -44,7 +103,7 @@ CpuBackend::CpuBackend(std::shared_ptr<const ModelWeights> weights, int n_thread
 }
 
 std::unique_ptr<State> CpuBackend::new_state(int max_context) {
-  auto st = std::make_unique<CpuState>();
+  auto st = std::make_unique<CpuState>(c_);
   st->kv.resize(c_.n_layers());
   st->gdn.resize(c_.n_layers());
   for (int l = 0; l < c_.n_layers(); ++l) {

@@ -21,6 +21,7 @@ class CpuSnapshot : public Snapshot {
 
 class CpuState : public State {
  public:
+  explicit CpuState(const ModelConfig& c) { config_ = &c; }
   std::vector<KvCache> kv;    // per layer (empty for DeltaNet layers)
   std::vector<GdnState> gdn;  // per layer (empty for attention layers)
 
@@ -30,6 +31,13 @@ class CpuState : public State {
  protected:
   std::unique_ptr<Snapshot> capture() const override;
   void apply(const Snapshot& snap) override;
+  void read_recurrent(const Snapshot& snap, int layer, std::vector<float>& conv, std::vector<float>& S) const override;
+  std::unique_ptr<Snapshot> new_snapshot() const override;
+  void write_recurrent(Snapshot& snap, int layer, const std::vector<float>& conv,
+                       const std::vector<float>& S) const override;
+  void read_kv_rows(int layer, bool v, int positions, float* out) const override;
+  void reserve_kv_rows(int rows) override;
+  void write_kv_rows(int layer, bool v, int rows, const float* in) override;
 };
 
 class CpuBackend : public Backend {

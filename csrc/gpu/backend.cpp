@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstring>
 
 #include "model/error.h"
 
@@ -89,6 +90,66 @@ void GpuState::apply(const Snapshot& snap) {
     if (const auto& c = conv[parity][l]) c->write(0, s->conv[l].data(), s->conv[l].size());
     if (const auto& S_ = S[parity][l]) S_->write(0, s->S[l].data(), s->S[l].size());
   }
+}
+
+// Saved sessions (State::export_tensors / import_tensors): the recurrent state goes through a
+// GpuSnapshot (the host copy a turn snapshot keeps, f32 bytes), the KV rows through the
+// backend's read_kv_rows / write_kv_rows, whichever layout and element type the cache has.
+namespace {
+
+GpuSnapshot& own(const Snapshot& snap, const GpuState* state) {
+  auto* s = dynamic_cast<const GpuSnapshot*>(&snap);
+  if (!s || s->owner != state) throw RequestError("[state] snapshot was taken from another sequence");
+  return const_cast<GpuSnapshot&>(*s);
+}
+
+std::vector<float> floats_of(const std::vector<uint8_t>& bytes) {
+  std::vector<float> f(bytes.size() / 4);
+  std::memcpy(f.data(), bytes.data(), f.size() * 4);
+  return f;
+}
+
+std::vector<uint8_t> f32_bytes(const std::vector<float>& f) {
+  std::vector<uint8_t> b(f.size() * 4);
+  std::memcpy(b.data(), f.data(), b.size());
+  return b;
+}
+
+}  // namespace
+
+void GpuState::read_recurrent(const Snapshot& snap, int layer, std::vector<float>& conv, std::vector<float>& S) const {
+  const GpuSnapshot& s = own(snap, this);
+  conv = floats_of(s.conv[layer]);
+  S = floats_of(s.S[layer]);
+}
+
+std::unique_ptr<Snapshot> GpuState::new_snapshot() const {
+  auto snap = std::make_unique<GpuSnapshot>();
+  snap->owner = this;
+  snap->conv.resize(conv[parity].size());
+  snap->S.resize(S[parity].size());
+  return snap;
+}
+
+void GpuState::write_recurrent(Snapshot& snap, int layer, const std::vector<float>& conv_,
+                               const std::vector<float>& S_) const {
+  GpuSnapshot& s = own(snap, this);
+  s.conv[layer] = f32_bytes(conv_);
+  s.S[layer] = f32_bytes(S_);
+}
+
+void GpuState::read_kv_rows(int layer, bool v, int positions, float* out) const {
+  backend->finish();
+  backend->read_kv_rows(*this, layer, v, positions, out);
+}
+
+void GpuState::reserve_kv_rows(int rows) {
+  backend->finish();
+  backend->reserve_kv(*this, rows);
+}
+
+void GpuState::write_kv_rows(int layer, bool v, int rows, const float* in) {
+  backend->write_kv_rows(*this, layer, v, rows, in);
 }
 
 // ---- backend ---------------------------------------------------------------------------------
@@ -205,7 +266,7 @@ void GpuBackend::check_context(int max_context) const {
 std::unique_ptr<State> GpuBackend::new_state(int max_context) {
   check_context(max_context);
   ctx_.finish();
-  auto st = std::make_unique<GpuState>();
+  auto st = std::make_unique<GpuState>(c_);
   st->backend = this;
   const int L = c_.n_layers();
   st->k.resize(L);

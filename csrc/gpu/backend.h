@@ -79,6 +79,7 @@ class GpuBackend;
 
 class GpuState : public State {
  public:
+  explicit GpuState(const ModelConfig& c) { config_ = &c; }
   GpuBackend* backend = nullptr;
   int capacity = 0;                                  // KV positions allocated
   std::vector<std::shared_ptr<Buffer>> k, v;         // per attention layer [Hkv, capacity, D]
@@ -102,6 +103,13 @@ class GpuState : public State {
  protected:
   std::unique_ptr<Snapshot> capture() const override;
   void apply(const Snapshot& snap) override;
+  void read_recurrent(const Snapshot& snap, int layer, std::vector<float>& conv, std::vector<float>& S) const override;
+  std::unique_ptr<Snapshot> new_snapshot() const override;
+  void write_recurrent(Snapshot& snap, int layer, const std::vector<float>& conv,
+                       const std::vector<float>& S) const override;
+  void read_kv_rows(int layer, bool v, int positions, float* out) const override;
+  void reserve_kv_rows(int rows) override;
+  void write_kv_rows(int layer, bool v, int rows, const float* in) override;
 };
 
 class GpuBackend : public Backend {
@@ -165,6 +173,10 @@ class GpuBackend : public Backend {
                int T);
   void reserve_kv(GpuState& st, int positions);      // kv_cache.cpp
   void reserve_blocks(GpuState& st, int positions);  // kv_cache.cpp
+  // Rows [0, positions) of one layer's K (or V) cache to / from host [Hkv, positions, D] f32,
+  // whichever layout holds them (f16 caches converted); between passes. kv_cache.cpp.
+  void read_kv_rows(const GpuState& st, int layer, bool v, int positions, float* host);
+  void write_kv_rows(GpuState& st, int layer, bool v, int positions, const float* host);
   KvCacheView kv_view(GpuState& st, int layer) const;
   void norm(const std::vector<float>& w, bool add);
   void moe_prefill(const ExpertTables& tb);  // after moe() has routed the chunk

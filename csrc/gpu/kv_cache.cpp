@@ -21,6 +21,7 @@
 
 #include "gpu/backend.h"
 #include "metal/attention_args.h"
+#include "model/dtype.h"
 #include "model/error.h"
 
 namespace lily::gpu {
@@ -107,6 +108,63 @@ void GpuBackend::reserve_blocks(GpuState& st, int positions) {
     }
   }
   st.capacity = have * B;
+}
+
+// ---- rows to and from the host (saved sessions: State::export_tensors / import_tensors) ------
+
+namespace {
+
+// Calls run(buffer, byte offset, head, first position, rows) for each contiguous run of rows
+// [0, positions) of one layer's K or V cache: one run per head in the contiguous layout, one
+// per (block, head) in the block layout.
+template <typename Run>
+void for_each_kv_run(const GpuState& st, int layer, bool v, int positions, int Hkv, size_t row, Run run) {
+  if (positions == 0) return;  // (a state that never grew has no buffers)
+  if (!st.block_len) {
+    Buffer& buf = *(v ? st.v : st.k)[layer];
+    for (int h = 0; h < Hkv; ++h) run(buf, size_t(h) * st.capacity * row, h, 0, positions);
+    return;
+  }
+  const int B = st.block_len;
+  std::vector<uint32_t> table((positions + B - 1) / B);
+  st.block_table->read(0, table.data(), table.size() * 4);
+  const auto& arenas = (v ? st.v_arenas : st.k_arenas)[layer];
+  for (size_t b = 0; b < table.size(); ++b) {
+    Buffer& arena = *arenas[table[b] >> 24];
+    const size_t slot = table[b] & 0xFFFFFFu;
+    const int p = int(b) * B, n = std::min(B, positions - p);
+    for (int h = 0; h < Hkv; ++h) run(arena, (slot * Hkv + h) * B * row, h, p, n);
+  }
+}
+
+}  // namespace
+
+void GpuBackend::read_kv_rows(const GpuState& st, int layer, bool v, int positions, float* host) {
+  const int D = c_.head_dim;
+  const bool half = options_.kv_half;
+  const size_t row = size_t(D) * (half ? 2 : 4);
+  std::vector<uint16_t> tmp;
+  for_each_kv_run(st, layer, v, positions, c_.n_kv_heads, row, [&](Buffer& buf, size_t off, int h, int p, int n) {
+    float* dst = host + (size_t(h) * positions + p) * D;
+    if (!half) return buf.read(off, dst, size_t(n) * row);
+    tmp.resize(size_t(n) * D);
+    buf.read(off, tmp.data(), size_t(n) * row);
+    for (size_t i = 0; i < tmp.size(); ++i) dst[i] = f16_to_f32(tmp[i]);
+  });
+}
+
+void GpuBackend::write_kv_rows(GpuState& st, int layer, bool v, int positions, const float* host) {
+  const int D = c_.head_dim;
+  const bool half = options_.kv_half;
+  const size_t row = size_t(D) * (half ? 2 : 4);
+  std::vector<uint16_t> tmp;
+  for_each_kv_run(st, layer, v, positions, c_.n_kv_heads, row, [&](Buffer& buf, size_t off, int h, int p, int n) {
+    const float* src = host + (size_t(h) * positions + p) * D;
+    if (!half) return buf.write(off, src, size_t(n) * row);
+    tmp.resize(size_t(n) * D);
+    for (size_t i = 0; i < tmp.size(); ++i) tmp[i] = f32_to_f16(src[i]);
+    buf.write(off, tmp.data(), size_t(n) * row);
+  });
 }
 
 // A layer's cache as the attention kernels bind it (attention.cpp).

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "model/weights.h"
@@ -33,6 +34,19 @@ class Snapshot {
   uint64_t epoch_ = 0;  // the State's restore count when taken
 };
 
+// One tensor of a sequence state written to a file that outlives the process (lily's
+// Session.save): float32, row-major.
+struct StateTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<float> data;
+};
+
+// The name of layer `layer`'s state tensor: "kv.<layer>.k", "gdn.<layer>.S", ...
+std::string state_tensor_name(const char* kind, int layer, const char* part);
+// The tensor called `name` in `tensors` (which check_tensors passed), or nullptr.
+const StateTensor* find_state_tensor(const std::vector<StateTensor>& tensors, const std::string& name);
+
 // Everything a sequence carries between chunks: the attention KV cache, the DeltaNet conv and
 // recurrent state, and the position. Made by a backend; opaque to the schedule.
 class State {
@@ -52,13 +66,53 @@ class State {
   // earlier position followed by new tokens).
   void restore(const Snapshot& snap);
 
+  // The state as named tensors (Session.save writes them to a safetensors file): for each
+  // attention layer l, "kv.<l>.k" and "kv.<l>.v" [Hkv, P, D] holding positions [0, P); for each
+  // DeltaNet layer, "gdn.<l>.conv" [K-1, C] and "gdn.<l>.S" [Hv, Dk, Dv]. The recurrent part is
+  // a snapshot's (capture(), the same copy a turn snapshot keeps): `at`, a snapshot of this
+  // state, exports that position instead of the current one (throws as restore() would if it
+  // is stale); with_kv false leaves the KV tensors out (the recurrent state alone).
+  std::vector<StateTensor> export_tensors(const Snapshot* at, bool with_kv) const;
+  // Moves the sequence to `position` from such tensors (KV tensors required; they may hold more
+  // than `position` rows: entries past the position are overwritten as the sequence goes on).
+  // Like restore(), it invalidates snapshots taken past `position`. Throws RequestError naming
+  // the first tensor that is missing, unknown or mis-shaped, before changing anything.
+  void import_tensors(int position, const std::vector<StateTensor>& tensors);
+  // A snapshot at `position` (<= position()) of this sequence from recurrent tensors alone
+  // ("gdn.*"; "kv.*" ones are ignored), as if snapshot() had been taken there: the caller
+  // vouches that the KV cache holds the same tokens up to `position` (a saved sequence and the
+  // turn snapshots saved with it).
+  std::unique_ptr<Snapshot> snapshot_from_tensors(int position, const std::vector<StateTensor>& tensors) const;
+
  protected:
   friend class Engine;
   virtual std::unique_ptr<Snapshot> capture() const = 0;
   virtual void apply(const Snapshot& snap) = 0;
+  // The backend parts of the tensor import / export (names, shapes and checks are State's):
+  // a layer's recurrent state out of a snapshot of this state, and into a new_snapshot() of it
+  // (CPU or device layout, f32 values); KV rows [0, positions) of a layer's K (v false) or V
+  // cache as [Hkv, positions, D] f32, read and written (reserve_kv_rows first grows every
+  // layer's cache to hold `rows`, so running out of memory changes nothing).
+  virtual void read_recurrent(const Snapshot& snap, int layer, std::vector<float>& conv,
+                              std::vector<float>& S) const = 0;
+  virtual std::unique_ptr<Snapshot> new_snapshot() const = 0;
+  virtual void write_recurrent(Snapshot& snap, int layer, const std::vector<float>& conv,
+                               const std::vector<float>& S) const = 0;
+  virtual void read_kv_rows(int layer, bool v, int positions, float* out) const = 0;
+  virtual void reserve_kv_rows(int rows) = 0;
+  virtual void write_kv_rows(int layer, bool v, int rows, const float* in) = 0;
+  // Throws RequestError unless `tensors` are exactly this model's state tensors (the "kv.*"
+  // ones only when with_kv, else they are ignored) with their shapes, KV holding between
+  // `positions` and max_context rows.
+  void check_tensors(int positions, const std::vector<StateTensor>& tensors, bool with_kv) const;
+  // Throws RequestError if `snap` is not usable any more (see restore()).
+  void check_not_stale(const Snapshot& snap) const;
+  // A snapshot of this state holding the "gdn.*" tensors (position and epoch unset).
+  std::unique_ptr<Snapshot> recurrent_from(const std::vector<StateTensor>& tensors) const;
 
   int position_ = 0;
   int max_context_ = 0;
+  const ModelConfig* config_ = nullptr;  // the model's (set by the backend; it outlives its states)
   uint64_t epoch_ = 0;
   // (epoch after the restore, position restored to): a snapshot at position p taken in epoch e
   // stays valid while every later restore went to a position >= p.

@@ -2,6 +2,7 @@
 // bf16 -> f32 is exact (a shift); f16 -> f32 is exact; both are written portably so the
 // same code builds with gcc (which lacks __bf16 arithmetic) and Apple clang.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -51,6 +52,24 @@ inline float f16_to_f32(uint16_t h) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+}
+
+// f32 -> f16, rounding to nearest even (so exact for every value f16_to_f32 gives): a GPU
+// backend's f16 KV cache written back from a saved session's f32 tensors.
+inline uint16_t f32_to_f16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = uint16_t((x >> 16) & 0x8000);
+  const uint32_t ax = x & 0x7FFFFFFFu;
+  if (ax >= 0x7F800000u) return sign | 0x7C00 | (ax > 0x7F800000u ? 0x200 : 0);  // inf, nan
+  if (ax >= 0x477FF000u) return sign | 0x7C00;  // >= 65520 rounds past the largest half
+  if (ax < 0x38800000u) {  // below 2^-14: a subnormal half, in units of 2^-24 (scaling is exact)
+    float v;
+    std::memcpy(&v, &ax, 4);
+    return sign | uint16_t(std::nearbyint(v * 16777216.0f));
+  }
+  const uint32_t rounded = ax + 0xFFFu + ((ax >> 13) & 1u);  // to nearest even at bit 13
+  return sign | uint16_t((rounded - 0x38000000u) >> 13);     // rebias the exponent 127 -> 15
 }
 
 // Reads element i of a float-typed buffer (F32, F16 or BF16) as f32.

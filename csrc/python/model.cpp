@@ -176,6 +176,40 @@ Linear affine_from_arrays(const char* op, const PackedArray& packed, const F32In
   return W;
 }
 
+// State.export_tensors: {name: float32 array}, each array owning the vector it was made in.
+nb::dict export_state(const State& st, const Snapshot* at, bool with_kv) {
+  std::vector<StateTensor> tensors;
+  {
+    nb::gil_scoped_release release;
+    tensors = st.export_tensors(at, with_kv);
+  }
+  nb::dict out;
+  for (auto& t : tensors) {
+    auto* data = new std::vector<float>(std::move(t.data));
+    nb::capsule owner(data, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+    std::vector<size_t> shape(t.shape.begin(), t.shape.end());
+    out[nb::str(t.name.c_str())] = F32Array(data->data(), shape.size(), shape.data(), owner);
+  }
+  return out;
+}
+
+// {name: array} from Python -> StateTensors (float32, C-contiguous, copied).
+std::vector<StateTensor> state_tensors(const nb::dict& tensors) {
+  using F32Any = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
+  std::vector<StateTensor> out;
+  for (auto [key, value] : tensors) {
+    StateTensor t;
+    t.name = nb::cast<std::string>(key);
+    F32Any a;
+    if (!nb::try_cast(value, a))
+      throw RequestError("[state] tensor '" + t.name + "' must be a C-contiguous float32 array");
+    for (size_t d = 0; d < a.ndim(); ++d) t.shape.push_back(int64_t(a.shape(d)));
+    t.data.assign(a.data(), a.data() + a.size());
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
 // generate_greedy's keep_going: false once a stop token was generated.
 std::function<bool(int32_t)> until_stop(const std::vector<int32_t>& stop) {
   return [&stop](int32_t t) { return std::find(stop.begin(), stop.end(), t) == stop.end(); };
@@ -309,7 +343,26 @@ void init_model(nb::module_& m) {
       .def_prop_ro("position", &State::position)
       .def_prop_ro("max_context", &State::max_context)
       .def_prop_ro("nbytes", &State::nbytes)
-      .def("clone", &State::clone);
+      .def("clone", &State::clone)
+      .def("export_tensors", &export_state, nb::arg("snapshot").none() = nb::none(), nb::arg("with_kv") = true,
+           "{name: float32 array} of the state (see State::export_tensors in csrc/model/backend.h), at "
+           "`snapshot` (a snapshot of this state) if given; with_kv=False: the recurrent tensors alone.")
+      .def(
+          "import_tensors",
+          [](State& st, int position, const nb::dict& tensors) {
+            auto ts = state_tensors(tensors);
+            nb::gil_scoped_release release;
+            st.import_tensors(position, ts);
+          },
+          nb::arg("position"), nb::arg("tensors"),
+          "Moves the sequence to `position` from export_tensors' tensors (KV and recurrent).")
+      .def(
+          "snapshot_from_tensors",
+          [](const State& st, int position, const nb::dict& tensors) {
+            return st.snapshot_from_tensors(position, state_tensors(tensors));
+          },
+          nb::arg("position"), nb::arg("tensors"),
+          "A snapshot of this sequence at `position` from recurrent tensors (export_tensors(with_kv=False)).");
 
   nb::class_<Engine>(m, "Engine")
       .def(
@@ -402,6 +455,10 @@ void init_model(nb::module_& m) {
         if (!cpu) return std::string();
         return std::string(cpu->matmul() == cpu::Matmul::Int8 ? "int8" : "f32");
       }, "The CPU backend's matmul mode that runs: 'int8' or 'f32' ('auto' resolved; '' on other backends).")
+      .def_prop_ro("kv_dtype", [](Engine& e) {
+        auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
+        return std::string(g && g->options().kv_half ? "float16" : "float32");
+      }, "The KV cache's element type: 'float32' or 'float16' (a GPU backend's kv_dtype option).")
       .def_prop_ro("prefill_chunk", &Engine::prefill_chunk)
       .def("new_state", &Engine::new_state, nb::arg("max_context"))
       .def("kv_bytes", &Engine::kv_bytes, nb::arg("positions"),

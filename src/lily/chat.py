@@ -37,7 +37,7 @@ from lily.prefix_cache import CachedSequence
 from lily.tool_calls import ParsedOutput, opens_reasoning
 
 if TYPE_CHECKING:
-    from lily.model import Model
+    from lily.model import Model, Session
 
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "seed")
@@ -53,19 +53,32 @@ class Chat:
     """
 
     def __init__(self, model: Model, system: str | None = None, *, tools: Sequence[dict] | None = None,
-                 enable_thinking: bool | None = None, max_snapshots: int = 16, **sampling: Any):
+                 enable_thinking: bool | None = None, max_snapshots: int = 16, prompt_cache: Session | None = None,
+                 **sampling: Any):
+        """``prompt_cache``: a session holding the start of the conversation as the template
+        renders it (``lily cache --chat``: the system prompt); each conversation, after
+        :meth:`reset` too, starts from a copy of it, and a turn whose rendered tokens do not
+        start with its tokens prefills from scratch (the prefix matching below)."""
         unknown = set(sampling) - set(_SAMPLING_KEYS) - {"max_tokens", "stop", "logprobs"}
         if unknown:
             raise RequestError(f"[chat] unknown sampling argument(s): {', '.join(sorted(unknown))}")
         if max_snapshots < 1:
             raise RequestError("[chat] max_snapshots must be at least 1")
+        if prompt_cache is not None and getattr(prompt_cache, "_model", None) is not model:
+            raise RequestError("[chat] prompt_cache must be a lily.Session of this model")
         self.model = model
         self.tools = list(tools) if tools else None
         self.enable_thinking = enable_thinking
         self.max_snapshots = max_snapshots
         self.sampling = dict(sampling)
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
-        self._seq = CachedSequence(model, max_snapshots=max_snapshots)
+        self._prompt_cache = prompt_cache
+        self._seq = self._new_sequence()
+
+    def _new_sequence(self) -> CachedSequence:
+        if self._prompt_cache is None:
+            return CachedSequence(self.model, max_snapshots=self.max_snapshots)
+        return CachedSequence.from_session(self._prompt_cache.fork(), max_snapshots=self.max_snapshots)
 
     # -- conversation editing --------------------------------------------------------------
 
@@ -87,7 +100,7 @@ class Chat:
     def reset(self, system: str | None = None) -> None:
         """Starts over (keeping the model and sampling settings)."""
         self.messages = [{"role": "system", "content": system}] if system else []
-        self._seq = CachedSequence(self.model, max_snapshots=self.max_snapshots)
+        self._seq = self._new_sequence()
 
     @property
     def position(self) -> int:

@@ -1,4 +1,4 @@
-"""The `lily` command line: generate, chat, serve, convert, bench, eval.
+"""The `lily` command line: generate, chat, cache, serve, convert, bench, eval.
 
 Each subcommand is a thin layer over the Python API (lily.Model, lily.Chat) or over one
 module (lily.server, lily.convert, lily.bench, lily.evaluate); heavy imports happen inside
@@ -124,15 +124,22 @@ def cmd_generate(args) -> int:
     if not prompt:
         raise UsageError("the prompt is empty")
     model = _load(args)
+    cache = _prompt_cache(model, args.prompt_cache, args.chat)
+    system = args.system
+    if cache is not None and args.chat:
+        system = _cached_system(cache, args)
     if args.chat:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}]
         target = messages
+    elif cache is not None:  # the prompt continues the cached text, as with mlx_lm.generate
+        target = cache.tokens + model.encode_prompt(prompt).tolist()
     else:
         target = prompt
     kw = _sampling(args)
     bar = PrefillProgress()
-    stream = model.generate(target, stream=True, enable_thinking=args.think, on_prefill_progress=bar, **kw)
+    stream = model.generate(target, stream=True, enable_thinking=args.think, on_prefill_progress=bar,
+                            prompt_cache=cache, **kw)
     printer = AnswerPrinter(stream.reasoning_started)
     with stream:
         for chunk in stream:
@@ -142,7 +149,8 @@ def cmd_generate(args) -> int:
     printer.end()
     if args.verbose and stream.result is not None:
         r = stream.result
-        print(f"[{r.prompt_tokens} prompt tokens, {r.completion_tokens} generated, ttft {r.ttft_s * 1e3:.0f} ms, "
+        cached = f" ({r.cached_tokens} from the prompt cache)" if cache is not None else ""
+        print(f"[{r.prompt_tokens} prompt tokens{cached}, {r.completion_tokens} generated, ttft {r.ttft_s * 1e3:.0f} ms, "
               f"prefill {r.prefill_tokens_per_s:.1f} tok/s, decode {r.decode_tokens_per_s:.1f} tok/s, "
               f"finish {r.finish_reason}]", file=sys.stderr)
     return 0
@@ -255,6 +263,57 @@ class PrefillProgress:
             self.shown = False
 
 
+# -- prompt caches -----------------------------------------------------------------------------
+
+CHAT_SYSTEM_KEY = "lily.chat_system"  # saved-session metadata: the system prompt `lily cache --chat` rendered
+
+
+def _prompt_cache(model, path: str | None, chat: bool):
+    """The session in ``path`` (a ``lily cache`` file), checked to fit the mode (chat or text)."""
+    if path is None:
+        return None
+    cache = model.load_session(path)
+    if chat and CHAT_SYSTEM_KEY not in cache.metadata:
+        raise UsageError(f"{path} caches a plain-text prompt (made without --chat); use it without --chat")
+    if not chat and CHAT_SYSTEM_KEY in cache.metadata:
+        raise UsageError(f"{path} caches a chat system prompt (made with lily cache --chat); use it with --chat")
+    return cache
+
+
+def _cached_system(cache, args) -> str:
+    """The system prompt of a chat prompt cache; --system may repeat it, not change it."""
+    system = cache.metadata[CHAT_SYSTEM_KEY]
+    if args.system is not None and args.system != system:
+        raise UsageError(f"--system differs from the system prompt cached in {args.prompt_cache}")
+    return system
+
+
+def cmd_cache(args) -> int:
+    try:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise UsageError(f"cannot read {args.prompt_file}: {e.strerror}") from None
+    if not text:
+        raise UsageError(f"{args.prompt_file} is empty")
+    model = _load(args)
+    metadata = {}
+    if args.chat:  # the system message as the chat template renders it, without a generation prompt
+        rendered = model.render_chat([{"role": "system", "content": text}], add_generation_prompt=False)
+        ids = model.tokenizer.encode(rendered)
+        metadata[CHAT_SYSTEM_KEY] = text
+    else:
+        ids = model.encode_prompt(text)
+    t0 = time.perf_counter()
+    session = model.session()
+    session.prefill(ids)
+    seconds = time.perf_counter() - t0
+    size = session.save(args.out, metadata=metadata)
+    print(f"lily: cached {len(ids)} tokens (prefill {seconds:.2f} s) in {args.out} ({size / 2**20:.1f} MiB)",
+          file=sys.stderr)
+    return 0
+
+
 # -- chat --------------------------------------------------------------------------------------
 
 CHAT_HELP = """commands:
@@ -299,8 +358,9 @@ def _line_editing():
 def cmd_chat(args) -> int:
     model = _load(args)
     interactive = sys.stdin.isatty()
-    system = args.system
-    chat = model.chat(system, enable_thinking=args.think, **_sampling(args))
+    cache = _prompt_cache(model, args.prompt_cache, chat=True)
+    system = _cached_system(cache, args) if cache is not None else args.system
+    chat = model.chat(system, enable_thinking=args.think, prompt_cache=cache, **_sampling(args))
     save_history = _line_editing() if interactive else None
     if interactive:
         print(f"lily chat - {model.config.family} ({_model_id(args, model)}). /help for commands, Ctrl-D to quit.",
@@ -390,7 +450,8 @@ def cmd_serve(args) -> int:
                           stream_timeout_s=args.stream_timeout)
     serve(model, model_id=model_id, host=args.host, port=args.port, api_key=api_key, max_queue=args.max_queue,
           cache_bytes=int(args.cache_mb * (1 << 20)), log_level=args.log_level,
-          default_max_tokens=args.default_max_tokens, limits=limits)
+          default_max_tokens=args.default_max_tokens, limits=limits, cache_dir=args.prompt_cache_dir,
+          cache_disk_bytes=int(args.prompt_cache_disk_mb * (1 << 20)))
     return 0
 
 
@@ -480,6 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
                    help="enable or disable thinking (with --chat)")
     p.add_argument("--verbose", "-v", action="store_true", help="print token counts and speeds to stderr")
+    p.add_argument("--prompt-cache", default=None, metavar="FILE",
+                   help="continue from a `lily cache` file: the prompt continues the cached text (with --chat: "
+                        "the cached system prompt is the conversation's)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat (also works with a pipe on stdin)", formatter_class=fmt,
@@ -492,7 +556,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
                    help="enable or disable thinking (default: the chat template's)")
+    p.add_argument("--prompt-cache", default=None, metavar="FILE",
+                   help="start each conversation from a `lily cache --chat` file (its system prompt, prefilled)")
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("cache", help="prefill a long prompt once and save the state to a file", formatter_class=fmt,
+                       description="Prefill the text of PROMPT_FILE and save the sequence state (token ids, KV cache, "
+                                   "DeltaNet and conv state) to --out, as mlx_lm.cache_prompt does; `lily generate "
+                                   "--prompt-cache FILE` then prefills only what follows it. The file is tied to "
+                                   "this checkpoint and engine settings (backend, cpu matmul mode, KV dtype).")
+    p.add_argument("prompt_file", help="text file holding the prompt")
+    p.add_argument("--out", "-o", required=True, help="session file to write (safetensors)")
+    p.add_argument("--chat", action="store_true",
+                   help="the file is a system prompt: cache it as the chat template renders it, for "
+                        "`lily chat --prompt-cache` and `lily generate --chat --prompt-cache`")
+    _add_model(p)
+    p.set_defaults(func=cmd_cache)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=fmt,
                        description="Serve a model over an OpenAI-compatible API (/v1/chat/completions, "
@@ -504,6 +583,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model, or lily-demo)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get HTTP 503")
     p.add_argument("--cache-mb", type=float, default=1024, help="prompt cache budget in MiB (0 disables it)")
+    p.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
+                   help="keep the prompt cache on disk too: sequences evicted from memory, and all of them at "
+                        "shutdown, are written here and found again at the next start (files of another model "
+                        "or engine setting, and damaged ones, are skipped with a warning)")
+    p.add_argument("--prompt-cache-disk-mb", type=float, default=10240, metavar="MIB",
+                   help="disk budget of --prompt-cache-dir in MiB (least recently used files deleted first)")
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="max_tokens when a chat request gives none (default: generation_config, else 512)")
     p.add_argument("--header-timeout", type=float, default=10.0, metavar="S",

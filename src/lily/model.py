@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
-from lily import _core
+from lily import _core, session_file
 from lily._core import ConfigError, RequestError
 from lily.chat_template import render
 from lily.checkpoint import load_weights, resident_by_default
@@ -56,6 +56,7 @@ if TYPE_CHECKING:
         tools: Sequence[dict] | None
         enable_thinking: bool | None
         on_prefill_progress: Callable[[int, int], None] | None
+        prompt_cache: Session | None
 
 
 # "msl-cpu" runs the Metal backend's dispatch sequence on the MSL-on-CPU runtime (tests; slow);
@@ -78,12 +79,17 @@ class Session:
     """One sequence's state (KV cache, DeltaNet and conv state) on a model.
 
     ``prefill`` appends tokens and returns logits; ``decode`` appends one token. Sessions of one
-    model share its weights and engine; calls are serialised by the model's lock.
+    model share its weights and engine; calls are serialised by the model's lock. ``save``
+    writes the state and its tokens to a file that :meth:`Model.load_session` reads back.
     """
 
     def __init__(self, model: Model, max_context: int | None = None):
         self._model = model
         self._state = model._engine.new_state(max_context or model.max_context)
+        # The ids processed, in order (save() writes them). A device loop advances the state
+        # without them; save() then refuses rather than write tokens that do not match.
+        self._tokens: list[int] = []
+        self.metadata: dict[str, str] = {}  # strings saved with the session (Session.save)
 
     @property
     def position(self) -> int:
@@ -100,13 +106,17 @@ class Session:
         if ids.size == 0:
             raise RequestError("[prefill] no tokens given")
         with self._model._lock:
-            return self._model._engine.prefill(self._state, ids, all_logits)
+            logits = self._model._engine.prefill(self._state, ids, all_logits)
+        self._tokens.extend(ids.tolist())
+        return logits
 
     def decode(self, token_id: int) -> np.ndarray:
         """Appends one token; returns its logits [vocab]."""
         check_type("decode", "token_id", token_id, (int, np.integer), "an integer")
         with self._model._lock:
-            return self._model._engine.decode(self._state, int(token_id))
+            logits = self._model._engine.decode(self._state, int(token_id))
+        self._tokens.append(int(token_id))
+        return logits
 
     def device_loop(self, token: int, max_steps: int, sampler) -> DeviceLoop | None:
         """A decode loop from ``token`` whose tokens are chosen on the device (GPU backends), or
@@ -116,13 +126,40 @@ class Session:
     def __repr__(self) -> str:
         return f"<lily.Session position={self.position} max_context={self.max_context}>"
 
+    @property
+    def tokens(self) -> list[int]:
+        """The token ids this session has processed, in order."""
+        self._check_tokens("tokens")
+        return list(self._tokens)
+
+    def _check_tokens(self, what: str) -> None:
+        if len(self._tokens) != self.position:
+            raise RequestError(f"[session] {what}: this session's state moved on without its token ids (a device "
+                               "decode loop), so they are unknown")
+
     def fork(self) -> Session:
         """An independent copy of this session's state (a snapshot to branch from)."""
         twin = object.__new__(Session)
         twin._model = self._model
         with self._model._lock:
             twin._state = self._state.clone()
+        twin._tokens = list(self._tokens)
+        twin.metadata = dict(self.metadata)
         return twin
+
+    def save(self, path: str | os.PathLike, *, metadata: dict[str, str] | None = None) -> int:
+        """Writes the token ids, KV cache and DeltaNet/conv state to ``path``: one safetensors
+        file (docs/api-generation.md, "Saved sessions and prompt caches") stamped with the model's fingerprint and the engine
+        settings, which :meth:`Model.load_session` checks. ``metadata``: strings of your own
+        kept with it (the loaded session's ``metadata``). Returns the file's size in bytes."""
+        self._check_tokens("save")
+        extra = dict(metadata or {})
+        for k, v in extra.items():
+            check_type("save", f"metadata[{k!r}]", v, (str,), "a string")
+        with self._model._lock:
+            tensors = self._state.export_tensors()
+        saved = session_file.SavedState(np.asarray(self._tokens, np.int32), tensors, extra=extra)
+        return session_file.write(path, self._model, saved)
 
 
 class Model:
@@ -259,7 +296,11 @@ class Model:
             engine.check_context(ctx)
         if ctx < 1:
             raise ConfigError("[load] max_context must be at least 1")
-        return cls._from_parts(root, config, weights, engine, ctx, tokenizer, defaults)
+        model = cls._from_parts(root, config, weights, engine, ctx, tokenizer, defaults)
+        # The fingerprint saved sessions carry (lily.session_file), taken from the files as they
+        # were loaded: with use_mmap=False they may change afterwards, the weights in memory not.
+        session_file.model_identity(model)
+        return model
 
     def __repr__(self) -> str:
         c = self.config
@@ -277,6 +318,26 @@ class Model:
     def session(self, max_context: int | None = None) -> Session:
         """A fresh sequence state."""
         return Session(self, max_context)
+
+    def load_session(self, path: str | os.PathLike, max_context: int | None = None) -> Session:
+        """A session continuing from a file :meth:`Session.save` wrote with this model: the next
+        prefill / decode gives bit-identical logits to the session that was saved. Raises
+        ConfigError naming the difference when the file belongs to another model, a changed
+        checkpoint or other engine settings (backend, KV dtype, cpu_matmul), and CheckpointError
+        when it is not a session file, truncated or corrupted."""
+        return self._session_from(session_file.read(path, self), max_context, str(path))
+
+    def _session_from(self, saved, max_context: int | None, source: str) -> Session:
+        """A session holding a SavedState (lily.session_file) read for this model."""
+        session = self.session(max_context)
+        if saved.position > session.max_context:
+            raise RequestError(f"[session] {source} holds {saved.position} tokens; the context holds "
+                               f"{session.max_context}")
+        with self._lock:
+            session._state.import_tensors(saved.position, saved.tensors)
+        session._tokens = saved.tokens.tolist()
+        session.metadata = saved.extra
+        return session
 
     def logits(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Teacher-forced logits [T, vocab] (float32) from a fresh state."""
@@ -362,6 +423,7 @@ class Model:
         tools: Sequence[dict] | None = None,
         enable_thinking: bool | None = None,
         on_prefill_progress: Callable[[int, int], None] | None = None,
+        prompt_cache: Session | None = None,
     ) -> GenerationResult | GenerationStream:
         """Generates a continuation of ``prompt``: a string, a list of OpenAI-format chat
         messages (rendered with the checkpoint's chat template), or token ids.
@@ -372,6 +434,10 @@ class Model:
         model runs one generation at a time, and this thread's earlier stream, if still open,
         is ended (finish_reason "cancelled") before this one starts.
         ``on_prefill_progress(done, total)`` is called after each prefill chunk (progress bars).
+        ``prompt_cache``: a :class:`Session` holding a prefix of the prompt (``load_session`` of a
+        file ``lily cache`` or ``Session.save`` wrote): the prompt's token ids must start with the
+        session's and add at least one; only the rest is prefilled, on a copy (the session is
+        left as it was, to serve the next prompt).
         The result's ``content`` / ``reasoning`` / ``tool_calls`` split the text of a chat
         prompt (the ``<think>`` block and tool calls); for other prompts ``content`` is the text.
         """
@@ -390,8 +456,19 @@ class Model:
             logprobs,
         )
         max_tokens = min(max_tokens, self.max_context - int(ids.size))
-        session = self.session(int(ids.size) + max_tokens)
-        stats = GenerationStats(prompt_tokens=int(ids.size))
+        cached: list[int] = []
+        if prompt_cache is None:
+            session = self.session(int(ids.size) + max_tokens)
+        else:
+            cached = _cached_prefix(prompt_cache, ids)
+            if prompt_cache._model is not self:
+                raise RequestError("[generate] prompt_cache is a session of another model")
+            if ids.size >= prompt_cache.max_context:
+                raise RequestError(f"[generate] the prompt has {ids.size} tokens; the prompt cache's context holds "
+                                   f"{prompt_cache.max_context}")
+            session = prompt_cache.fork()
+            max_tokens = min(max_tokens, session.max_context - int(ids.size))
+        stats = GenerationStats(prompt_tokens=int(ids.size), cached_tokens=len(cached))
         want_lp = bool(logprobs)
         detok = self.tokenizer.detokenizer(skip_special_tokens=True) if self.tokenizer else None
         self._generation.acquire()
@@ -399,9 +476,9 @@ class Model:
             # GPU backends choose each token on the device and feed it to the next step there, unless
             # the request needs the logits on the host (penalties, logprobs).
             on_device = device_loop_allowed(params, want_lp)
-            chunks = token_loop(session.prefill, session.decode, ids, chunk=self._engine.prefill_chunk,
+            chunks = token_loop(session.prefill, session.decode, ids[len(cached):], chunk=self._engine.prefill_chunk,
                                 params=params, max_tokens=max_tokens, eos_ids=self.eos_token_ids,
-                                detokenizer=detok, stop=stop, want_logprobs=want_lp, history=(), stats=stats,
+                                detokenizer=detok, stop=stop, want_logprobs=want_lp, history=cached, stats=stats,
                                 on_prefill_progress=on_prefill_progress,
                                 device_loop=session.device_loop if on_device else None)
         except BaseException:
@@ -424,12 +501,29 @@ class Model:
         return int(max_tokens)
 
     def chat(self, system: str | None = None, *, tools: Sequence[dict] | None = None,
-             enable_thinking: bool | None = None, max_snapshots: int = 16, **sampling: Any) -> Chat:
+             enable_thinking: bool | None = None, max_snapshots: int = 16, prompt_cache: Session | None = None,
+             **sampling: Any) -> Chat:
         """A conversation that keeps its state between turns (see :class:`lily.Chat`)."""
         from lily.chat import Chat
 
         return Chat(self, system, tools=tools, enable_thinking=enable_thinking,
-                    max_snapshots=max_snapshots, **sampling)
+                    max_snapshots=max_snapshots, prompt_cache=prompt_cache, **sampling)
+
+
+def _cached_prefix(cache: Session, ids: np.ndarray) -> list[int]:
+    """The tokens of ``cache``, checked to be a proper prefix of the prompt ``ids``."""
+    if not isinstance(cache, Session):
+        raise RequestError(f"[generate] prompt_cache must be a lily.Session, got {type(cache).__name__}")
+    cached = cache.tokens
+    prompt = ids.tolist()
+    if len(prompt) <= len(cached) or prompt[: len(cached)] != cached:
+        same = next((i for i, (a, b) in enumerate(zip(prompt, cached, strict=False)) if a != b),
+                    min(len(prompt), len(cached)))
+        raise RequestError(
+            f"[generate] the prompt ({len(prompt)} tokens) does not extend the prompt cache ({len(cached)} tokens): "
+            + (f"they differ at token {same}" if same < min(len(prompt), len(cached)) else
+               "the prompt must add at least one token to the cached ones"))
+    return cached
 
 
 def demo_model_path() -> Path:

@@ -16,18 +16,53 @@ budget, the best-matching one reused per request, least recently used evicted fi
 
 Memory: a sequence's ``nbytes`` counts its native state (KV cache as allocated plus recurrent
 state) and its snapshots (recurrent state only, no KV).
+
+Disk (``lily serve --prompt-cache-dir``): a ``DiskCache`` under the ``PrefixCache`` keeps the
+sequences evicted from memory, and at shutdown all of them, as session files
+(lily.session_file: tokens, KV and recurrent state, and the recurrent state of each snapshot),
+within a byte budget of its own, least recently used deleted first. At start it indexes the
+files it finds (header and token ids only); a request whose prompt a file serves better than
+any sequence in memory loads it — after the full checks and the checksum, so a truncated,
+corrupted or foreign file is skipped with a warning and never reaches the engine — and the
+file leaves the disk tier (its sequence is in memory now, and goes back to disk when evicted).
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
 import threading
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lily import session_file
+from lily._core import CheckpointError, ConfigError, RequestError
+
 if TYPE_CHECKING:
     from lily.model import Model, Session
+
+
+log = logging.getLogger("lily.prefix_cache")
+
+
+def reusable_prefix(tokens: Sequence[int], snapshot_positions: Sequence[int], ids: Sequence[int]) -> int:
+    """Tokens of prompt ``ids`` a sequence holding ``tokens`` (with snapshots at the ascending
+    ``snapshot_positions``) can keep: all of ``tokens`` when ``ids`` extends them, else the
+    latest snapshot at or before the first difference. At least one prompt token is always
+    left to prefill: its logits start the generation."""
+    limit = min(len(ids) - 1, len(tokens))
+    common = 0
+    while common < limit and tokens[common] == ids[common]:
+        common += 1
+    if common == len(tokens):
+        return common
+    return max((p for p in snapshot_positions if p <= common), default=0)
 
 
 class CachedSequence:
@@ -39,6 +74,17 @@ class CachedSequence:
         self.session: Session = model.session(max_context)
         self.tokens: list[int] = []  # tokens the state has processed, in order
         self.snapshots: list = []  # native Snapshots, ascending position
+
+    @classmethod
+    def from_session(cls, session: Session, max_snapshots: int = 16) -> CachedSequence:
+        """A sequence continuing ``session`` (which it takes over), with a snapshot at its end
+        so a later prompt that diverges after it still reuses it."""
+        seq = cls.__new__(cls)
+        seq.model, seq.max_snapshots, seq.session = session._model, max_snapshots, session
+        seq.tokens, seq.snapshots = session.tokens, []
+        if seq.tokens:
+            seq.take_snapshot()
+        return seq
 
     @property
     def max_context(self) -> int:
@@ -83,38 +129,24 @@ class CachedSequence:
 
     # -- prefix matching -------------------------------------------------------------------
 
-    def _common(self, ids: Sequence[int]) -> int:
-        # Keep >= 1 token of the prompt to prefill: its logits start the generation.
-        limit = min(len(ids) - 1, len(self.tokens))
-        common = 0
-        while common < limit and self.tokens[common] == ids[common]:
-            common += 1
-        return common
-
     def reusable(self, ids: Sequence[int]) -> int:
         """Prompt tokens ``rewind(ids)`` would keep (no state change)."""
         self._sync()
-        common = self._common(ids)
-        if common == len(self.tokens):
-            return common
-        for snap in reversed(self.snapshots):
-            if snap.position <= common:
-                return snap.position
-        return 0
+        return reusable_prefix(self.tokens, [s.position for s in self.snapshots], ids)
 
     def rewind(self, ids: Sequence[int]) -> int:
         """Brings the state to the longest reusable prefix of ``ids``; returns its length."""
-        self._sync()
-        common = self._common(ids)
-        if common == len(self.tokens):
-            return common
-        # The state holds tokens past the common prefix: go back to a snapshot at or before it.
-        while self.snapshots and self.snapshots[-1].position > common:
+        keep = self.reusable(ids)
+        if keep == len(self.tokens):
+            return keep
+        # The state holds tokens past the reusable prefix: go back to the snapshot there.
+        while self.snapshots and self.snapshots[-1].position > keep:
             self.snapshots.pop()
         if self.snapshots:
             snap = self.snapshots[-1]
             self.session._state.restore(snap)
             del self.tokens[snap.position :]
+            del self.session._tokens[snap.position :]  # the session's own record (Session.save)
             return snap.position
         self.reset()
         return 0
@@ -122,6 +154,126 @@ class CachedSequence:
     def reset(self) -> None:
         self.session = self.model.session(self.session.max_context)
         self.tokens, self.snapshots = [], []
+
+    # -- files (the server's disk tier) --------------------------------------------------------
+
+    def saved_state(self) -> session_file.SavedState:
+        """The sequence as lily.session_file writes it: tokens, state, each snapshot's recurrent state."""
+        self._sync()
+        state = self.session._state
+        with self.model._lock:
+            tensors = state.export_tensors()
+            snapshots = {}
+            for snap in self.snapshots:
+                try:
+                    snapshots[snap.position] = state.export_tensors(snap, with_kv=False)
+                except RequestError:
+                    continue  # stale (the sequence was rolled back past it): rewind() never uses it either
+        return session_file.SavedState(np.asarray(self.tokens, np.int32), tensors, snapshots)
+
+    @classmethod
+    def from_saved(cls, model: Model, saved: session_file.SavedState, max_context: int | None,
+                   max_snapshots: int, source: str) -> CachedSequence:
+        """The sequence a ``saved_state()`` came from, snapshots included."""
+        seq = cls.from_session(model._session_from(saved, max_context, source), max_snapshots)
+        state = seq.session._state
+        with model._lock:
+            earlier = [state.snapshot_from_tensors(p, saved.snapshots[p]) for p in sorted(saved.snapshots)
+                       if p < saved.position]
+        seq.snapshots = (earlier + seq.snapshots)[-max_snapshots:]
+        return seq
+
+
+@dataclass
+class _DiskEntry:
+    tokens: list[int]
+    snapshot_positions: list[int]
+    nbytes: int
+    last_used: float
+
+
+class DiskCache:
+    """Session files of evicted sequences in ``directory``, within ``budget_bytes`` (least
+    recently used deleted first). Files are named by a hash of their tokens; other files in
+    the directory are left alone, and unreadable or foreign session files are skipped (with
+    a warning) and left in place. Not thread-safe: the PrefixCache's lock guards it."""
+
+    def __init__(self, model: Model, directory: str | os.PathLike, budget_bytes: int):
+        self.model = model
+        self.directory = Path(directory)
+        self.budget_bytes = int(budget_bytes)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._index: dict[Path, _DiskEntry] = {}
+        self.loads = 0
+        self.writes = 0
+        self.skipped = 0  # files found unusable (at start or when loaded)
+        for path in sorted(self.directory.glob("*.safetensors")):
+            try:
+                tokens, snaps = session_file.peek(path, model)
+            except (CheckpointError, ConfigError) as e:
+                self._skip(path, e)
+                continue
+            st = path.stat()
+            self._index[path] = _DiskEntry(tokens, snaps, st.st_size, st.st_mtime)
+        self._fit()
+        if self._index:
+            log.info("prompt cache: %d sequences on disk in %s (%.1f MiB)", len(self._index), self.directory,
+                     self.nbytes / 2**20)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._index.values())
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _skip(self, path: Path, error: Exception) -> None:
+        self.skipped += 1
+        log.warning("prompt cache: skipping %s: %s", path, error)
+
+    def best(self, ids: Sequence[int]) -> tuple[Path | None, int]:
+        """The file whose sequence can keep the most of prompt ``ids``, and how many tokens."""
+        best, best_len = None, 0
+        for path, e in self._index.items():
+            n = reusable_prefix(e.tokens, e.snapshot_positions, ids)
+            if n > best_len:
+                best, best_len = path, n
+        return best, best_len
+
+    def take(self, path: Path, max_context: int | None, max_snapshots: int) -> CachedSequence | None:
+        """The sequence in ``path``, which leaves the disk tier; None (with a warning) if the file
+        fails the checks (checksum included) or no longer fits this model's context."""
+        self._index.pop(path, None)
+        try:
+            saved = session_file.read(path, self.model)
+            seq = CachedSequence.from_saved(self.model, saved, max_context, max_snapshots, str(path))
+        except (CheckpointError, ConfigError, RequestError) as e:
+            self._skip(path, e)
+            return None
+        path.unlink(missing_ok=True)
+        self.loads += 1
+        return seq
+
+    def put(self, seq: CachedSequence) -> None:
+        """Writes ``seq`` (not in use by any request) as the most recently used file."""
+        saved = seq.saved_state()
+        if not saved.position:
+            return
+        path = self.directory / f"{hashlib.sha256(saved.tokens.tobytes()).hexdigest()[:32]}.safetensors"
+        try:
+            size = session_file.write(path, self.model, saved)
+        except OSError as e:
+            log.warning("prompt cache: could not write %s: %s", path, e)
+            return
+        self.writes += 1
+        self._index[path] = _DiskEntry(saved.tokens.tolist(), sorted(saved.snapshots), size, time.time())
+        self._fit()
+
+    def _fit(self) -> None:
+        while self._index and self.nbytes > self.budget_bytes:
+            oldest = min(self._index, key=lambda p: self._index[p].last_used)
+            del self._index[oldest]
+            oldest.unlink(missing_ok=True)
 
 
 class PrefixCache:
@@ -135,7 +287,10 @@ class PrefixCache:
 
     def __init__(self, model: Model, budget_bytes: int, *, max_context: int | None = None,
                  max_snapshots: int = 8, min_reuse: int = 1):
+        """Attach a :class:`DiskCache` as ``disk`` (lily serve --prompt-cache-dir) to keep
+        evicted sequences on disk; ``spill()`` writes the rest there at shutdown."""
         self.model = model
+        self.disk: DiskCache | None = None
         self.budget_bytes = int(budget_bytes)
         self.max_context = max_context or model.max_context
         self.max_snapshots = max_snapshots
@@ -161,6 +316,13 @@ class PrefixCache:
                 n = e.reusable(ids)
                 if n > best_len:
                     best, best_len = e, n
+            if self.disk is not None and self.budget_bytes > 0:
+                path, n = self.disk.best(ids)
+                if path is not None and n > best_len and n >= self.min_reuse:
+                    loaded = self.disk.take(path, self.max_context, self.max_snapshots)
+                    if loaded is not None:
+                        self.hits += 1
+                        return loaded, loaded.rewind(ids)
             if best is not None and best_len >= self.min_reuse and self.budget_bytes > 0:
                 self._entries.remove(best)
                 self.hits += 1
@@ -175,8 +337,17 @@ class PrefixCache:
                 return
             self._entries.append(seq)
             while self._entries and self.nbytes > self.budget_bytes:
-                self._entries.pop(0)
+                evicted = self._entries.pop(0)
                 self.evictions += 1
+                if self.disk is not None:
+                    self.disk.put(evicted)
+
+    def spill(self) -> None:
+        """Writes every sequence in memory to the disk tier (at shutdown), most recent last."""
+        with self._lock:
+            if self.disk is not None:
+                for seq in self._entries:
+                    self.disk.put(seq)
 
     def clear(self) -> None:
         with self._lock:

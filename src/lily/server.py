@@ -42,6 +42,7 @@ import numpy as np
 
 from lily._core import LilyError
 from lily.generation import sampling_params
+from lily.prefix_cache import DiskCache
 from lily.scheduler import Job, Scheduler
 from lily.server_limits import ServerLimits, limited_protocol
 from lily.tokenizer import PromptTooLong
@@ -183,7 +184,8 @@ class Server:
 
     def __init__(self, model, *, model_id: str, api_key: str | None = None, max_queue: int = 64,
                  cache_bytes: int = 1 << 30, default_max_tokens: int | None = None,
-                 limits: ServerLimits | None = None):
+                 limits: ServerLimits | None = None, cache_dir: str | None = None,
+                 cache_disk_bytes: int = 10 << 30):
         self.model = model
         self.model_id = model_id
         self.api_key = api_key
@@ -192,6 +194,8 @@ class Server:
         self.open_connections: Callable[[], int | None] = lambda: None  # set by serve()
         self.created = int(time.time())
         self.scheduler = Scheduler(model, max_queue=max_queue, cache_bytes=cache_bytes)
+        if cache_dir is not None:  # the prompt cache's disk tier (lily.prefix_cache.DiskCache)
+            self.scheduler.cache.disk = DiskCache(model, cache_dir, cache_disk_bytes)
 
     # -- shared request handling -------------------------------------------------------------
 
@@ -348,7 +352,10 @@ class Server:
             "last_cancel_tokens": st.last_cancel_tokens,
             "connections": self.open_connections(),
             "cache": {"sequences": len(s.cache), "bytes": s.cache.nbytes, "budget_bytes": s.cache.budget_bytes,
-                      "hits": s.cache.hits, "misses": s.cache.misses, "evictions": s.cache.evictions},
+                      "hits": s.cache.hits, "misses": s.cache.misses, "evictions": s.cache.evictions,
+                      "disk": None if (d := s.cache.disk) is None else {
+                          "sequences": len(d), "bytes": d.nbytes, "budget_bytes": d.budget_bytes,
+                          "loads": d.loads, "writes": d.writes, "skipped_files": d.skipped}},
         })
 
     async def models(self, request: Request):
@@ -790,6 +797,7 @@ def build_app(server: Server) -> Starlette:
     async def lifespan(app):
         yield
         server.scheduler.shutdown()
+        server.scheduler.cache.spill()  # the disk tier, if any, keeps the prompt cache for the next start
 
     app = Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
                                                        Exception: on_error}, lifespan=lifespan)
@@ -799,13 +807,15 @@ def build_app(server: Server) -> Starlette:
 
 def serve(model, *, model_id: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_queue: int = 64, cache_bytes: int = 1 << 30, log_level: str = "info",
-          default_max_tokens: int | None = None, limits: ServerLimits | None = None) -> None:
+          default_max_tokens: int | None = None, limits: ServerLimits | None = None, cache_dir: str | None = None,
+          cache_disk_bytes: int = 10 << 30) -> None:
     """Runs the server until interrupted."""
     import uvicorn
 
     limits = limits or ServerLimits()
     server = Server(model, model_id=model_id, api_key=api_key, max_queue=max_queue, cache_bytes=cache_bytes,
-                    default_max_tokens=default_max_tokens, limits=limits)
+                    default_max_tokens=default_max_tokens, limits=limits, cache_dir=cache_dir,
+                    cache_disk_bytes=cache_disk_bytes)
     # uvicorn's h11 protocol with read deadlines, a connection cap and small send buffers
     # (lily.server_limits: uvicorn has no deadline for reading a request).
     protocol = limited_protocol(limits)
