@@ -24,11 +24,14 @@ from lily.generation import (
     check_stop,
     check_type,
     device_loop_allowed,
+    logit_bias_pairs,
     sampling_params,
+    stop_token_list,
     token_loop,
 )
 from lily.generation_config import GenerationDefaults, load_generation_config
 from lily.hub import resolve_model_path
+from lily.structured import compile_constraint, grammar_for
 from lily.tokenizer import Tokenizer
 from lily.tool_calls import opens_reasoning
 
@@ -56,6 +59,11 @@ if TYPE_CHECKING:
         tools: Sequence[dict] | None
         enable_thinking: bool | None
         on_prefill_progress: Callable[[int, int], None] | None
+        logit_bias: dict[int, float] | None
+        stop_token_ids: Sequence[int] | None
+        json_schema: dict | bool | None
+        regex: str | None
+        grammar: str | None
 
 
 # "msl-cpu" runs the Metal backend's dispatch sequence on the MSL-on-CPU runtime (tests; slow);
@@ -362,6 +370,11 @@ class Model:
         tools: Sequence[dict] | None = None,
         enable_thinking: bool | None = None,
         on_prefill_progress: Callable[[int, int], None] | None = None,
+        logit_bias: dict[int, float] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        json_schema: dict | bool | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
     ) -> GenerationResult | GenerationStream:
         """Generates a continuation of ``prompt``: a string, a list of OpenAI-format chat
         messages (rendered with the checkpoint's chat template), or token ids.
@@ -372,6 +385,15 @@ class Model:
         model runs one generation at a time, and this thread's earlier stream, if still open,
         is ended (finish_reason "cancelled") before this one starts.
         ``on_prefill_progress(done, total)`` is called after each prefill chunk (progress bars).
+        ``logit_bias``: {token id: bias} added to those tokens' logits before sampling (OpenAI's
+        logit_bias; -100 all but bans a token). ``stop_token_ids``: token ids that end generation
+        as EOS does (finish_reason "stop"; the token is not in the output).
+        Structured output (at most one of): ``json_schema`` (a JSON Schema dict, or True for any
+        JSON object), ``regex`` (the whole output matches it) or ``grammar`` (a Lark or GBNF
+        grammar); each token is chosen among those that keep the output valid (llguidance, the
+        ``structured`` extra). A schema, regex or grammar the library rejects is a RequestError
+        (a ValueError) naming the problem. For a chat prompt that opens a ``<think>`` block the
+        constraint applies after it closes. ``max_tokens`` can still cut a document short.
         The result's ``content`` / ``reasoning`` / ``tool_calls`` split the text of a chat
         prompt (the ``<think>`` block and tool calls); for other prompts ``content`` is the text.
         """
@@ -389,6 +411,12 @@ class Model:
                  frequency_penalty=frequency_penalty, seed=seed),
             logprobs,
         )
+        vocab = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
+        bias = logit_bias_pairs(logit_bias, vocab)
+        eos_ids = self.eos_token_ids + tuple(stop_token_list(stop_token_ids, vocab))
+        rules = grammar_for(json_schema=json_schema, regex=regex, grammar=grammar)
+        constraint = None if rules is None else compile_constraint(
+            self.tokenizer, rules, eos_ids, thinking=rendered is not None and opens_reasoning(rendered))
         max_tokens = min(max_tokens, self.max_context - int(ids.size))
         session = self.session(int(ids.size) + max_tokens)
         stats = GenerationStats(prompt_tokens=int(ids.size))
@@ -397,13 +425,14 @@ class Model:
         self._generation.acquire()
         try:
             # GPU backends choose each token on the device and feed it to the next step there, unless
-            # the request needs the logits on the host (penalties, logprobs).
+            # the request needs the logits on the host (penalties, logprobs, logit_bias, structured output).
             on_device = device_loop_allowed(params, want_lp)
             chunks = token_loop(session.prefill, session.decode, ids, chunk=self._engine.prefill_chunk,
-                                params=params, max_tokens=max_tokens, eos_ids=self.eos_token_ids,
+                                params=params, max_tokens=max_tokens, eos_ids=eos_ids,
                                 detokenizer=detok, stop=stop, want_logprobs=want_lp, history=(), stats=stats,
                                 on_prefill_progress=on_prefill_progress,
-                                device_loop=session.device_loop if on_device else None)
+                                device_loop=session.device_loop if on_device else None,
+                                logit_bias=bias, constraint=constraint)
         except BaseException:
             self._generation.release()
             raise

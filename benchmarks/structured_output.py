@@ -1,0 +1,130 @@
+"""Structured output: which constrained-decoding library computes lily's per-token mask.
+
+llguidance and xgrammar are the two that llama.cpp, vLLM and SGLang support. Both compile a
+JSON Schema (or regex / grammar) against a tokenizer and, at each decoding step, fill a bitmask
+of the tokens that keep the output valid; lily's sampler takes that bitmask
+(``Sampler.set_allowed_tokens``). This script measures, for each library and tokenizer:
+
+- setup: building the library's tokenizer index (once per model),
+- compile: turning the schema into a matcher (once per request; the libraries cache grammars,
+  this is the first-time cost),
+- mask: computing the bitmask for one step (every generated token), walked along the tokens of
+  a valid document, consuming each token after its mask.
+
+Tokenizers: the demo model's (4K tokens) and the Qwen3.5 / Qwen3.6 tokenizer (248K tokens,
+built by scripts/make_tokenizer.py), the one real checkpoints use.
+
+    PYTHONPATH=src python benchmarks/structured_output.py [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+DOCUMENT = {"name": "Ada Lovelace", "age": 36, "role": "admin", "tags": ["math", "engines", "poetry"],
+            "address": {"city": "London", "zip": "W1"}}
+
+
+def hf_tokenizer(path: Path):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), eos_token="<|im_end|>")
+
+
+def run_llguidance(tok, text: str, eos: int):
+    import llguidance
+    import llguidance.hf
+    import llguidance.numpy
+
+    t0 = time.perf_counter()
+    lltok = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok), eos_token=eos)
+    setup = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_json_schema(SCHEMA), log_level=0)
+    compile_s = time.perf_counter() - t0
+    assert not matcher.is_error(), matcher.get_error()
+    mask = llguidance.numpy.allocate_token_bitmask(1, len(tok))
+    times = []
+    for t in tok.encode(text) + [eos]:
+        t0 = time.perf_counter()
+        llguidance.numpy.fill_next_token_bitmask(matcher, mask)
+        times.append(time.perf_counter() - t0)
+        assert mask[0, t // 32] >> (t % 32) & 1, f"llguidance masked token {t} of the valid document"
+        assert matcher.consume_token(t), matcher.get_error()
+    return setup, compile_s, times
+
+
+def run_xgrammar(tok, text: str, eos: int):
+    import xgrammar as xgr
+
+    t0 = time.perf_counter()
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok), stop_token_ids=[eos])
+    compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+    setup = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    matcher = xgr.GrammarMatcher(compiler.compile_json_schema(json.dumps(SCHEMA)))
+    compile_s = time.perf_counter() - t0
+    mask = xgr.allocate_token_bitmask(1, len(tok))
+    times = []
+    for t in tok.encode(text) + [eos]:
+        t0 = time.perf_counter()
+        matcher.fill_next_token_bitmask(mask)
+        times.append(time.perf_counter() - t0)
+        assert int(mask[0, t // 32]) >> (t % 32) & 1, f"xgrammar masked token {t} of the valid document"
+        assert matcher.accept_token(t)
+    return setup, compile_s, times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=3, help="runs per library and tokenizer (best kept)")
+    args = ap.parse_args()
+    from make_tokenizer import ensure_tokenizer
+
+    from lily.model import demo_model_path
+
+    text = json.dumps(DOCUMENT)
+    tokenizers = {"demo (4K)": demo_model_path(), "Qwen3.5/3.6 (248K)": Path(ensure_tokenizer())}
+    print("| tokenizer | library | setup | compile | mask per token: median | mean | max | tokens |")
+    print("|---|---|---|---|---|---|---|---|")
+    for tname, path in tokenizers.items():
+        tok = hf_tokenizer(path)
+        eos = tok.convert_tokens_to_ids("<|im_end|>")
+        for lname, fn in (("llguidance", run_llguidance), ("xgrammar", run_xgrammar)):
+            runs = [fn(tok, text, eos) for _ in range(args.repeat)]
+            setup = min(r[0] for r in runs)
+            compile_s = min(r[1] for r in runs)
+            per_step = np.min(np.array([r[2] for r in runs]), axis=0)  # best of the runs, per step
+            print(f"| {tname} | {lname} | {setup * 1e3:.0f} ms | {compile_s * 1e3:.1f} ms | "
+                  f"{statistics.median(per_step) * 1e6:.0f} us | {per_step.mean() * 1e6:.0f} us | "
+                  f"{per_step.max() * 1e6:.0f} us | {len(per_step)} |")
+
+
+if __name__ == "__main__":
+    main()

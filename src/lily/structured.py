@@ -1,0 +1,134 @@
+"""Structured output: a per-step token mask from a JSON Schema, a regex or a grammar.
+
+The mask comes from llguidance (the ``structured`` extra; chosen over xgrammar by
+benchmarks/structured_output.py: both compute a step's mask in microseconds, far below a decode
+step, and llguidance has no dependencies where xgrammar needs torch, triton and transformers).
+At each step the token loop asks the :class:`TokenConstraint` for the mask, hands it to the
+sampler (``Sampler.set_allowed_tokens``: disallowed tokens are never drawn, never the argmax,
+and logprobs are those of the masked distribution), and feeds the sampled token back. Once the
+document is complete the mask allows only the end-of-sequence tokens, so generation stops there.
+
+A thinking prompt (one that opens ``<think>``) is left free until the model closes the block:
+the constraint applies to the answer, not to the reasoning.
+
+The library's tokenizer index is built once per tokenizer (seconds for a 248K vocabulary,
+lazily, on the first constrained request) and kept on the :class:`lily.tokenizer.Tokenizer`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from lily._core import RequestError
+
+_INDEX_LOCK = threading.Lock()
+
+# JSON is written in one layout, json.dumps' default (`{"a": 1, "b": [2, 3]}`): with free
+# whitespace (llguidance's default) a small or unsure model can pad with spaces and newlines
+# until max_tokens, and a fixed layout also makes outputs reproducible.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise RequestError('[generate] structured output needs llguidance: pip install ".[structured]" in a lily '
+                           "checkout (or pip install llguidance)") from None
+    return llguidance
+
+
+def _index(tokenizer, eos_ids: Sequence[int]):
+    """llguidance's tokenizer index for ``tokenizer`` (cached on it, per set of EOS ids)."""
+    llg = _llguidance()
+    key = tuple(sorted(eos_ids))
+    with _INDEX_LOCK:
+        cache = tokenizer.__dict__.setdefault("_llguidance_index", {})
+        if key not in cache:
+            cache[key] = llg.LLTokenizer(tokenizer.to_json(), n_vocab=tokenizer.vocab_size, eos_token=list(key))
+        return cache[key]
+
+
+def grammar_for(*, json_schema: Any = None, regex: str | None = None, grammar: str | None = None,
+                where: str = "generate") -> str | None:
+    """The llguidance grammar for at most one of ``json_schema`` (a dict, or True for any JSON
+    object), ``regex`` or ``grammar`` (Lark or GBNF text); None when none is given."""
+    given = [n for n, v in (("json_schema", json_schema), ("regex", regex), ("grammar", grammar)) if v is not None]
+    if len(given) > 1:
+        raise RequestError(f"[{where}] give at most one of json_schema, regex and grammar, got {', '.join(given)}")
+    if not given:
+        return None
+    llg = _llguidance()
+    if json_schema is not None:
+        if json_schema is True:
+            json_schema = {"type": "object"}
+        if not isinstance(json_schema, dict):
+            raise RequestError(f"[{where}] json_schema must be a dict (a JSON Schema), got {type(json_schema).__name__}")
+        try:
+            text = json.dumps(json_schema)
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"[{where}] json_schema is not JSON: {e}") from None
+        return llg.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_LAYOUT)
+    if regex is not None:
+        if not isinstance(regex, str):
+            raise RequestError(f"[{where}] regex must be a string, got {type(regex).__name__}")
+        return llg.LLMatcher.grammar_from_regex(regex)
+    if not isinstance(grammar, str):
+        raise RequestError(f"[{where}] grammar must be a string (Lark or GBNF), got {type(grammar).__name__}")
+    try:
+        return llg.grammar_from("grammar", grammar)
+    except ValueError as e:
+        raise RequestError(f"[{where}] grammar: {e}") from None
+
+
+class TokenConstraint:
+    """One request's grammar state: the mask for the next token, advanced token by token.
+
+    Built by :func:`compile_constraint` (which checks the grammar first). ``wait_for`` is a
+    token id (``</think>``) before which tokens are unconstrained, or None."""
+
+    def __init__(self, matcher, vocab_size: int, wait_for: int | None):
+        self._matcher = matcher
+        self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.uint32)  # [ceil(V / 32)] mask words
+        self._waiting = wait_for is not None
+        self._wait_for = wait_for
+
+    def mask(self) -> np.ndarray | None:
+        """uint32 words, bit i of word i // 32 set where token i keeps the output valid; None
+        while unconstrained (before ``wait_for``)."""
+        if self._waiting:
+            return None
+        self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        if self._matcher.is_error():
+            raise RequestError(f"[structured] {self._matcher.get_error()}")
+        return self._bits
+
+    def consume(self, token: int) -> None:
+        if self._waiting:
+            self._waiting = token != self._wait_for
+            return
+        if not self._matcher.consume_token(token):
+            raise RequestError(f"[structured] token {token} does not fit the grammar: {self._matcher.get_error()}")
+
+
+def compile_constraint(tokenizer, grammar: str, eos_ids: Sequence[int], *, thinking: bool,
+                       where: str = "generate") -> TokenConstraint:
+    """A TokenConstraint for ``grammar`` (from :func:`grammar_for`); a grammar the library
+    rejects (an unsupported schema keyword, a bad regex) is a RequestError naming the problem."""
+    if tokenizer is None:
+        raise RequestError(f"[{where}] structured output needs a tokenizer")
+    llg = _llguidance()
+    index = _index(tokenizer, eos_ids)
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, index)
+    if is_error:
+        raise RequestError(f"[{where}] the grammar was rejected: {messages[0]}")
+    matcher = llg.LLMatcher(index, grammar, log_level=0)
+    if matcher.is_error():
+        raise RequestError(f"[{where}] the grammar was rejected: {matcher.get_error()}")
+    wait_for = tokenizer.token_to_id("</think>") if thinking else None
+    return TokenConstraint(matcher, tokenizer.vocab_size, wait_for)
