@@ -40,6 +40,7 @@ import numpy as np
 
 from lily.generation import GenerationStats, result_from, token_loop
 from lily.prefix_cache import PrefixCache
+from lily.structured import TokenConstraint
 
 
 class Cancelled(Exception):
@@ -62,6 +63,9 @@ class Job:
     cancel_time: float | None = None
     cancel_reason: str | None = None
     enqueued: float = field(default_factory=time.perf_counter)
+    logit_bias: Sequence[tuple[int, float]] = ()  # (token id, bias) pairs
+    stop_token_ids: Sequence[int] = ()  # end generation as EOS does
+    constraint: TokenConstraint | None = None  # structured output (lily.structured)
 
     def __post_init__(self):
         self._room = threading.Semaphore(self.buffer_chunks)
@@ -202,9 +206,11 @@ class Scheduler:
 
             detok = model.tokenizer.detokenizer(skip_special_tokens=True) if model.tokenizer else None
             chunks = token_loop(prefill, decode, job.ids[reused:], chunk=model._engine.prefill_chunk,
-                                params=job.params, max_tokens=job.max_tokens, eos_ids=model.eos_token_ids,
+                                params=job.params, max_tokens=job.max_tokens,
+                                eos_ids=model.eos_token_ids + tuple(job.stop_token_ids),
                                 detokenizer=detok, stop=job.stop, want_logprobs=job.want_logprobs,
-                                history=seq.tokens[:reused], stats=stats, on_prefilled=seq.take_snapshot)
+                                history=seq.tokens[:reused], stats=stats, on_prefilled=seq.take_snapshot,
+                                logit_bias=job.logit_bias, constraint=job.constraint)
             texts: list[str] = []
             tokens: list[int] = []
             lps: list[dict] = []

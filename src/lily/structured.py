@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -54,8 +54,15 @@ def _index(tokenizer, eos_ids: Sequence[int]):
         return cache[key]
 
 
+class Grammar(NamedTuple):
+    """An llguidance grammar and the argument it came from (for error messages)."""
+
+    source: str  # "json_schema", "regex" or "grammar"
+    text: str
+
+
 def grammar_for(*, json_schema: Any = None, regex: str | None = None, grammar: str | None = None,
-                where: str = "generate") -> str | None:
+                where: str = "generate") -> Grammar | None:
     """The llguidance grammar for at most one of ``json_schema`` (a dict, or True for any JSON
     object), ``regex`` or ``grammar`` (Lark or GBNF text); None when none is given."""
     given = [n for n, v in (("json_schema", json_schema), ("regex", regex), ("grammar", grammar)) if v is not None]
@@ -73,15 +80,15 @@ def grammar_for(*, json_schema: Any = None, regex: str | None = None, grammar: s
             text = json.dumps(json_schema)
         except (TypeError, ValueError) as e:
             raise RequestError(f"[{where}] json_schema is not JSON: {e}") from None
-        return llg.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_LAYOUT)
+        return Grammar("json_schema", llg.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_LAYOUT))
     if regex is not None:
         if not isinstance(regex, str):
             raise RequestError(f"[{where}] regex must be a string, got {type(regex).__name__}")
-        return llg.LLMatcher.grammar_from_regex(regex)
+        return Grammar("regex", llg.LLMatcher.grammar_from_regex(regex))
     if not isinstance(grammar, str):
         raise RequestError(f"[{where}] grammar must be a string (Lark or GBNF), got {type(grammar).__name__}")
     try:
-        return llg.grammar_from("grammar", grammar)
+        return Grammar("grammar", llg.grammar_from("grammar", grammar))
     except ValueError as e:
         raise RequestError(f"[{where}] grammar: {e}") from None
 
@@ -116,7 +123,7 @@ class TokenConstraint:
             raise RequestError(f"[structured] token {token} does not fit the grammar: {self._matcher.get_error()}")
 
 
-def compile_constraint(tokenizer, grammar: str, eos_ids: Sequence[int], *, thinking: bool,
+def compile_constraint(tokenizer, grammar: Grammar, eos_ids: Sequence[int], *, thinking: bool,
                        where: str = "generate") -> TokenConstraint:
     """A TokenConstraint for ``grammar`` (from :func:`grammar_for`); a grammar the library
     rejects (an unsupported schema keyword, a bad regex) is a RequestError naming the problem."""
@@ -124,11 +131,11 @@ def compile_constraint(tokenizer, grammar: str, eos_ids: Sequence[int], *, think
         raise RequestError(f"[{where}] structured output needs a tokenizer")
     llg = _llguidance()
     index = _index(tokenizer, eos_ids)
-    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, index)
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar.text, index)
     if is_error:
-        raise RequestError(f"[{where}] the grammar was rejected: {messages[0]}")
-    matcher = llg.LLMatcher(index, grammar, log_level=0)
+        raise RequestError(f"[{where}] llguidance rejects this {grammar.source}: {messages[0]}")
+    matcher = llg.LLMatcher(index, grammar.text, log_level=0)
     if matcher.is_error():
-        raise RequestError(f"[{where}] the grammar was rejected: {matcher.get_error()}")
+        raise RequestError(f"[{where}] llguidance rejects this {grammar.source}: {matcher.get_error()}")
     wait_for = tokenizer.token_to_id("</think>") if thinking else None
     return TokenConstraint(matcher, tokenizer.vocab_size, wait_for)
