@@ -9,12 +9,14 @@ of the tokens that keep the output valid; lily's sampler takes that bitmask
 - compile: turning the schema into a matcher (once per request; the libraries cache grammars,
   this is the first-time cost),
 - mask: computing the bitmask for one step (every generated token), walked along the tokens of
-  a valid document, consuming each token after its mask.
+  a valid document, consuming each token after its mask;
+- then lily's own loop on the demo model: milliseconds per decoded token with and without a
+  schema (everything structured output adds per token).
 
 Tokenizers: the demo model's (4K tokens) and the Qwen3.5 / Qwen3.6 tokenizer (248K tokens,
 built by scripts/make_tokenizer.py), the one real checkpoints use.
 
-    PYTHONPATH=src python benchmarks/structured_output.py [--repeat 3]
+    PYTHONPATH=src python benchmarks/structured_output.py [--repeat 3] [--skip-libraries]
 """
 
 from __future__ import annotations
@@ -101,10 +103,42 @@ def run_xgrammar(tok, text: str, eos: int):
     return setup, compile_s, times
 
 
+def lily_per_token(repeat: int) -> None:
+    """Time per generated token in lily's loop on the demo model (CPU backend), with and without
+    a JSON Schema: the whole cost of structured output (mask, bitmask copy, masked sampling).
+    Runs alternate, and the unconstrained ones have their end-of-sequence tokens banned
+    (logit_bias -100) so that both generate about as many tokens."""
+    import lily
+
+    model = lily.Model.load()
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    schema = json.loads(json.dumps(SCHEMA).replace('"type": "string"', '"type": "string", "maxLength": 24'))
+    no_eos = {t: -100.0 for t in model.eos_token_ids}
+    rows: dict[str, dict] = {"unconstrained": {"logit_bias": no_eos}, "json_schema": {"json_schema": schema}}
+    per_token: dict[str, list[float]] = {name: [] for name in rows}
+    tokens: dict[str, list[int]] = {name: [] for name in rows}
+    for seed in range(10 * repeat):
+        for name, extra in rows.items():
+            r = model.generate(messages, max_tokens=64, temperature=0.8, seed=seed, **extra)
+            per_token[name].append(1e3 / r.decode_tokens_per_s)
+            tokens[name].append(r.completion_tokens)
+    print("\n| lily, demo model, CPU | ms per decoded token (median of runs) | tokens per run (median) |")
+    print("|---|---|---|")
+    for name in rows:
+        print(f"| {name} | {statistics.median(per_token[name]):.2f} | {statistics.median(tokens[name]):.0f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=3, help="runs per library and tokenizer (best kept)")
+    ap.add_argument("--skip-libraries", action="store_true", help="only the lily loop measurement")
     args = ap.parse_args()
+    if not args.skip_libraries:
+        compare_libraries(args.repeat)
+    lily_per_token(args.repeat)
+
+
+def compare_libraries(repeat: int) -> None:
     from make_tokenizer import ensure_tokenizer
 
     from lily.model import demo_model_path
@@ -117,7 +151,7 @@ def main() -> None:
         tok = hf_tokenizer(path)
         eos = tok.convert_tokens_to_ids("<|im_end|>")
         for lname, fn in (("llguidance", run_llguidance), ("xgrammar", run_xgrammar)):
-            runs = [fn(tok, text, eos) for _ in range(args.repeat)]
+            runs = [fn(tok, text, eos) for _ in range(repeat)]
             setup = min(r[0] for r in runs)
             compile_s = min(r[1] for r in runs)
             per_step = np.min(np.array([r[2] for r in runs]), axis=0)  # best of the runs, per step
