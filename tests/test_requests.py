@@ -392,3 +392,16 @@ def test_server_rejected_schema_is_400(loop, app, rf, match):
     status, resp = _post(loop, app, CHAT, {"messages": HI, "max_tokens": 5, "response_format": rf})
     assert status == 400, resp
     assert match in resp["error"]["message"] and resp["error"]["param"].startswith("response_format")
+
+
+def test_chat_turns_take_the_same_rules(model):
+    """Chat.send takes logit_bias, stop_token_ids and structured output per turn, as generate does."""
+    chat = model.chat()
+    r = chat.send("A pet, as JSON.", json_schema=PET, max_tokens=300, temperature=0)
+    jsonschema.validate(json.loads(r.content), PET)
+    assert chat.messages[-1]["content"] == r.content
+    r = chat.send("Yes or no?", regex=r"(yes|no)", max_tokens=5, temperature=1.0, seed=1)
+    assert r.content in ("yes", "no")
+    with pytest.raises(lily.RequestError, match="logit_bias"):
+        chat.send("Hi", logit_bias={-1: 2.0})
+    assert chat.messages[-1]["content"] == r.content  # the refused turn left nothing behind

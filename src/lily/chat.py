@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "seed")
+# Per-request token rules, as Model.generate takes them (Model._token_rules checks them).
+_RULE_KEYS = ("logit_bias", "stop_token_ids", "json_schema", "regex", "grammar")
 
 
 class Chat:
@@ -54,7 +56,7 @@ class Chat:
 
     def __init__(self, model: Model, system: str | None = None, *, tools: Sequence[dict] | None = None,
                  enable_thinking: bool | None = None, max_snapshots: int = 16, **sampling: Any):
-        unknown = set(sampling) - set(_SAMPLING_KEYS) - {"max_tokens", "stop", "logprobs"}
+        unknown = set(sampling) - set(_SAMPLING_KEYS) - set(_RULE_KEYS) - {"max_tokens", "stop", "logprobs"}
         if unknown:
             raise RequestError(f"[chat] unknown sampling argument(s): {', '.join(sorted(unknown))}")
         if max_snapshots < 1:
@@ -148,6 +150,7 @@ class Chat:
         stop = opts.pop("stop", None)
         check_stop(stop)
         logprobs = opts.pop("logprobs", None)
+        rules = {k: opts.pop(k) for k in _RULE_KEYS if k in opts}
         unknown = set(opts) - set(_SAMPLING_KEYS)
         if unknown:
             raise RequestError(f"[chat] unknown sampling argument(s): {', '.join(sorted(unknown))}")
@@ -160,6 +163,7 @@ class Chat:
             raise RequestError(f"[chat] the conversation has {len(ids)} tokens; the context holds "
                                f"{seq.max_context}")
         max_tokens = min(max_tokens, seq.max_context - len(ids))
+        bias, eos_ids, constraint = model._token_rules(rules, thinking=opens_reasoning(text), where="chat")
 
         model._generation.acquire()
         try:
@@ -172,7 +176,7 @@ class Chat:
         want_lp = bool(logprobs)
 
         chunks = token_loop(seq.prefill, seq.decode, new, chunk=model._engine.prefill_chunk, params=params,
-                            max_tokens=max_tokens, eos_ids=model.eos_token_ids,
+                            max_tokens=max_tokens, eos_ids=eos_ids, logit_bias=bias, constraint=constraint,
                             detokenizer=model.tokenizer.detokenizer(skip_special_tokens=True), stop=stop,
                             want_logprobs=want_lp, history=seq.tokens[:reused], stats=stats,
                             on_prefilled=seq.take_snapshot)

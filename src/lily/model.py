@@ -411,12 +411,9 @@ class Model:
                  frequency_penalty=frequency_penalty, seed=seed),
             logprobs,
         )
-        vocab = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
-        bias = logit_bias_pairs(logit_bias, vocab)
-        eos_ids = self.eos_token_ids + tuple(stop_token_list(stop_token_ids, vocab))
-        rules = grammar_for(json_schema=json_schema, regex=regex, grammar=grammar)
-        constraint = None if rules is None else compile_constraint(
-            self.tokenizer, rules, eos_ids, thinking=rendered is not None and opens_reasoning(rendered))
+        bias, eos_ids, constraint = self._token_rules(
+            dict(logit_bias=logit_bias, stop_token_ids=stop_token_ids, json_schema=json_schema, regex=regex,
+                 grammar=grammar), thinking=rendered is not None and opens_reasoning(rendered))
         max_tokens = min(max_tokens, self.max_context - int(ids.size))
         session = self.session(int(ids.size) + max_tokens)
         stats = GenerationStats(prompt_tokens=int(ids.size))
@@ -441,6 +438,20 @@ class Model:
                                       token_text=self._token_text, chat=rendered is not None, tools=tools,
                                       reasoning_started=rendered is not None and opens_reasoning(rendered))
         return stream_obj if stream else stream_obj.drain()
+
+    def _token_rules(self, options: dict[str, Any], *, thinking: bool, where: str = "generate"):
+        """(logit bias pairs, end-of-sequence ids, structured-output constraint or None) from the
+        request options ``logit_bias``, ``stop_token_ids``, ``json_schema``, ``regex``,
+        ``grammar`` (checked here; see :meth:`generate`). ``thinking``: the prompt opens a
+        ``<think>`` block, which the constraint leaves free."""
+        vocab = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
+        bias = logit_bias_pairs(options.get("logit_bias"), vocab, where)
+        eos_ids = self.eos_token_ids + tuple(stop_token_list(options.get("stop_token_ids"), vocab, where))
+        rules = grammar_for(json_schema=options.get("json_schema"), regex=options.get("regex"),
+                            grammar=options.get("grammar"), where=where)
+        constraint = None if rules is None else compile_constraint(self.tokenizer, rules, eos_ids, thinking=thinking,
+                                                                   where=where)
+        return bias, eos_ids, constraint
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else ""
