@@ -110,11 +110,11 @@ UNSUPPORTED = [
     (CHAT, "moderation", {"model": "omni-moderation-latest"}),
     (CHAT, "functions", [{"name": "f", "parameters": {"type": "object"}}]),
     (CHAT, "function_call", "auto"),
-    (CHAT, "n", 2),
+    (CHAT, "n", 17),
     (COMPLETIONS, "echo", True),
     (COMPLETIONS, "suffix", "x"),
     (COMPLETIONS, "best_of", 2),
-    (COMPLETIONS, "n", 3),
+    (COMPLETIONS, "n", 0),
 ]
 
 
@@ -124,6 +124,7 @@ def test_unsupported_openai_field_is_400_naming_it(loop, app, path, field, value
     status, resp = _post(loop, app, path, {**base, "max_tokens": 1, field: value})
     assert status == 400, resp
     assert f"'{field}'" in resp["error"]["message"] and resp["error"]["param"] == field
+    assert status == 400 and resp["error"]["code"] in ("unsupported_parameter", "invalid_value")
 
 
 def test_strict_tools_are_refused(loop, app):
@@ -405,3 +406,70 @@ def test_chat_turns_take_the_same_rules(model):
     with pytest.raises(lily.RequestError, match="logit_bias"):
         chat.send("Hi", logit_bias={-1: 2.0})
     assert chat.messages[-1]["content"] == r.content  # the refused turn left nothing behind
+
+
+# -- n > 1 ---------------------------------------------------------------------------------------
+
+
+def _sse_events(raw: bytes) -> list[dict]:
+    return [json.loads(line[5:]) for line in raw.decode().splitlines()
+            if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+
+
+def test_n_choices_are_independent_generations_from_one_prefill(loop, app, model, monkeypatch):
+    """Choice i = the Python API's generation with seed + i from a fresh state; the prompt is
+    prefilled once (later choices prefill only its last token, for its logits)."""
+    from lily.prefix_cache import CachedSequence
+
+    messages = [{"role": "user", "content": "Tell me a story about a fox and a crow."}]
+    want = [model.generate(messages, max_tokens=12, temperature=1.0, seed=5 + i) for i in range(3)]
+    prefilled = []
+    real_prefill = CachedSequence.prefill
+    monkeypatch.setattr(CachedSequence, "prefill", lambda self, chunk: prefilled.append(len(chunk))
+                        or real_prefill(self, chunk))
+    app.state.server.scheduler.cache.clear()
+    status, resp = _post(loop, app, CHAT, {"messages": messages, "max_tokens": 12, "temperature": 1.0, "seed": 5,
+                                           "n": 3})
+    assert status == 200, resp
+    assert [c["index"] for c in resp["choices"]] == [0, 1, 2]
+    assert [c["message"]["content"] for c in resp["choices"]] == [w.content for w in want]
+    assert len({w.content for w in want}) > 1  # the seeds do differ
+    assert sum(prefilled) == want[0].prompt_tokens + 2
+    assert resp["usage"]["prompt_tokens"] == want[0].prompt_tokens
+    assert resp["usage"]["completion_tokens"] == sum(w.completion_tokens for w in want)
+
+
+def test_n_choices_stream_with_their_index(loop, app):
+    body = {"messages": HI, "max_tokens": 10, "temperature": 1.0, "seed": 9, "n": 2,
+            "stream_options": {"include_usage": True}}
+    status, resp = _post(loop, app, CHAT, body)
+    assert status == 200, resp
+    status, raw = loop.run_until_complete(request(app, "POST", CHAT, json.dumps({**body, "stream": True}).encode(),
+                                                  client_stays=True))
+    assert status == 200
+    events = _sse_events(raw)
+    text = {0: "", 1: ""}
+    finishes = {}
+    for e in events:
+        for c in e["choices"]:
+            text[c["index"]] += c["delta"].get("content") or ""
+            if c["finish_reason"]:
+                finishes[c["index"]] = c["finish_reason"]
+    assert [text[i] for i in (0, 1)] == [c["message"]["content"] for c in resp["choices"]]
+    assert finishes == {i: c["finish_reason"] for i, c in enumerate(resp["choices"])}
+    usage = events[-1]["usage"]
+    assert usage.pop("prompt_tokens_details")["cached_tokens"] > 0  # the same prompt again: reused
+    assert usage == {k: v for k, v in resp["usage"].items() if k != "prompt_tokens_details"}
+
+
+def test_n_choices_for_completions_and_structured_output(loop, app, model):
+    status, resp = _post(loop, app, COMPLETIONS, {"prompt": "Once upon", "max_tokens": 6, "temperature": 0, "n": 2})
+    assert status == 200, resp
+    greedy = model.generate("Once upon", max_tokens=6, temperature=0).text
+    assert [c["text"] for c in resp["choices"]] == [greedy, greedy]  # greedy: the same twice, as OpenAI's
+    rf = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET}}
+    status, resp = _post(loop, app, CHAT, {"messages": [{"role": "user", "content": "A pet"}], "max_tokens": 300,
+                                           "temperature": 1.0, "seed": 3, "n": 2, "response_format": rf})
+    assert status == 200, resp
+    for c in resp["choices"]:  # each choice starts the grammar afresh
+        jsonschema.validate(json.loads(c["message"]["content"]), PET)

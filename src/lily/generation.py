@@ -198,6 +198,15 @@ def sampling_params(defaults: dict[str, Any], overrides: dict[str, Any], logprob
     return params
 
 
+def reseeded(params, offset: int):
+    """``params`` with the seed moved by ``offset`` (the i-th of n choices; 0: ``params`` itself)."""
+    if offset == 0:
+        return params
+    fields = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+              "frequency_penalty", "top_logprobs")
+    return _core.SamplingParams(**{f: getattr(params, f) for f in fields}, seed=(params.seed + offset) % (1 << 64))
+
+
 def logit_bias_pairs(bias: Any, vocab_size: int, where: str = "generate") -> list[tuple[int, float]]:
     """``logit_bias`` ({token id: bias}, as OpenAI's) checked and listed as (id, bias) pairs:
     ids in [0, vocab_size), biases finite numbers (OpenAI takes -100 to 100; the Python API

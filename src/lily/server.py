@@ -72,6 +72,7 @@ MAX_STOP_CHARS = 1024  # a stop string holds back that much streamed text
 MAX_TOP_LOGPROBS = 20
 INT32_MAX = 2**31 - 1  # fields the native sampler holds as C ints
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_CHOICES = 16  # n: choices run one after another (lily.scheduler), so each costs its decode
 MAX_STOP_TOKEN_IDS = 64
 
 # Every request field each endpoint takes, by what lily does with it (docs/server.md lists them).
@@ -103,10 +104,14 @@ REQUEST_FIELDS: dict[str, dict[str, Any]] = {
         },
     },
     "completions": {
-        "used": _SAMPLING_FIELDS | {"prompt", "echo", "suffix", "best_of"},
+        "used": _SAMPLING_FIELDS | {"prompt"},
         "extension": _EXTENSIONS,
         "metadata": {"user"},
-        "unsupported": {},
+        "unsupported": {
+            "echo": ("the answer never repeats the prompt", (None, False)),
+            "suffix": ("lily has no fill-in-the-middle", (None, "")),
+            "best_of": ("use n", (None, 1)),
+        },
     },
 }
 
@@ -306,10 +311,6 @@ class Server:
         else:
             top = _get(body, "logprobs", int, None, lo=0, hi=MAX_TOP_LOGPROBS)
             want_lp = False if top is None else (top or True)
-        n = _get(body, "n", int, 1, lo=1)
-        if n != 1:
-            raise APIError(400, "Unsupported parameter: 'n' must be 1 in lily (one choice per request)", param="n",
-                           code="unsupported_parameter")
         max_tokens = _get(body, "max_completion_tokens", int, None, lo=0) if chat else None
         if max_tokens is None:
             max_tokens = _get(body, "max_tokens", int, None, lo=0)
@@ -336,7 +337,7 @@ class Server:
         return params, int(max_tokens), _stop(body), want_lp
 
     def _token_rules(self, body: dict) -> dict:
-        """Job arguments from ``logit_bias`` (OpenAI's: {"token id": bias in [-100, 100]}) and
+        """Job arguments from ``n`` (choices), ``logit_bias`` (OpenAI's: {"token id": bias in [-100, 100]}) and
         ``stop_token_ids`` (lily's extension, as vLLM's: ids that end generation as EOS does)."""
         vocab = self.model.tokenizer.vocab_size if self.model.tokenizer is not None else self.model.config.vocab_size
         bias = _get(body, "logit_bias", dict, {}) or {}
@@ -355,8 +356,9 @@ class Server:
         if len(ids) > MAX_STOP_TOKEN_IDS or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
             raise APIError(400, f"'stop_token_ids' must be an array of at most {MAX_STOP_TOKEN_IDS} token ids",
                            param="stop_token_ids", code="invalid_value")
+        n = _get(body, "n", int, 1, lo=1, hi=MAX_CHOICES)
         try:
-            return dict(logit_bias=logit_bias_pairs(parsed, vocab), stop_token_ids=stop_token_list(ids, vocab))
+            return dict(n=n, logit_bias=logit_bias_pairs(parsed, vocab), stop_token_ids=stop_token_list(ids, vocab))
         except LilyError as e:
             param = "logit_bias" if "logit_bias" in str(e) else "stop_token_ids"
             raise APIError(400, str(e), param=param, code="invalid_value") from None
@@ -451,11 +453,11 @@ class Server:
                            type="server_error", code="queue_full") from None
         return job, events
 
-    async def _collect(self, request: Request, job: Job, events: asyncio.Queue):
-        """Waits for a non-streamed job. The client's disconnect (the ASGI server's
-        http.disconnect, awaited beside the job's events) cancels the job at once, so the
-        engine stops within the step it is running."""
-        chunks = []
+    async def _collect(self, request: Request, job: Job, events: asyncio.Queue) -> list:
+        """Waits for a non-streamed job; returns its results, one per choice. The client's
+        disconnect (the ASGI server's http.disconnect, awaited beside the job's events) cancels
+        the job at once, so the engine stops within the step it is running."""
+        results = []
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             while True:
@@ -468,9 +470,10 @@ class Server:
                 kind, value = event.result()
                 if kind == "chunk":
                     job.took_chunk()
-                    chunks.append(value)
                 elif kind == "done":
-                    return chunks, value
+                    results.append(value)
+                    if len(results) == job.n:
+                        return results
                 else:
                     raise value
         finally:
@@ -563,17 +566,18 @@ class Server:
             return EventSourceResponse(
                 self._chat_stream(job, events, rid, created, call_tools, reasoning_started, include_usage, forced),
                 ping=15, sep="\n", send_timeout=self.limits.stream_timeout_s)
-        _chunks, result = await self._collect(request, job, events)
-        parsed = parse_output(forced + result.text, tools=call_tools, reasoning_started=reasoning_started)
-        msg = parsed.to_message()
-        if msg.get("content") is None and not parsed.tool_calls:
-            msg["content"] = ""
-        finish = "tool_calls" if parsed.tool_calls else result.finish_reason
-        choice = {"index": 0, "message": msg, "finish_reason": finish,
-                  "logprobs": {"content": self._chat_logprobs(result.logprobs)} if want_lp else None}
+        results = await self._collect(request, job, events)
+        choices = []
+        for index, result in enumerate(results):
+            parsed = parse_output(forced + result.text, tools=call_tools, reasoning_started=reasoning_started)
+            msg = parsed.to_message()
+            if msg.get("content") is None and not parsed.tool_calls:
+                msg["content"] = ""
+            finish = "tool_calls" if parsed.tool_calls else result.finish_reason
+            choices.append({"index": index, "message": msg, "finish_reason": finish,
+                            "logprobs": {"content": self._chat_logprobs(result.logprobs)} if want_lp else None})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_id,
-                             "choices": [choice], "usage": self._usage(result),
-                             "system_fingerprint": "lily"})
+                             "choices": choices, "usage": self._usage(results), "system_fingerprint": "lily"})
 
     async def completions(self, request: Request):
         self._check_auth(request)
@@ -599,11 +603,6 @@ class Server:
                            param="prompt", code="invalid_type")
         if ids.size == 0:
             raise APIError(400, "the prompt has no tokens", param="prompt")
-        if _get(body, "echo", bool, False):
-            raise APIError(400, "'echo' is not supported", param="echo")
-        if _get(body, "suffix", str, None):
-            raise APIError(400, "'suffix' is not supported", param="suffix")
-        _get(body, "best_of", int, 1, lo=1, hi=1)
         stream = _get(body, "stream", bool, False)
         include_usage = bool(_get(_get(body, "stream_options", dict, {}) or {}, "include_usage", bool, False))
         params, max_tokens, stop, want_lp = self._sampling(body, chat=False)
@@ -618,11 +617,12 @@ class Server:
         if stream:
             return EventSourceResponse(self._completion_stream(job, events, rid, created, want_lp, include_usage),
                                        ping=15, sep="\n", send_timeout=self.limits.stream_timeout_s)
-        _chunks, result = await self._collect(request, job, events)
-        choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason,
-                  "logprobs": self._completion_logprobs(result.logprobs) if want_lp else None}
+        results = await self._collect(request, job, events)
+        choices = [{"index": index, "text": r.text, "finish_reason": r.finish_reason,
+                    "logprobs": self._completion_logprobs(r.logprobs) if want_lp else None}
+                   for index, r in enumerate(results)]
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_id,
-                             "choices": [choice], "usage": self._usage(result), "system_fingerprint": "lily"})
+                             "choices": choices, "usage": self._usage(results), "system_fingerprint": "lily"})
 
     # -- request pieces --------------------------------------------------------------------------
 
@@ -734,10 +734,14 @@ class Server:
     # -- responses -------------------------------------------------------------------------------
 
     @staticmethod
-    def _usage(result) -> dict:
-        return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                "total_tokens": result.prompt_tokens + result.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+    def _usage(results: list) -> dict:
+        """Usage of a request's choices: the prompt counted once (the first choice prefilled it;
+        the others reused it), completion tokens summed."""
+        first = results[0]
+        completion = sum(r.completion_tokens for r in results)
+        return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": first.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
 
     def _token_entry(self, tok: int, lp: float) -> dict:
         s = self.model.tokenizer.decode([tok])
@@ -764,13 +768,15 @@ class Server:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     async def _events(self, job: Job, events: asyncio.Queue):
-        """Yields ("chunk"|"done", value); cancels the job if the consumer stops early.
+        """Yields ("chunk"|"done", value), each choice's chunks then its "done", until the last
+        choice's; cancels the job if the consumer stops early.
 
         A chunk counts as taken (room for the engine to generate one more, see Job) when the
         consumer asks for the next one, i.e. once the previous one was handed to the socket: a
         client that stops reading blocks the send, so the engine stops after
         ``stream_buffer_chunks`` chunks and the job is dropped after ``stream_timeout_s``."""
         resumed = time.monotonic()
+        done = 0
         try:
             while True:
                 kind, value = await events.get()
@@ -780,7 +786,8 @@ class Server:
                     job.took_chunk()
                 yield kind, value
                 resumed = time.monotonic()
-                if kind == "done":
+                done += kind == "done"
+                if done == job.n:
                     return
         finally:
             # Closed while suspended in a send for the whole stream timeout: the response's send
@@ -797,15 +804,23 @@ class Server:
         return json.dumps(obj, ensure_ascii=False)
 
     async def _chat_stream(self, job, events, rid, created, tools, reasoning_started, include_usage, forced=""):
+        index = 0  # the choice being streamed (choices run one after another)
+
         def chunk(delta: dict, finish=None, logprobs=None):
-            c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+            c = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             return self._sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                               "model": self.model_id, "system_fingerprint": "lily", "choices": [c]})
 
+        def start() -> list[str]:  # a choice's first chunks; resets the splitter
+            nonlocal splitter
+            splitter = StreamSplitter(reasoning_started)
+            # the forced start of a tool call (tool_choice) after the role
+            return [chunk({"role": "assistant", "content": ""})] + [chunk(d) for d in splitter.feed(forced)]
+
         splitter = StreamSplitter(reasoning_started)
-        yield chunk({"role": "assistant", "content": ""})
-        for d in splitter.feed(forced):  # the forced start of a tool call (tool_choice)
-            yield chunk(d)
+        results = []
+        for c in start():
+            yield c
         try:
             async for kind, value in self._events(job, events):
                 if kind == "chunk":
@@ -828,16 +843,23 @@ class Server:
                         calls = [{"index": i, **c} for i, c in enumerate(parsed.tool_calls)]
                         yield chunk({"tool_calls": calls})
                     yield chunk({}, "tool_calls" if parsed.tool_calls else result.finish_reason)
-                    if include_usage:
+                    results.append(result)
+                    if len(results) < job.n:
+                        index += 1
+                        for c in start():
+                            yield c
+                    elif include_usage:
                         yield self._sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                         "model": self.model_id, "choices": [], "usage": self._usage(result)})
+                                         "model": self.model_id, "choices": [], "usage": self._usage(results)})
         except Exception as e:  # the response has started: report in-stream, then end it
             yield self._stream_error(e)
         yield "[DONE]"
 
     async def _completion_stream(self, job, events, rid, created, want_lp, include_usage):
+        results = []  # one per finished choice; the chunks streamed belong to choice len(results)
+
         def chunk(text: str, finish=None, logprobs=None):
-            c = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+            c = {"index": len(results), "text": text, "finish_reason": finish, "logprobs": logprobs}
             return self._sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_id,
                               "system_fingerprint": "lily", "choices": [c]})
 
@@ -854,9 +876,10 @@ class Server:
                     else:
                         yield chunk(value.text, value.finish_reason, lp)
                 else:
-                    if include_usage:
+                    results.append(value)
+                    if include_usage and len(results) == job.n:
                         yield self._sse({"id": rid, "object": "text_completion", "created": created,
-                                         "model": self.model_id, "choices": [], "usage": self._usage(value)})
+                                         "model": self.model_id, "choices": [], "usage": self._usage(results)})
         except Exception as e:  # the response has started: report in-stream, then end it
             yield self._stream_error(e)
         yield "[DONE]"

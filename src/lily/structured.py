@@ -115,6 +115,11 @@ class TokenConstraint:
             raise RequestError(f"[structured] {self._matcher.get_error()}")
         return self._bits
 
+    def reset(self) -> None:
+        """Back to the start of the grammar (the next of n choices)."""
+        self._matcher.reset()
+        self._waiting = self._wait_for is not None
+
     def consume(self, token: int) -> None:
         if self._waiting:
             self._waiting = token != self._wait_for
