@@ -202,9 +202,10 @@ def reseeded(params, offset: int):
     """``params`` with the seed moved by ``offset`` (the i-th of n choices; 0: ``params`` itself)."""
     if offset == 0:
         return params
-    fields = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-              "frequency_penalty", "top_logprobs")
-    return _core.SamplingParams(**{f: getattr(params, f) for f in fields}, seed=(params.seed + offset) % (1 << 64))
+    # Every field of the native params (its read-write properties), so a new one is carried too.
+    fields = {name: getattr(params, name) for name, attr in vars(_core.SamplingParams).items()
+              if isinstance(attr, property)}
+    return _core.SamplingParams(**fields | {"seed": (params.seed + offset) % (1 << 64)})
 
 
 def logit_bias_pairs(bias: Any, vocab_size: int, where: str = "generate") -> list[tuple[int, float]]:
