@@ -127,10 +127,48 @@ def test_unsupported_openai_field_is_400_naming_it(loop, app, path, field, value
     assert status == 400 and resp["error"]["code"] in ("unsupported_parameter", "invalid_value")
 
 
-def test_strict_tools_are_refused(loop, app):
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}
-    status, resp = _post(loop, app, CHAT, {"messages": HI, "max_tokens": 1, "tools": [tool]})
-    assert status == 400 and resp["error"]["param"] == "tools[0].function.strict"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"type": "string", "enum": ["C", "F"]},
+                   "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                   "hours": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 23},
+                             "maxItems": 3}},
+    "required": ["city", "unit", "days", "hours"], "additionalProperties": False}}}
+ALARM = {"type": "function", "function": {"name": "set_alarm", "strict": True, "parameters": {
+    "type": "object", "properties": {"at": {"type": "object", "properties": {
+        "h": {"type": "integer", "minimum": 0, "maximum": 23}, "m": {"type": "integer", "minimum": 0, "maximum": 59}},
+        "required": ["h", "m"], "additionalProperties": False}, "loud": {"type": "boolean"}},
+    "required": ["at", "loud"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_strict_tool_calls_follow_their_schemas(loop, app, seed):
+    """tool_choice "required" / named with strict tools: every call's arguments (parsed back by
+    the server into OpenAI's JSON string) validate against the tool's parameters (jsonschema)."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ALARM)}
+    # A named function is called once. "required" allows more calls, which a small model may keep
+    # writing until max_tokens: the stop string ends it after the first (parsed as if closed).
+    for choice, stop in (({"type": "function", "function": {"name": "set_alarm"}}, None),
+                         ("required", "</tool_call>")):
+        status, resp = _post(loop, app, CHAT, {
+            "messages": [{"role": "user", "content": "Weather in Paris, and wake me at 7."}], "max_tokens": 300,
+            "temperature": 1.0, "seed": seed, "tools": [WEATHER, ALARM], "tool_choice": choice, "stop": stop})
+        assert status == 200, resp
+        c = resp["choices"][0]
+        assert c["finish_reason"] == "tool_calls" and len(c["message"]["tool_calls"]) == 1, c
+        call = c["message"]["tool_calls"][0]["function"]
+        if isinstance(choice, dict):
+            assert call["name"] == "set_alarm"
+        jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+
+
+def test_strict_tools_refused_where_not_enforced(loop, app):
+    status, resp = _post(loop, app, CHAT, {"messages": HI, "max_tokens": 1, "tools": [WEATHER]})  # "auto"
+    assert status == 400 and resp["error"]["param"] == "tools[0].function.strict", resp
+    bad = json.loads(json.dumps(WEATHER))
+    bad["function"]["parameters"]["properties"]["hours"]["uniqueItems"] = True
+    status, resp = _post(loop, app, CHAT, {"messages": HI, "max_tokens": 1, "tools": [bad], "tool_choice": "required"})
+    assert status == 400 and "uniqueItems" in resp["error"]["message"] and resp["error"]["param"] == "tools", resp
 
 
 def test_metadata_fields_are_accepted_and_change_nothing(loop, app, model):

@@ -47,7 +47,7 @@ from lily._core import LilyError
 from lily.generation import logit_bias_pairs, sampling_params, stop_token_list
 from lily.scheduler import Job, Scheduler
 from lily.server_limits import ServerLimits, limited_protocol
-from lily.structured import Grammar, compile_constraint, grammar_for
+from lily.structured import Grammar, compile_constraint, grammar_for, tool_call_grammar
 from lily.tokenizer import PromptTooLong
 from lily.tool_calls import CALL_OPEN, THINK_CLOSE, THINK_OPEN, _split_reasoning, parse_output
 
@@ -363,6 +363,27 @@ class Server:
             param = "logit_bias" if "logit_bias" in str(e) else "stop_token_ids"
             raise APIError(400, str(e), param=param, code="invalid_value") from None
 
+    def _strict_tools(self, tools: list[dict] | None, tool_choice: str) -> Grammar | None:
+        """The grammar of a forced call (tool_choice "required" or a named function) when a tool
+        is ``strict``: its arguments follow its schema (lily.structured.tool_call_grammar), and
+        the grammar, not a prompt prefix, opens the call. A strict tool under "auto" is refused:
+        the model may answer in text or call, and lily constrains only forced calls."""
+        strict = [bool(t["function"].get("strict")) for t in tools or ()]
+        if not any(strict) or tool_choice == "none":
+            return None
+        if tool_choice == "auto":
+            i = strict.index(True)
+            raise APIError(400, f"Unsupported parameter: 'tools[{i}].function.strict' is supported by lily only with "
+                                "'tool_choice' \"required\" or a named function (a forced call)",
+                           param=f"tools[{i}].function.strict", code="unsupported_parameter")
+        if self.model.tokenizer is None:
+            raise APIError(400, "strict tools need a tokenizer, and this model has none", param="tools")
+        try:
+            # A named function: one call to it; "required": one call or more.
+            return tool_call_grammar(self.model.tokenizer, tools, strict=strict, single=tool_choice == "function")
+        except LilyError as e:
+            raise APIError(400, str(e), param="tools", code="invalid_value") from None
+
     @staticmethod
     def _response_format(body: dict) -> Grammar | None:
         """The llguidance grammar ``response_format`` asks for: None for text (or none given),
@@ -405,15 +426,15 @@ class Server:
         indexes the tokenizer); a schema llguidance rejects is a 400 naming the problem."""
         if grammar is None:
             return None
+        param = "tools" if grammar.source == "tool schema" else "response_format"
         if self.model.tokenizer is None:
-            raise APIError(400, "'response_format' needs a tokenizer, and this model has none",
-                           param="response_format")
+            raise APIError(400, f"'{param}' needs a tokenizer, and this model has none", param=param)
         eos = self.model.eos_token_ids + tuple(stop_token_ids)
         try:
             return await run_in_threadpool(compile_constraint, self.model.tokenizer, grammar, eos, thinking=thinking,
-                                           where="response_format")
+                                           where=param)
         except LilyError as e:
-            raise APIError(400, str(e), param="response_format", code="invalid_value") from None
+            raise APIError(400, str(e), param=param, code="invalid_value") from None
 
     def _too_long(self, tokens: str, param: str) -> APIError:
         return APIError(400, f"This model's maximum context length is {self.model.max_context} tokens; the "
@@ -531,6 +552,7 @@ class Server:
         if grammar is not None and tools and tool_choice in ("required", "function"):
             raise APIError(400, "'response_format' cannot be combined with a forced tool call ('tool_choice')",
                            param="response_format")
+        call_grammar = self._strict_tools(tools, tool_choice)
         if self.model.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send token ids to /v1/completions", param="messages")
 
@@ -552,11 +574,11 @@ class Server:
         # tool_choice "required" / a named function: the assistant turn is started with the
         # opening of a call in the model's own format, so what it generates is that call's body.
         # (Prefix forcing, not constrained decoding; with thinking on, the model reasons first.)
-        forced = _forced_call_prefix(tool_choice, tools) if not reasoning_started else ""
+        forced = _forced_call_prefix(tool_choice, tools) if not reasoning_started and call_grammar is None else ""
         if forced:
             ids = np.concatenate([ids, np.asarray(self.model.tokenizer.encode(forced), dtype=np.int32)])
         max_tokens = self._fit(ids, max_tokens, "messages")
-        constraint = await self._constraint(grammar, rules["stop_token_ids"], reasoning_started)
+        constraint = await self._constraint(grammar or call_grammar, rules["stop_token_ids"], reasoning_started)
         job, events = await self._run(request, dict(ids=ids, params=params, max_tokens=max_tokens, stop=stop,
                                                     want_logprobs=bool(want_lp), constraint=constraint, **rules))
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
@@ -707,10 +729,9 @@ class Server:
                     raise APIError(400, f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": "
                                         f"{{\"name\": ...}}}}", param=f"tools[{i}]")
                 _check_schema(fn.get("parameters"), f"tools[{i}].function.parameters")
-                if fn.get("strict"):
-                    raise APIError(400, f"Unsupported parameter: 'tools[{i}].function.strict' is not supported by "
-                                        "lily (tool calls are parsed, not constrained to the schema)",
-                                   param=f"tools[{i}].function.strict", code="unsupported_parameter")
+                if not isinstance(fn.get("strict", False), (bool, type(None))):
+                    raise APIError(400, f"'tools[{i}].function.strict' must be a boolean",
+                                   param=f"tools[{i}].function.strict", code="invalid_type")
             tools = tools or None
         choice = body.get("tool_choice")
         if choice is None:

@@ -93,6 +93,64 @@ def grammar_for(*, json_schema: Any = None, regex: str | None = None, grammar: s
         raise RequestError(f"[{where}] grammar: {e}") from None
 
 
+def tool_call_grammar(tokenizer, tools: Sequence[dict], *, strict: Sequence[bool], single: bool) -> Grammar:
+    """One tool call (``single``) or more in the Qwen3.5 / Qwen3.6 format (lily.tool_calls), to one of
+    ``tools`` (OpenAI tool dicts, already checked), each call's arguments following its tool's
+    ``parameters`` schema where ``strict`` says so (free parameters otherwise)::
+
+        <tool_call>\n<function=NAME>\n<parameter=ARG>\nVALUE\n</parameter>\n...</function>\n</tool_call>
+
+    Parameters come in the schema's order, required ones always, optional ones maybe. A value is
+    written as the template writes it: a string raw (no ``<`` in it, so that it cannot close the
+    block early; an ``enum`` as one of its values, ``minLength`` / ``maxLength`` kept), anything
+    else as JSON following the parameter's schema (llguidance's ``%json``)."""
+    rules: list[str] = []
+
+    def literal(text: str) -> str:
+        return json.dumps(text, ensure_ascii=False)
+
+    def token(text: str) -> str:  # an added token (<tool_call>) is matched as that token
+        tid = tokenizer.token_to_id(text)
+        return f"<[{tid}]>" if tid is not None else literal(text)
+
+    close = literal("\n</parameter>\n")
+    for i, (tool, is_strict) in enumerate(zip(tools, strict, strict=True)):
+        fn = tool["function"]
+        name = fn["name"]
+        if any(c in name for c in "<>\n"):
+            raise RequestError(f"[tools] function name {name!r} cannot be written in a tool call (it has <, > or a "
+                               "newline)")
+        schema = fn.get("parameters") or {}
+        if not is_strict:
+            free = '("<parameter=" /[^<>\\n]+/ ">\\n" /[^<]*\\n<\\/parameter>\\n/)*'
+            rules.append(f"fn{i}: {literal(f'<function={name}>' + chr(10))} {free}")
+            continue
+        params = []
+        required = set(schema.get("required") or ())
+        for j, (arg, sub) in enumerate((schema.get("properties") or {}).items()):
+            if any(c in arg for c in "<>\n"):
+                raise RequestError(f"[tools] parameter name {arg!r} of {name} cannot be written in a tool call")
+            rule = f"fn{i}_p{j}"
+            head = literal(f"<parameter={arg}>\n")
+            if isinstance(sub, dict) and sub.get("type") == "string" and isinstance(sub.get("enum"), list):
+                body = " | ".join(literal(v) for v in sub["enum"] if isinstance(v, str))
+                rules.append(f"{rule}: {head} ({body}) {close}")
+            elif isinstance(sub, dict) and sub.get("type") == "string":
+                lo, hi = int(sub.get("minLength", 0)), sub.get("maxLength")
+                count = f"{{{lo},{int(hi)}}}" if hi is not None else f"{{{lo},}}"
+                rules.append(f"{rule}: {head} /[^<]{count}\\n<\\/parameter>\\n/")
+            else:
+                layout = dict(sub) if isinstance(sub, dict) else {}
+                layout["x-guidance"] = _JSON_LAYOUT  # the same JSON layout as json_schema
+                rules.append(f"{rule}: {head} %json {json.dumps(layout)} {close}")
+            params.append(rule if arg in required else f"{rule}?")
+        rules.append(f"fn{i}: {literal(f'<function={name}>' + chr(10))} {' '.join(params)}")
+    alternatives = " | ".join(f"fn{i}" for i in range(len(tools)))
+    call = f'call: {token("<tool_call>")} "\\n" ({alternatives}) "</function>\\n" {token("</tool_call>")}'
+    lark = "\n".join(["start: call" if single else 'start: call ("\\n" call)*', call, *rules])
+    return Grammar("tool schema", _llguidance().LLMatcher.grammar_from_lark(lark))
+
+
 class TokenConstraint:
     """One request's grammar state: the mask for the next token, advanced token by token.
 
