@@ -114,7 +114,10 @@ class Chat:
     def send(self, content: str, *, stream: bool = False, **sampling: Any) -> GenerationResult | GenerationStream:
         """Adds a user message and generates the assistant's answer.
 
-        A turn that does not finish (a stream closed, garbage-collected or ended by the next
+        ``sampling``: this turn's overrides of the chat's settings, the keyword arguments of
+        :meth:`Model.generate` (``max_tokens``, ``temperature``, ..., ``stop``, ``logprobs``,
+        ``logit_bias``, ``stop_token_ids``, and one of ``json_schema`` / ``regex`` /
+        ``grammar`` for a structured answer). A turn that does not finish (a stream closed, garbage-collected or ended by the next
         generation before its end, Ctrl-C, an error) is rolled back: the conversation is left as
         it was before ``send``, and the partial answer is only in the stream's ``result``
         (finish_reason "cancelled")."""
