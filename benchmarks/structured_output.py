@@ -151,7 +151,11 @@ def compare_libraries(repeat: int) -> None:
         tok = hf_tokenizer(path)
         eos = tok.convert_tokens_to_ids("<|im_end|>")
         for lname, fn in (("llguidance", run_llguidance), ("xgrammar", run_xgrammar)):
-            runs = [fn(tok, text, eos) for _ in range(repeat)]
+            try:
+                runs = [fn(tok, text, eos) for _ in range(repeat)]
+            except ImportError as e:  # xgrammar is not a lily dependency: pip install xgrammar
+                print(f"| {tname} | {lname} | not installed ({e.name}) | | | | | |")
+                continue
             setup = min(r[0] for r in runs)
             compile_s = min(r[1] for r in runs)
             per_step = np.min(np.array([r[2] for r in runs]), axis=0)  # best of the runs, per step
