@@ -281,7 +281,8 @@ def test_server_logit_bias(loop, app, model):
                                                    "logit_bias": {"77": 30, "12": -100}})
     assert status == 200, resp
     assert resp["choices"][0]["text"] == want
-    for bad in ({"x": 1}, {"5": 101}, {"5": True}, {str(model.tokenizer.vocab_size): 1}, [1]):
+    for bad in ({"x": 1}, {"5": 101}, {"5": True}, {str(model.tokenizer.vocab_size): 1}, [1], {"\u00b2": 1},
+                {"9" * 5000: 1}, {"-1": 1}):
         status, resp = _post(loop, app, COMPLETIONS, {"prompt": "Hi", "max_tokens": 1, "logit_bias": bad})
         assert status == 400 and resp["error"]["param"] == "logit_bias", resp
 

@@ -36,6 +36,7 @@ import hmac
 import json
 import math
 import queue
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -346,7 +347,7 @@ class Server:
                            code="invalid_value")
         parsed: dict[int, float] = {}
         for key, value in bias.items():
-            if not key.isdigit() or isinstance(value, bool) or not isinstance(value, (int, float)) \
+            if not re.fullmatch(r"[0-9]{1,10}", key) or isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not -100 <= value <= 100:
                 raise APIError(400, f"'logit_bias' maps token ids to numbers between -100 and 100, got "
                                     f"{json.dumps(key)[:40]}: {json.dumps(value)[:40]}", param="logit_bias",
