@@ -512,3 +512,57 @@ def test_n_choices_for_completions_and_structured_output(loop, app, model):
     assert status == 200, resp
     for c in resp["choices"]:  # each choice starts the grammar afresh
         jsonschema.validate(json.loads(c["message"]["content"]), PET)
+
+
+# -- hostile schemas ---------------------------------------------------------------------------------
+
+_KEYWORDS = ["type", "properties", "items", "enum", "const", "required", "additionalProperties", "anyOf", "oneOf",
+             "allOf", "not", "minLength", "maxLength", "minimum", "maximum", "pattern", "format", "minItems",
+             "maxItems", "uniqueItems", "$ref", "$defs", "prefixItems", "patternProperties", "if", "then"]
+_TYPES = ["object", "array", "string", "integer", "number", "boolean", "null"]
+
+
+def _schemas():
+    from hypothesis import strategies as st
+
+    leaf = st.one_of(st.sampled_from(_TYPES), st.integers(-3, 50), st.booleans(), st.text(max_size=6),
+                     st.lists(st.sampled_from(_TYPES + ["a", "b"]), max_size=3))
+    return st.recursive(leaf, lambda kids: st.one_of(
+        st.dictionaries(st.sampled_from(_KEYWORDS + ["a", "b"]), kids, max_size=4),
+        st.lists(kids, max_size=3)), max_leaves=12)
+
+
+class _ValidatingServer(Server):
+    """Stops accepted requests before the scheduler: the schema is checked and compiled, no
+    generation runs."""
+
+    async def _run(self, request, job_args):
+        from lily.server import APIError
+
+        raise APIError(503, "accepted (test harness)", code="accepted")
+
+
+@pytest.fixture(scope="module")
+def validating_app(model):
+    server = _ValidatingServer(model, model_id=MODEL, max_queue=1)
+    yield build_app(server)
+    server.scheduler.shutdown()
+
+
+def test_generated_schemas_never_answer_500(loop, validating_app):
+    """Any schema (valid or not for the meta-schema, satisfiable or not, keywords llguidance
+    lacks) in response_format or a strict tool is accepted or a 400 naming it, never a 500."""
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(schema=_schemas())
+    def check(schema):
+        tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": schema}}
+        for extra in ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
+                      {"tools": [tool], "tool_choice": "required"}):
+            status, resp = _post(loop, validating_app, CHAT, {"messages": HI, "max_tokens": 4, **extra})
+            assert status in (400, 503), resp
+            if status == 400:
+                assert resp["error"]["param"].startswith(("response_format", "tools")), resp
+
+    check()
