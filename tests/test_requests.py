@@ -566,3 +566,27 @@ def test_generated_schemas_never_answer_500(loop, validating_app):
                 assert resp["error"]["param"].startswith(("response_format", "tools")), resp
 
     check()
+
+
+def test_gpu_backend_samples_biased_and_constrained_requests_on_the_host(monkeypatch):
+    """On a GPU backend (the Metal kernels run on the CPU: msl-cpu) a plain greedy request takes
+    the device loop, a biased or constrained one the host loop, which applies the bias (the
+    first token = NumPy's argmax of the prompt's logits + bias) and the mask (re.fullmatch)."""
+    from lily.generation import DeviceLoop
+
+    gpu = lily.Model.load(backend="msl-cpu")
+    starts = []
+    real_start = DeviceLoop.start.__func__
+    monkeypatch.setattr(DeviceLoop, "start", classmethod(lambda cls, *a: starts.append(1) or real_start(cls, *a)))
+    prompt = gpu.tokenizer.encode("The quick brown fox")
+    plain = gpu.generate(prompt, max_tokens=4, temperature=0).tokens
+    assert len(starts) == 1  # the device loop runs plain requests
+    first = gpu.logits(prompt)[-1].astype(np.float64)
+    runner_up = int(np.argsort(-first, kind="stable")[1])
+    bias = {runner_up: float(first.max() - first[runner_up]) + 0.5}
+    out = gpu.generate(prompt, max_tokens=4, temperature=0, logit_bias=bias).tokens
+    first[runner_up] += bias[runner_up]
+    assert out[0] == int(np.argmax(first)) == runner_up != plain[0]
+    r = gpu.generate("Phone:", regex=r"\(\d{3}\) \d{3}-\d{4}", max_tokens=20, temperature=1.0, seed=2)
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", r.text), r.text
+    assert len(starts) == 1  # neither of those took it
