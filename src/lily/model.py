@@ -449,8 +449,10 @@ class Model:
         eos_ids = self.eos_token_ids + tuple(stop_token_list(options.get("stop_token_ids"), vocab, where))
         rules = grammar_for(json_schema=options.get("json_schema"), regex=options.get("regex"),
                             grammar=options.get("grammar"), where=where)
-        constraint = None if rules is None else compile_constraint(self.tokenizer, rules, eos_ids, thinking=thinking,
-                                                                   where=where)
+        # The grammar ends on the model's own EOS ids (stop_token_ids stop only where it allows
+        # them), so the tokenizer index, built once per model, is shared by every request.
+        constraint = None if rules is None else compile_constraint(self.tokenizer, rules, self.eos_token_ids,
+                                                                   thinking=thinking, where=where)
         return bias, eos_ids, constraint
 
     def _token_text(self, token: int) -> str:

@@ -422,7 +422,7 @@ class Server:
         except LilyError as e:
             raise APIError(400, str(e), param="response_format", code="invalid_value") from None
 
-    async def _constraint(self, grammar: Grammar | None, stop_token_ids: list[int], thinking: bool):
+    async def _constraint(self, grammar: Grammar | None, thinking: bool):
         """The token constraint for ``grammar`` (compiled off the event loop: the first one
         indexes the tokenizer); a schema llguidance rejects is a 400 naming the problem."""
         if grammar is None:
@@ -430,10 +430,9 @@ class Server:
         param = "tools" if grammar.source == "tool schema" else "response_format"
         if self.model.tokenizer is None:
             raise APIError(400, f"'{param}' needs a tokenizer, and this model has none", param=param)
-        eos = self.model.eos_token_ids + tuple(stop_token_ids)
-        try:
-            return await run_in_threadpool(compile_constraint, self.model.tokenizer, grammar, eos, thinking=thinking,
-                                           where=param)
+        try:  # on the model's EOS ids, as Model._token_rules does (one tokenizer index per model)
+            return await run_in_threadpool(compile_constraint, self.model.tokenizer, grammar,
+                                           self.model.eos_token_ids, thinking=thinking, where=param)
         except LilyError as e:
             raise APIError(400, str(e), param=param, code="invalid_value") from None
 
@@ -579,7 +578,7 @@ class Server:
         if forced:
             ids = np.concatenate([ids, np.asarray(self.model.tokenizer.encode(forced), dtype=np.int32)])
         max_tokens = self._fit(ids, max_tokens, "messages")
-        constraint = await self._constraint(grammar or call_grammar, rules["stop_token_ids"], reasoning_started)
+        constraint = await self._constraint(grammar or call_grammar, reasoning_started)
         job, events = await self._run(request, dict(ids=ids, params=params, max_tokens=max_tokens, stop=stop,
                                                     want_logprobs=bool(want_lp), constraint=constraint, **rules))
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]

@@ -44,7 +44,8 @@ def _llguidance():
 
 
 def _index(tokenizer, eos_ids: Sequence[int]):
-    """llguidance's tokenizer index for ``tokenizer`` (cached on it, per set of EOS ids)."""
+    """llguidance's tokenizer index for ``tokenizer`` (cached on it, per set of EOS ids: callers
+    pass the model's, so there is one per model)."""
     llg = _llguidance()
     key = tuple(sorted(eos_ids))
     with _INDEX_LOCK:
