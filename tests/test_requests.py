@@ -532,19 +532,12 @@ def _schemas():
         st.lists(kids, max_size=3)), max_leaves=12)
 
 
-class _ValidatingServer(Server):
-    """Stops accepted requests before the scheduler: the schema is checked and compiled, no
-    generation runs."""
-
-    async def _run(self, request, job_args):
-        from lily.server import APIError
-
-        raise APIError(503, "accepted (test harness)", code="accepted")
-
-
 @pytest.fixture(scope="module")
 def validating_app(model):
-    server = _ValidatingServer(model, model_id=MODEL, max_queue=1)
+    # The hardening tests' server that stops accepted requests before the scheduler.
+    from test_server_hardening import ValidatingServer
+
+    server = ValidatingServer(model, model_id=MODEL, max_queue=1)
     yield build_app(server)
     server.scheduler.shutdown()
 
