@@ -211,6 +211,26 @@ def test_sampler_logprobs_are_the_biased_distribution():
     np.testing.assert_allclose([p for _, p in top], np.sort(ref)[::-1][:5], atol=1e-5)
 
 
+def test_sampler_bias_comes_before_the_penalties():
+    """The documented order (llama.cpp's chain): l + bias, then the repetition penalty (CTRL:
+    divide positive, multiply negative) and presence/frequency on the biased value (NumPy)."""
+    logits = np.array([1.0, -0.5, 2.0, 0.25, -1.5, 0.75], dtype=np.float32)
+    bias = [(1, 1.5), (2, -3.0), (4, 0.5)]  # token 1: -0.5 -> +1.0 (now divided), 2: 2.0 -> -1.0 (multiplied)
+    window = np.array([1, 2, 2, 4], dtype=np.int32)
+    ref = logits.astype(np.float64)
+    for t, b in bias:
+        ref[t] += b
+    for t, count in zip(*np.unique(window, return_counts=True), strict=True):
+        ref[t] = ref[t] / 1.3 if ref[t] > 0 else ref[t] * 1.3
+        ref[t] -= 0.2 + 0.1 * count
+    s = _core.Sampler(_core.SamplingParams(repetition_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.1,
+                                           top_logprobs=6))
+    s.set_logit_bias(bias)
+    _, _, top = s.sample(logits, window)
+    got = dict(top)
+    np.testing.assert_allclose([got[t] for t in range(6)], _log_softmax(ref), atol=1e-5)
+
+
 def test_sampler_draws_follow_the_biased_distribution():
     """Draws at temperature 1 over 8 tokens: a chi-square test against softmax(logits + bias)."""
     logits = np.array([0.0, 1.0, -1.0, 0.5, 2.0, -3.0, 0.0, 1.5], dtype=np.float32)
