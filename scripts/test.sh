@@ -23,9 +23,9 @@ python -m pip install -q "torch==2.13.0"
 # machine installs what CI tested. UPDATE_PINS=1: the newest allowed versions instead, and the
 # pins rewritten once the suite has passed with them (README: "how to update the pins").
 if [ "${UPDATE_PINS:-0}" = 1 ]; then
-  python -m pip install -q --upgrade --upgrade-strategy eager ".[test,server]"
+  python -m pip install -q --upgrade --upgrade-strategy eager ".[test,server,structured]"
 else
-  python -m pip install -q -c scripts/constraints.txt ".[test,server]"
+  python -m pip install -q -c scripts/constraints.txt ".[test,server,structured]"
 fi
 python -m ruff check src tests scripts benchmarks examples
 python -m pytest -q tests "$@"

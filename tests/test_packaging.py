@@ -61,4 +61,4 @@ def test_constraints_pin_every_package_ci_installs():
     assert not set(needed) - set(pinned), f"not pinned: {sorted(set(needed) - set(pinned))}"
     assert needed["torch"] == pinned["torch"] == "2.13.0"
     test_sh = (ROOT / "scripts" / "test.sh").read_text()
-    assert '-c scripts/constraints.txt ".[test,server]"' in test_sh
+    assert '-c scripts/constraints.txt ".[test,server,structured]"' in test_sh

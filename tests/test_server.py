@@ -482,7 +482,8 @@ def test_malformed_and_hostile_requests(server, client):
     _err(_post(server, "/v1/chat/completions", json_body={**ok, "top_p": -1}), 400)
     _err(_post(server, "/v1/chat/completions", json_body={**ok, "stop": [1, 2]}), 400)
     _err(_post(server, "/v1/chat/completions", json_body={**ok, "stop": ["x" * 100000]}), 400)
-    _err(_post(server, "/v1/chat/completions", json_body={**ok, "n": 3}), 400)
+    _err(_post(server, "/v1/chat/completions", json_body={**ok, "n": 17}), 400)
+    _err(_post(server, "/v1/chat/completions", json_body={**ok, "guided_json": {}}), 400)  # not OpenAI, not lily
     _err(_post(server, "/v1/chat/completions", json_body={**ok, "tools": "all"}), 400)
     _err(_post(server, "/v1/chat/completions", json_body={**ok, "stream": "yes"}), 400)
     e = _err(_post(server, "/v1/chat/completions", json_body={**ok, "messages": [

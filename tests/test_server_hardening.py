@@ -156,7 +156,8 @@ def _dump(value) -> bytes:
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
           "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
           "logprobs", "top_logprobs", "n", "stream", "stream_options", "tools", "tool_choice",
-          "chat_template_kwargs", "enable_thinking", "echo", "suffix", "best_of"]
+          "chat_template_kwargs", "enable_thinking", "echo", "suffix", "best_of", "logit_bias", "stop_token_ids",
+          "response_format", "user", "metadata", "parallel_tool_calls", "modalities", "prediction"]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))

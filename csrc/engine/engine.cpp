@@ -198,8 +198,9 @@ bool Engine::begin_device_decode(State& st, const int32_t* first, int n, int max
         p.top_logprobs > 0)
       throw RequestError("[engine] penalties and logprobs need the logits on the host: use the host loop");
     // A per-step token mask is computed on the host from the tokens so far, which a device loop
-    // does not wait for: such a request decodes on the host (the caller's fallback).
-    if (sampler->has_allowed_tokens()) return false;
+    // does not wait for: such a request decodes on the host (the caller's fallback). The GPU
+    // sampler has no logit bias either (a rare request option; the host sampler applies it).
+    if (sampler->has_allowed_tokens() || sampler->has_logit_bias()) return false;
     ds.token_limit = sampler->token_limit();
   }
   if (sampler && sampler->draws()) {

@@ -159,6 +159,16 @@ void Sampler::set_token_limit(int32_t limit) {
 
 void Sampler::set_allowed_tokens(std::vector<uint32_t> bits) { allowed_ = std::move(bits); }
 
+void Sampler::set_logit_bias(std::vector<TokenLogprob> bias) {
+  for (const auto& b : bias) {
+    if (b.token < 0) throw RequestError("[sampling] logit bias token " + std::to_string(b.token) + " is negative");
+    if (!std::isfinite(b.logprob))
+      throw RequestError("[sampling] logit bias of token " + std::to_string(b.token) + " must be finite, got " +
+                         fmt(b.logprob));
+  }
+  bias_ = std::move(bias);
+}
+
 // Temperatures this small are greedy in all but name; below it 1/T stops being usable.
 constexpr float kMinTemperature = 1e-5f;
 
@@ -296,6 +306,12 @@ void Sampler::fill_logprobs(const float* logits, int32_t vocab, float max_logit,
 int32_t Sampler::sample(float* logits, int32_t vocab, const int32_t* penalty_tokens,
                         size_t n_penalty_tokens, SampleResult* out) {
   if (vocab <= 0) throw RequestError("[sampling] vocab must be > 0, got " + std::to_string(vocab));
+  for (const auto& b : bias_) {
+    if (b.token >= vocab)
+      throw RequestError("[sampling] logit bias token " + std::to_string(b.token) + " is outside the vocabulary [0, " +
+                         std::to_string(vocab) + ")");
+    logits[b.token] += b.logprob;
+  }
   apply_penalties(logits, vocab, penalty_tokens, n_penalty_tokens);
   // The token mask: rows past the limit are not candidates at all (the GPU sampler reads the
   // same prefix, so both derive the same fixed-point scale from it); bits mask within it.

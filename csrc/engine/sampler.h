@@ -2,7 +2,9 @@
 // draw from a seeded generator owned by the Sampler. Pure C++17, no Python.
 //
 // Order of operations (the one HF transformers, llama.cpp and mlx-lm users expect):
-//   1. penalties on the raw logits, over the tokens the caller passes as the penalty window:
+//   0. logit bias (OpenAI's logit_bias, set_logit_bias): l[id] += bias, first, as llama.cpp's
+//      sampler chain does, so the penalties below see the biased logits.
+//   1. penalties on the logits, over the tokens the caller passes as the penalty window:
 //        repetition (CTRL / HF): once per distinct token, l > 0 ? l / r : l * r
 //        presence / frequency (OpenAI): l -= presence * [count > 0] + frequency * count
 //   2. logprobs (SampleResult) are log-softmax of these penalized logits: the model's distribution
@@ -55,6 +57,7 @@ struct SamplingParams {
   void validate() const;
 };
 
+// A (token, value) pair: a logprob in SampleResult, a bias in set_logit_bias.
 struct TokenLogprob {
   int32_t token;
   float logprob;
@@ -86,6 +89,10 @@ class Sampler {
   // bits[i / 32] allows token i; ids past the bits are not allowed; empty: no bitmask.
   void set_token_limit(int32_t limit);
   void set_allowed_tokens(std::vector<uint32_t> bits);
+  // Logit bias (step 0 above): each entry's bias is added to its token's logit before anything
+  // else. Biases must be finite; ids are checked against the row in sample(). Empty: none.
+  void set_logit_bias(std::vector<TokenLogprob> bias);
+  bool has_logit_bias() const { return !bias_.empty(); }
   int32_t token_limit() const { return token_limit_; }
   bool has_allowed_tokens() const { return !allowed_.empty(); }
 
@@ -123,6 +130,7 @@ class Sampler {
   SamplingParams params_;
   int32_t token_limit_ = 0;
   std::vector<uint32_t> allowed_;
+  std::vector<TokenLogprob> bias_;
   float min_p_offset_ = 0.0f;
   uint64_t top_p_fixed_ = 0;
   Rng rng_;

@@ -4,6 +4,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdio>
@@ -79,6 +80,18 @@ void init_sampler(nb::module_& m) {
           "bits"_a.none(),
           "A per-step token mask: uint32 words, bit i of word i // 32 allows token i (ids past them are "
           "not allowed); None removes it. Requests with a mask sample on the host.")
+      .def(
+          "set_logit_bias",
+          [](Sampler& s, const std::vector<std::pair<int32_t, float>>& bias) {
+            std::vector<TokenLogprob> v;
+            v.reserve(bias.size());
+            for (const auto& [token, value] : bias) v.push_back({token, value});
+            s.set_logit_bias(std::move(v));
+          },
+          "bias"_a,
+          "OpenAI's logit_bias as [(token, bias), ...]: each bias is added to its token's logit before "
+          "penalties and sampling (empty: none). Requests with a bias sample on the host.")
+      .def_prop_ro("has_logit_bias", &Sampler::has_logit_bias)
       .def_prop_ro("params", &Sampler::params)
       .def_prop_ro("rng_state", [](const Sampler& s) {
         const uint64_t* st = s.rng().state();

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "seed")
+# Per-request token rules, as Model.generate takes them (Model._token_rules checks them).
+_RULE_KEYS = ("logit_bias", "stop_token_ids", "json_schema", "regex", "grammar")
 
 
 class Chat:
@@ -59,7 +61,7 @@ class Chat:
         renders it (``lily cache --chat``: the system prompt); each conversation, after
         :meth:`reset` too, starts from a copy of it, and a turn whose rendered tokens do not
         start with its tokens prefills from scratch (the prefix matching below)."""
-        unknown = set(sampling) - set(_SAMPLING_KEYS) - {"max_tokens", "stop", "logprobs"}
+        unknown = set(sampling) - set(_SAMPLING_KEYS) - set(_RULE_KEYS) - {"max_tokens", "stop", "logprobs"}
         if unknown:
             raise RequestError(f"[chat] unknown sampling argument(s): {', '.join(sorted(unknown))}")
         if max_snapshots < 1:
@@ -125,7 +127,10 @@ class Chat:
     def send(self, content: str, *, stream: bool = False, **sampling: Any) -> GenerationResult | GenerationStream:
         """Adds a user message and generates the assistant's answer.
 
-        A turn that does not finish (a stream closed, garbage-collected or ended by the next
+        ``sampling``: this turn's overrides of the chat's settings, the keyword arguments of
+        :meth:`Model.generate` (``max_tokens``, ``temperature``, ..., ``stop``, ``logprobs``,
+        ``logit_bias``, ``stop_token_ids``, and one of ``json_schema`` / ``regex`` /
+        ``grammar`` for a structured answer). A turn that does not finish (a stream closed, garbage-collected or ended by the next
         generation before its end, Ctrl-C, an error) is rolled back: the conversation is left as
         it was before ``send``, and the partial answer is only in the stream's ``result``
         (finish_reason "cancelled")."""
@@ -161,6 +166,7 @@ class Chat:
         stop = opts.pop("stop", None)
         check_stop(stop)
         logprobs = opts.pop("logprobs", None)
+        rules = {k: opts.pop(k) for k in _RULE_KEYS if k in opts}
         unknown = set(opts) - set(_SAMPLING_KEYS)
         if unknown:
             raise RequestError(f"[chat] unknown sampling argument(s): {', '.join(sorted(unknown))}")
@@ -173,6 +179,7 @@ class Chat:
             raise RequestError(f"[chat] the conversation has {len(ids)} tokens; the context holds "
                                f"{seq.max_context}")
         max_tokens = min(max_tokens, seq.max_context - len(ids))
+        bias, eos_ids, constraint = model._token_rules(rules, thinking=opens_reasoning(text), where="chat")
 
         model._generation.acquire()
         try:
@@ -185,7 +192,7 @@ class Chat:
         want_lp = bool(logprobs)
 
         chunks = token_loop(seq.prefill, seq.decode, new, chunk=model._engine.prefill_chunk, params=params,
-                            max_tokens=max_tokens, eos_ids=model.eos_token_ids,
+                            max_tokens=max_tokens, eos_ids=eos_ids, logit_bias=bias, constraint=constraint,
                             detokenizer=model.tokenizer.detokenizer(skip_special_tokens=True), stop=stop,
                             want_logprobs=want_lp, history=seq.tokens[:reused], stats=stats,
                             on_prefilled=seq.take_snapshot)

@@ -30,6 +30,7 @@ import numpy as np
 from lily import _core
 from lily._core import RequestError
 from lily.stopping import StopStringMatcher
+from lily.structured import TokenConstraint
 from lily.tool_calls import parse_output
 
 #: Tokens of recent context the repetition penalties look at (prompt tail + completion), as in
@@ -197,6 +198,49 @@ def sampling_params(defaults: dict[str, Any], overrides: dict[str, Any], logprob
     return params
 
 
+def reseeded(params, offset: int):
+    """``params`` with the seed moved by ``offset`` (the i-th of n choices; 0: ``params`` itself)."""
+    if offset == 0:
+        return params
+    # Every field of the native params (its read-write properties), so a new one is carried too.
+    fields = {name: getattr(params, name) for name, attr in vars(_core.SamplingParams).items()
+              if isinstance(attr, property)}
+    return _core.SamplingParams(**fields | {"seed": (params.seed + offset) % (1 << 64)})
+
+
+def logit_bias_pairs(bias: Any, vocab_size: int, where: str = "generate") -> list[tuple[int, float]]:
+    """``logit_bias`` ({token id: bias}, as OpenAI's) checked and listed as (id, bias) pairs:
+    ids in [0, vocab_size), biases finite numbers (OpenAI takes -100 to 100; the Python API
+    takes any finite value)."""
+    if bias is None:
+        return []
+    if not isinstance(bias, dict):
+        raise RequestError(f"[{where}] logit_bias must be a dict {{token id: bias}}, got {type(bias).__name__}")
+    pairs = []
+    for token, value in bias.items():
+        check_type(where, "logit_bias key", token, _INTEGER, "a token id (an integer)")
+        check_type(where, f"logit_bias[{token}]", value, _REAL, "a number")
+        if not 0 <= int(token) < vocab_size:
+            raise RequestError(f"[{where}] logit_bias token {token} is outside the vocabulary [0, {vocab_size})")
+        if not np.isfinite(value):
+            raise RequestError(f"[{where}] logit_bias[{token}] must be finite, got {value}")
+        pairs.append((int(token), float(value)))
+    return pairs
+
+
+def stop_token_list(ids: Any, vocab_size: int, where: str = "generate") -> list[int]:
+    """``stop_token_ids`` checked: token ids in [0, vocab_size) that end generation like EOS."""
+    if ids is None:
+        return []
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, np.ndarray)):
+        raise RequestError(f"[{where}] stop_token_ids must be a list of token ids, got {type(ids).__name__}")
+    for t in ids:
+        check_type(where, "stop_token_ids entry", t, _INTEGER, "a token id (an integer)")
+        if not 0 <= int(t) < vocab_size:
+            raise RequestError(f"[{where}] stop token id {t} is outside the vocabulary [0, {vocab_size})")
+    return [int(t) for t in ids]
+
+
 def check_stop(stop: Any) -> None:
     """``stop``: None, a string or a sequence of strings."""
     if stop is None or isinstance(stop, str):
@@ -222,6 +266,8 @@ def token_loop(
     on_prefilled: Callable[[], None] | None = None,
     on_prefill_progress: Callable[[int, int], None] | None = None,
     device_loop: Callable[[int, int, Any], DeviceLoop | None] | None = None,
+    logit_bias: Sequence[tuple[int, float]] = (),
+    constraint: TokenConstraint | None = None,
 ) -> Iterator[GenerationChunk]:
     """Prefills ``prompt_ids`` (in chunks, so Ctrl-C is honoured) and generates.
 
@@ -233,12 +279,20 @@ def token_loop(
     after the first token (sampled here from the prefill's logits) each token is then chosen on
     the device, by the same algorithm from the same random stream, and fed to the next step
     there. The loop is closed when generation stops, undoing the step made past the end.
+
+    ``logit_bias`` ((id, bias) pairs) and ``constraint`` (structured output: a token mask per
+    step, see lily.structured) are applied by the host sampler, so such requests never take the
+    device loop.
     """
     if max_tokens < 0:
         raise RequestError("[generate] max_tokens must be non-negative")
     # Only ids the detokenizer can turn into text: an embedding may have rows past the tokenizer's
     # entries (Qwen3.5/3.6: 248,320 rows, 248,077 tokens), which no sampler may choose.
     sampler = _core.Sampler(params, token_limit=detokenizer.vocab_size if detokenizer is not None else 0)
+    if logit_bias:
+        sampler.set_logit_bias(list(logit_bias))
+    if logit_bias or constraint is not None:
+        device_loop = None  # the GPU sampler has neither a bias nor a per-step mask
     matcher = StopStringMatcher(stop)
     eos = set(int(e) for e in eos_ids)
     window: deque[int] = deque(list(history)[-PENALTY_WINDOW:], maxlen=PENALTY_WINDOW)
@@ -264,7 +318,11 @@ def token_loop(
         t_decode = time.perf_counter()
         while True:
             if dev is None:
+                if constraint is not None:
+                    sampler.set_allowed_tokens(constraint.mask())
                 tok, lp, top = sampler.sample(logits, np.fromiter(window, dtype=np.int32, count=len(window)))
+                if constraint is not None and tok not in eos:
+                    constraint.consume(tok)
             else:
                 tok, lp, top = dev.next(), None, None
             if stats.completion_tokens == 0:

@@ -24,11 +24,14 @@ from lily.generation import (
     check_stop,
     check_type,
     device_loop_allowed,
+    logit_bias_pairs,
     sampling_params,
+    stop_token_list,
     token_loop,
 )
 from lily.generation_config import GenerationDefaults, load_generation_config
 from lily.hub import resolve_model_path
+from lily.structured import compile_constraint, grammar_for
 from lily.tokenizer import Tokenizer
 from lily.tool_calls import opens_reasoning
 
@@ -57,6 +60,11 @@ if TYPE_CHECKING:
         enable_thinking: bool | None
         on_prefill_progress: Callable[[int, int], None] | None
         prompt_cache: Session | None
+        logit_bias: dict[int, float] | None
+        stop_token_ids: Sequence[int] | None
+        json_schema: dict | bool | None
+        regex: str | None
+        grammar: str | None
 
 
 # "msl-cpu" runs the Metal backend's dispatch sequence on the MSL-on-CPU runtime (tests; slow);
@@ -424,6 +432,11 @@ class Model:
         enable_thinking: bool | None = None,
         on_prefill_progress: Callable[[int, int], None] | None = None,
         prompt_cache: Session | None = None,
+        logit_bias: dict[int, float] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        json_schema: dict | bool | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
     ) -> GenerationResult | GenerationStream:
         """Generates a continuation of ``prompt``: a string, a list of OpenAI-format chat
         messages (rendered with the checkpoint's chat template), or token ids.
@@ -438,6 +451,15 @@ class Model:
         file ``lily cache`` or ``Session.save`` wrote): the prompt's token ids must start with the
         session's and add at least one; only the rest is prefilled, on a copy (the session is
         left as it was, to serve the next prompt).
+        ``logit_bias``: {token id: bias} added to those tokens' logits before sampling (OpenAI's
+        logit_bias; -100 all but bans a token). ``stop_token_ids``: token ids that end generation
+        as EOS does (finish_reason "stop"; the token is not in the output).
+        Structured output (at most one of): ``json_schema`` (a JSON Schema dict, or True for any
+        JSON object), ``regex`` (the whole output matches it) or ``grammar`` (a Lark or GBNF
+        grammar); each token is chosen among those that keep the output valid (llguidance, the
+        ``structured`` extra). A schema, regex or grammar the library rejects is a RequestError
+        (a ValueError) naming the problem. For a chat prompt that opens a ``<think>`` block the
+        constraint applies after it closes. ``max_tokens`` can still cut a document short.
         The result's ``content`` / ``reasoning`` / ``tool_calls`` split the text of a chat
         prompt (the ``<think>`` block and tool calls); for other prompts ``content`` is the text.
         """
@@ -455,6 +477,9 @@ class Model:
                  frequency_penalty=frequency_penalty, seed=seed),
             logprobs,
         )
+        bias, eos_ids, constraint = self._token_rules(
+            dict(logit_bias=logit_bias, stop_token_ids=stop_token_ids, json_schema=json_schema, regex=regex,
+                 grammar=grammar), thinking=rendered is not None and opens_reasoning(rendered))
         max_tokens = min(max_tokens, self.max_context - int(ids.size))
         cached: list[int] = []
         if prompt_cache is None:
@@ -474,13 +499,14 @@ class Model:
         self._generation.acquire()
         try:
             # GPU backends choose each token on the device and feed it to the next step there, unless
-            # the request needs the logits on the host (penalties, logprobs).
+            # the request needs the logits on the host (penalties, logprobs, logit_bias, structured output).
             on_device = device_loop_allowed(params, want_lp)
             chunks = token_loop(session.prefill, session.decode, ids[len(cached):], chunk=self._engine.prefill_chunk,
-                                params=params, max_tokens=max_tokens, eos_ids=self.eos_token_ids,
+                                params=params, max_tokens=max_tokens, eos_ids=eos_ids,
                                 detokenizer=detok, stop=stop, want_logprobs=want_lp, history=cached, stats=stats,
                                 on_prefill_progress=on_prefill_progress,
-                                device_loop=session.device_loop if on_device else None)
+                                device_loop=session.device_loop if on_device else None,
+                                logit_bias=bias, constraint=constraint)
         except BaseException:
             self._generation.release()
             raise
@@ -489,6 +515,22 @@ class Model:
                                       token_text=self._token_text, chat=rendered is not None, tools=tools,
                                       reasoning_started=rendered is not None and opens_reasoning(rendered))
         return stream_obj if stream else stream_obj.drain()
+
+    def _token_rules(self, options: dict[str, Any], *, thinking: bool, where: str = "generate"):
+        """(logit bias pairs, end-of-sequence ids, structured-output constraint or None) from the
+        request options ``logit_bias``, ``stop_token_ids``, ``json_schema``, ``regex``,
+        ``grammar`` (checked here; see :meth:`generate`). ``thinking``: the prompt opens a
+        ``<think>`` block, which the constraint leaves free."""
+        vocab = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
+        bias = logit_bias_pairs(options.get("logit_bias"), vocab, where)
+        eos_ids = self.eos_token_ids + tuple(stop_token_list(options.get("stop_token_ids"), vocab, where))
+        rules = grammar_for(json_schema=options.get("json_schema"), regex=options.get("regex"),
+                            grammar=options.get("grammar"), where=where)
+        # The grammar ends on the model's own EOS ids (stop_token_ids stop only where it allows
+        # them), so the tokenizer index, built once per model, is shared by every request.
+        constraint = None if rules is None else compile_constraint(self.tokenizer, rules, self.eos_token_ids,
+                                                                   thinking=thinking, where=where)
+        return bias, eos_ids, constraint
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else ""

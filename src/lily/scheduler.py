@@ -23,8 +23,12 @@ Design choices:
   the prompt, and after 16, 32, 64, ... generated tokens (log-spaced, so a long answer costs
   few). Chunking never changes the logits (docs/architecture.md), so the split costs one engine
   call, not determinism.
+- ``n`` > 1 choices run one after another on the job's sequence: the prompt is prefilled once,
+  and each further choice rewinds the sequence to the snapshot one token before the prompt's
+  end (the recurrent state restored, the KV cut back) and prefills that last token again for
+  its logits. Choice i samples with seed ``seed + i``, its grammar (if any) from the start.
 - Results travel back as events through a callback; the HTTP layer turns the callback into
-  an asyncio queue (``loop.call_soon_threadsafe``).
+  an asyncio queue (``loop.call_soon_threadsafe``): each choice's chunks, then its "done".
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ from typing import Any
 
 import numpy as np
 
-from lily.generation import GenerationStats, result_from, token_loop
+from lily.generation import GenerationStats, reseeded, result_from, token_loop
 from lily.prefix_cache import PrefixCache
+from lily.structured import TokenConstraint
 
 
 class Cancelled(Exception):
@@ -62,6 +67,10 @@ class Job:
     cancel_time: float | None = None
     cancel_reason: str | None = None
     enqueued: float = field(default_factory=time.perf_counter)
+    logit_bias: Sequence[tuple[int, float]] = ()  # (token id, bias) pairs
+    stop_token_ids: Sequence[int] = ()  # end generation as EOS does
+    constraint: TokenConstraint | None = None  # structured output (lily.structured)
+    n: int = 1  # choices, generated one after another from one prefill
 
     def __post_init__(self):
         self._room = threading.Semaphore(self.buffer_chunks)
@@ -200,28 +209,36 @@ class Scheduler:
                     seq.take_snapshot()
                 return out
 
-            detok = model.tokenizer.detokenizer(skip_special_tokens=True) if model.tokenizer else None
-            chunks = token_loop(prefill, decode, job.ids[reused:], chunk=model._engine.prefill_chunk,
-                                params=job.params, max_tokens=job.max_tokens, eos_ids=model.eos_token_ids,
-                                detokenizer=detok, stop=job.stop, want_logprobs=job.want_logprobs,
-                                history=seq.tokens[:reused], stats=stats, on_prefilled=seq.take_snapshot)
-            texts: list[str] = []
-            tokens: list[int] = []
-            lps: list[dict] = []
-            try:
-                for c in chunks:
-                    texts.append(c.text)
-                    if c.token is not None:
-                        tokens.append(c.token)
-                        if job.want_logprobs:
-                            lps.append({"token": c.token, "logprob": c.logprob, "top_logprobs": c.top_logprobs})
-                    job.wait_for_room()
-                    job.emit("chunk", c)
-            finally:
-                chunks.close()  # a job dropped between steps: close the token loop now
-            result = result_from(stats, "".join(texts), tokens, lps if job.want_logprobs else None)
+            for choice in range(job.n):
+                if choice:  # back to the prompt's snapshot (one token before its end): no re-prefill
+                    reused = seq.rewind(job.ids)
+                    stats = GenerationStats(prompt_tokens=int(job.ids.size), cached_tokens=reused)
+                    decoded = 0
+                    if job.constraint is not None:
+                        job.constraint.reset()
+                detok = model.tokenizer.detokenizer(skip_special_tokens=True) if model.tokenizer else None
+                chunks = token_loop(prefill, decode, job.ids[reused:], chunk=model._engine.prefill_chunk,
+                                    params=reseeded(job.params, choice), max_tokens=job.max_tokens,
+                                    eos_ids=model.eos_token_ids + tuple(job.stop_token_ids),
+                                    detokenizer=detok, stop=job.stop, want_logprobs=job.want_logprobs,
+                                    history=seq.tokens[:reused], stats=stats, on_prefilled=seq.take_snapshot,
+                                    logit_bias=job.logit_bias, constraint=job.constraint)
+                texts: list[str] = []
+                tokens: list[int] = []
+                lps: list[dict] = []
+                try:
+                    for c in chunks:
+                        texts.append(c.text)
+                        if c.token is not None:
+                            tokens.append(c.token)
+                            if job.want_logprobs:
+                                lps.append({"token": c.token, "logprob": c.logprob, "top_logprobs": c.top_logprobs})
+                        job.wait_for_room()
+                        job.emit("chunk", c)
+                finally:
+                    chunks.close()  # a job dropped between steps: close the token loop now
+                job.emit("done", result_from(stats, "".join(texts), tokens, lps if job.want_logprobs else None))
             self.stats.completed += 1
-            job.emit("done", result)
         except Cancelled:
             self.stats.cancelled += 1
             self.stats.last_cancel_reason = job.cancel_reason

@@ -9,8 +9,11 @@ Design choices:
   an OpenAI-style error body {"error": {"message", "type", "param", "code"}} with the right
   status: 400 (malformed JSON, wrong types, out-of-range values, prompt longer than the
   context), 401 (API key), 404 (unknown model or route), 405, 413 (body too large), 503 (queue
-  full). Unknown request fields are ignored, as vLLM and llama.cpp do, so clients that send
-  extras keep working; known fields are type-checked strictly.
+  full). No field is silently ignored, as OpenAI does it: a field that is not part of the
+  OpenAI API (nor one of lily's documented extensions, REQUEST_FIELDS) is a 400 "Unrecognized
+  request argument supplied"; an OpenAI field that would change the output and that lily does
+  not implement is a 400 "Unsupported parameter" naming it; metadata that cannot change the
+  output (user, metadata, store, ...) is accepted. Known fields are type-checked strictly.
 - Streaming uses Server-Sent Events in OpenAI's chunk format, ending with ``data: [DONE]``.
   Reasoning (``<think>`` ... ``</think>``) and content are split as they stream with the
   same rules as the non-streamed parse (lily.tool_calls.parse_output), so the streamed pieces
@@ -33,6 +36,7 @@ import hmac
 import json
 import math
 import queue
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -41,10 +45,11 @@ from typing import Any
 import numpy as np
 
 from lily._core import LilyError
-from lily.generation import sampling_params
+from lily.generation import logit_bias_pairs, sampling_params, stop_token_list
 from lily.prefix_cache import DiskCache
 from lily.scheduler import Job, Scheduler
 from lily.server_limits import ServerLimits, limited_protocol
+from lily.structured import Grammar, compile_constraint, grammar_for, tool_call_grammar
 from lily.tokenizer import PromptTooLong
 from lily.tool_calls import CALL_OPEN, THINK_CLOSE, THINK_OPEN, _split_reasoning, parse_output
 
@@ -68,6 +73,69 @@ MAX_STOP = 16
 MAX_STOP_CHARS = 1024  # a stop string holds back that much streamed text
 MAX_TOP_LOGPROBS = 20
 INT32_MAX = 2**31 - 1  # fields the native sampler holds as C ints
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_CHOICES = 16  # n: choices run one after another (lily.scheduler), so each costs its decode
+MAX_STOP_TOKEN_IDS = 64
+
+# Every request field each endpoint takes, by what lily does with it (docs/server.md lists them).
+# "used": OpenAI fields lily implements; "extension": lily's own (as vLLM's and llama.cpp's
+# servers take them); "metadata": OpenAI fields that cannot change the output, accepted and
+# not used; "unsupported": OpenAI fields that change the output and that lily does not implement,
+# each refused by name with the reason (a value equal to OpenAI's default is accepted).
+# Anything else is refused as OpenAI refuses it: "Unrecognized request argument supplied".
+_SAMPLING_FIELDS = {"model", "max_tokens", "temperature", "top_p", "frequency_penalty", "presence_penalty", "seed",
+                    "stop", "stream", "stream_options", "logprobs", "logit_bias", "n"}
+_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "stop_token_ids"}
+REQUEST_FIELDS: dict[str, dict[str, Any]] = {
+    "chat": {
+        "used": _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                    "response_format"},
+        "extension": _EXTENSIONS | {"chat_template_kwargs", "enable_thinking"},
+        "metadata": {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                     "prompt_cache_retention", "prompt_cache_options", "prediction"},
+        "unsupported": {
+            "audio": ("lily generates text only", (None,)),
+            "modalities": ("lily generates text only", (None, ["text"])),
+            "parallel_tool_calls": ("the model decides how many calls it makes", (None, True)),
+            "reasoning_effort": ("use chat_template_kwargs.enable_thinking", (None,)),
+            "verbosity": ("lily has no verbosity control", (None,)),
+            "web_search_options": ("lily has no web search", (None,)),
+            "moderation": ("lily runs no moderation", (None,)),
+            "functions": ("use tools", (None,)),
+            "function_call": ("use tool_choice", (None,)),
+        },
+    },
+    "completions": {
+        "used": _SAMPLING_FIELDS | {"prompt"},
+        "extension": _EXTENSIONS,
+        "metadata": {"user"},
+        "unsupported": {
+            "echo": ("the answer never repeats the prompt", (None, False)),
+            "suffix": ("lily has no fill-in-the-middle", (None, "")),
+            "best_of": ("use n", (None, 1)),
+        },
+    },
+}
+
+
+def check_fields(body: dict, endpoint: str) -> None:
+    """Refuses any field of ``body`` that ``endpoint`` does not take (see REQUEST_FIELDS)."""
+    fields = REQUEST_FIELDS[endpoint]
+    known = fields["used"] | fields["extension"] | fields["metadata"] | set(fields["unsupported"])
+    unknown = [k for k in body if k not in known]
+    if unknown:
+        raise APIError(400, f"Unrecognized request argument{'s' if len(unknown) > 1 else ''} supplied: "
+                            f"{', '.join(unknown)}", param=unknown[0], code="unrecognized_argument")
+    options = body.get("stream_options")
+    unknown = [f"stream_options.{k}" for k in options if k not in ("include_usage", "include_obfuscation")] \
+        if isinstance(options, dict) else []
+    if unknown:  # include_obfuscation (padding against length side channels) is accepted, not used
+        raise APIError(400, f"Unrecognized request argument supplied: {', '.join(unknown)}", param=unknown[0],
+                       code="unrecognized_argument")
+    for name, (why, accepted) in fields["unsupported"].items():
+        if name in body and body[name] not in accepted:
+            raise APIError(400, f"Unsupported parameter: '{name}' is not supported by lily ({why})", param=name,
+                           code="unsupported_parameter")
 
 
 class APIError(Exception):
@@ -154,10 +222,11 @@ def _parse_json(raw: bytes) -> Any:
         refuse(str(e).split(";")[0])
 
 
-def _check_tool_schema(schema: Any, where: str) -> None:
-    """A tool's parameters must be a JSON Schema object (checked against the JSON Schema
-    meta-schema by the jsonschema library): the tool-call parser reads each argument's type
-    from it, and a type of 5, true or 1.5 made it raise (a 500 once the model wrote a call)."""
+def _check_schema(schema: Any, where: str) -> None:
+    """A JSON Schema object, checked against the JSON Schema meta-schema by the jsonschema
+    library: a tool's parameters (the tool-call parser reads each argument's type from it, and a
+    type of 5, true or 1.5 made it raise, a 500 once the model wrote a call) and response_format's
+    schema."""
     if schema is None:
         return
     if not isinstance(schema, dict):
@@ -247,9 +316,6 @@ class Server:
         else:
             top = _get(body, "logprobs", int, None, lo=0, hi=MAX_TOP_LOGPROBS)
             want_lp = False if top is None else (top or True)
-        n = _get(body, "n", int, 1, lo=1)
-        if n != 1:
-            raise APIError(400, "only n=1 is supported", param="n", code="invalid_value")
         max_tokens = _get(body, "max_completion_tokens", int, None, lo=0) if chat else None
         if max_tokens is None:
             max_tokens = _get(body, "max_tokens", int, None, lo=0)
@@ -274,6 +340,105 @@ class Server:
         except LilyError as e:
             raise APIError(400, str(e), code="invalid_value") from None
         return params, int(max_tokens), _stop(body), want_lp
+
+    def _token_rules(self, body: dict) -> dict:
+        """Job arguments from ``n`` (choices), ``logit_bias`` (OpenAI's: {"token id": bias in [-100, 100]}) and
+        ``stop_token_ids`` (lily's extension, as vLLM's: ids that end generation as EOS does)."""
+        vocab = self.model.tokenizer.vocab_size if self.model.tokenizer is not None else self.model.config.vocab_size
+        bias = _get(body, "logit_bias", dict, {}) or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise APIError(400, f"'logit_bias' takes at most {MAX_LOGIT_BIAS} entries", param="logit_bias",
+                           code="invalid_value")
+        parsed: dict[int, float] = {}
+        for key, value in bias.items():
+            if not re.fullmatch(r"[0-9]{1,10}", key) or isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not -100 <= value <= 100:
+                raise APIError(400, f"'logit_bias' maps token ids to numbers between -100 and 100, got "
+                                    f"{json.dumps(key)[:40]}: {json.dumps(value)[:40]}", param="logit_bias",
+                               code="invalid_value")
+            parsed[int(key)] = float(value)
+        ids = _get(body, "stop_token_ids", list, []) or []
+        if len(ids) > MAX_STOP_TOKEN_IDS or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            raise APIError(400, f"'stop_token_ids' must be an array of at most {MAX_STOP_TOKEN_IDS} token ids",
+                           param="stop_token_ids", code="invalid_value")
+        n = _get(body, "n", int, 1, lo=1, hi=MAX_CHOICES)
+        try:
+            return dict(n=n, logit_bias=logit_bias_pairs(parsed, vocab), stop_token_ids=stop_token_list(ids, vocab))
+        except LilyError as e:
+            param = "logit_bias" if "logit_bias" in str(e) else "stop_token_ids"
+            raise APIError(400, str(e), param=param, code="invalid_value") from None
+
+    def _strict_tools(self, tools: list[dict] | None, tool_choice: str) -> Grammar | None:
+        """The grammar of a forced call (tool_choice "required" or a named function) when a tool
+        is ``strict``: its arguments follow its schema (lily.structured.tool_call_grammar), and
+        the grammar, not a prompt prefix, opens the call. A strict tool under "auto" is refused:
+        the model may answer in text or call, and lily constrains only forced calls."""
+        strict = [bool(t["function"].get("strict")) for t in tools or ()]
+        if not any(strict) or tool_choice == "none":
+            return None
+        if tool_choice == "auto":
+            i = strict.index(True)
+            raise APIError(400, f"Unsupported parameter: 'tools[{i}].function.strict' is supported by lily only with "
+                                "'tool_choice' \"required\" or a named function (a forced call)",
+                           param=f"tools[{i}].function.strict", code="unsupported_parameter")
+        if self.model.tokenizer is None:
+            raise APIError(400, "strict tools need a tokenizer, and this model has none", param="tools")
+        try:
+            # A named function: one call to it; "required": one call or more.
+            return tool_call_grammar(self.model.tokenizer, tools, strict=strict, single=tool_choice == "function")
+        except LilyError as e:
+            raise APIError(400, str(e), param="tools", code="invalid_value") from None
+
+    @staticmethod
+    def _response_format(body: dict) -> Grammar | None:
+        """The llguidance grammar ``response_format`` asks for: None for text (or none given),
+        any JSON object for ``json_object``, the schema for ``json_schema`` (constrained whether or
+        not ``strict`` is set)."""
+        rf = body.get("response_format")
+        if rf is None:
+            return None
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise APIError(400, "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                                "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                           param="response_format", code="invalid_value")
+        allowed = {"type", "json_schema"} if rf["type"] == "json_schema" else {"type"}
+        spec = rf.get("json_schema")
+        if rf["type"] == "json_schema" and not isinstance(spec, dict):
+            raise APIError(400, "'response_format.json_schema' must be an object with a 'schema'",
+                           param="response_format.json_schema", code="invalid_value")
+        extra = [f"response_format.{k}" for k in rf if k not in allowed]
+        extra += [f"response_format.json_schema.{k}" for k in spec or {}
+                  if k not in ("name", "description", "schema", "strict")]
+        if extra:
+            raise APIError(400, f"Unrecognized request argument supplied: {', '.join(extra)}", param=extra[0],
+                           code="unrecognized_argument")
+        if rf["type"] == "text":
+            return None
+        schema: Any = True
+        if spec is not None:
+            if not isinstance(spec.get("schema"), dict):
+                raise APIError(400, "'response_format.json_schema.schema' must be a JSON Schema object",
+                               param="response_format.json_schema.schema", code="invalid_value")
+            schema = spec["schema"]
+            _check_schema(schema, "response_format.json_schema.schema")
+        try:
+            return grammar_for(json_schema=schema, where="response_format")
+        except LilyError as e:
+            raise APIError(400, str(e), param="response_format", code="invalid_value") from None
+
+    async def _constraint(self, grammar: Grammar | None, thinking: bool):
+        """The token constraint for ``grammar`` (compiled off the event loop: the first one
+        indexes the tokenizer); a schema llguidance rejects is a 400 naming the problem."""
+        if grammar is None:
+            return None
+        param = "tools" if grammar.source == "tool schema" else "response_format"
+        if self.model.tokenizer is None:
+            raise APIError(400, f"'{param}' needs a tokenizer, and this model has none", param=param)
+        try:  # on the model's EOS ids, as Model._token_rules does (one tokenizer index per model)
+            return await run_in_threadpool(compile_constraint, self.model.tokenizer, grammar,
+                                           self.model.eos_token_ids, thinking=thinking, where=param)
+        except LilyError as e:
+            raise APIError(400, str(e), param=param, code="invalid_value") from None
 
     def _too_long(self, tokens: str, param: str) -> APIError:
         return APIError(400, f"This model's maximum context length is {self.model.max_context} tokens; the "
@@ -313,11 +478,11 @@ class Server:
                            type="server_error", code="queue_full") from None
         return job, events
 
-    async def _collect(self, request: Request, job: Job, events: asyncio.Queue):
-        """Waits for a non-streamed job. The client's disconnect (the ASGI server's
-        http.disconnect, awaited beside the job's events) cancels the job at once, so the
-        engine stops within the step it is running."""
-        chunks = []
+    async def _collect(self, request: Request, job: Job, events: asyncio.Queue) -> list:
+        """Waits for a non-streamed job; returns its results, one per choice. The client's
+        disconnect (the ASGI server's http.disconnect, awaited beside the job's events) cancels
+        the job at once, so the engine stops within the step it is running."""
+        results = []
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             while True:
@@ -330,9 +495,10 @@ class Server:
                 kind, value = event.result()
                 if kind == "chunk":
                     job.took_chunk()
-                    chunks.append(value)
                 elif kind == "done":
-                    return chunks, value
+                    results.append(value)
+                    if len(results) == job.n:
+                        return results
                 else:
                     raise value
         finally:
@@ -378,6 +544,7 @@ class Server:
     async def chat_completions(self, request: Request):
         self._check_auth(request)
         body = await self._body(request)
+        check_fields(body, "chat")
         messages = self._messages(body)
         tools, tool_choice = self._tools(body)
         stream = _get(body, "stream", bool, False)
@@ -387,6 +554,12 @@ class Server:
         if enable_thinking is not None and not isinstance(enable_thinking, bool):
             raise APIError(400, "'enable_thinking' must be a boolean", param="chat_template_kwargs")
         params, max_tokens, stop, want_lp = self._sampling(body, chat=True)
+        rules = self._token_rules(body)
+        grammar = self._response_format(body)
+        if grammar is not None and tools and tool_choice in ("required", "function"):
+            raise APIError(400, "'response_format' cannot be combined with a forced tool call ('tool_choice')",
+                           param="response_format")
+        call_grammar = self._strict_tools(tools, tool_choice)
         if self.model.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send token ids to /v1/completions", param="messages")
 
@@ -408,12 +581,13 @@ class Server:
         # tool_choice "required" / a named function: the assistant turn is started with the
         # opening of a call in the model's own format, so what it generates is that call's body.
         # (Prefix forcing, not constrained decoding; with thinking on, the model reasons first.)
-        forced = _forced_call_prefix(tool_choice, tools) if not reasoning_started else ""
+        forced = _forced_call_prefix(tool_choice, tools) if not reasoning_started and call_grammar is None else ""
         if forced:
             ids = np.concatenate([ids, np.asarray(self.model.tokenizer.encode(forced), dtype=np.int32)])
         max_tokens = self._fit(ids, max_tokens, "messages")
+        constraint = await self._constraint(grammar or call_grammar, reasoning_started)
         job, events = await self._run(request, dict(ids=ids, params=params, max_tokens=max_tokens, stop=stop,
-                                                    want_logprobs=bool(want_lp)))
+                                                    want_logprobs=bool(want_lp), constraint=constraint, **rules))
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
         created = int(time.time())
         call_tools = tools if tool_choice != "none" else None
@@ -421,21 +595,23 @@ class Server:
             return EventSourceResponse(
                 self._chat_stream(job, events, rid, created, call_tools, reasoning_started, include_usage, forced),
                 ping=15, sep="\n", send_timeout=self.limits.stream_timeout_s)
-        _chunks, result = await self._collect(request, job, events)
-        parsed = parse_output(forced + result.text, tools=call_tools, reasoning_started=reasoning_started)
-        msg = parsed.to_message()
-        if msg.get("content") is None and not parsed.tool_calls:
-            msg["content"] = ""
-        finish = "tool_calls" if parsed.tool_calls else result.finish_reason
-        choice = {"index": 0, "message": msg, "finish_reason": finish,
-                  "logprobs": {"content": self._chat_logprobs(result.logprobs)} if want_lp else None}
+        results = await self._collect(request, job, events)
+        choices = []
+        for index, result in enumerate(results):
+            parsed = parse_output(forced + result.text, tools=call_tools, reasoning_started=reasoning_started)
+            msg = parsed.to_message()
+            if msg.get("content") is None and not parsed.tool_calls:
+                msg["content"] = ""
+            finish = "tool_calls" if parsed.tool_calls else result.finish_reason
+            choices.append({"index": index, "message": msg, "finish_reason": finish,
+                            "logprobs": {"content": self._chat_logprobs(result.logprobs)} if want_lp else None})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_id,
-                             "choices": [choice], "usage": self._usage(result),
-                             "system_fingerprint": "lily"})
+                             "choices": choices, "usage": self._usage(results), "system_fingerprint": "lily"})
 
     async def completions(self, request: Request):
         self._check_auth(request)
         body = await self._body(request)
+        check_fields(body, "completions")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
@@ -456,29 +632,26 @@ class Server:
                            param="prompt", code="invalid_type")
         if ids.size == 0:
             raise APIError(400, "the prompt has no tokens", param="prompt")
-        if _get(body, "echo", bool, False):
-            raise APIError(400, "'echo' is not supported", param="echo")
-        if _get(body, "suffix", str, None):
-            raise APIError(400, "'suffix' is not supported", param="suffix")
-        _get(body, "best_of", int, 1, lo=1, hi=1)
         stream = _get(body, "stream", bool, False)
         include_usage = bool(_get(_get(body, "stream_options", dict, {}) or {}, "include_usage", bool, False))
         params, max_tokens, stop, want_lp = self._sampling(body, chat=False)
+        rules = self._token_rules(body)
         if "max_tokens" not in body:
             max_tokens = min(max_tokens, 16)  # OpenAI's default for completions
         max_tokens = self._fit(ids, max_tokens, "prompt")
         job, events = await self._run(request, dict(ids=ids, params=params, max_tokens=max_tokens, stop=stop,
-                                                    want_logprobs=bool(want_lp)))
+                                                    want_logprobs=bool(want_lp), **rules))
         rid = "cmpl-" + uuid.uuid4().hex[:24]
         created = int(time.time())
         if stream:
             return EventSourceResponse(self._completion_stream(job, events, rid, created, want_lp, include_usage),
                                        ping=15, sep="\n", send_timeout=self.limits.stream_timeout_s)
-        _chunks, result = await self._collect(request, job, events)
-        choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason,
-                  "logprobs": self._completion_logprobs(result.logprobs) if want_lp else None}
+        results = await self._collect(request, job, events)
+        choices = [{"index": index, "text": r.text, "finish_reason": r.finish_reason,
+                    "logprobs": self._completion_logprobs(r.logprobs) if want_lp else None}
+                   for index, r in enumerate(results)]
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_id,
-                             "choices": [choice], "usage": self._usage(result), "system_fingerprint": "lily"})
+                             "choices": choices, "usage": self._usage(results), "system_fingerprint": "lily"})
 
     # -- request pieces --------------------------------------------------------------------------
 
@@ -562,7 +735,10 @@ class Server:
                         or not isinstance(fn.get("name"), str) or not fn["name"]:
                     raise APIError(400, f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": "
                                         f"{{\"name\": ...}}}}", param=f"tools[{i}]")
-                _check_tool_schema(fn.get("parameters"), f"tools[{i}].function.parameters")
+                _check_schema(fn.get("parameters"), f"tools[{i}].function.parameters")
+                if not isinstance(fn.get("strict", False), (bool, type(None))):
+                    raise APIError(400, f"'tools[{i}].function.strict' must be a boolean",
+                                   param=f"tools[{i}].function.strict", code="invalid_type")
             tools = tools or None
         choice = body.get("tool_choice")
         if choice is None:
@@ -586,10 +762,14 @@ class Server:
     # -- responses -------------------------------------------------------------------------------
 
     @staticmethod
-    def _usage(result) -> dict:
-        return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                "total_tokens": result.prompt_tokens + result.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+    def _usage(results: list) -> dict:
+        """Usage of a request's choices: the prompt counted once (the first choice prefilled it;
+        the others reused it), completion tokens summed."""
+        first = results[0]
+        completion = sum(r.completion_tokens for r in results)
+        return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": first.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
 
     def _token_entry(self, tok: int, lp: float) -> dict:
         s = self.model.tokenizer.decode([tok])
@@ -616,13 +796,15 @@ class Server:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     async def _events(self, job: Job, events: asyncio.Queue):
-        """Yields ("chunk"|"done", value); cancels the job if the consumer stops early.
+        """Yields ("chunk"|"done", value), each choice's chunks then its "done", until the last
+        choice's; cancels the job if the consumer stops early.
 
         A chunk counts as taken (room for the engine to generate one more, see Job) when the
         consumer asks for the next one, i.e. once the previous one was handed to the socket: a
         client that stops reading blocks the send, so the engine stops after
         ``stream_buffer_chunks`` chunks and the job is dropped after ``stream_timeout_s``."""
         resumed = time.monotonic()
+        done = 0
         try:
             while True:
                 kind, value = await events.get()
@@ -632,7 +814,8 @@ class Server:
                     job.took_chunk()
                 yield kind, value
                 resumed = time.monotonic()
-                if kind == "done":
+                done += kind == "done"
+                if done == job.n:
                     return
         finally:
             # Closed while suspended in a send for the whole stream timeout: the response's send
@@ -649,15 +832,23 @@ class Server:
         return json.dumps(obj, ensure_ascii=False)
 
     async def _chat_stream(self, job, events, rid, created, tools, reasoning_started, include_usage, forced=""):
+        index = 0  # the choice being streamed (choices run one after another)
+
         def chunk(delta: dict, finish=None, logprobs=None):
-            c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+            c = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             return self._sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                               "model": self.model_id, "system_fingerprint": "lily", "choices": [c]})
 
+        def start() -> list[str]:  # a choice's first chunks; resets the splitter
+            nonlocal splitter
+            splitter = StreamSplitter(reasoning_started)
+            # the forced start of a tool call (tool_choice) after the role
+            return [chunk({"role": "assistant", "content": ""})] + [chunk(d) for d in splitter.feed(forced)]
+
         splitter = StreamSplitter(reasoning_started)
-        yield chunk({"role": "assistant", "content": ""})
-        for d in splitter.feed(forced):  # the forced start of a tool call (tool_choice)
-            yield chunk(d)
+        results = []
+        for c in start():
+            yield c
         try:
             async for kind, value in self._events(job, events):
                 if kind == "chunk":
@@ -680,16 +871,23 @@ class Server:
                         calls = [{"index": i, **c} for i, c in enumerate(parsed.tool_calls)]
                         yield chunk({"tool_calls": calls})
                     yield chunk({}, "tool_calls" if parsed.tool_calls else result.finish_reason)
-                    if include_usage:
+                    results.append(result)
+                    if len(results) < job.n:
+                        index += 1
+                        for c in start():
+                            yield c
+                    elif include_usage:
                         yield self._sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                         "model": self.model_id, "choices": [], "usage": self._usage(result)})
+                                         "model": self.model_id, "choices": [], "usage": self._usage(results)})
         except Exception as e:  # the response has started: report in-stream, then end it
             yield self._stream_error(e)
         yield "[DONE]"
 
     async def _completion_stream(self, job, events, rid, created, want_lp, include_usage):
+        results = []  # one per finished choice; the chunks streamed belong to choice len(results)
+
         def chunk(text: str, finish=None, logprobs=None):
-            c = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+            c = {"index": len(results), "text": text, "finish_reason": finish, "logprobs": logprobs}
             return self._sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_id,
                               "system_fingerprint": "lily", "choices": [c]})
 
@@ -706,9 +904,10 @@ class Server:
                     else:
                         yield chunk(value.text, value.finish_reason, lp)
                 else:
-                    if include_usage:
+                    results.append(value)
+                    if include_usage and len(results) == job.n:
                         yield self._sse({"id": rid, "object": "text_completion", "created": created,
-                                         "model": self.model_id, "choices": [], "usage": self._usage(value)})
+                                         "model": self.model_id, "choices": [], "usage": self._usage(results)})
         except Exception as e:  # the response has started: report in-stream, then end it
             yield self._stream_error(e)
         yield "[DONE]"

@@ -177,6 +177,10 @@ class Tokenizer:
     def pad_token_id(self) -> int | None:
         return None if self.pad_token is None else self._tok.token_to_id(self.pad_token)
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what constrained-decoding libraries index)."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
