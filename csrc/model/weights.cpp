@@ -233,14 +233,27 @@ void WeightsBuilder::set_affine(const std::string& slot, const TensorSlice& ws, 
   auto fail = [&](const std::string& what) -> void {
     throw CheckpointError("[weights] " + slot + " <- '" + ws.name + "': " + what);
   };
-  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
-    fail("unsupported bit width " + std::to_string(bits));
-  if (group != 32 && group != 64 && group != 128) fail("unsupported group size " + std::to_string(group));
   int64_t wr, wc, sr, sc, br, bc;
   DType wdt, sdt, bdt;
   const uint8_t* wp = slice_bytes(ws, &wr, &wc, &wdt, slot);
   const uint8_t* sp = slice_bytes(ss, &sr, &sc, &sdt, slot + ".scales");
   const uint8_t* bp = slice_bytes(bs, &br, &bc, &bdt, slot + ".biases");
+  if (bits == 0 && group == 0) {
+    // No per-module entry in config.json: the shapes tell, as mlx-lm's infer_quant_config reads
+    // them (group = in / scale columns, bits = packed columns * 32 / in).
+    if (sc <= 0 || x.in % sc != 0 || (wc * 32) % x.in != 0)
+      fail("cannot infer bits and group size: packed [" + std::to_string(wr) + ", " + std::to_string(wc) +
+           "] and '" + ss.name + "' [" + std::to_string(sr) + ", " + std::to_string(sc) + "] do not divide a [" +
+           std::to_string(x.out) + ", " + std::to_string(x.in) + "] matrix");
+    group = int(x.in / sc);
+    bits = int(wc * 32 / x.in);
+    if (group != 32 && group != 64 && group != 128)
+      fail("'" + ss.name + "' [" + std::to_string(sr) + ", " + std::to_string(sc) + "] gives group size " +
+           std::to_string(group) + " for input dim " + std::to_string(x.in) + " (supported: 32, 64, 128)");
+  }
+  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
+    fail("unsupported bit width " + std::to_string(bits));
+  if (group != 32 && group != 64 && group != 128) fail("unsupported group size " + std::to_string(group));
   if (wdt != DType::U32) fail(std::string("packed weights must be U32, got ") + dtype_name(wdt));
   if (!is_float_dtype(sdt) || sdt != bdt) fail("scales and biases must share one float dtype");
   if (x.in % group != 0) fail("input dim " + std::to_string(x.in) + " is not a multiple of group " + std::to_string(group));
@@ -272,6 +285,13 @@ void WeightsBuilder::set_vector(const std::string& slot, std::vector<float> valu
                           std::to_string(x.out));
   if (slot.size() >= 5 && slot.compare(slot.size() - 5, 5, "A_log") == 0)
     for (float& v : values) v = -std::exp(v);  // stored as A = -exp(A_log), as the kernel uses it
+  // YaRN's attention factor multiplies cos and sin, i.e. the rotated dims of q and k; RoPE is linear
+  // and the per-head norm gain comes right before it, so scaling the gain's rotated dims is the same
+  // product (mlx-lm's YarnRoPE scales those dims of its input), with no change to any kernel.
+  const bool qk_norm = slot.size() > 11 && (slot.compare(slot.size() - 11, 11, "attn.q_norm") == 0 ||
+                                            slot.compare(slot.size() - 11, 11, "attn.k_norm") == 0);
+  if (qk_norm && w_->config.rope_attention_factor != 1.0)
+    for (int i = 0; i < w_->config.rotary_dim; ++i) values[size_t(i)] *= float(w_->config.rope_attention_factor);
   *x.vector = std::move(values);
   filled_[slot] = true;
 }

@@ -130,6 +130,7 @@ class WeightsBuilder {
   // "layers.{i}.mlp.{gate,up,down}", "layers.{i}.moe.{router,shared_gate}",
   // "layers.{i}.moe.shared.{gate,up,down}", "layers.{i}.moe.experts.{e}.{gate,up,down}".
   void set_dense(const std::string& slot, const TensorSlice& w);
+  // bits = group = 0: inferred from the packed and scale shapes (a module config.json does not list).
   void set_affine(const std::string& slot, const TensorSlice& w, const TensorSlice& scales,
                   const TensorSlice& biases, int bits, int group);
   void set_vector(const std::string& slot, std::vector<float> values);

@@ -12,9 +12,11 @@ Two spellings of each model are accepted, and told apart the way mlx-lm does it:
   config.json ``quantization``.
 
 The large matrices are never copied: the native builder keeps views into the memory-mapped
-files. Vision-tower and MTP tensors are skipped on purpose; any other tensor that is not used,
-any missing tensor, and any wrong shape is a CheckpointError naming the tensor before any
-compute runs.
+files. Vision-tower and MTP tensors are skipped on purpose, recognised after the text model's
+prefix is stripped, so re-saved derivatives that nest them under the language model
+(``model.language_model.visual.*``, ``model.language_model.mtp.*``) load like the releases; any
+other tensor that is not used, any missing tensor, and any wrong shape is a CheckpointError
+naming the tensor before any compute runs.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from lily._core import CheckpointError
 from lily.config import ModelConfig
 from lily.files import check_regular, read_json
 
-# Tensors that belong to parts of the released checkpoints lily does not run.
-_SKIP = re.compile(r"^(model\.visual\.|visual\.|vision_tower\.|model\.vision_tower\.|mtp\.|model\.mtp\.|language_model\.mtp\.)")
+# Tensors of the parts of released checkpoints lily does not run, matched on the canonical name
+# (text-model prefix stripped): `model.visual.*`, `model.language_model.visual.*`, `mtp.*`,
+# `model.language_model.mtp.*`, `language_model.mtp.*` all arrive here as `visual.` / `mtp.`.
+_SKIP = re.compile(r"^(visual|vision_tower|mtp)\.")
 _LAYER = re.compile(r"layers\.(\d{1,9})\.")
 # Name prefixes of the text model, longest first.
 _PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
@@ -51,6 +55,12 @@ def _canonical(name: str) -> str:
         if name.startswith(p):
             return name[len(p) :]
     return name
+
+
+def is_unused_part(name: str) -> bool:
+    """A vision-tower or MTP tensor, under any of the prefixes released and re-saved checkpoints
+    put them (the loader and `lily convert` both drop these)."""
+    return _SKIP.match(_canonical(name)) is not None
 
 
 def _shard_path(model_dir: Path, name, index: Path) -> Path:
@@ -97,7 +107,7 @@ class _Loader:
         for path in safetensors_files(model_dir):
             fid = self.builder.add_file(str(path), resident=resident)
             for name, dtype, shape in self.builder.tensors(fid):
-                if _SKIP.match(name):
+                if is_unused_part(name):
                     continue
                 key = _canonical(name)
                 if key in self.tensors:
@@ -152,11 +162,16 @@ class _Loader:
         self.builder.set_vector(slot, np.ascontiguousarray(v, dtype=np.float32))
 
     def _quant_params(self, module: str, t: _Tensor) -> tuple[int, int]:
+        """(bits, group size) from the module's own config.json entry; (0, 0) = infer them from
+        the tensor shapes (the native builder does, as mlx-lm does for every module its config
+        does not list: mixed-precision re-quantizations often drop those entries)."""
         override = self.quant.get(module)
         if isinstance(override, dict):
             bits, group = override.get("bits"), override.get("group_size")
+        elif self.quant:
+            return 0, 0
         else:
-            bits, group = self.quant.get("bits"), self.quant.get("group_size")
+            bits, group = None, None
         if not isinstance(bits, int) or not isinstance(group, int):
             raise CheckpointError(
                 f"[checkpoint] tensor '{t.name}' is quantized but config.json 'quantization' gives no "
