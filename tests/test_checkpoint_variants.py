@@ -274,3 +274,11 @@ def test_tie_word_embeddings_read_from_the_text_config(store, lily):
     m = lily.Model.load(d, cpu_matmul="f32")
     assert m.config.tie_word_embeddings
     assert rel_err(m.logits(cases.PROMPT), want) <= cases.TOL_MLX
+
+
+@pytest.mark.parametrize("mode", ["mxfp4", "mxfp8", "nvfp4"])
+def test_other_mlx_modes_are_refused_by_name(store, lily, mode):
+    d = store.copy(store.mlx("qwen3_5_moe", 4), "mode-" + mode)
+    _edit_config(d, lambda c: [c[k].update(mode=mode) for k in ("quantization", "quantization_config")])
+    with pytest.raises(lily.ConfigError, match=mode):
+        lily.Model.load(d)

@@ -208,8 +208,11 @@ class _Loader:
     def load(self):
         c = self.cfg
         self.linear("embed", "embed_tokens")
-        if c.tie_word_embeddings and not self.has("lm_head.weight"):
+        if c.tie_word_embeddings:
+            # Tied: the head is the embedding; a stored lm_head is dropped, as mlx-lm's sanitize
+            # drops it and transformers ties over it.
             self.linear("lm_head", "embed_tokens")
+            self.used.update(k for k in ("lm_head.weight", "lm_head.scales", "lm_head.biases") if self.has(k))
         else:
             self.linear("lm_head", "lm_head")
         zc = self.hf_layout  # zero-centred norms stored as w
