@@ -276,9 +276,66 @@ def test_tie_word_embeddings_read_from_the_text_config(store, lily):
     assert rel_err(m.logits(cases.PROMPT), want) <= cases.TOL_MLX
 
 
-@pytest.mark.parametrize("mode", ["mxfp4", "mxfp8", "nvfp4"])
-def test_other_mlx_modes_are_refused_by_name(store, lily, mode):
-    d = store.copy(store.mlx("qwen3_5_moe", 4), "mode-" + mode)
-    _edit_config(d, lambda c: [c[k].update(mode=mode) for k in ("quantization", "quantization_config")])
-    with pytest.raises(lily.ConfigError, match=mode):
+# -- MLX's other quantization modes -----------------------------------------------------------------
+
+MODES = ["mxfp4", "mxfp8", "nvfp4"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rows,cols", [(3, 64), (17, 160), (5, 512)])
+def test_microscaled_dequantize_matches_mlx(lily, mode, rows, cols):
+    """The CPU backend's decoding of mxfp4 / mxfp8 / nvfp4 bytes, bit for bit against
+    mlx.core.dequantize on the same bytes (NaN-free random weights at several magnitudes)."""
+    import mlx.core as mx
+
+    rng = np.random.default_rng(rows * cols)
+    w = mx.array((rng.standard_normal((rows, cols)) * 10.0 ** rng.integers(-3, 3, (rows, 1))).astype(np.float32))
+    packed, scales = mx.quantize(w, mode=mode)[:2]
+    want = np.array(mx.dequantize(packed, scales, mode=mode, dtype=mx.float32))
+    got = lily._core.dequantize_microscaled(np.array(packed), np.array(scales), mode)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.fixture(scope="module", params=MODES)
+def microscaled(request, store):
+    """mlx-lm's quantization of the tiny MoE in `mode` (its quant_predicate keeps the routers at
+    affine 8-bit: one checkpoint, two modes), as mlx_lm.convert --q-mode writes it."""
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    out = store.root / f"mode-{request.param}"
+    if not out.exists():
+        model, config = load_model(store.hf("qwen3_5_moe", "fused"), lazy=True)
+        model, config = quantize_model(model, config, None, None, mode=request.param)
+        save_model(out, model, donate_model=True)
+        save_config(config, config_path=out / "config.json")
+    return request.param, out
+
+
+def test_microscaled_checkpoint_matches_mlx_lm(microscaled, lily):
+    mode, d = microscaled
+    cfg = json.loads((d / "config.json").read_text())["quantization"]
+    assert cfg["mode"] == mode and any(isinstance(v, dict) for v in cfg.values())  # routers: affine entries
+    want = ref.mlx_logits(ref.mlx_load(d, upcast_fp32=True), cases.PROMPT)
+    got = lily.Model.load(d, cpu_matmul="f32").logits(cases.PROMPT)
+    assert rel_err(got, want) <= cases.TOL_MLX
+    # the int8 default runs these matrices in f32 (no int8 kernels for them): same numbers
+    assert rel_err(lily.Model.load(d).logits(cases.PROMPT), want) <= 1e-2
+    # and without the config's mode (mlx-lm infers it from the uint8 scales and the shapes)
+    bare = d.parent / f"{d.name}-no-mode"
+    if not bare.exists():
+        shutil.copytree(d, bare)
+        _edit_config(bare, lambda c: [c[k].pop("mode") for k in ("quantization", "quantization_config")])
+    np.testing.assert_array_equal(lily.Model.load(bare, cpu_matmul="f32").logits(cases.PROMPT), got)
+
+
+def test_gpu_backends_refuse_microscaled_modes_by_name(microscaled, lily):
+    mode, d = microscaled
+    with pytest.raises(lily.ConfigError, match=f"mode '{mode}'.*backend='cpu'"):
+        lily.Model.load(d, backend="msl-cpu")
+
+
+def test_unknown_quantization_mode_is_refused_by_name(store, lily):
+    d = store.copy(store.mlx("qwen3_5_moe", 4), "mode-fp3")
+    _edit_config(d, lambda c: [c[k].update(mode="fp3") for k in ("quantization", "quantization_config")])
+    with pytest.raises(lily.ConfigError, match="'fp3'"):
         lily.Model.load(d)

@@ -117,6 +117,7 @@ GpuBackend::GpuBackend(std::shared_ptr<const ModelWeights> weights, std::shared_
     throw ConfigError("[gpu] split_len and max_splits must be positive");
   if (options_.block_len < 1 || options_.block_threshold < 0)
     throw ConfigError("[gpu] block_len must be positive and block_threshold non-negative");
+  check_matrices(*weights_);
   choose_gemm_path();
 
   // RoPE inverse frequencies, the CPU backend's table (at least one entry: a buffer is never empty).

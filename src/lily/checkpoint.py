@@ -161,17 +161,15 @@ class _Loader:
             v = v + np.float32(1.0)
         self.builder.set_vector(slot, np.ascontiguousarray(v, dtype=np.float32))
 
-    def _quant_params(self, module: str, t: _Tensor) -> tuple[int, int]:
-        """(bits, group size) from the module's own config.json entry; (0, 0) = infer them from
-        the tensor shapes (the native builder does, as mlx-lm does for every module its config
-        does not list: mixed-precision re-quantizations often drop those entries)."""
+    def _quant_params(self, module: str, t: _Tensor) -> tuple[int, int, str | None]:
+        """(bits, group size, mode) from the module's own config.json entry (mlx-lm rebuilds a
+        listed module from its entry alone: no "mode" there means affine); (0, 0, None) for a
+        module the config does not list = infer all three from the tensors, as mlx-lm's
+        infer_quant_config does (mixed-precision re-quantizations often drop those entries).
+        The top-level defaults are checked either way."""
         override = self.quant.get(module)
-        if isinstance(override, dict):
-            bits, group = override.get("bits"), override.get("group_size")
-        elif self.quant:
-            return 0, 0
-        else:
-            bits, group = None, None
+        entry = override if isinstance(override, dict) else self.quant
+        bits, group = entry.get("bits"), entry.get("group_size")
         if not isinstance(bits, int) or not isinstance(group, int):
             raise CheckpointError(
                 f"[checkpoint] tensor '{t.name}' is quantized but config.json 'quantization' gives no "
@@ -184,14 +182,21 @@ class _Loader:
                 f"[checkpoint] tensor '{t.name}': config.json 'quantization' for '{module}' has bits={bits!r}, "
                 f"group_size={group!r}; expected bits in 2..8 and a group size of 32, 64 or 128"
             )
-        return bits, group
+        if entry is not override:
+            return 0, 0, None
+        return bits, group, override.get("mode", "affine")
 
     def linear(self, slot: str, key: str, *, index: int = -1, rows: tuple[int, int] = (0, -1)) -> None:
         """key: the module path without '.weight' (canonical names)."""
         w = self.get(key + ".weight")
         if self.has(key + ".scales"):
-            s, b = self.get(key + ".scales"), self.get(key + ".biases")
-            bits, group = self._quant_params(w.name[: -len(".weight")], w)
+            s = self.get(key + ".scales")
+            bits, group, mode = self._quant_params(w.name[: -len(".weight")], w)
+            # mxfp4 / mxfp8 / nvfp4 keep uint8 scales and no biases (mlx-lm tells them apart so)
+            if mode not in (None, "affine") or (mode is None and s.dtype == "U8"):
+                self.builder.set_microscaled(slot, w.file, w.name, s.file, s.name, mode or "", index, rows[0], rows[1])
+                return
+            b = self.get(key + ".biases")
             self.builder.set_affine(
                 slot, w.file, w.name, s.file, s.name, b.file, b.name, bits, group, index, rows[0], rows[1]
             )

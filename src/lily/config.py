@@ -29,6 +29,11 @@ SUPPORTED_MODEL_TYPES = {
 }
 
 
+#: MLX quantization modes lily reads ("mode" in config.json "quantization"). The GPU backends run
+#: affine only; mxfp4 / mxfp8 / nvfp4 run on the CPU backend.
+QUANT_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The text model's shape, as read from config.json."""
@@ -283,8 +288,12 @@ def parse_config(raw: dict) -> ModelConfig:
     if quant is not None and quant.get("quant_method") not in (None, "mlx"):
         raise ConfigError(f"[config] quantization_config quant_method {quant.get('quant_method')!r} is not supported "
                           "(lily runs MLX affine-quantized checkpoints, and FP8 ones after `lily convert`)")
-    if quant is not None and quant.get("mode", "affine") != "affine":
-        raise ConfigError(f"[config] quantization mode {quant.get('mode')!r} is not supported (only 'affine')")
+    if quant is not None:
+        for where, entry in [("quantization", quant)] + [(f"quantization[{k!r}]", v) for k, v in quant.items()
+                                                         if isinstance(v, dict)]:
+            if entry.get("mode", "affine") not in QUANT_MODES:
+                raise ConfigError(f"[config] {where} mode {entry.get('mode')!r} is not supported "
+                                  f"({', '.join(QUANT_MODES)})")
 
     cfg = ModelConfig(
         model_type=model_type,
