@@ -258,6 +258,14 @@ def test_yarn_matches_transformers(store, lily, extra):
     assert rel_err(plain, want) > 10 * cases.TOL_FP32
 
 
+def test_yarn_on_the_gpu_kernels_matches_transformers(store, lily):
+    """The GPU backends read the same frequency table and folded gains (msl-cpu runs the kernels)."""
+    d = store.copy(store.hf("qwen3_5_moe", "fused"), "yarn-msl-cpu")
+    _edit_config(d, lambda c: c["text_config"]["rope_parameters"].update(YARN, attention_factor=1.3))
+    want = ref.hf_logits(ref.hf_load(d), cases.LONG_PROMPT)
+    assert rel_err(lily.Model.load(d, backend="msl-cpu").logits(cases.LONG_PROMPT), want) <= cases.TOL_FP32
+
+
 def test_tie_word_embeddings_read_from_the_text_config(store, lily):
     """mlx-lm reads tie_word_embeddings from text_config (TextModelArgs): a checkpoint that ties
     there (top level saying false) and so has no lm_head must run like mlx-lm runs it."""
