@@ -209,13 +209,16 @@ def _yarn(params: dict, t: dict, theta: float, partial: float, dim: int) -> Rope
     scale = _get({"factor": scale}, "factor", float)
     if scale < 1.0:
         raise ConfigError(f"[config] YaRN 'factor' must be at least 1, got {scale}")
+    if theta <= 1.0 or dim < 2:
+        raise ConfigError(f"[config] YaRN needs rope_theta > 1 and a rotary dimension of at least 2 "
+                          f"(rope_theta {theta}, rotary dim {dim})")
 
     def mscale(s: float, m: float = 1.0) -> float:
         return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
 
     attention = params.get("attention_factor")
     if attention is None:
-        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        m, m_all = _get(params, "mscale", float, 0.0), _get(params, "mscale_all_dim", float, 0.0)
         attention = mscale(scale, m) / mscale(scale, m_all) if m and m_all else mscale(scale)
     attention = _get({"attention_factor": attention}, "attention_factor", float)
     beta_fast = _get(params, "beta_fast", float, 0.0) or 32.0
