@@ -102,7 +102,8 @@ def test_generate_and_chat_pass_every_key(model, demo_hf, preserve):
     r = model.generate(HISTORY, max_tokens=1, chat_template_kwargs=kwargs)
     assert r.prompt_tokens == want
     chat = model.chat(chat_template_kwargs=kwargs, max_tokens=1)
-    chat.messages = [dict(m) for m in HISTORY[:-1]]
+    for m in HISTORY[:-1]:
+        chat.add_message(**m)
     assert chat.send(HISTORY[-1]["content"]).prompt_tokens == want
     with pytest.raises(lily.RequestError, match="disagrees"):
         model.generate(HISTORY, max_tokens=1, enable_thinking=True, chat_template_kwargs={"enable_thinking": False})
