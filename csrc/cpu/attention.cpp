@@ -325,10 +325,10 @@ void attention_mixer(const ModelConfig& c, const AttentionWeights& w, KvCache& c
   // the reference computes them, so long-context angles agree.
   s.rope_cos.resize(size_t(T) * half);
   s.rope_sin.resize(size_t(T) * half);
+  const std::vector<float> inv_freq = c.rope_inv_freq();
   for (int i = 0; i < half; ++i) {
-    const float inv_freq = float(1.0 / std::pow(c.rope_theta, double(float(2 * i) / float(rot))));
     for (int t = 0; t < T; ++t) {
-      const float angle = float(pos0 + t) * inv_freq;
+      const float angle = float(pos0 + t) * inv_freq[i];
       s.rope_cos[size_t(t) * half + i] = std::cos(angle);
       s.rope_sin[size_t(t) * half + i] = std::sin(angle);
     }

@@ -1,7 +1,9 @@
 #include "cpu/linear.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "cpu/linear_int8.h"
@@ -78,10 +80,53 @@ void convert_row(const uint8_t* p, DType t, int n, float* out) {
   }
 }
 
+// ---- MLX microscaled modes (mxfp4, mxfp8, nvfp4) ------------------------------------------------
+// The codes are small floats read through tables; each group's scale is e8m0 (mx: 2^(s - 127),
+// 255 = NaN) or e4m3 (nv). value * scale is one rounding, as mlx.core.dequantize computes it.
+
+// e2m1 (1 sign, 2 exponent, 1 mantissa bit), by 4-bit code.
+constexpr float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// float8 e4m3fn (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; no infinities, 0x7F /
+// 0xFF NaN), by byte.
+struct E4m3Table {
+  float v[256];
+  E4m3Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int exp = (b >> 3) & 0xF, man = b & 7;
+      const float mag = exp == 0 ? std::ldexp(float(man) / 8.0f, -6) : std::ldexp(1.0f + float(man) / 8.0f, exp - 7);
+      v[b] = (b & 0x7F) == 0x7F ? std::numeric_limits<float>::quiet_NaN() : ((b & 0x80) ? -mag : mag);
+    }
+  }
+};
+const E4m3Table kE4m3;
+
+inline float e8m0(uint8_t s) {
+  return s == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, int(s) - 127);
+}
+
+void dequantize_microscaled_row(const Linear& W, const uint8_t* wrow, const uint8_t* srow, float* out) {
+  for (int g = 0; g < W.in / W.group; ++g) {
+    const float s = W.microscale == Microscale::Nvfp4 ? kE4m3.v[srow[g]] : e8m0(srow[g]);
+    float* o = out + size_t(g) * W.group;
+    const int j0 = g * W.group;
+    if (W.microscale == Microscale::Mxfp8) {
+      for (int j = 0; j < W.group; ++j) o[j] = kE4m3.v[wrow[j0 + j]] * s;
+    } else {  // two e2m1 codes a byte, the low nibble first (MLX's bit stream order)
+      for (int j = 0; j < W.group; ++j) o[j] = kE2M1[(wrow[(j0 + j) / 2] >> (4 * ((j0 + j) & 1))) & 0xF] * s;
+    }
+  }
+}
+
 }  // namespace
 
 void dequantize_row(const Linear& W, int row, float* out) {
   const uint8_t* wrow = W.w + size_t(row) * W.row_bytes();
+  if (W.microscaled()) {
+    dequantize_microscaled_row(W, wrow, W.scales + size_t(row) * (W.in / W.group), out);
+    return;
+  }
   if (!W.quantized()) {
     convert_row(wrow, W.dtype, W.in, out);
     return;
@@ -266,6 +311,7 @@ void matvec_rows_nt(const Linear& W, const MatvecInput& in, int t0, float* y, in
 
 // Whether the fused kernels (and the panel GEMM, their twin in order) run W.
 bool fused_f32(const Linear& W) {
+  if (W.microscaled()) return false;  // the portable row path: dequantize_row, then one dot per token
   return W.quantized() ? ((W.bits == 4 || W.bits == 8) && W.group % 32 == 0) : true;
 }
 
@@ -532,7 +578,7 @@ void matvec_rows(const Linear& W, const MatvecInput& in, float* y, int ldy, int6
   row.resize(W.in);
   for (int64_t r = r0; r < r1; ++r) {
     const float* w = reinterpret_cast<const float*>(W.w) + size_t(r) * W.in;
-    if (W.quantized() || W.dtype != DType::F32) {
+    if (W.format != Linear::Format::Dense || W.dtype != DType::F32) {
       dequantize_row(W, int(r), row.data());
       w = row.data();
     }

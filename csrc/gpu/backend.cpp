@@ -178,13 +178,12 @@ GpuBackend::GpuBackend(std::shared_ptr<const ModelWeights> weights, std::shared_
     throw ConfigError("[gpu] split_len and max_splits must be positive");
   if (options_.block_len < 1 || options_.block_threshold < 0)
     throw ConfigError("[gpu] block_len must be positive and block_threshold non-negative");
+  check_matrices(*weights_);
   choose_gemm_path();
 
-  // RoPE inverse frequencies, rounded exactly as the CPU backend computes them.
-  const int half = c_.rotary_dim / 2;
-  std::vector<float> inv_freq(size_t(std::max(half, 1)), 0.0f);
-  for (int i = 0; i < half; ++i)
-    inv_freq[i] = float(1.0 / std::pow(c_.rope_theta, double(float(2 * i) / float(c_.rotary_dim))));
+  // RoPE inverse frequencies, the CPU backend's table (at least one entry: a buffer is never empty).
+  std::vector<float> inv_freq = c_.rope_inv_freq();
+  if (inv_freq.empty()) inv_freq.push_back(0.0f);
   inv_freq_ = ctx_.device().new_buffer(inv_freq.size() * 4);
   inv_freq_->write(0, inv_freq.data(), inv_freq.size() * 4);
 }

@@ -12,6 +12,10 @@ namespace lily::gpu {
 
 QuantMatrix quant_matrix(const Linear& W, const char* what) {
   if (!W.present()) throw ConfigError(std::string("[gpu] ") + what + " is missing");
+  if (W.microscaled())
+    throw ConfigError(std::string("[gpu] ") + what + " is quantized in MLX mode '" + microscale_name(W.microscale) +
+                      "', which the GPU kernels do not read (affine 2/4/8-bit and dense only): load this checkpoint "
+                      "with backend='cpu'");
   const uint32_t bits = W.quantized() ? uint32_t(W.bits) : 0;
   if (bits != 0 && bits != 2 && bits != 4 && bits != 8)
     throw ConfigError(std::string("[gpu] ") + what + " is " + std::to_string(bits) +
@@ -25,6 +29,33 @@ QuantMatrix quant_matrix(const Linear& W, const char* what) {
     throw ConfigError(std::string("[gpu] ") + what + ": group size " + std::to_string(W.group) +
                       " does not suit the kernels");
   return m;
+}
+
+void check_matrices(const ModelWeights& w) {
+  auto check = [](const Linear& L, const std::string& what) {
+    if (L.present()) quant_matrix(L, what.c_str());
+  };
+  check(w.embed, "embed_tokens");
+  check(w.lm_head, "lm_head");
+  for (size_t l = 0; l < w.layers.size(); ++l) {
+    const LayerWeights& L = w.layers[l];
+    const std::string p = "layers." + std::to_string(l) + ".";
+    for (const auto& [m, name] : {std::pair{&L.attn.q_proj, "q_proj"}, {&L.attn.k_proj, "k_proj"},
+                                  {&L.attn.v_proj, "v_proj"}, {&L.attn.o_proj, "o_proj"}, {&L.gdn.in_qkv, "in_proj_qkv"},
+                                  {&L.gdn.in_z, "in_proj_z"}, {&L.gdn.in_b, "in_proj_b"}, {&L.gdn.in_a, "in_proj_a"},
+                                  {&L.gdn.in_qkvz, "in_proj_qkvz"}, {&L.gdn.in_ba, "in_proj_ba"},
+                                  {&L.gdn.out_proj, "out_proj"}, {&L.mlp.gate, "mlp.gate_proj"},
+                                  {&L.mlp.up, "mlp.up_proj"}, {&L.mlp.down, "mlp.down_proj"},
+                                  {&L.moe.router, "mlp.gate"}, {&L.moe.shared_gate, "shared_expert_gate"},
+                                  {&L.moe.shared.gate, "shared_expert.gate_proj"},
+                                  {&L.moe.shared.up, "shared_expert.up_proj"},
+                                  {&L.moe.shared.down, "shared_expert.down_proj"}})
+      check(*m, p + name);
+    for (size_t e = 0; e < L.moe.experts.size(); ++e)
+      for (const auto& [m, name] : {std::pair{&L.moe.experts[e].gate, "gate_proj"}, {&L.moe.experts[e].up, "up_proj"},
+                                    {&L.moe.experts[e].down, "down_proj"}})
+        check(*m, p + "experts." + std::to_string(e) + "." + name);
+  }
 }
 
 DeviceWeights::DeviceWeights(Device& device, const ModelWeights& weights, std::vector<Region> regions,

@@ -16,6 +16,10 @@ namespace lily::gpu {
 
 // W's shape and format as the kernels read it; throws ConfigError naming `what` for a bit width
 // or group size the kernels do not take.
+// quant_matrix on every matrix of the model: a format the kernels do not read fails at load, naming
+// the tensor, not at its first dispatch.
+void check_matrices(const ModelWeights& weights);
+
 QuantMatrix quant_matrix(const Linear& W, const char* what);
 
 class DeviceWeights {

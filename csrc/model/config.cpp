@@ -1,9 +1,32 @@
 #include "model/config.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "model/checked.h"
 #include "model/error.h"
 
 namespace lily {
+
+std::vector<float> ModelConfig::rope_inv_freq() const {
+  const int half = rotary_dim / 2;
+  std::vector<float> inv(static_cast<size_t>(half));
+  for (int i = 0; i < half; ++i) {
+    // f32 rounding of the exponent and of the result, as transformers computes inv_freq.
+    const float extrapolated = float(1.0 / std::pow(rope_theta, double(float(2 * i) / float(rotary_dim))));
+    if (yarn_factor == 1.0) {
+      inv[i] = extrapolated;
+      continue;
+    }
+    const float interpolated = float(1.0 / (yarn_factor * std::pow(rope_theta, double(float(2 * i) / float(rotary_dim)))));
+    // transformers widens an empty range by 0.001 (its "prevent singularity").
+    const double span = yarn_high == yarn_low ? 0.001 : yarn_high - yarn_low;
+    const float ramp = float(std::min(1.0, std::max(0.0, (double(i) - yarn_low) / span)));
+    const float keep = 1.0f - ramp;  // share of the extrapolated (unscaled) frequency
+    inv[i] = interpolated * (1.0f - keep) + extrapolated * keep;
+  }
+  return inv;
+}
 
 void ModelConfig::validate() const {
   auto need = [&](bool ok, const std::string& what) {
@@ -26,6 +49,8 @@ void ModelConfig::validate() const {
     need(rotary_dim >= 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0,
          "rotary dimension (head_dim x partial_rotary_factor) must be even and at most head_dim");
     need(rope_theta > 0, "rope_theta must be positive");
+    need(yarn_factor >= 1.0 && yarn_low >= 0.0 && yarn_high >= yarn_low && rope_attention_factor > 0.0,
+         "YaRN rope_scaling needs factor >= 1, a correction range low <= high and a positive attention factor");
     dim(checked_mul(checked_mul(2, n_heads, "q_proj rows"), head_dim, "q_proj rows"),
         "q_proj rows (2 x num_attention_heads x head_dim)");
     dim(checked_mul(n_kv_heads, head_dim, "k_proj rows"), "k_proj rows (num_key_value_heads x head_dim)");

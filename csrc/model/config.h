@@ -26,6 +26,13 @@ struct ModelConfig {
   int head_dim = 0;
   int rotary_dim = 0;  // leading dims of each head that get RoPE (rotate-half)
   double rope_theta = 10000.0;
+  // YaRN (rope_type "yarn", transformers' _compute_yarn_parameters): frequency i of the rotary
+  // dims is interpolated (divided by yarn_factor) by the ramp clamp((i - low) / (high - low), 0, 1);
+  // yarn_factor 1 is plain RoPE. The attention factor scales the rotated dims of q and k (folded
+  // into the q/k norm gains at load, as mlx-lm's YarnRoPE scales them before rotating).
+  double yarn_factor = 1.0;
+  double yarn_low = 0.0, yarn_high = 0.0;  // correction range, in frequency indices
+  double rope_attention_factor = 1.0;
 
   // Gated DeltaNet.
   int gdn_k_heads = 0;
@@ -52,6 +59,9 @@ struct ModelConfig {
   int gdn_key_dim() const { return int(int64_t(gdn_k_heads) * gdn_k_dim); }
   int gdn_value_dim() const { return int(int64_t(gdn_v_heads) * gdn_v_dim); }
   int gdn_qkv_dim() const { return int(2 * int64_t(gdn_key_dim()) + gdn_value_dim()); }
+
+  // The inverse frequency of each rotated pair [rotary_dim / 2], for every backend's RoPE.
+  std::vector<float> rope_inv_freq() const;
 
   // Throws ConfigError naming the first inconsistent field (or derived size that overflows).
   void validate() const;

@@ -202,6 +202,11 @@ void SafetensorsFile::parse_header(const uint8_t* bytes, uint64_t header_len) {
     if (!offs || !offs->is_array() || offs->array.size() != 2) fail(where + ": data_offsets must be [begin, end]");
     TensorInfo t;
     t.name = name;
+    // FP8 (Qwen's official FP8 releases: F8_E4M3 weights + weight_scale_inv block scales) has no
+    // kernel here; lily convert dequantizes it into an MLX checkpoint.
+    if (dt->string.rfind("F8_", 0) == 0)
+      fail(where + ": dtype " + dt->string + " is FP8; lily runs FP8 checkpoints after `lily convert SRC --out DST` "
+           "turns them into MLX affine 4/8-bit");
     if (!dtype_from_name(dt->string, &t.dtype)) fail(where + ": unknown dtype '" + dt->string + "'");
     // numel * itemsize with overflow checks: a hostile shape must not wrap around.
     uint64_t nbytes = dtype_size(t.dtype);

@@ -8,14 +8,30 @@
 
 namespace lily {
 
+const char* microscale_name(Microscale m) {
+  switch (m) {
+    case Microscale::Mxfp4: return "mxfp4";
+    case Microscale::Mxfp8: return "mxfp8";
+    case Microscale::Nvfp4: return "nvfp4";
+  }
+  return "?";
+}
+
+bool microscale_from_name(const std::string& s, Microscale* out) {
+  for (Microscale m : {Microscale::Mxfp4, Microscale::Mxfp8, Microscale::Nvfp4})
+    if (s == microscale_name(m)) { *out = m; return true; }
+  return false;
+}
+
 size_t Linear::row_bytes() const {
-  if (format == Format::Affine) return size_t(in) * bits / 8;
+  if (format == Format::Affine || format == Format::Microscaled) return size_t(in) * bits / 8;
   return size_t(in) * dtype_size(dtype);
 }
 
 size_t Linear::nbytes() const {
   size_t n = row_bytes() * out;
   if (format == Format::Affine) n += 2 * size_t(out) * (in / group) * dtype_size(dtype);
+  if (format == Format::Microscaled) n += size_t(out) * (in / group);
   return n;
 }
 
@@ -233,14 +249,27 @@ void WeightsBuilder::set_affine(const std::string& slot, const TensorSlice& ws, 
   auto fail = [&](const std::string& what) -> void {
     throw CheckpointError("[weights] " + slot + " <- '" + ws.name + "': " + what);
   };
-  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
-    fail("unsupported bit width " + std::to_string(bits));
-  if (group != 32 && group != 64 && group != 128) fail("unsupported group size " + std::to_string(group));
   int64_t wr, wc, sr, sc, br, bc;
   DType wdt, sdt, bdt;
   const uint8_t* wp = slice_bytes(ws, &wr, &wc, &wdt, slot);
   const uint8_t* sp = slice_bytes(ss, &sr, &sc, &sdt, slot + ".scales");
   const uint8_t* bp = slice_bytes(bs, &br, &bc, &bdt, slot + ".biases");
+  if (bits == 0 && group == 0) {
+    // No per-module entry in config.json: the shapes tell, as mlx-lm's infer_quant_config reads
+    // them (group = in / scale columns, bits = packed columns * 32 / in).
+    if (sc <= 0 || x.in % sc != 0 || (wc * 32) % x.in != 0)
+      fail("cannot infer bits and group size: packed [" + std::to_string(wr) + ", " + std::to_string(wc) +
+           "] and '" + ss.name + "' [" + std::to_string(sr) + ", " + std::to_string(sc) + "] do not divide a [" +
+           std::to_string(x.out) + ", " + std::to_string(x.in) + "] matrix");
+    group = int(x.in / sc);
+    bits = int(wc * 32 / x.in);
+    if (group != 32 && group != 64 && group != 128)
+      fail("'" + ss.name + "' [" + std::to_string(sr) + ", " + std::to_string(sc) + "] gives group size " +
+           std::to_string(group) + " for input dim " + std::to_string(x.in) + " (supported: 32, 64, 128)");
+  }
+  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
+    fail("unsupported bit width " + std::to_string(bits));
+  if (group != 32 && group != 64 && group != 128) fail("unsupported group size " + std::to_string(group));
   if (wdt != DType::U32) fail(std::string("packed weights must be U32, got ") + dtype_name(wdt));
   if (!is_float_dtype(sdt) || sdt != bdt) fail("scales and biases must share one float dtype");
   if (x.in % group != 0) fail("input dim " + std::to_string(x.in) + " is not a multiple of group " + std::to_string(group));
@@ -264,6 +293,48 @@ void WeightsBuilder::set_affine(const std::string& slot, const TensorSlice& ws, 
   L.biases = bp;
 }
 
+void WeightsBuilder::set_microscaled(const std::string& slot, const TensorSlice& ws, const TensorSlice& ss,
+                                     const std::string& mode) {
+  const Expect x = resolve_matrix(slot);
+  auto fail = [&](const std::string& what) -> void {
+    throw CheckpointError("[weights] " + slot + " <- '" + ws.name + "': " + what);
+  };
+  int64_t wr, wc, sr, sc;
+  DType wdt, sdt;
+  const uint8_t* wp = slice_bytes(ws, &wr, &wc, &wdt, slot);
+  const uint8_t* sp = slice_bytes(ss, &sr, &sc, &sdt, slot + ".scales");
+  if (wdt != DType::U32) fail(std::string("packed weights must be U32, got ") + dtype_name(wdt));
+  if (sdt != DType::U8) fail(std::string("'") + ss.name + "' must be U8 scales, got " + dtype_name(sdt));
+  Microscale m = Microscale::Mxfp4;
+  if (mode.empty()) {
+    const int64_t group = sc > 0 && x.in % sc == 0 ? x.in / sc : 0;
+    const int64_t bits = (wc * 32) % x.in == 0 ? wc * 32 / x.in : 0;
+    if (bits == 4 && group == 16) m = Microscale::Nvfp4;
+    else if (bits == 4 && group == 32) m = Microscale::Mxfp4;
+    else if (bits == 8 && group == 32) m = Microscale::Mxfp8;
+    else
+      fail("cannot infer the quantization mode: " + std::to_string(bits) + " bits with group size " +
+           std::to_string(group) + " (from '" + ss.name + "') is none of mxfp4 (4, 32), mxfp8 (8, 32), nvfp4 (4, 16)");
+  } else if (!microscale_from_name(mode, &m)) {
+    fail("unknown quantization mode '" + mode + "' (mxfp4, mxfp8, nvfp4 have no biases)");
+  }
+  const int bits = microscale_bits(m), group = microscale_group(m);
+  if (x.in % group != 0) fail("input dim " + std::to_string(x.in) + " is not a multiple of group " + std::to_string(group));
+  if (wr != x.out || wc * 32 != int64_t(x.in) * bits)
+    fail("packed shape [" + std::to_string(wr) + ", " + std::to_string(wc) + "] does not hold a [" +
+         std::to_string(x.out) + ", " + std::to_string(x.in) + "] matrix in " + microscale_name(m));
+  if (sr != x.out || sc != x.in / group)
+    throw CheckpointError("[weights] " + slot + " <- '" + ss.name + "': shape [" + std::to_string(sr) + ", " +
+                          std::to_string(sc) + "], expected [" + std::to_string(x.out) + ", " +
+                          std::to_string(x.in / group) + "] for " + microscale_name(m));
+  Linear& L = bind_linear(slot, x, Linear::Format::Microscaled, DType::U8);
+  L.microscale = m;
+  L.bits = bits;
+  L.group = group;
+  L.w = wp;
+  L.scales = sp;
+}
+
 void WeightsBuilder::set_vector(const std::string& slot, std::vector<float> values) {
   Expect x = resolve(slot);
   if (!x.vector) throw Error("[weights] slot '" + slot + "' is not a vector");
@@ -272,6 +343,13 @@ void WeightsBuilder::set_vector(const std::string& slot, std::vector<float> valu
                           std::to_string(x.out));
   if (slot.size() >= 5 && slot.compare(slot.size() - 5, 5, "A_log") == 0)
     for (float& v : values) v = -std::exp(v);  // stored as A = -exp(A_log), as the kernel uses it
+  // YaRN's attention factor multiplies cos and sin, i.e. the rotated dims of q and k; RoPE is linear
+  // and the per-head norm gain comes right before it, so scaling the gain's rotated dims is the same
+  // product (mlx-lm's YarnRoPE scales those dims of its input), with no change to any kernel.
+  const bool qk_norm = slot.size() > 11 && (slot.compare(slot.size() - 11, 11, "attn.q_norm") == 0 ||
+                                            slot.compare(slot.size() - 11, 11, "attn.k_norm") == 0);
+  if (qk_norm && w_->config.rope_attention_factor != 1.0)
+    for (int i = 0; i < w_->config.rotary_dim; ++i) values[size_t(i)] *= float(w_->config.rope_attention_factor);
   *x.vector = std::move(values);
   filled_[slot] = true;
 }

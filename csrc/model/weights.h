@@ -23,22 +23,36 @@
 
 namespace lily {
 
+// MLX's floating-point quantization modes (mlx.core.quantize mode=...): each element a small
+// float code, each group one power-of-two (e8m0) or e4m3 scale, no bias.
+//   mxfp4: e2m1 codes (4 bits), groups of 32, e8m0 scales;  mxfp8: e4m3 codes (8 bits), groups of
+//   32, e8m0 scales;  nvfp4: e2m1 codes, groups of 16, e4m3 scales.
+enum class Microscale : uint8_t { Mxfp4, Mxfp8, Nvfp4 };
+const char* microscale_name(Microscale m);
+// "mxfp4" / "mxfp8" / "nvfp4"; false for any other name.
+bool microscale_from_name(const std::string& s, Microscale* out);
+inline int microscale_bits(Microscale m) { return m == Microscale::Mxfp8 ? 8 : 4; }
+inline int microscale_group(Microscale m) { return m == Microscale::Nvfp4 ? 16 : 32; }
+
 // y[t, o] = sum_i x[t, i] * W[o, i]: a weight matrix W [out, in], row-major.
 struct Linear {
-  enum class Format : uint8_t { None, Dense, Affine };
+  enum class Format : uint8_t { None, Dense, Affine, Microscaled };
   Format format = Format::None;
   int out = 0;
   int in = 0;
-  // Dense: dtype of w (F32/F16/BF16). Affine: dtype of scales and biases.
+  // Dense: dtype of w (F32/F16/BF16). Affine: dtype of scales and biases. Microscaled: U8.
   DType dtype = DType::F32;
-  int bits = 0;   // Affine: 2, 3, 4, 5, 6 or 8
-  int group = 0;  // Affine: elements per scale/bias
-  const uint8_t* w = nullptr;       // Dense: [out, in] elements. Affine: [out, in*bits/32] uint32
-  const uint8_t* scales = nullptr;  // Affine: [out, in/group]
+  int bits = 0;   // Affine: 2, 3, 4, 5, 6 or 8. Microscaled: 4 or 8 (microscale_bits)
+  int group = 0;  // Affine: elements per scale/bias. Microscaled: microscale_group
+  Microscale microscale = Microscale::Mxfp4;  // Microscaled only
+  const uint8_t* w = nullptr;       // Dense: [out, in] elements. Affine, Microscaled: [out, in*bits/32] uint32
+  const uint8_t* scales = nullptr;  // Affine: [out, in/group] (dtype). Microscaled: [out, in/group] bytes
   const uint8_t* biases = nullptr;  // Affine: [out, in/group]
 
   bool present() const { return format != Format::None; }
+  // Affine-quantized (codes, scales and biases): what the fused, int8 and GPU kernels read.
   bool quantized() const { return format == Format::Affine; }
+  bool microscaled() const { return format == Format::Microscaled; }
   size_t row_bytes() const;  // bytes of w per row
   // Bytes the kernels read for one full pass over the matrix.
   size_t nbytes() const;
@@ -130,8 +144,13 @@ class WeightsBuilder {
   // "layers.{i}.mlp.{gate,up,down}", "layers.{i}.moe.{router,shared_gate}",
   // "layers.{i}.moe.shared.{gate,up,down}", "layers.{i}.moe.experts.{e}.{gate,up,down}".
   void set_dense(const std::string& slot, const TensorSlice& w);
+  // bits = group = 0: inferred from the packed and scale shapes (a module config.json does not list).
   void set_affine(const std::string& slot, const TensorSlice& w, const TensorSlice& scales,
                   const TensorSlice& biases, int bits, int group);
+  // An MLX mxfp4 / mxfp8 / nvfp4 matrix (no biases); mode "" = inferred from the shapes, as
+  // mlx-lm's infer_quant_config does (each mode allows one bits / group pair).
+  void set_microscaled(const std::string& slot, const TensorSlice& w, const TensorSlice& scales,
+                       const std::string& mode);
   void set_vector(const std::string& slot, std::vector<float> values);
 
   // Checks that every slot the config needs is filled; hands the weights over.

@@ -246,6 +246,11 @@ void init_model(nb::module_& m) {
       .def_rw("head_dim", &ModelConfig::head_dim)
       .def_rw("rotary_dim", &ModelConfig::rotary_dim)
       .def_rw("rope_theta", &ModelConfig::rope_theta)
+      .def_rw("yarn_factor", &ModelConfig::yarn_factor)
+      .def_rw("yarn_low", &ModelConfig::yarn_low)
+      .def_rw("yarn_high", &ModelConfig::yarn_high)
+      .def_rw("rope_attention_factor", &ModelConfig::rope_attention_factor)
+      .def("rope_inv_freq", &ModelConfig::rope_inv_freq)
       .def_rw("gdn_k_heads", &ModelConfig::gdn_k_heads)
       .def_rw("gdn_v_heads", &ModelConfig::gdn_v_heads)
       .def_rw("gdn_k_dim", &ModelConfig::gdn_k_dim)
@@ -327,6 +332,15 @@ void init_model(nb::module_& m) {
           nb::arg("slot"), nb::arg("file"), nb::arg("name"), nb::arg("scales_file"), nb::arg("scales_name"),
           nb::arg("biases_file"), nb::arg("biases_name"), nb::arg("bits"), nb::arg("group_size"),
           nb::arg("index") = -1, nb::arg("row_begin") = 0, nb::arg("row_end") = -1)
+      .def(
+          "set_microscaled",
+          [](WeightsBuilder& b, const std::string& slot, int file, const std::string& name, int sfile,
+             const std::string& sname, const std::string& mode, int index, int row_begin, int row_end) {
+            b.set_microscaled(slot, slice(file, name, index, row_begin, row_end),
+                              slice(sfile, sname, index, row_begin, row_end), mode);
+          },
+          nb::arg("slot"), nb::arg("file"), nb::arg("name"), nb::arg("scales_file"), nb::arg("scales_name"),
+          nb::arg("mode"), nb::arg("index") = -1, nb::arg("row_begin") = 0, nb::arg("row_end") = -1)
       .def("set_vector",
            [](WeightsBuilder& b, const std::string& slot, nb::ndarray<const float, nb::ndim<1>, nb::c_contig> v) {
              b.set_vector(slot, std::vector<float>(v.data(), v.data() + v.shape(0)));
@@ -603,6 +617,30 @@ void init_model(nb::module_& m) {
         return out;
       },
       nb::arg("packed"), nb::arg("scales"), nb::arg("biases"), nb::arg("bits"), nb::arg("group_size"));
+
+  m.def(
+      "dequantize_microscaled",
+      [](PackedArray packed, nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig> scales, const std::string& mode) {
+        Linear W;
+        W.format = Linear::Format::Microscaled;
+        if (!microscale_from_name(mode, &W.microscale))
+          throw Error("[dequantize_microscaled] mode must be 'mxfp4', 'mxfp8' or 'nvfp4', got '" + mode + "'");
+        W.bits = microscale_bits(W.microscale);
+        W.group = microscale_group(W.microscale);
+        W.dtype = DType::U8;
+        W.out = int(packed.shape(0));
+        W.in = int(packed.shape(1) * 32 / size_t(W.bits));
+        if (scales.shape(0) != packed.shape(0) || scales.shape(1) != size_t(W.in / W.group))
+          throw Error("[dequantize_microscaled] packed and scales shapes disagree");
+        W.w = reinterpret_cast<const uint8_t*>(packed.data());
+        W.scales = scales.data();
+        float* p;
+        F32Array out = new_f32({size_t(W.out), size_t(W.in)}, &p);
+        for (int r = 0; r < W.out; ++r) cpu::dequantize_row(W, r, p + size_t(r) * W.in);
+        return out;
+      },
+      nb::arg("packed"), nb::arg("scales"), nb::arg("mode"),
+      "An MLX mxfp4 / mxfp8 / nvfp4 matrix (packed uint32, uint8 scales) as float32, by the CPU backend (tests).");
 
   m.def(
       "quantized_matmul",

@@ -19,7 +19,7 @@ Memory: a snapshot holds every DeltaNet layer's state and conv window — for Qw
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
@@ -55,8 +55,8 @@ class Chat:
     """
 
     def __init__(self, model: Model, system: str | None = None, *, tools: Sequence[dict] | None = None,
-                 enable_thinking: bool | None = None, max_snapshots: int = 16, prompt_cache: Session | None = None,
-                 **sampling: Any):
+                 enable_thinking: bool | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
+                 max_snapshots: int = 16, prompt_cache: Session | None = None, **sampling: Any):
         """``prompt_cache``: a session holding the start of the conversation as the template
         renders it (``lily cache --chat``: the system prompt); each conversation, after
         :meth:`reset` too, starts from a copy of it, and a turn whose rendered tokens do not
@@ -71,6 +71,8 @@ class Chat:
         self.model = model
         self.tools = list(tools) if tools else None
         self.enable_thinking = enable_thinking
+        # every key reaches the template on each turn (e.g. Qwen3.6's preserve_thinking)
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.max_snapshots = max_snapshots
         self.sampling = dict(sampling)
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
@@ -172,7 +174,8 @@ class Chat:
             raise RequestError(f"[chat] unknown sampling argument(s): {', '.join(sorted(unknown))}")
         params = sampling_params(model.generation_defaults.sampling_kwargs(), opts, logprobs)
 
-        text = model.render_chat(self.messages, tools=self.tools, enable_thinking=self.enable_thinking)
+        text = model.render_chat(self.messages, tools=self.tools, enable_thinking=self.enable_thinking,
+                                 chat_template_kwargs=self.chat_template_kwargs)
         ids = model._need_tokenizer("chat").encode(text)
         seq = self._seq
         if len(ids) >= seq.max_context:

@@ -547,6 +547,40 @@ def _parse_call_arguments(call: Any, index: int) -> Any:
     return call
 
 
+# Variables render() sets itself: a chat_template_kwargs key may not replace them.
+_RESERVED_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "limits", "template")
+
+
+def template_kwargs(chat_template_kwargs: Mapping[str, Any] | None, enable_thinking: bool | None) -> dict[str, Any]:
+    """The extra template variables of a request: every ``chat_template_kwargs`` key (Qwen3.6's
+    ``preserve_thinking``, a custom flag, ...) plus ``enable_thinking``, which may come from
+    either place (as transformers' apply_chat_template takes it: one more keyword); given in
+    both with different values is an error. Raises ValueError naming the bad key."""
+    if chat_template_kwargs is None:
+        chat_template_kwargs = {}
+    if not isinstance(chat_template_kwargs, Mapping):
+        raise ValueError(f"chat_template_kwargs must be an object, got {type(chat_template_kwargs).__name__}")
+    out = dict(chat_template_kwargs)
+    for key in out:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ValueError(f"chat_template_kwargs key {key!r} is not a template variable name")
+        if key in _RESERVED_VARIABLES:
+            raise ValueError(f"chat_template_kwargs key {key!r} is set by the request itself, not by a template kwarg")
+    thinking = out.get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise ValueError(f"chat_template_kwargs 'enable_thinking' must be a boolean, got {thinking!r}")
+    if enable_thinking is not None and not isinstance(enable_thinking, bool):
+        raise ValueError(f"enable_thinking must be a boolean, got {enable_thinking!r}")
+    if enable_thinking is not None:
+        if thinking is not None and thinking != enable_thinking:
+            raise ValueError(f"enable_thinking={enable_thinking} disagrees with "
+                             f"chat_template_kwargs['enable_thinking']={thinking}")
+        out["enable_thinking"] = bool(enable_thinking)
+    elif "enable_thinking" in out and thinking is None:
+        del out["enable_thinking"]  # None: the template's default, as for the argument
+    return out
+
+
 def render(
     template: str,
     messages: Sequence[Any],

@@ -12,9 +12,11 @@ Two spellings of each model are accepted, and told apart the way mlx-lm does it:
   config.json ``quantization``.
 
 The large matrices are never copied: the native builder keeps views into the memory-mapped
-files. Vision-tower and MTP tensors are skipped on purpose; any other tensor that is not used,
-any missing tensor, and any wrong shape is a CheckpointError naming the tensor before any
-compute runs.
+files. Vision-tower and MTP tensors are skipped on purpose, recognised after the text model's
+prefix is stripped, so re-saved derivatives that nest them under the language model
+(``model.language_model.visual.*``, ``model.language_model.mtp.*``) load like the releases; any
+other tensor that is not used, any missing tensor, and any wrong shape is a CheckpointError
+naming the tensor before any compute runs.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from lily._core import CheckpointError
 from lily.config import ModelConfig
 from lily.files import check_regular, read_json
 
-# Tensors that belong to parts of the released checkpoints lily does not run.
-_SKIP = re.compile(r"^(model\.visual\.|visual\.|vision_tower\.|model\.vision_tower\.|mtp\.|model\.mtp\.|language_model\.mtp\.)")
+# Tensors of the parts of released checkpoints lily does not run, matched on the canonical name
+# (text-model prefix stripped): `model.visual.*`, `model.language_model.visual.*`, `mtp.*`,
+# `model.language_model.mtp.*`, `language_model.mtp.*` all arrive here as `visual.` / `mtp.`.
+_SKIP = re.compile(r"^(visual|vision_tower|mtp)\.")
 _LAYER = re.compile(r"layers\.(\d{1,9})\.")
 # Name prefixes of the text model, longest first.
 _PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
@@ -51,6 +55,12 @@ def _canonical(name: str) -> str:
         if name.startswith(p):
             return name[len(p) :]
     return name
+
+
+def is_unused_part(name: str) -> bool:
+    """A vision-tower or MTP tensor, under any of the prefixes released and re-saved checkpoints
+    put them (the loader and `lily convert` both drop these)."""
+    return _SKIP.match(_canonical(name)) is not None
 
 
 def _shard_path(model_dir: Path, name, index: Path) -> Path:
@@ -97,7 +107,7 @@ class _Loader:
         for path in safetensors_files(model_dir):
             fid = self.builder.add_file(str(path), resident=resident)
             for name, dtype, shape in self.builder.tensors(fid):
-                if _SKIP.match(name):
+                if is_unused_part(name):
                     continue
                 key = _canonical(name)
                 if key in self.tensors:
@@ -151,12 +161,15 @@ class _Loader:
             v = v + np.float32(1.0)
         self.builder.set_vector(slot, np.ascontiguousarray(v, dtype=np.float32))
 
-    def _quant_params(self, module: str, t: _Tensor) -> tuple[int, int]:
+    def _quant_params(self, module: str, t: _Tensor) -> tuple[int, int, str | None]:
+        """(bits, group size, mode) from the module's own config.json entry (mlx-lm rebuilds a
+        listed module from its entry alone: no "mode" there means affine); (0, 0, None) for a
+        module the config does not list = infer all three from the tensors, as mlx-lm's
+        infer_quant_config does (mixed-precision re-quantizations often drop those entries).
+        The top-level defaults are checked either way."""
         override = self.quant.get(module)
-        if isinstance(override, dict):
-            bits, group = override.get("bits"), override.get("group_size")
-        else:
-            bits, group = self.quant.get("bits"), self.quant.get("group_size")
+        entry = override if isinstance(override, dict) else self.quant
+        bits, group = entry.get("bits"), entry.get("group_size")
         if not isinstance(bits, int) or not isinstance(group, int):
             raise CheckpointError(
                 f"[checkpoint] tensor '{t.name}' is quantized but config.json 'quantization' gives no "
@@ -169,14 +182,21 @@ class _Loader:
                 f"[checkpoint] tensor '{t.name}': config.json 'quantization' for '{module}' has bits={bits!r}, "
                 f"group_size={group!r}; expected bits in 2..8 and a group size of 32, 64 or 128"
             )
-        return bits, group
+        if entry is not override:
+            return 0, 0, None
+        return bits, group, override.get("mode", "affine")
 
     def linear(self, slot: str, key: str, *, index: int = -1, rows: tuple[int, int] = (0, -1)) -> None:
         """key: the module path without '.weight' (canonical names)."""
         w = self.get(key + ".weight")
         if self.has(key + ".scales"):
-            s, b = self.get(key + ".scales"), self.get(key + ".biases")
-            bits, group = self._quant_params(w.name[: -len(".weight")], w)
+            s = self.get(key + ".scales")
+            bits, group, mode = self._quant_params(w.name[: -len(".weight")], w)
+            # mxfp4 / mxfp8 / nvfp4 keep uint8 scales and no biases (mlx-lm tells them apart so)
+            if mode not in (None, "affine") or (mode is None and s.dtype == "U8"):
+                self.builder.set_microscaled(slot, w.file, w.name, s.file, s.name, mode or "", index, rows[0], rows[1])
+                return
+            b = self.get(key + ".biases")
             self.builder.set_affine(
                 slot, w.file, w.name, s.file, s.name, b.file, b.name, bits, group, index, rows[0], rows[1]
             )
@@ -193,8 +213,11 @@ class _Loader:
     def load(self):
         c = self.cfg
         self.linear("embed", "embed_tokens")
-        if c.tie_word_embeddings and not self.has("lm_head.weight"):
+        if c.tie_word_embeddings:
+            # Tied: the head is the embedding; a stored lm_head is dropped, as mlx-lm's sanitize
+            # drops it and transformers ties over it.
             self.linear("lm_head", "embed_tokens")
+            self.used.update(k for k in ("lm_head.weight", "lm_head.scales", "lm_head.biases") if self.has(k))
         else:
             self.linear("lm_head", "lm_head")
         zc = self.hf_layout  # zero-centred norms stored as w

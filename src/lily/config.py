@@ -29,6 +29,11 @@ SUPPORTED_MODEL_TYPES = {
 }
 
 
+#: MLX quantization modes lily reads ("mode" in config.json "quantization"). The GPU backends run
+#: affine only; mxfp4 / mxfp8 / nvfp4 run on the CPU backend.
+QUANT_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The text model's shape, as read from config.json."""
@@ -62,6 +67,11 @@ class ModelConfig:
     moe_intermediate_size: int
     shared_expert_intermediate_size: int
     norm_topk_prob: bool
+    # YaRN rope scaling (see _yarn); yarn_factor 1 = plain RoPE
+    yarn_factor: float = 1.0
+    yarn_low: float = 0.0
+    yarn_high: float = 0.0
+    rope_attention_factor: float = 1.0
     # quantization as written by MLX converters ({"group_size", "bits", "mode", per-path overrides})
     quantization: dict[str, Any] | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -88,6 +98,10 @@ class ModelConfig:
         c.head_dim = self.head_dim
         c.rotary_dim = self.rotary_dim
         c.rope_theta = self.rope_theta
+        c.yarn_factor = self.yarn_factor
+        c.yarn_low = self.yarn_low
+        c.yarn_high = self.yarn_high
+        c.rope_attention_factor = self.rope_attention_factor
         c.gdn_k_heads = self.linear_num_key_heads
         c.gdn_v_heads = self.linear_num_value_heads
         c.gdn_k_dim = self.linear_key_head_dim
@@ -147,20 +161,76 @@ def _layer_types(t: dict, n_layers: int) -> tuple[str, ...]:
     return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers))
 
 
-def _rope(t: dict) -> tuple[float, float]:
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    theta: float
+    partial_rotary_factor: float
+    # YaRN (transformers' _compute_yarn_parameters); factor 1 = plain RoPE
+    yarn_factor: float = 1.0
+    yarn_low: float = 0.0  # correction range, in frequency indices
+    yarn_high: float = 0.0
+    attention_factor: float = 1.0
+
+
+# Every model of the family defaults to a quarter of each head rotated when the config does not
+# say: transformers 5.x's Qwen3_5TextConfig, Qwen3_5MoeTextConfig and Qwen3NextConfig all do
+# `kwargs.setdefault("partial_rotary_factor", 0.25)`, and mlx-lm's qwen3_5 ModelArgs defaults to
+# 0.25 (its qwen3_next requires the field).
+DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25
+
+
+def _rope(t: dict, head_dim: int) -> Rope:
     params = t.get("rope_parameters") or t.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise ConfigError("[config] 'rope_parameters' must be an object")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "mrope", None):
-        raise ConfigError(f"[config] rope type {rope_type!r} is not supported (only default RoPE)")
+    if rope_type not in ("default", "mrope", "yarn", None):
+        raise ConfigError(f"[config] rope type {rope_type!r} is not supported (default RoPE and 'yarn')")
     theta = params.get("rope_theta", t.get("rope_theta"))
-    factor = params.get("partial_rotary_factor", t.get("partial_rotary_factor", 1.0))
+    factor = params.get("partial_rotary_factor", t.get("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY_FACTOR))
     theta = _get({"rope_theta": theta}, "rope_theta", float)
     factor = _get({"partial_rotary_factor": factor}, "partial_rotary_factor", float)
     if not 0.0 < factor <= 1.0:
         raise ConfigError(f"[config] partial_rotary_factor must be in (0, 1], got {factor}")
-    return theta, factor
+    if rope_type != "yarn":
+        return Rope(theta, factor)
+    return _yarn(params, t, theta, factor, int(head_dim * factor))
+
+
+def _yarn(params: dict, t: dict, theta: float, partial: float, dim: int) -> Rope:
+    """YaRN as transformers 5.x computes it (modeling_rope_utils._compute_yarn_parameters): the
+    scalars here, the per-frequency ramp in the native ModelConfig.rope_inv_freq."""
+    original = _get(params, "original_max_position_embeddings", int)
+    if original < 1:
+        raise ConfigError("[config] rope_parameters 'original_max_position_embeddings' must be positive")
+    scale = params.get("factor")
+    if scale is None:  # DeepSeek-V3's convention, kept by transformers
+        scale = _get(t, "max_position_embeddings", int) / original
+    scale = _get({"factor": scale}, "factor", float)
+    if scale < 1.0:
+        raise ConfigError(f"[config] YaRN 'factor' must be at least 1, got {scale}")
+    if theta <= 1.0 or dim < 2:
+        raise ConfigError(f"[config] YaRN needs rope_theta > 1 and a rotary dimension of at least 2 "
+                          f"(rope_theta {theta}, rotary dim {dim})")
+
+    def mscale(s: float, m: float = 1.0) -> float:
+        return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = _get(params, "mscale", float, 0.0), _get(params, "mscale_all_dim", float, 0.0)
+        attention = mscale(scale, m) / mscale(scale, m_all) if m and m_all else mscale(scale)
+    attention = _get({"attention_factor": attention}, "attention_factor", float)
+    beta_fast = _get(params, "beta_fast", float, 0.0) or 32.0
+    beta_slow = _get(params, "beta_slow", float, 0.0) or 1.0
+
+    def correction_dim(rotations: float) -> float:  # the frequency index that turns `rotations` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    return Rope(theta, partial, scale, max(low, 0), min(high, dim - 1), attention)
 
 
 def parse_config(raw: dict) -> ModelConfig:
@@ -187,7 +257,7 @@ def parse_config(raw: dict) -> ModelConfig:
     hidden = _get(t, "hidden_size", int)
     n_heads = _get(t, "num_attention_heads", int)
     head_dim = _get(t, "head_dim", int, hidden // n_heads if n_heads else 0)
-    theta, factor = _rope(t)
+    rope = _rope(t, head_dim)
     num_experts = _get(t, "num_experts", int, 0)
 
     if family == "qwen3_5_moe":
@@ -211,8 +281,22 @@ def parse_config(raw: dict) -> ModelConfig:
     quant = raw.get("quantization", raw.get("quantization_config"))
     if quant is not None and not isinstance(quant, dict):
         raise ConfigError("[config] 'quantization' must be an object")
-    if quant is not None and quant.get("mode", "affine") != "affine":
-        raise ConfigError(f"[config] quantization mode {quant.get('mode')!r} is not supported (only 'affine')")
+    if quant is not None and quant.get("quant_method") == "fp8":
+        block = quant.get("weight_block_size")
+        raise ConfigError(
+            f"[config] this is an FP8 checkpoint (quantization_config quant_method 'fp8', fmt "
+            f"{quant.get('fmt', 'e4m3')!r}, block scales {block!r} in '*.weight_scale_inv'), which lily does not "
+            "run directly: convert it with `lily convert SRC --out DST` (MLX affine 4/8-bit) and load DST"
+        )
+    if quant is not None and quant.get("quant_method") not in (None, "mlx"):
+        raise ConfigError(f"[config] quantization_config quant_method {quant.get('quant_method')!r} is not supported "
+                          "(lily runs MLX affine-quantized checkpoints, and FP8 ones after `lily convert`)")
+    if quant is not None:
+        for where, entry in [("quantization", quant)] + [(f"quantization[{k!r}]", v) for k, v in quant.items()
+                                                         if isinstance(v, dict)]:
+            if entry.get("mode", "affine") not in QUANT_MODES:
+                raise ConfigError(f"[config] {where} mode {entry.get('mode')!r} is not supported "
+                                  f"({', '.join(QUANT_MODES)})")
 
     cfg = ModelConfig(
         model_type=model_type,
@@ -224,12 +308,17 @@ def parse_config(raw: dict) -> ModelConfig:
         ffn_types=ffn_types,
         rms_norm_eps=_get(t, "rms_norm_eps", float, 1e-6),
         max_position_embeddings=_get(t, "max_position_embeddings", int, 262144),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", t.get("tie_word_embeddings", False))),
+        # mlx-lm reads it from the text config (its TextModelArgs); a composite's top level second.
+        tie_word_embeddings=bool(t.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
         num_attention_heads=n_heads,
         num_key_value_heads=_get(t, "num_key_value_heads", int),
         head_dim=head_dim,
-        rotary_dim=int(head_dim * factor),
-        rope_theta=theta,
+        rotary_dim=int(head_dim * rope.partial_rotary_factor),
+        rope_theta=rope.theta,
+        yarn_factor=rope.yarn_factor,
+        yarn_low=rope.yarn_low,
+        yarn_high=rope.yarn_high,
+        rope_attention_factor=rope.attention_factor,
         linear_num_key_heads=_get(t, "linear_num_key_heads", int),
         linear_num_value_heads=_get(t, "linear_num_value_heads", int),
         linear_key_head_dim=_get(t, "linear_key_head_dim", int),

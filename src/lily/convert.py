@@ -3,7 +3,8 @@
 The output is what ``mlx_lm.convert -q`` writes for this family, tensor for tensor and byte for
 byte, produced with NumPy alone (no MLX needed, so it also runs where MLX does not):
 
-1. re-layout (mlx_lm's ``sanitize``): drop vision / MTP tensors; rename the Qwen3.5 prefixes
+1. re-layout (mlx_lm's ``sanitize``): drop vision / MTP tensors (also where a re-saved derivative
+   nests them under the language model, ``model.language_model.{visual,mtp}.*``); rename the Qwen3.5 prefixes
    (``model.language_model.`` -> ``language_model.model.``, others get ``language_model.``);
    experts into ``switch_mlp.{gate,up,down}_proj`` stacks [E, out, in] (from the fused
    ``gate_up_proj`` or from per-expert tensors); conv1d [C, 1, K] -> [C, K, 1]; zero-centred
@@ -37,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from lily._core import CheckpointError, ConfigError
+from lily.checkpoint import is_unused_part
 
 MAX_SHARD_BYTES = 5 << 30
 SUPPORTED = ("qwen3_5_moe", "qwen3_5", "qwen3_next")
@@ -90,7 +92,8 @@ class Array:
 # -- safetensors (the format is a JSON header and raw little-endian data) ------------------------
 
 _NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U32": np.uint32, "I32": np.int32,
-       "I64": np.int64, "U8": np.uint8, "I8": np.int8, "F64": np.float64, "BOOL": np.bool_}
+       "I64": np.int64, "U8": np.uint8, "I8": np.int8, "F64": np.float64, "BOOL": np.bool_,
+       "F8_E4M3": np.uint8}
 
 
 def read_safetensors(path: Path) -> dict[str, Array]:
@@ -130,6 +133,84 @@ def write_safetensors(path: Path, tensors: dict[str, Array], metadata: dict[str,
         f.write(blob)
         for name in names:
             f.write(np.ascontiguousarray(tensors[name].data).tobytes())
+
+
+# -- FP8 checkpoints (Qwen's official FP8 releases) -------------------------------------------------
+
+
+def _e4m3_table() -> np.ndarray:
+    """float8_e4m3fn (OCP FP8, "fn": no infinities) byte -> float32: 1 sign, 4 exponent bits
+    (bias 7), 3 mantissa bits; exponent 0 is subnormal (m/8 * 2^-6); 0x7F / 0xFF are NaN."""
+    b = np.arange(256, dtype=np.uint32)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    exp, man = (b >> 3) & 0xF, (b & 0x7).astype(np.float64)
+    value = np.where(exp == 0, man / 8 * 2.0**-6, (1 + man / 8) * 2.0 ** (exp.astype(np.float64) - 7))
+    value = np.where((b & 0x7F) == 0x7F, np.nan, sign * value)
+    return value.astype(np.float32)
+
+
+_E4M3 = _e4m3_table()
+
+
+class Fp8Weight(Array):
+    """An F8_E4M3 weight times its ``weight_scale_inv`` (one float per block[0] x block[1] tile,
+    edge tiles partial; despite the name a multiplier, as transformers' finegrained_fp8
+    dequantizes it), as float32 computed each time it is read: the conversion streams tensor by
+    tensor, and a whole 35B model in float32 would not fit in memory."""
+
+    __slots__ = ("q", "scale", "block")
+
+    def __init__(self, q: np.ndarray, scale: Array, block: tuple[int, int]):
+        self.q, self.scale, self.block, self.dtype = q, scale, block, "F32"
+
+    @property  # type: ignore[override]
+    def data(self) -> np.ndarray:
+        *_, rows, cols = self.q.shape
+        tiles = np.repeat(np.repeat(self.scale.f32(), self.block[0], axis=-2), self.block[1], axis=-1)
+        return _E4M3[self.q] * tiles[..., :rows, :cols]  # [..., rows, cols] float32
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+
+def dequantize_fp8(tensors: dict[str, Array], block: tuple[int, int]) -> dict[str, Array]:
+    """FP8 weights and their block scales -> float32 weights (read lazily, see Fp8Weight)."""
+    out: dict[str, Array] = {}
+    for name, t in tensors.items():
+        if name.endswith(".weight_scale_inv"):
+            if name[: -len("_scale_inv")] not in tensors:
+                raise CheckpointError(f"[convert] '{name}' has no FP8 weight '{name[: -len('_scale_inv')]}'")
+            continue
+        if t.dtype != "F8_E4M3":
+            out[name] = t
+            continue
+        scale_name = name + "_scale_inv"
+        if scale_name not in tensors:
+            raise CheckpointError(f"[convert] FP8 tensor '{name}' has no '{scale_name}' block scales")
+        s = tensors[scale_name]
+        *lead, rows, cols = t.shape
+        grid = (*lead, -(-rows // block[0]), -(-cols // block[1]))
+        if tuple(s.shape) != grid:
+            raise CheckpointError(f"[convert] '{scale_name}' has shape {list(s.shape)}, expected {list(grid)} for "
+                                  f"{list(t.shape)} in {block[0]}x{block[1]} blocks")
+        out[name] = Fp8Weight(t.data, s, block)
+    return out
+
+
+def _fp8_block(config: dict) -> tuple[int, int] | None:
+    """The block shape of an FP8 checkpoint's scales; None for other checkpoints."""
+    q = config.get("quantization_config")
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+        return None
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(f"[convert] FP8 format {fmt!r} is not supported (only e4m3)")
+    block = q.get("weight_block_size") or [128, 128]
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ConfigError(f"[convert] quantization_config weight_block_size {block!r} is not two positive integers")
+    return block[0], block[1]
 
 
 # -- MLX affine quantization ---------------------------------------------------------------------
@@ -182,7 +263,9 @@ def _sanitize(model_type: str, tensors: dict[str, Array], text: dict) -> dict[st
     out: dict[str, Array] = {}
     if model_type in ("qwen3_5_moe", "qwen3_5"):
         for k, v in tensors.items():
-            if k.startswith(("vision_tower", "model.visual")) or "mtp." in k:
+            # mlx_lm drops `vision_tower*`, `model.visual*` and any `mtp.`; re-saved derivatives
+            # also nest both under the language model (`model.language_model.visual.*`).
+            if is_unused_part(k) or "mtp." in k:
                 continue
             if k.startswith("model.language_model"):
                 k = k.replace("model.language_model", "language_model.model", 1)
@@ -192,7 +275,7 @@ def _sanitize(model_type: str, tensors: dict[str, Array], text: dict) -> dict[st
         prefix = "language_model.model.layers"
         convert_norms = any("conv1d.weight" in k and v.shape[-1] != 1 for k, v in out.items())
     else:  # qwen3_next
-        out = {k: v for k, v in tensors.items() if "mtp." not in k}
+        out = {k: v for k, v in tensors.items() if "mtp." not in k and not is_unused_part(k)}
         prefix = "model.layers"
         convert_norms = any(k.endswith(".mlp.experts.0.up_proj.weight") for k in out)
     if text.get("tie_word_embeddings"):
@@ -259,6 +342,9 @@ def convert(src: str | Path, out: str | Path, *, bits: int = 4, group_size: int 
     tensors: dict[str, Array] = {}
     for f in files:
         tensors.update(read_safetensors(f))
+    fp8_block = _fp8_block(config)
+    if fp8_block is not None or any(t.dtype == "F8_E4M3" for t in tensors.values()):
+        tensors = dequantize_fp8(tensors, fp8_block or (128, 128))
     tensors = _sanitize(model_type, tensors, text)
 
     if dtype is None:
@@ -315,6 +401,8 @@ def convert(src: str | Path, out: str | Path, *, bits: int = 4, group_size: int 
         rope["type"] = rope.pop("rope_type")  # mlx_lm's spelling when it re-saves
     new_config.pop("_name_or_path", None)
     new_config.pop("vision_config", None)
+    if fp8_block is not None:
+        new_config.pop("quantization_config")  # the FP8 scheme: the weights are no longer FP8
     if quantize_weights:
         new_config["quantization"] = qconfig
         new_config["quantization_config"] = qconfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -12,7 +12,7 @@ import numpy as np
 
 from lily import _core, session_file
 from lily._core import ConfigError, RequestError
-from lily.chat_template import render
+from lily.chat_template import render, template_kwargs
 from lily.checkpoint import load_weights, resident_by_default
 from lily.config import ModelConfig, load_config
 from lily.generation import (
@@ -58,6 +58,7 @@ if TYPE_CHECKING:
         logprobs: bool | int | None
         tools: Sequence[dict] | None
         enable_thinking: bool | None
+        chat_template_kwargs: Mapping[str, Any] | None
         on_prefill_progress: Callable[[int, int], None] | None
         prompt_cache: Session | None
         logit_bias: dict[int, float] | None
@@ -369,27 +370,36 @@ class Model:
         return self.tokenizer
 
     def render_chat(self, messages: Sequence[dict], *, tools=None, enable_thinking: bool | None = None,
+                    chat_template_kwargs: Mapping[str, Any] | None = None,
                     add_generation_prompt: bool = True) -> str:
-        """The chat template applied to OpenAI-format messages (sandboxed)."""
+        """The chat template applied to OpenAI-format messages (sandboxed). Every key of
+        ``chat_template_kwargs`` becomes a template variable (e.g. Qwen3.6's ``preserve_thinking``)."""
         tok = self._need_tokenizer("a chat prompt")
         if not tok.chat_template:
             raise RequestError(f"[generate] {self.path} has no chat template")
-        return render(tok.chat_template, list(messages), tools=tools, enable_thinking=enable_thinking,
-                      add_generation_prompt=add_generation_prompt)
+        try:
+            variables = template_kwargs(chat_template_kwargs, enable_thinking)
+        except ValueError as e:
+            raise RequestError(f"[generate] {e}") from None
+        return render(tok.chat_template, list(messages), tools=tools, add_generation_prompt=add_generation_prompt,
+                      **variables)
 
     def encode_prompt(self, prompt: str | Sequence[dict] | Sequence[int] | np.ndarray, *,
-                      tools: Sequence[dict] | None = None, enable_thinking: bool | None = None) -> np.ndarray:
+                      tools: Sequence[dict] | None = None, enable_thinking: bool | None = None,
+                      chat_template_kwargs: Mapping[str, Any] | None = None) -> np.ndarray:
         """A prompt (text, OpenAI chat messages or token ids) as token ids."""
-        return self._encode(prompt, tools=tools, enable_thinking=enable_thinking)[0]
+        return self._encode(prompt, tools=tools, enable_thinking=enable_thinking,
+                            chat_template_kwargs=chat_template_kwargs)[0]
 
-    def _encode(self, prompt: Any, *, tools: Sequence[dict] | None,
-                enable_thinking: bool | None) -> tuple[np.ndarray, str | None]:
+    def _encode(self, prompt: Any, *, tools: Sequence[dict] | None, enable_thinking: bool | None,
+                chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[np.ndarray, str | None]:
         """Token ids of ``prompt`` and, for a chat prompt, the rendered text."""
         rendered = None
         if isinstance(prompt, str):
             ids = self._need_tokenizer("a text prompt").encode(prompt)
         elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-            rendered = self.render_chat(prompt, tools=tools, enable_thinking=enable_thinking)
+            rendered = self.render_chat(prompt, tools=tools, enable_thinking=enable_thinking,
+                                        chat_template_kwargs=chat_template_kwargs)
             ids = self._need_tokenizer("a chat prompt").encode(rendered)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
             ids = prompt
@@ -430,6 +440,7 @@ class Model:
         stream: bool = False,
         tools: Sequence[dict] | None = None,
         enable_thinking: bool | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         on_prefill_progress: Callable[[int, int], None] | None = None,
         prompt_cache: Session | None = None,
         logit_bias: dict[int, float] | None = None,
@@ -460,10 +471,12 @@ class Model:
         ``structured`` extra). A schema, regex or grammar the library rejects is a RequestError
         (a ValueError) naming the problem. For a chat prompt that opens a ``<think>`` block the
         constraint applies after it closes. ``max_tokens`` can still cut a document short.
+        ``chat_template_kwargs``: extra variables for the chat template (every key reaches it).
         The result's ``content`` / ``reasoning`` / ``tool_calls`` split the text of a chat
         prompt (the ``<think>`` block and tool calls); for other prompts ``content`` is the text.
         """
-        ids, rendered = self._encode(prompt, tools=tools, enable_thinking=enable_thinking)
+        ids, rendered = self._encode(prompt, tools=tools, enable_thinking=enable_thinking,
+                                     chat_template_kwargs=chat_template_kwargs)
         max_tokens = self._max_tokens(max_tokens)
         check_stop(stop)
         if ids.size >= self.max_context:
@@ -543,13 +556,14 @@ class Model:
         return int(max_tokens)
 
     def chat(self, system: str | None = None, *, tools: Sequence[dict] | None = None,
-             enable_thinking: bool | None = None, max_snapshots: int = 16, prompt_cache: Session | None = None,
-             **sampling: Any) -> Chat:
+             enable_thinking: bool | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
+             max_snapshots: int = 16, prompt_cache: Session | None = None, **sampling: Any) -> Chat:
         """A conversation that keeps its state between turns (see :class:`lily.Chat`)."""
         from lily.chat import Chat
 
         return Chat(self, system, tools=tools, enable_thinking=enable_thinking,
-                    max_snapshots=max_snapshots, prompt_cache=prompt_cache, **sampling)
+                    chat_template_kwargs=chat_template_kwargs, max_snapshots=max_snapshots,
+                    prompt_cache=prompt_cache, **sampling)
 
 
 def _cached_prefix(cache: Session, ids: np.ndarray) -> list[int]:

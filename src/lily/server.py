@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from lily._core import LilyError
+from lily.chat_template import template_kwargs
 from lily.generation import logit_bias_pairs, sampling_params, stop_token_list
 from lily.prefix_cache import DiskCache
 from lily.scheduler import Job, Scheduler
@@ -549,10 +550,13 @@ class Server:
         tools, tool_choice = self._tools(body)
         stream = _get(body, "stream", bool, False)
         include_usage = bool(_get(_get(body, "stream_options", dict, {}) or {}, "include_usage", bool, False))
-        kwargs = _get(body, "chat_template_kwargs", dict, {}) or {}
-        enable_thinking = kwargs.get("enable_thinking", body.get("enable_thinking"))
-        if enable_thinking is not None and not isinstance(enable_thinking, bool):
-            raise APIError(400, "'enable_thinking' must be a boolean", param="chat_template_kwargs")
+        # Every chat_template_kwargs key reaches the template (Qwen3.6's preserve_thinking, ...);
+        # enable_thinking may also come top-level, as vLLM and SGLang accept it.
+        try:
+            template_vars = template_kwargs(_get(body, "chat_template_kwargs", dict, {}) or {},
+                                            body.get("enable_thinking"))
+        except ValueError as e:
+            raise APIError(400, str(e), param="chat_template_kwargs") from None
         params, max_tokens, stop, want_lp = self._sampling(body, chat=True)
         rules = self._token_rules(body)
         grammar = self._response_format(body)
@@ -566,7 +570,7 @@ class Server:
         def render() -> str:
             try:
                 return self.model.render_chat(messages, tools=tools if tool_choice != "none" else None,
-                                              enable_thinking=enable_thinking)
+                                              chat_template_kwargs=template_vars)
             except Exception as e:  # template errors (raise_exception, bad message structure)
                 raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
 
