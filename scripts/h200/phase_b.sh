@@ -24,7 +24,7 @@ timeout "${FULL_S:-300}" python3 scripts/h200/fullsize.py /tmp/ckpt_full --conte
   --out "$W/full" 2>&1 | tee "$W/fullsize.log" | tail -40
 echo "fullsize rc=${PIPESTATUS[0]} at $(( $(date +%s) - t )) s"
 python3 scripts/make_fullsize.py /tmp/ckpt_small --layers 4 --experts 8 --vocab 4096 --workers 16 2>&1 | tail -1
-for tool in memcheck racecheck synccheck; do
+for tool in ${TOOLS:-memcheck racecheck synccheck}; do
   timeout "${SANITIZER_S:-60}" compute-sanitizer --tool "$tool" --print-limit 20 python3 scripts/h200/fullsize.py \
     /tmp/ckpt_small --contexts 40 --decode 3 --check-max 0 --timing-prefill 8 --out "$W/$tool" \
     > "$W/sanitizer_$tool.log" 2>&1
