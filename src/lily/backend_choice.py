@@ -97,6 +97,7 @@ class CheckResult:
     tolerance: float = TOLERANCE
     max_rel_err: float | None = None  # over the prefill and every decode step
     steps: int = 0  # decode steps compared
+    tokens: list[int] = dataclasses.field(default_factory=list)  # the CPU's greedy tokens, fed to both
     kernels: list[dict] = dataclasses.field(default_factory=list)  # compile_kernels' rows
     gemm_path: str = ""
     seconds: float = 0.0
@@ -305,6 +306,7 @@ def known_answer_check(backend: str = "metal", *, backend_options: dict | None =
             if step == steps:
                 break
             token = int(want.argmax())
+            result.tokens.append(token)
             want, have = ref.decode(token), got.decode(token)
             result.steps = step + 1
     except Exception as e:  # noqa: BLE001 - whatever the backend raised, it must not be chosen
