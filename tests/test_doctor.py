@@ -1,5 +1,5 @@
 """`lily doctor` through the command line, on Linux: the CPU backend and msl-cpu (the Metal
-backend's host and kernels run on the CPU).
+backend's host and kernels run on the CPU); with LILY_TEST_GPU_BACKEND=metal on a Mac, Metal.
 
 References: the report's JSON against its schema (jsonschema); the kernel path and device it
 names against the model the Python API loads; the kernel libraries against the files in
@@ -71,10 +71,10 @@ def test_doctor_on_the_cpu(lily):
     assert report["backend"]["kernel_paths"]["cpu_matmul"].startswith("int8" if mode == "int8" else "f32")
 
 
-def test_doctor_on_msl_cpu(lily):
-    rc, report = doctor_json("--backend", "msl-cpu", "--seconds", "0")
+def test_doctor_on_a_gpu_backend(lily, gpu_backend):
+    rc, report = doctor_json("--backend", gpu_backend, "--seconds", "0")
     assert rc == 0 and report["ok"], report["check"]
-    model = lily.Model.load(backend="msl-cpu")
+    model = lily.Model.load(backend="msl-cpu")  # on gpu_backend (tests/conftest.py)
     back = report["backend"]
     assert back["kernel_paths"] == {"prefill_gemm": model._engine.gpu_gemm_path}
     assert back["device"] == model._engine.gpu_device.name
@@ -87,16 +87,16 @@ def test_doctor_on_msl_cpu(lily):
         assert k["status"] == ("skipped" if tensor and not back["metal4"] else "ok"), k
     assert [k["file"] for k in report["kernels"] if k["safe_math"]] == ["metal/sampling.metal"]
     check = report["check"]
-    assert check["passed"] and check["backend"] == "msl-cpu" and check["max_rel_err"] <= check["tolerance"]
+    assert check["passed"] and check["backend"] == gpu_backend and check["max_rel_err"] <= check["tolerance"]
 
 
-def test_doctor_fails_on_a_wrong_kernel(tmp_path, monkeypatch):
+def test_doctor_fails_on_a_wrong_kernel(tmp_path, monkeypatch, gpu_backend):
     (tmp_path / "metal").mkdir()
     text = (ROOT / "metal" / "norm.metal").read_text()
     (tmp_path / "metal" / "norm.metal").write_text(text.replace("const float r = 1.0f / sqrt(",
                                                                 "const float r = 1.01f / sqrt("))
     monkeypatch.setenv("LILY_SOURCE_DIR", str(tmp_path))  # run_lily's process inherits it
-    rc, report = doctor_json("--backend", "msl-cpu", "--seconds", "0")
+    rc, report = doctor_json("--backend", gpu_backend, "--seconds", "0")
     assert rc == 1 and not report["ok"]
     assert not report["check"]["passed"] and "differ from the CPU backend's" in report["check"]["reason"]
 
