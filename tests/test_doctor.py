@@ -29,7 +29,7 @@ KERNEL_ROW = {
 }
 SCHEMA = {
     "type": "object",
-    "required": ["lily", "platform", "metal", "auto", "backend", "kernels", "check", "benchmark", "ok"],
+    "required": ["lily", "platform", "metal", "auto", "backend", "kernels", "check", "benchmark", "problems", "ok"],
     "properties": {
         "lily": {"type": "object", "required": ["version", "build", "kernels"]},
         "platform": {"type": "object", "required": ["system", "machine", "release", "python"]},
@@ -43,6 +43,7 @@ SCHEMA = {
                       "properties": {"rounds": {"type": "integer", "minimum": 1},
                                      "prefill_tok_s": {"type": "number", "exclusiveMinimum": 0},
                                      "decode_tok_s": {"type": "number", "exclusiveMinimum": 0}}},
+        "problems": {"type": "array", "items": {"type": "string"}},
         "ok": {"type": "boolean"},
     },
 }
@@ -99,6 +100,7 @@ def test_doctor_fails_on_a_wrong_kernel(tmp_path, monkeypatch, gpu_backend):
     rc, report = doctor_json("--backend", gpu_backend, "--seconds", "0")
     assert rc == 1 and not report["ok"]
     assert not report["check"]["passed"] and "differ from the CPU backend's" in report["check"]["reason"]
+    assert report["problems"] == [f"the known-answer check failed on {gpu_backend}: {report['check']['reason']}"]
 
 
 def test_doctor_text_report():

@@ -61,6 +61,7 @@ def test_macos_workflow_runs_the_metal_path():
     job = wf["jobs"]["metal"]
     hosted = job["strategy"]["matrix"]["runner"]
     assert "macos-14" in hosted and "macos-15" in hosted  # Apple-silicon (arm64) hosted images
+    assert job["defaults"]["run"]["shell"] == "bash"  # -o pipefail: `pytest | tee` fails with pytest
     steps = job["steps"]
     runs = "\n".join(s.get("run", "") for s in steps)
     assert "assert c.has_metal" in runs  # the build has the Metal backend
