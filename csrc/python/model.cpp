@@ -365,6 +365,8 @@ void init_model(nb::module_& m) {
         if (!g) throw Error("[engine] gpu_device: the backend is not a GPU backend");
         return g->device();
       }, nb::rv_policy::reference_internal,
+      // The stub types submodules as plain modules (cmake/rename_stub_module.py), so not msl_cpu.Device.
+      nb::for_getter(nb::sig("def gpu_device(self) -> typing.Any")),
       "The GPU backend's device (lily._core.msl_cpu.Device: name, apple_gpu_family, supports_tensor_ops, "
       "library(...)); it keeps the engine alive.")
       .def_prop_ro("gpu_gemm_path", [](Engine& e) {
@@ -557,6 +559,7 @@ void init_model(nb::module_& m) {
 #endif
         return nullptr;
       },
+      nb::sig("def metal_device() -> typing.Any"),  // lily._core.msl_cpu.Device | None (see gpu_device)
       "The system's default Metal device as the Metal backend opens it (lily._core.msl_cpu.Device), or None "
       "where there is none (a build without Metal, a machine without a Metal GPU); raises LilyError naming "
       "why where there is one lily cannot use (older than Apple7 / M1).");

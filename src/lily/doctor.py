@@ -33,7 +33,7 @@ def benchmark(model, seconds: float) -> dict:
     round); tokens per second over all rounds."""
     from lily.bench import bench
 
-    rows = []
+    rows: list[dict] = []
     t0 = time.perf_counter()
     while not rows or time.perf_counter() - t0 < seconds:
         rows += bench(model, [BENCH_PROMPT_TOKENS], decode_tokens=BENCH_DECODE_TOKENS, seed=len(rows))
