@@ -571,7 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "why there is none, what backend='auto' chooses and why, and, on the demo model "
                                    "with the backend examined: the kernel paths chosen and why, each kernel "
                                    "library's compile result, the known-answer check against the CPU backend and "
-                                   "a short benchmark. Exits 1 when a needed kernel library or the check failed.")
+                                   "a short benchmark. Exits 1, listing the problems, when backend='auto' passed over a "
+                                   "Metal GPU it found, a needed kernel library did not compile or the check failed.")
     p.add_argument("--backend", default="auto",
                    help="backend to examine: auto (what backend='auto' chooses), cpu, metal, msl-cpu, msl-cuda")
     p.add_argument("--seconds", type=float, default=5.0, help="length of the demo-model benchmark")
