@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import subprocess
 import sys
+import textwrap
 import warnings
 from pathlib import Path
 
@@ -166,6 +169,29 @@ def test_cache_is_per_version_build_and_device(bc, lily, mac, cache, monkeypatch
     other = bc.MetalFacts("Darwin", "Apple M4 Max", apple_gpu_family=9)
     assert choose(bc, other, cache, check).check.reason == "run 4"
     assert choose(bc, other, cache, check).cached and len(runs) == 4
+
+
+def test_a_check_that_killed_its_process_is_a_failure(bc, lily, mac, cache):
+    """A check that takes its process down (a GPU fault; a hang killed by the user) must not take
+    every later load down too: the next load finds it abandoned and uses the CPU."""
+    crash = textwrap.dedent(f"""
+        import os
+        from lily import backend_choice as bc
+        def check():
+            os._exit(139)  # the process ends mid-check, as on a GPU fault
+        bc.choose_backend(bc.MetalFacts("Darwin", {mac.device!r}), cache=bc.CheckCache({str(cache.path)!r}),
+                          key=bc.check_key, check=check)
+    """)
+    env = dict(os.environ, PYTHONPATH=str(Path(lily.__file__).parent.parent))
+    p = subprocess.run([sys.executable, "-c", crash], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 139, p.stderr
+    choice = choose(bc, mac, cache, never)
+    assert choice.backend == "cpu" and "never finished" in choice.warning
+    assert choose(bc, mac, cache, never).cached  # recorded as a failure
+    # A check still running in a live process (this one) is not abandoned: the load checks too.
+    cache.begin(bc.check_key(mac.device))
+    passed = bc.CheckResult(passed=True, reason="ran", backend="metal", device=mac.device)
+    assert choose(bc, mac, cache, lambda: passed).backend == "metal"
 
 
 def test_corrupt_cache_is_a_miss(bc, mac, cache):

@@ -5,7 +5,7 @@ the backend needs has compiled on that GPU and a few greedy decode steps of the 
 model agree with the CPU backend (the tested reference) within the Metal path's tolerance.
 The check's result is cached per lily version, native build, kernel sources and device
 (:func:`check_key`), so it runs once after an install, a kernel edit or a new GPU, not at every
-load. Everywhere else "auto" is the CPU: silently where there is no Metal device (Linux, or a
+load; a check that killed its process (a GPU fault) counts as failed at the next load. Everywhere else "auto" is the CPU: silently where there is no Metal device (Linux, or a
 Mac build without Metal), with a :class:`BackendWarning` naming the reason where there is one
 that lily cannot use or that failed the check.
 
@@ -183,8 +183,19 @@ def default_cache_path() -> Path:
     return Path(root) / "lily" / "metal_check.json"
 
 
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # no signal sent: only whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
+
+
 class CheckCache:
-    """The latest known-answer check result and the key it was made under, in one JSON file.
+    """The latest known-answer check, and the key it was made under, in one JSON file: its
+    result, or while it runs the process running it.
 
     A lookup under any other key misses (a new version, build, kernel set or device checks
     again). A corrupt or unreadable file is a miss too: the check reruns and rewrites it.
@@ -193,17 +204,41 @@ class CheckCache:
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = Path(path) if path is not None else default_cache_path()
 
-    def load(self, key: dict) -> CheckResult | None:
+    def _entry(self, key: dict) -> dict | None:
         try:
             with open(self.path, encoding="utf-8") as f:
                 entry = json.load(f)
-            if not isinstance(entry, dict) or entry.get("key") != key or not isinstance(entry.get("result"), dict):
-                return None
+        except (OSError, ValueError):
+            return None
+        return entry if isinstance(entry, dict) and entry.get("key") == key else None
+
+    def load(self, key: dict) -> CheckResult | None:
+        entry = self._entry(key)
+        if entry is None or not isinstance(entry.get("result"), dict):
+            return None
+        try:
             return CheckResult.from_json(entry["result"])
-        except (OSError, ValueError, TypeError):
+        except TypeError:  # a result of another shape: a miss
             return None
 
+    def begin(self, key: dict) -> None:
+        """Records that this process is running the check under ``key``."""
+        self._write({"key": key, "running": {"pid": os.getpid(), "since": _utc_now()}})
+
+    def abandoned(self, key: dict) -> dict | None:
+        """The record of a check under ``key`` whose process ended before it had a result (a
+        GPU fault or hang that killed it), else None. A check still running elsewhere is not
+        abandoned: that process may yet store its result."""
+        entry = self._entry(key)
+        running = entry.get("running") if entry else None
+        if not isinstance(running, dict) or not isinstance(running.get("pid"), int):
+            return None
+        return None if _process_alive(running["pid"]) else running
+
     def store(self, key: dict, result: CheckResult) -> None:
+        self._write({"key": key, "result": result.to_json()})
+
+    def _write(self, entry: dict) -> None:
         """Writes atomically (a private file renamed over the old one): a concurrent load never
         reads half an entry. A cache that cannot be written is not an error: the next load
         checks again."""
@@ -211,10 +246,14 @@ class CheckCache:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".metal_check.", suffix=".tmp")
             with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"key": key, "result": result.to_json()}, f, indent=2)
+                json.dump(entry, f, indent=2)
             os.replace(tmp, self.path)
         except OSError:
             pass
+
+
+def _utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 # -- the check ---------------------------------------------------------------------------------
@@ -271,8 +310,7 @@ def known_answer_check(backend: str = "metal", *, backend_options: dict | None =
     from lily.model import Model
 
     t0 = time.perf_counter()
-    result = CheckResult(passed=False, reason="", backend=backend, device="", steps=0,
-                         checked_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    result = CheckResult(passed=False, reason="", backend=backend, device="", steps=0, checked_at=_utc_now())
 
     def done(passed: bool, reason: str) -> CheckResult:
         result.passed, result.reason = passed, reason
@@ -309,7 +347,7 @@ def known_answer_check(backend: str = "metal", *, backend_options: dict | None =
             result.tokens.append(token)
             want, have = ref.decode(token), got.decode(token)
             result.steps = step + 1
-    except Exception as e:  # noqa: BLE001 - whatever the backend raised, it must not be chosen
+    except Exception as e:  # whatever the backend raised, it must not be chosen
         return done(False, f"the {backend} backend raised {type(e).__name__}: {e}")
     return done(True, f"{steps} greedy decode steps of the demo model match the CPU backend "
                       f"(max rel err {result.max_rel_err:.1e} <= {TOLERANCE:.0e})")
@@ -331,7 +369,16 @@ def choose_backend(facts: MetalFacts, *, cache: CheckCache, key: Callable[[str],
     k = key(facts.device)
     result = None if recheck else cache.load(k)
     cached = result is not None
+    if result is None and not recheck and (died := cache.abandoned(k)):
+        # The last check on this GPU ended its process (a fault or a hang that was killed):
+        # running it again would take this load down too.
+        result = CheckResult(passed=False, backend="metal", device=facts.device, checked_at=died.get("since", ""),
+                             reason=f"the check started by process {died['pid']} never finished (its process "
+                                    f"ended during it: a GPU fault or hang)")
+        cache.store(k, result)
+        cached = True
     if result is None:
+        cache.begin(k)
         result = check()
         cache.store(k, result)
     if result.passed:
