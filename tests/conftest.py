@@ -8,6 +8,11 @@
   without host storage, as msl-cuda's device memory), so a GPU-backend test run this way fails
   where the backend would read or write buffer contents directly (scripts/test.sh runs a subset
   of the Metal decode and prefill tests so).
+- LILY_TEST_GPU_BACKEND=metal: every msl-cpu model loads on the real Metal backend instead, so the
+  whole-model tests compare Metal with the CPU backend and mlx-lm on an Apple-silicon Mac
+  (.github/workflows/macos.yml). A load that passes options of the MSL-on-CPU runtime alone
+  (its checking modes, fault injection, the device it pretends to be) is skipped, naming them:
+  real Metal has no such knobs. The `gpu_backend` fixture names the backend in use.
 
 Checkpoint building and the references need torch, transformers, mlx[cpu] and mlx-lm (the
 `test` extra of pyproject.toml); they are imported lazily so a run of tests that need none of
@@ -43,25 +48,66 @@ def lily():
     return _lily
 
 
+# backend_options only the MSL-on-CPU runtime has (csrc/python/model.cpp, BackendArgs).
+MSL_CPU_ONLY_OPTIONS = ("check_dependencies", "interleavings", "asan", "metal4", "apple_gpu_family", "working_set",
+                        "fail_dispatch", "fail_library", "opaque_buffers")
+
+
+def _rewriting_msl_cpu_loads(rewrite):
+    """Model.load with each backend="msl-cpu" call's keyword arguments passed through rewrite
+    first, until the generator resumes (then the original load is put back)."""
+    import lily as _lily
+
+    load = _lily.Model.load.__func__
+
+    @functools.wraps(load)
+    def rewritten(cls, *args, **kwargs):
+        if kwargs.get("backend") == "msl-cpu":
+            kwargs = rewrite(dict(kwargs))
+        return load(cls, *args, **kwargs)
+
+    _lily.Model.load = classmethod(rewritten)
+    yield
+    _lily.Model.load = classmethod(load)
+
+
+@pytest.fixture(scope="session")
+def gpu_backend() -> str:
+    """The backend the GPU-backend tests run: "msl-cpu", or "metal" with LILY_TEST_GPU_BACKEND."""
+    return os.environ.get("LILY_TEST_GPU_BACKEND") or "msl-cpu"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def opaque_gpu_buffers():
     """LILY_TEST_OPAQUE_BUFFERS=1: msl-cpu models get opaque buffers (see the top of this file)."""
     if os.environ.get("LILY_TEST_OPAQUE_BUFFERS") != "1":
         yield
         return
-    import lily as _lily
 
-    load = _lily.Model.load.__func__
+    def opaque(kwargs):
+        kwargs["backend_options"] = {"opaque_buffers": True, **(kwargs.get("backend_options") or {})}
+        return kwargs
 
-    @functools.wraps(load)
-    def opaque_load(cls, *args, **kwargs):
-        if kwargs.get("backend") == "msl-cpu":
-            kwargs["backend_options"] = {"opaque_buffers": True, **(kwargs.get("backend_options") or {})}
-        return load(cls, *args, **kwargs)
+    yield from _rewriting_msl_cpu_loads(opaque)
 
-    _lily.Model.load = classmethod(opaque_load)
-    yield
-    _lily.Model.load = classmethod(load)
+
+@pytest.fixture(scope="session", autouse=True)
+def real_gpu_backend(gpu_backend):
+    """LILY_TEST_GPU_BACKEND=metal: msl-cpu models load on Metal (see the top of this file)."""
+    if gpu_backend == "msl-cpu":
+        yield
+        return
+    if gpu_backend != "metal":
+        raise pytest.UsageError(f"LILY_TEST_GPU_BACKEND must be 'metal' (or unset), not {gpu_backend!r}")
+
+    def on_metal(kwargs):
+        runtime_only = sorted(set(kwargs.get("backend_options") or {}) & set(MSL_CPU_ONLY_OPTIONS))
+        if runtime_only:
+            pytest.skip(f"backend_options {', '.join(runtime_only)} belong to the MSL-on-CPU runtime; Metal has none")
+        kwargs["backend"] = gpu_backend
+        return kwargs
+
+    yield from _rewriting_msl_cpu_loads(on_metal)
 
 
 @pytest.fixture

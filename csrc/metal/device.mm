@@ -405,4 +405,6 @@ class MetalDevice final : public gpu::Device {
 
 std::shared_ptr<gpu::Device> make_device() { return std::make_shared<MetalDevice>(); }
 
+bool system_device_present() { return bool(Owned<id<MTLDevice>>(MTLCreateSystemDefaultDevice())); }
+
 }  // namespace lily::metal

@@ -427,6 +427,15 @@ void init_model(nb::module_& m) {
            nb::arg("max_context"),
            "Raises ConfigError (naming the sizes) if a sequence of max_context positions does not fit beside "
            "the weights; allocates nothing.")
+      .def_prop_ro("gpu_device", [](Engine& e) -> gpu::Device& {
+        auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
+        if (!g) throw Error("[engine] gpu_device: the backend is not a GPU backend");
+        return g->device();
+      }, nb::rv_policy::reference_internal,
+      // The stub types submodules as plain modules (cmake/rename_stub_module.py), so not msl_cpu.Device.
+      nb::for_getter(nb::sig("def gpu_device(self) -> typing.Any")),
+      "The GPU backend's device (lily._core.msl_cpu.Device: name, apple_gpu_family, supports_tensor_ops, "
+      "library(...)); it keeps the engine alive.")
       .def_prop_ro("gpu_gemm_path", [](Engine& e) {
         auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
         if (!g) throw Error("[engine] gpu_gemm_path: the backend is not a GPU backend");
@@ -605,6 +614,26 @@ void init_model(nb::module_& m) {
       "step 0), recorded without running it: a dict with the last chunk's dispatches [(kernel, stage, weight "
       "bytes, state bytes, other bytes)], last_stats / total (dispatches, barriers, command buffers, CPU "
       "waits), waits_inside_chunks, device_bytes (backend buffers, no weights) and state_bytes.");
+
+  // Whether this build has the Metal backend, and the device it would run on: what
+  // backend="auto" and `lily doctor` ask before choosing Metal (lily/backend_choice.py).
+#if defined(LILY_HAVE_METAL)
+  m.attr("has_metal") = true;
+#else
+  m.attr("has_metal") = false;
+#endif
+  m.def(
+      "metal_device",
+      []() -> std::shared_ptr<gpu::Device> {
+#if defined(LILY_HAVE_METAL)
+        if (metal::system_device_present()) return metal::make_device();
+#endif
+        return nullptr;
+      },
+      nb::sig("def metal_device() -> typing.Any"),  // lily._core.msl_cpu.Device | None (see gpu_device)
+      "The system's default Metal device as the Metal backend opens it (lily._core.msl_cpu.Device), or None "
+      "where there is none (a build without Metal, a machine without a Metal GPU); raises LilyError naming "
+      "why where there is one lily cannot use (older than Apple7 / M1).");
 
   m.def(
       "dequantize",

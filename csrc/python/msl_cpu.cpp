@@ -225,6 +225,15 @@ void init_msl_cpu(nb::module_& parent) {
         nb::arg("file"),
         "(language, safe_math) the GPU backend compiles metal/<file> with: the *_tensor libraries as "
         "MSL 4.0, sampling with safe math.");
+  m.def("embedded_files", [] {
+        std::vector<std::string> paths;
+        for (size_t i = 0; i < gpu::kEmbeddedCount; ++i) paths.emplace_back(gpu::kEmbeddedFiles[i].path);
+        return paths;
+      },
+      "Checkout-relative paths of the kernel sources and preludes embedded in the extension.");
+  m.def("source_file", &gpu::source_file, nb::arg("path"),
+        "The text of an embedded source file as the backends read it ($LILY_SOURCE_DIR/<path> where that "
+        "overrides it).");
   m.def("kernel_source", &gpu::kernel_source, nb::arg("file"),
         "metal/<file> as the backend hands it to Device.library: its local #includes inlined (with #line "
         "markers naming the real files), so the kernels of its headers are in the text.");

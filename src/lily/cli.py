@@ -56,7 +56,9 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
                    if not required else "checkpoint folder or Hugging Face repo id")
     p.add_argument("--revision", default=None, help="Hugging Face revision (branch, tag or commit)")
     p.add_argument("--backend", default="auto",
-                   help="compute backend: auto (the CPU today), cpu, or metal (macOS; unverified on Apple hardware)")
+                   help="compute backend: auto (Metal where its known-answer check passed on this Mac, "
+                        "else the CPU; `lily doctor` says which and why), cpu, or metal (macOS; unverified "
+                        "on Apple hardware)")
     p.add_argument("--threads", type=int, default=None, help="CPU worker threads (default: all cores)")
     p.add_argument("--cpu-matmul", choices=("auto", "f32", "int8"), default=None,
                    help="CPU products with quantized weights: int8 activations with integer dot products "
@@ -484,6 +486,12 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from lily.doctor import main as doctor
+
+    return doctor(args)
+
+
 def _write_json(payload: dict, where: str) -> None:
     import json
 
@@ -641,6 +649,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-file", default=None, help="text to evaluate on (default: a built-in passage)")
     p.add_argument("--json", nargs="?", const="-", default=None, help="also write JSON (to a file, or '-')")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("doctor", help="what lily finds here: device, kernels, the Metal check, a benchmark",
+                       formatter_class=fmt,
+                       description="Report the platform, the Metal device (GPU family, Metal and MSL versions) or "
+                                   "why there is none, what backend='auto' chooses and why, and, on the demo model "
+                                   "with the backend examined: the kernel paths chosen and why, each kernel "
+                                   "library's compile result, the known-answer check against the CPU backend and "
+                                   "a short benchmark. Exits 1, listing the problems, when backend='auto' passed over a "
+                                   "Metal GPU it found, a needed kernel library did not compile or the check failed.")
+    p.add_argument("--backend", default="auto",
+                   help="backend to examine: auto (what backend='auto' chooses), cpu, metal, msl-cpu, msl-cuda")
+    p.add_argument("--seconds", type=float, default=5.0, help="length of the demo-model benchmark")
+    p.add_argument("--recheck", action="store_true",
+                   help="run the Metal known-answer check again instead of reading its cached result")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_doctor)
     return parser
 
 

@@ -220,9 +220,11 @@ class Model:
         standard HF cache, only the files lily needs; offline when cached). With no argument,
         the small demo model shipped inside the package.
 
-        backend: "auto" (today the CPU: the Metal backend is unverified on Apple hardware, so
-        it is never picked automatically), "cpu", "metal" (macOS builds; unverified on Apple
-        hardware), "msl-cpu" (the Metal kernels run on the CPU, for tests) or "msl-cuda" (the same
+        backend: "auto" (Metal on a Mac whose GPU compiled the kernels and passed the
+        known-answer check against the CPU backend, run once per lily build, kernel set and GPU
+        and cached; else the CPU, with a lily.backend_choice.BackendWarning saying why where a
+        Metal GPU was found: docs/metal.md; `lily doctor` shows the choice), "cpu", "metal"
+        (macOS builds; unverified on Apple hardware), "msl-cpu" (the Metal kernels run on the CPU, for tests) or "msl-cuda" (the same
         kernels on an NVIDIA GPU, PTX from the kernel cache: docs/msl-on-cuda.md). threads: CPU worker threads
         (default: all cores). prefill_chunk: tokens per prefill step (bounds scratch memory).
         max_context: default context of new sequences (default: the model's
@@ -267,7 +269,10 @@ class Model:
             if isinstance(value, bool) or not isinstance(value, types):
                 raise ConfigError(f"[load] {name} must be {what}, got {type(value).__name__} {value!r}")
         if backend == "auto":
-            backend = "cpu"  # Metal is unverified on Apple hardware: only when asked for by name
+            from lily.backend_choice import auto_backend
+
+            # Metal once its known-answer check passed on this GPU (cached), else the CPU.
+            backend = auto_backend(stacklevel=2).backend
         if backend not in BACKENDS:
             raise ConfigError(f"[load] unknown backend {backend!r}; available: auto, {', '.join(BACKENDS)}")
         if prefill_chunk < 1:
