@@ -8,11 +8,16 @@
 //   sum_j w_j x_j = scale[g] * sum_j q_j x_j + bias[g] * sum_j x_j
 // and both sums accumulate in f32. A word never straddles a group (group % (32/b) == 0).
 //
+// S = uchar selects MLX's microscaled modes (microscale.h; their scales are bytes, there are no
+// biases): per word sum_j w_j x_j = scale[g] * sum_j code_j x_j. The row_partial and
+// dequantize_element specializations for uchar read them; the other S read affine or dense W.
+//
 // Work split: the 32 lanes of a simdgroup take consecutive words (dense: consecutive elements),
 // so each step of a simdgroup reads one contiguous 128-byte run of the row. The caller reduces
 // the lane partials with simd_sum.
 #pragma once
 #include <metal_stdlib>
+#include "microscale.h"
 #include "quant_args.h"
 using namespace metal;
 
@@ -36,6 +41,24 @@ inline float affine_row_partial(device const uint* w, device const S* scales,
     }
     const uint g = first / group;
     part += float(scales[g]) * qx + float(biases[g]) * sx;
+  }
+  return part;
+}
+
+template <int BITS>
+inline float microscaled_row_partial(device const uint* w, device const uchar* scales, device const float* x,
+                                     uint in, uint group, uint lane) {
+  constexpr uint per_word = 32 / BITS;
+  constexpr uint mask = (1u << BITS) - 1u;
+  const uint words = in / per_word;
+  float part = 0.0f;
+  for (uint i = lane; i < words; i += 32) {
+    const uint word = w[i];
+    const uint first = i * per_word;
+    device const float* xs = x + first;
+    float qx = 0.0f;
+    for (uint j = 0; j < per_word; ++j) qx += microscale_code<BITS>((word >> (j * BITS)) & mask) * xs[j];
+    part += microscale_scale(scales[first / group], group) * qx;
   }
   return part;
 }
@@ -67,6 +90,16 @@ inline float row_partial(device const uchar* w, device const uchar* scales,
   }
 }
 
+// Row `row` of a microscaled matrix (mxfp8: 8 bits; mxfp4, nvfp4: 4).
+template <>
+inline float row_partial<uchar>(device const uchar* w, device const uchar* scales, device const uchar* biases,
+                                constant QuantMatrix& m, uint row, device const float* x, uint lane) {
+  device const uint* wr = (device const uint*)w + ulong(row) * (m.in * m.bits / 32);
+  device const uchar* sr = scales + ulong(row) * (m.in / m.group);
+  return m.bits == 8 ? microscaled_row_partial<8>(wr, sr, x, m.in, m.group, lane)
+                     : microscaled_row_partial<4>(wr, sr, x, m.in, m.group, lane);
+}
+
 // Element j of row `row`, dequantized (embedding gather).
 template <typename S>
 inline float dequantize_element(device const uchar* w, device const uchar* scales,
@@ -77,4 +110,13 @@ inline float dequantize_element(device const uchar* w, device const uchar* scale
   const uint q = (word >> uint(bit % 32)) & ((1u << m.bits) - 1u);
   const ulong g = ulong(row) * (m.in / m.group) + j / m.group;
   return float(((device const S*)scales)[g]) * float(q) + float(((device const S*)biases)[g]);
+}
+
+template <>
+inline float dequantize_element<uchar>(device const uchar* w, device const uchar* scales,
+                                       device const uchar* biases, constant QuantMatrix& m, uint row, uint j) {
+  const ulong bit = (ulong(row) * m.in + j) * m.bits;
+  const uint q = (((device const uint*)w)[bit / 32] >> uint(bit % 32)) & ((1u << m.bits) - 1u);
+  const float s = microscale_scale(scales[ulong(row) * (m.in / m.group) + j / m.group], m.group);
+  return (m.bits == 8 ? microscale_code<8>(q) : microscale_code<4>(q)) * s;
 }
