@@ -67,30 +67,33 @@ inline void gemm_load_x(threadgroup float* xs, device const float* x, uint ldx,
   }
 }
 
-// How a packed tile loader turns codes into floats. at(row, k) reads the group of element k of
-// a row; value(q) is code q dequantized with it.
-//   affine: scale * q + bias (S scales and biases)
+// How a packed tile loader turns codes into floats. at(row, kt) reads the group of the tile's
+// element kt (0 <= kt < BK) of a row; value(q) is code q dequantized with it. g0 is the group of
+// the tile's first element (k0 / group).
+//   affine: scale * q + bias (S scales and biases); BK divides the group size, so the whole
+//   tile row is group g0
 template <typename S>
 struct AffineCodes {
   device const S* scales;
   device const S* biases;
-  uint groups, group;  // per row; elements per group
+  uint groups, g0;  // groups per row; the tile's
   float s, b;
-  void at(uint row, uint k) {
-    const ulong i = ulong(row) * groups + k / group;
+  void at(uint row, uint kt) {
+    const ulong i = ulong(row) * groups + g0;
     s = float(scales[i]);
     b = float(biases[i]);
   }
   float value(uint q) const { return s * float(q) + b; }
 };
 
-//   microscaled (microscale.h): code value * byte scale
-template <int BITS>
+//   microscaled (microscale.h): code value * byte scale; GROUP (16 or 32) a template parameter,
+//   so the group within the tile is a shift
+template <int BITS, int GROUP>
 struct MicroscaledCodes {
   device const uchar* scales;
-  uint groups, group;
+  uint groups, g0;
   float s;
-  void at(uint row, uint k) { s = microscale_scale(scales[ulong(row) * groups + k / group], group); }
+  void at(uint row, uint kt) { s = microscale_scale(scales[ulong(row) * groups + g0 + kt / GROUP], GROUP); }
   float value(uint q) const { return microscale_code<BITS>(q) * s; }
 };
 
@@ -112,7 +115,7 @@ inline void gemm_load_w_packed(threadgroup float* ws, device const uint* w, Code
       continue;
     }
     const uint word = w[ulong(row) * row_words + k0 / per_word + wi];
-    codes.at(row, k0 + wi * per_word);
+    codes.at(row, wi * per_word);
     for (uint j = 0; j < per_word; ++j) dst[j * LILY_GEMM_LDW] = codes.value((word >> (j * BITS)) & mask);
   }
 }
@@ -123,13 +126,14 @@ inline void gemm_load_w(threadgroup float* ws, device const uchar* w, device con
                         device const uchar* biases, constant QuantMatrix& m, uint n0, uint k0,
                         uint tid) {
   device const uint* wp = (device const uint*)w;
-  const AffineCodes<S> codes = {(device const S*)scales, (device const S*)biases, m.in / max(m.group, 1u), m.group,
-                                0.0f, 0.0f};
-  switch (m.bits) {
-    case 2: gemm_load_w_packed<2>(ws, wp, codes, n0, m.out, m.in, k0, tid); return;
-    case 4: gemm_load_w_packed<4>(ws, wp, codes, n0, m.out, m.in, k0, tid); return;
-    case 8: gemm_load_w_packed<8>(ws, wp, codes, n0, m.out, m.in, k0, tid); return;
-    default: break;
+  if (m.bits != 0) {
+    const AffineCodes<S> codes = {(device const S*)scales, (device const S*)biases, m.in / m.group, k0 / m.group,
+                                  0.0f, 0.0f};
+    switch (m.bits) {
+      case 2: gemm_load_w_packed<2>(ws, wp, codes, n0, m.out, m.in, k0, tid); return;
+      case 4: gemm_load_w_packed<4>(ws, wp, codes, n0, m.out, m.in, k0, tid); return;
+      default: gemm_load_w_packed<8>(ws, wp, codes, n0, m.out, m.in, k0, tid); return;
+    }
   }
   device const S* wd = (device const S*)w;
   for (uint i = tid; i < uint(LILY_GEMM_BN * LILY_GEMM_BK); i += LILY_GEMM_THREADS) {
@@ -139,17 +143,20 @@ inline void gemm_load_w(threadgroup float* ws, device const uchar* w, device con
   }
 }
 
-// S = uchar: a microscaled matrix (mxfp8: 8 bits; mxfp4, nvfp4: 4).
+// S = uchar: a microscaled matrix, the mode from (bits, group): mxfp8 (8, 32), nvfp4 (4, 16),
+// mxfp4 (4, 32).
 template <>
 inline void gemm_load_w<uchar>(threadgroup float* ws, device const uchar* w, device const uchar* scales,
                                device const uchar* biases, constant QuantMatrix& m, uint n0, uint k0,
                                uint tid) {
   device const uint* wp = (device const uint*)w;
-  const uint groups = m.in / m.group;
+  const uint groups = m.in / m.group, g0 = k0 / m.group;
   if (m.bits == 8)
-    gemm_load_w_packed<8>(ws, wp, MicroscaledCodes<8>{scales, groups, m.group, 0.0f}, n0, m.out, m.in, k0, tid);
+    gemm_load_w_packed<8>(ws, wp, MicroscaledCodes<8, 32>{scales, groups, g0, 0.0f}, n0, m.out, m.in, k0, tid);
+  else if (m.group == 16)
+    gemm_load_w_packed<4>(ws, wp, MicroscaledCodes<4, 16>{scales, groups, g0, 0.0f}, n0, m.out, m.in, k0, tid);
   else
-    gemm_load_w_packed<4>(ws, wp, MicroscaledCodes<4>{scales, groups, m.group, 0.0f}, n0, m.out, m.in, k0, tid);
+    gemm_load_w_packed<4>(ws, wp, MicroscaledCodes<4, 32>{scales, groups, g0, 0.0f}, n0, m.out, m.in, k0, tid);
 }
 
 // acc += xs . ws over one BK step (xs [BM, BK], ws [BK, BN]), for this simdgroup's fragments.
