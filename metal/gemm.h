@@ -11,7 +11,8 @@
 //   through a per-tile row table: the token rows of a routed block) and each weight tile
 //   (BN rows of W, BK deep) *dequantized to f32 in threadgroup memory*: packed words are expanded in
 //   registers by the thread that loads them and never written to device memory. BK = 32
-//   divides every MLX group size (32, 64, 128), so a tile row needs one scale and one bias.
+//   divides every MLX affine group size (32, 64, 128), so a tile row of an affine matrix needs
+//   one scale and one bias (nvfp4's groups of 16 take two scales a tile row).
 // - Accumulation is f32 in the simdgroup matrices; the epilogue stores the accumulators into
 //   the (no longer needed) staging tiles so each output element is written once, by one thread,
 //   with bounds checks (no reliance on the unverified per-lane layout of thread_elements()).
@@ -29,10 +30,12 @@
 //   Both keep the same staging, barriers and epilogue, so the dequantization is shared.
 //
 // Shapes: X [rows, K] f32, W [N, K] (affine: [N, K*bits/32] uint32 + scales/biases [N, K/group]
-// of type S; dense: [N, K] of type S), acc = X . W^T [rows, N].
+// of type S; microscaled, S = uchar: the same words + byte scales [N, K/group]; dense: [N, K] of
+// type S), acc = X . W^T [rows, N].
 #pragma once
 #include <metal_stdlib>
 #include "lily_msl.h"
+#include "microscale.h"
 #include "quant_args.h"
 using namespace metal;
 
@@ -64,16 +67,46 @@ inline void gemm_load_x(threadgroup float* xs, device const float* x, uint ldx,
   }
 }
 
-// Weight tile [BK, BN] (transposed: tile[k][n] = W[n0 + n][k0 + k]), dequantized to f32.
-template <int BITS, typename S>
-inline void gemm_load_w_affine(threadgroup float* ws, device const uint* w, device const S* scales,
-                               device const S* biases, uint n0, uint N, uint K, uint group,
-                               uint k0, uint tid) {
+// How a packed tile loader turns codes into floats. at(row, kt) reads the group of the tile's
+// element kt (0 <= kt < BK) of a row; value(q) is code q dequantized with it. g0 is the group of
+// the tile's first element (k0 / group).
+//   affine: scale * q + bias (S scales and biases); BK divides the group size, so the whole
+//   tile row is group g0
+template <typename S>
+struct AffineCodes {
+  device const S* scales;
+  device const S* biases;
+  uint groups, g0;  // groups per row; the tile's
+  float s, b;
+  void at(uint row, uint kt) {
+    const ulong i = ulong(row) * groups + g0;
+    s = float(scales[i]);
+    b = float(biases[i]);
+  }
+  float value(uint q) const { return s * float(q) + b; }
+};
+
+//   microscaled (microscale.h): code value * byte scale; GROUP (16 or 32) a template parameter,
+//   so the group within the tile is a shift
+template <int BITS, int GROUP>
+struct MicroscaledCodes {
+  device const uchar* scales;
+  uint groups, g0;
+  float s;
+  void at(uint row, uint kt) { s = microscale_scale(scales[ulong(row) * groups + g0 + kt / GROUP], GROUP); }
+  float value(uint q) const { return microscale_code<BITS>(q) * s; }
+};
+
+// Weight tile [BK, BN] (transposed: tile[k][n] = W[n0 + n][k0 + k]) of a packed matrix,
+// dequantized to f32 by `codes`. A word never straddles a group (every group size is a multiple
+// of the codes per word), so each thread reads one group per word.
+template <int BITS, typename Codes>
+inline void gemm_load_w_packed(threadgroup float* ws, device const uint* w, Codes codes, uint n0, uint N,
+                               uint K, uint k0, uint tid) {
   constexpr uint per_word = 32 / BITS;
   constexpr uint mask = (1u << BITS) - 1u;
   constexpr uint words = LILY_GEMM_BK / per_word;  // per tile row
-  const uint row_words = K / per_word, groups = K / group;
-  const uint g = k0 / group;  // one group per tile row: BK divides the group size
+  const uint row_words = K / per_word;
   for (uint i = tid; i < LILY_GEMM_BN * words; i += LILY_GEMM_THREADS) {
     const uint n = i / words, wi = i % words, row = n0 + n;
     threadgroup float* dst = ws + wi * per_word * LILY_GEMM_LDW + n;  // column n, rows k..k + per_word
@@ -82,9 +115,8 @@ inline void gemm_load_w_affine(threadgroup float* ws, device const uint* w, devi
       continue;
     }
     const uint word = w[ulong(row) * row_words + k0 / per_word + wi];
-    const float s = float(scales[ulong(row) * groups + g]);
-    const float b = float(biases[ulong(row) * groups + g]);
-    for (uint j = 0; j < per_word; ++j) dst[j * LILY_GEMM_LDW] = s * float((word >> (j * BITS)) & mask) + b;
+    codes.at(row, wi * per_word);
+    for (uint j = 0; j < per_word; ++j) dst[j * LILY_GEMM_LDW] = codes.value((word >> (j * BITS)) & mask);
   }
 }
 
@@ -93,13 +125,15 @@ template <typename S>
 inline void gemm_load_w(threadgroup float* ws, device const uchar* w, device const uchar* scales,
                         device const uchar* biases, constant QuantMatrix& m, uint n0, uint k0,
                         uint tid) {
-  device const S* s = (device const S*)scales;
-  device const S* b = (device const S*)biases;
-  switch (m.bits) {
-    case 2: gemm_load_w_affine<2>(ws, (device const uint*)w, s, b, n0, m.out, m.in, m.group, k0, tid); return;
-    case 4: gemm_load_w_affine<4>(ws, (device const uint*)w, s, b, n0, m.out, m.in, m.group, k0, tid); return;
-    case 8: gemm_load_w_affine<8>(ws, (device const uint*)w, s, b, n0, m.out, m.in, m.group, k0, tid); return;
-    default: break;
+  device const uint* wp = (device const uint*)w;
+  if (m.bits != 0) {
+    const AffineCodes<S> codes = {(device const S*)scales, (device const S*)biases, m.in / m.group, k0 / m.group,
+                                  0.0f, 0.0f};
+    switch (m.bits) {
+      case 2: gemm_load_w_packed<2>(ws, wp, codes, n0, m.out, m.in, k0, tid); return;
+      case 4: gemm_load_w_packed<4>(ws, wp, codes, n0, m.out, m.in, k0, tid); return;
+      default: gemm_load_w_packed<8>(ws, wp, codes, n0, m.out, m.in, k0, tid); return;
+    }
   }
   device const S* wd = (device const S*)w;
   for (uint i = tid; i < uint(LILY_GEMM_BN * LILY_GEMM_BK); i += LILY_GEMM_THREADS) {
@@ -107,6 +141,22 @@ inline void gemm_load_w(threadgroup float* ws, device const uchar* w, device con
     const bool ok = row < m.out && k0 + c < m.in;
     ws[c * LILY_GEMM_LDW + n] = ok ? float(wd[ulong(row) * m.in + k0 + c]) : 0.0f;
   }
+}
+
+// S = uchar: a microscaled matrix, the mode from (bits, group): mxfp8 (8, 32), nvfp4 (4, 16),
+// mxfp4 (4, 32).
+template <>
+inline void gemm_load_w<uchar>(threadgroup float* ws, device const uchar* w, device const uchar* scales,
+                               device const uchar* biases, constant QuantMatrix& m, uint n0, uint k0,
+                               uint tid) {
+  device const uint* wp = (device const uint*)w;
+  const uint groups = m.in / m.group, g0 = k0 / m.group;
+  if (m.bits == 8)
+    gemm_load_w_packed<8>(ws, wp, MicroscaledCodes<8, 32>{scales, groups, g0, 0.0f}, n0, m.out, m.in, k0, tid);
+  else if (m.group == 16)
+    gemm_load_w_packed<4>(ws, wp, MicroscaledCodes<4, 16>{scales, groups, g0, 0.0f}, n0, m.out, m.in, k0, tid);
+  else
+    gemm_load_w_packed<4>(ws, wp, MicroscaledCodes<4, 32>{scales, groups, g0, 0.0f}, n0, m.out, m.in, k0, tid);
 }
 
 // acc += xs . ws over one BK step (xs [BM, BK], ws [BK, BN]), for this simdgroup's fragments.

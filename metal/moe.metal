@@ -26,7 +26,8 @@
 //                     over j in order, so results do not depend on the scatter.
 // The shared expert and a dense MLP run the two GEMM kernels with routed = 0 (rows 0..T of one
 // expert, blocks of BM). An expert with no tokens has no block: its weights are never read.
-// Weights stay packed (quant.h, gemm.h read them); S is the scale (or dense element) type.
+// Weights stay packed (quant.h, gemm.h read them); S is the scale (or dense element) type,
+// uchar for the microscaled modes (microscale.h).
 #include <metal_stdlib>
 #include "lily_msl.h"
 #include "moe_args.h"
@@ -109,6 +110,7 @@ kernel void moe_gate_up(constant MoeGateUpArgs& args [[buffer(0)]],
 LILY_KERNEL_INSTANTIATE("moe_gate_up_float", moe_gate_up, float)
 LILY_KERNEL_INSTANTIATE("moe_gate_up_half", moe_gate_up, half)
 LILY_KERNEL_INSTANTIATE("moe_gate_up_bfloat", moe_gate_up, bfloat)
+LILY_KERNEL_INSTANTIATE("moe_gate_up_uchar", moe_gate_up, uchar)
 
 template <typename S>
 kernel void moe_down(constant MoeDownArgs& args [[buffer(0)]],
@@ -156,6 +158,7 @@ kernel void moe_down(constant MoeDownArgs& args [[buffer(0)]],
 LILY_KERNEL_INSTANTIATE("moe_down_float", moe_down, float)
 LILY_KERNEL_INSTANTIATE("moe_down_half", moe_down, half)
 LILY_KERNEL_INSTANTIATE("moe_down_bfloat", moe_down, bfloat)
+LILY_KERNEL_INSTANTIATE("moe_down_uchar", moe_down, uchar)
 
 // ---- prefill ------------------------------------------------------------------------------------
 

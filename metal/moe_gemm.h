@@ -150,5 +150,7 @@ kernel void moe_gemm_down(constant MoeGemmArgs& args [[buffer(0)]],
   LILY_KERNEL_INSTANTIATE("moe_gemm_" #kind path "_bfloat_bm8", moe_gemm_##kind, bfloat, 8, tensor) \
   LILY_KERNEL_INSTANTIATE("moe_gemm_" #kind path "_float_bm32", moe_gemm_##kind, float, 32, tensor) \
   LILY_KERNEL_INSTANTIATE("moe_gemm_" #kind path "_half_bm32", moe_gemm_##kind, half, 32, tensor)   \
-  LILY_KERNEL_INSTANTIATE("moe_gemm_" #kind path "_bfloat_bm32", moe_gemm_##kind, bfloat, 32, tensor)
+  LILY_KERNEL_INSTANTIATE("moe_gemm_" #kind path "_bfloat_bm32", moe_gemm_##kind, bfloat, 32, tensor) \
+  LILY_KERNEL_INSTANTIATE("moe_gemm_" #kind path "_uchar_bm8", moe_gemm_##kind, uchar, 8, tensor)     \
+  LILY_KERNEL_INSTANTIATE("moe_gemm_" #kind path "_uchar_bm32", moe_gemm_##kind, uchar, 32, tensor)
 

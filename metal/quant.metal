@@ -8,7 +8,9 @@
 //                                             grid (ceil(out / 32), ceil(T / BM)), 128 threads
 //              (gemm_tensor_<S>_bm<BM>, the same on Metal 4 tensor ops: quant_tensor.metal)
 // S is the scale type of affine weights, or the element type of dense ones (float, half,
-// bfloat). The bit width is a uniform runtime argument (0 = dense, 2, 4, 8).
+// bfloat); uchar for MLX's microscaled modes (byte scales, microscale.h). The bit width is a
+// uniform runtime argument (0 = dense, 2, 4, 8; microscaled: 4 or 8, the mode named by it and
+// the group size).
 #include <metal_stdlib>
 #include "lily_msl.h"
 #include "quant.h"
@@ -41,6 +43,7 @@ kernel void gemv(constant GemvArgs& args [[buffer(0)]],
 LILY_KERNEL_INSTANTIATE("gemv_float", gemv, float)
 LILY_KERNEL_INSTANTIATE("gemv_half", gemv, half)
 LILY_KERNEL_INSTANTIATE("gemv_bfloat", gemv, bfloat)
+LILY_KERNEL_INSTANTIATE("gemv_uchar", gemv, uchar)
 
 template <typename S>
 kernel void embed(constant EmbedArgs& args [[buffer(0)]],
@@ -59,5 +62,6 @@ kernel void embed(constant EmbedArgs& args [[buffer(0)]],
 LILY_KERNEL_INSTANTIATE("embed_float", embed, float)
 LILY_KERNEL_INSTANTIATE("embed_half", embed, half)
 LILY_KERNEL_INSTANTIATE("embed_bfloat", embed, bfloat)
+LILY_KERNEL_INSTANTIATE("embed_uchar", embed, uchar)
 
 LILY_GEMM_INSTANTIATE("", false)

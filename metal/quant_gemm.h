@@ -55,4 +55,6 @@ kernel void gemm(constant GemmArgs& args [[buffer(0)]],
   LILY_KERNEL_INSTANTIATE("gemm" path "_bfloat_bm8", gemm, bfloat, 8, tensor) \
   LILY_KERNEL_INSTANTIATE("gemm" path "_float_bm32", gemm, float, 32, tensor) \
   LILY_KERNEL_INSTANTIATE("gemm" path "_half_bm32", gemm, half, 32, tensor)   \
-  LILY_KERNEL_INSTANTIATE("gemm" path "_bfloat_bm32", gemm, bfloat, 32, tensor)
+  LILY_KERNEL_INSTANTIATE("gemm" path "_bfloat_bm32", gemm, bfloat, 32, tensor) \
+  LILY_KERNEL_INSTANTIATE("gemm" path "_uchar_bm8", gemm, uchar, 8, tensor)     \
+  LILY_KERNEL_INSTANTIATE("gemm" path "_uchar_bm32", gemm, uchar, 32, tensor)

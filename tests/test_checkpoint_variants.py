@@ -336,10 +336,22 @@ def test_microscaled_checkpoint_matches_mlx_lm(microscaled, lily):
     np.testing.assert_array_equal(lily.Model.load(bare, cpu_matmul="f32").logits(cases.PROMPT), got)
 
 
-def test_gpu_backends_refuse_microscaled_modes_by_name(microscaled, lily):
+def test_microscaled_modes_run_in_the_metal_kernels(microscaled, lily):
+    """The Metal kernels (run by the MSL-on-CPU runtime) on mlx-lm's mxfp4 / mxfp8 / nvfp4 bytes:
+    the embedding gather, the GEMV and tiled GEMM projections, the expert gather-GEMVs and grouped
+    GEMMs (a prefill over gemm_min_rows, then decode steps), against the CPU backend and mlx-lm."""
     mode, d = microscaled
-    with pytest.raises(lily.ConfigError, match=f"mode '{mode}'.*backend='cpu'"):
-        lily.Model.load(d, backend="msl-cpu")
+    gpu = lily.Model.load(d, backend="msl-cpu", backend_options=dict(gemm_min_rows=4))
+    cpu = lily.Model.load(d, cpu_matmul="f32")
+    want = ref.mlx_logits(ref.mlx_load(d, upcast_fp32=True), cases.PROMPT)
+    n = cases.DECODE_SPLIT
+    s, c = gpu.session(), cpu.session()
+    got = [s.prefill(cases.PROMPT[:n], all_logits=True)] + [s.decode(t)[None] for t in cases.PROMPT[n:]]
+    ref_cpu = [c.prefill(cases.PROMPT[:n], all_logits=True)] + [c.decode(t)[None] for t in cases.PROMPT[n:]]
+    got, ref_cpu = np.concatenate(got), np.concatenate(ref_cpu)
+    assert rel_err(got, ref_cpu) <= cases.TOL_MLX
+    assert rel_err(got, want) <= cases.TOL_MLX
+    assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
 def test_unknown_quantization_mode_is_refused_by_name(store, lily):

@@ -1,9 +1,9 @@
 """`lily convert` against `mlx_lm.convert`, and `lily eval` against mlx-lm.
 
 Tiny random checkpoints of the real architectures come from scripts/make_checkpoint.py
-(transformers' own save_pretrained). mlx_lm.convert turns them into MLX 4/8-bit checkpoints; lily
-convert (NumPy only) must write the same tensors byte for byte, with the same names, shapes,
-dtypes and quantization config.
+(transformers' own save_pretrained). mlx_lm.convert turns them into MLX 4/8-bit checkpoints (affine,
+and the mxfp4 / mxfp8 / nvfp4 modes); lily convert (NumPy only) must write the same tensors byte for
+byte, with the same names, shapes, dtypes and quantization config.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import lily
-from lily.convert import quantize
+from lily.convert import quantize, quantize_microscaled
 
 ROOT = Path(__file__).resolve().parents[1]
 # Where the lily under test was imported from (site-packages in CI, src/ in a dev tree):
@@ -44,18 +44,18 @@ def _with_tokenizer(path: Path) -> Path:
     return path
 
 
-def _mlx_convert(src: Path, dst: Path, bits: int, group_size: int) -> Path:
+def _mlx_convert(src: Path, dst: Path, bits: int | None, group_size: int | None, mode: str = "affine") -> Path:
     from mlx_lm.convert import convert
 
-    convert(str(src), str(dst), quantize=True, q_bits=bits, q_group_size=group_size)
+    convert(str(src), str(dst), quantize=True, q_bits=bits, q_group_size=group_size, q_mode=mode)
     return dst
 
 
-def _lily_convert(src: Path, dst: Path, bits: int, group_size: int) -> Path:
+def _lily_convert(src: Path, dst: Path, bits: int | None, group_size: int | None, mode: str = "affine") -> Path:
     env = dict(os.environ, PYTHONPATH=LILY_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-m", "lily", "convert", str(src), "--out", str(dst), "--q-bits",
-                        str(bits), "--q-group-size", str(group_size)], capture_output=True, text=True, env=env,
-                       timeout=300)
+    quant = ["--q-bits", str(bits), "--q-group-size", str(group_size)] if mode == "affine" else ["--mode", mode]
+    p = subprocess.run([sys.executable, "-m", "lily", "convert", str(src), "--out", str(dst), *quant],
+                       capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr
     return dst
 
@@ -117,6 +117,34 @@ def test_convert_is_byte_identical_to_mlx_lm(checkpoints, name, bits, gs):
     assert any(".switch_mlp.gate_proj.scales" in k for k in tensors)
 
 
+@pytest.mark.parametrize("name,mode", [("moe_bf16_fused", "mxfp4"), ("moe_bf16_fused", "mxfp8"),
+                                       ("moe_bf16_fused", "nvfp4"), ("moe_f32_fused", "mxfp4"),
+                                       ("dense_bf16", "nvfp4"), ("next_bf16", "mxfp8")])
+def test_convert_modes_are_byte_identical_to_mlx_lm(checkpoints, name, mode):
+    # mlx_lm.convert(..., quantize=True, q_mode=mode) and `lily convert --mode` on the same input
+    root = checkpoints["root"]
+    ref = _mlx_convert(checkpoints[name], root / f"{name}-mlx-{mode}", None, None, mode)
+    ours = _lily_convert(checkpoints[name], root / f"{name}-lily-{mode}", None, None, mode)
+    tensors = _assert_identical(ours, ref)
+    config = json.loads((ours / "config.json").read_text())["quantization"]
+    assert config["mode"] == mode
+    scales = [k for k in tensors if k.endswith(".scales")]
+    assert scales and not any(k.endswith(".biases") and "mlp.gate" not in k and "shared_expert_gate" not in k
+                              for k in tensors)
+    assert any(tensors[k].dtype == mx.uint8 for k in scales)  # the mode's byte scales are really there
+    # and lily runs the result like mlx-lm's own (the same bytes): identical logits
+    ids = np.arange(1, 40, dtype=np.int32)
+    np.testing.assert_array_equal(lily.Model.load(ours, cpu_matmul="f32").logits(ids),
+                                  lily.Model.load(ref, cpu_matmul="f32").logits(ids))
+
+
+def test_convert_mode_refuses_bits_it_does_not_have(tmp_path, checkpoints):
+    with pytest.raises(lily.ConfigError, match="mxfp4.*4 bits in groups of 32"):
+        lily.convert.convert(checkpoints["dense_bf16"], tmp_path / "out", mode="mxfp4", bits=8)
+    with pytest.raises(lily.ConfigError, match="'fp3'"):
+        lily.convert.convert(checkpoints["dense_bf16"], tmp_path / "out2", mode="fp3")
+
+
 def test_per_expert_layout_converts_like_the_fused_one(checkpoints):
     # Same seed, same numbers: the per-expert HF layout (what transformers writes) must give
     # exactly mlx_lm's conversion of the fused layout (which mlx_lm needs for this family).
@@ -144,6 +172,24 @@ def test_quantize_matches_mx_quantize(bits, gs, dtype):
     np.testing.assert_array_equal(q, np.array(q_ref))
     np.testing.assert_array_equal(mx.array(s).astype(dtype).astype(mx.float32), s_ref.astype(mx.float32))
     np.testing.assert_array_equal(mx.array(b).astype(dtype).astype(mx.float32), b_ref.astype(mx.float32))
+
+
+@pytest.mark.parametrize("mode", ["mxfp4", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_quantize_microscaled_matches_mx_quantize(mode, dtype):
+    rng = np.random.default_rng(len(mode) * 7 + dtype.size)
+    w = rng.standard_normal((48, 256)).astype(np.float32) * (10.0 ** rng.integers(-4, 3, (48, 1))).astype(np.float32)
+    w[3, :32] = 0.0  # an all-zero group
+    w[5, :32] = 0.25  # a constant group
+    w[9, :32] = 6 * 2.0 ** rng.integers(-5, 5, 32)  # maxima on the e2m1 grid: log2 of an exact power of two
+    w[10, :32] = 448 * 2.0 ** rng.integers(-5, 5, 32)  # and on the e4m3 one
+    w[11, :32] = np.linspace(-7, 7, 32)  # halfway values between e2m1 codes (ties)
+    wm = mx.array(w).astype(dtype)
+    q_ref, s_ref = mx.quantize(wm, mode=mode)[:2]
+    name = {mx.float32: "F32", mx.bfloat16: "BF16", mx.float16: "F16"}[dtype]
+    q, s = quantize_microscaled(np.array(wm.astype(mx.float32)), mode, name)
+    np.testing.assert_array_equal(q, np.array(q_ref))
+    np.testing.assert_array_equal(s, np.array(s_ref))
 
 
 def test_convert_refuses_bad_input(tmp_path, checkpoints):

@@ -24,7 +24,7 @@ from fixtures import cases
 from fixtures.references import rel_err
 from msl_cpu_harness import kernel_args as A
 from msl_cpu_harness import kernels, msl_cpu, read, run
-from test_metal_kernels import MSL_TYPE, dense, qm, quantize
+from test_metal_kernels import MICROSCALED, MSL_TYPE, dense, qm, quantize, quantize_microscaled
 
 RNG = np.random.default_rng(6)
 
@@ -52,15 +52,27 @@ def test_gemm_affine(out, in_, bits, group, sdt, T, bm):
     check_gemm_affine(dev, "gemm", out, in_, bits, group, sdt, T, bm)
 
 
+@pytest.mark.parametrize("mode", list(MICROSCALED))
+@pytest.mark.parametrize("out,in_,T,bm", [(70, 256, 33, 32), (37, 192, 5, 8)])
+def test_gemm_microscaled(mode, out, in_, T, bm):
+    check_gemm_affine(msl_cpu.device(interleavings=2), "gemm", out, in_, *MICROSCALED[mode], mode, T, bm)
+
+
 def check_gemm_affine(dev, family, out, in_, bits, group, sdt, T, bm):
     """Kernel `<family>_<scale type>_bm<bm>` (of quant.metal; family gemm_tensor: of
-    quant_tensor.metal) on random affine weights against NumPy in float64."""
-    wq, s, b, deq = quantize(RNG.standard_normal((out, in_), dtype=np.float32), bits, group, sdt)
+    quant_tensor.metal) on random affine weights against NumPy in float64; sdt an MLX
+    microscaled mode: the `_uchar` kernel on that mode's weights."""
+    w = RNG.standard_normal((out, in_), dtype=np.float32)
+    if sdt in MICROSCALED:
+        wq, s, deq = quantize_microscaled(w, sdt)
+        b = np.zeros(4, np.float32)  # no biases: a dummy binding
+    else:
+        wq, s, b, deq = quantize(w, bits, group, sdt)
     ldx = in_ + 3  # rows of x strided, as the host passes views of wider activations
     x = RNG.standard_normal((T, ldx), dtype=np.float32)
     y = dev.buffer(np.full((T, out + 1), 7.0, np.float32))  # ldy = out + 1: the pad stays 7
     lib = kernels(dev, "quant_tensor.metal" if "tensor" in family else "quant.metal")
-    run(dev, [(lib.pipeline(f"{family}_{MSL_TYPE[sdt]}_bm{bm}"),
+    run(dev, [(lib.pipeline(f"{family}_{MSL_TYPE.get(sdt, 'uchar')}_bm{bm}"),
                (-(-out // A.GEMM_BN), (T + bm - 1) // bm), (A.GEMM_THREADS,),
                {"w": dev.buffer(wq), "scales": dev.buffer(s), "biases": dev.buffer(b), "x": dev.buffer(x), "y": y,
                 "args": A.GemmArgs(w=qm(in_, out, bits, group), rows=T, ldx=ldx, ldy=out + 1)})])

@@ -175,6 +175,12 @@ def test_gemm_tensor_affine(dev4, out, in_, bits, group, sdt, T, bm):
     check_gemm_affine(dev, "gemm_tensor", out, in_, bits, group, sdt, T, bm)
 
 
+@pytest.mark.parametrize("mode", ["mxfp4", "mxfp8", "nvfp4"])
+def test_gemm_tensor_microscaled(mode):
+    bits, group = {"mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16)}[mode]
+    check_gemm_affine(msl_cpu.device(metal4=True, interleavings=2), "gemm_tensor", 37, 192, bits, group, mode, 5, 8)
+
+
 def test_gemm_tensor_dense_odd_k():
     out, in_, T = 45, 100, 11  # K not a multiple of the K step: the tile's tail is zero-padded
     dev = msl_cpu.device(metal4=True, interleavings=2)

@@ -10,13 +10,15 @@
 
 namespace lily::gpu {
 
+namespace {
+// Whether W has a scales tensor (affine and microscaled); biases only affine ones have.
+bool has_scales(const Linear& W) { return W.quantized() || W.microscaled(); }
+}  // namespace
+
 QuantMatrix quant_matrix(const Linear& W, const char* what) {
   if (!W.present()) throw ConfigError(std::string("[gpu] ") + what + " is missing");
-  if (W.microscaled())
-    throw ConfigError(std::string("[gpu] ") + what + " is quantized in MLX mode '" + microscale_name(W.microscale) +
-                      "', which the GPU kernels do not read (affine 2/4/8-bit and dense only): load this checkpoint "
-                      "with backend='cpu'");
-  const uint32_t bits = W.quantized() ? uint32_t(W.bits) : 0;
+  const bool packed = has_scales(W);  // microscaled: (bits, group) name the mode
+  const uint32_t bits = packed ? uint32_t(W.bits) : 0;
   if (bits != 0 && bits != 2 && bits != 4 && bits != 8)
     throw ConfigError(std::string("[gpu] ") + what + " is " + std::to_string(bits) +
                       "-bit; the GPU kernels read 2, 4 and 8-bit affine weights and dense ones");
@@ -24,7 +26,7 @@ QuantMatrix quant_matrix(const Linear& W, const char* what) {
   m.in = uint32_t(W.in);
   m.out = uint32_t(W.out);
   m.bits = bits;
-  m.group = W.quantized() ? uint32_t(W.group) : 0;
+  m.group = packed ? uint32_t(W.group) : 0;
   if (bits && (m.group % (32 / bits) != 0 || W.in % W.group != 0))
     throw ConfigError(std::string("[gpu] ") + what + ": group size " + std::to_string(W.group) +
                       " does not suit the kernels");
@@ -86,7 +88,7 @@ LinearBuffers DeviceWeights::linear(const Linear& W, const char* what) const {
   LinearBuffers L;
   L.m = quant_matrix(W, what);
   L.w = find(W.w, what);
-  L.scales = W.quantized() ? find(W.scales, what) : BufferRange{dummy_, 0};
+  L.scales = has_scales(W) ? find(W.scales, what) : BufferRange{dummy_, 0};
   L.biases = W.quantized() ? find(W.biases, what) : BufferRange{dummy_, 0};
   L.dtype = W.dtype;
   L.nbytes = W.nbytes();
@@ -112,7 +114,7 @@ ExpertMatrix DeviceWeights::expert_matrix(const std::vector<const Linear*>& list
   mt.nbytes = L0.nbytes();
   mt.experts = int(list.size());
   BufferRange w0 = find(L0.w, what);
-  BufferRange s0 = L0.quantized() ? find(L0.scales, what) : w0;
+  BufferRange s0 = has_scales(L0) ? find(L0.scales, what) : w0;
   BufferRange b0 = L0.quantized() ? find(L0.biases, what) : w0;
   mt.w = {w0.buf, 0};
   mt.s = {s0.buf, 0};
@@ -120,10 +122,10 @@ ExpertMatrix DeviceWeights::expert_matrix(const std::vector<const Linear*>& list
   std::vector<uint64_t> t(list.size() * 3);  // per expert: weight, scales, biases offsets
   for (size_t e = 0; e < list.size(); ++e) {
     const Linear& L = *list[e];
-    if (L.format != L0.format || L.bits != L0.bits || L.group != L0.group || L.dtype != L0.dtype ||
-        L.in != L0.in || L.out != L0.out)
+    if (L.format != L0.format || L.microscale != L0.microscale || L.bits != L0.bits || L.group != L0.group ||
+        L.dtype != L0.dtype || L.in != L0.in || L.out != L0.out)
       throw ConfigError(std::string("[gpu] ") + what + ": experts differ in format or shape");
-    BufferRange rw = find(L.w, what), rs = L.quantized() ? find(L.scales, what) : rw,
+    BufferRange rw = find(L.w, what), rs = has_scales(L) ? find(L.scales, what) : rw,
                 rb = L.quantized() ? find(L.biases, what) : rw;
     if (rw.buf != w0.buf || rs.buf != s0.buf || rb.buf != b0.buf)
       throw ConfigError(std::string("[gpu] ") + what + ": experts of one layer span several files");

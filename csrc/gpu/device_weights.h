@@ -14,12 +14,12 @@
 
 namespace lily::gpu {
 
-// W's shape and format as the kernels read it; throws ConfigError naming `what` for a bit width
-// or group size the kernels do not take.
 // quant_matrix on every matrix of the model: a format the kernels do not read fails at load, naming
 // the tensor, not at its first dispatch.
 void check_matrices(const ModelWeights& weights);
 
+// W's shape and format as the kernels read it (dense, MLX affine 2/4/8-bit, mxfp4 / mxfp8 /
+// nvfp4); throws ConfigError naming `what` for a bit width or group size the kernels do not take.
 QuantMatrix quant_matrix(const Linear& W, const char* what);
 
 class DeviceWeights {

@@ -3,7 +3,8 @@
 // dequantized into the tiles (prefill chunks; simdgroup_matrix, or Metal 4 matmul2d).
 //
 // Shapes: x [T, ldx], y [T, ldy] (row views of wider activations), W [out, in] (MLX affine:
-// [out, in*bits/32] uint32 words + scales / biases [out, in/group]; dense: [out, in]).
+// [out, in*bits/32] uint32 words + scales / biases [out, in/group]; MLX mxfp4 / mxfp8 / nvfp4:
+// the same words + byte scales [out, in/group], run by the *_uchar kernels; dense: [out, in]).
 #include <string>
 
 #include "gpu/encode.h"
@@ -26,6 +27,7 @@ const char* scalar_name(DType t) {
     case DType::F32: return "float";
     case DType::F16: return "half";
     case DType::BF16: return "bfloat";
+    case DType::U8: return "uchar";  // a microscaled matrix's byte scales (metal/microscale.h)
     default: throw ConfigError("[gpu] weights of dtype " + std::string(dtype_name(t)) + " are not supported");
   }
 }

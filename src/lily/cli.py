@@ -463,7 +463,7 @@ def cmd_serve(args) -> int:
 def cmd_convert(args) -> int:
     from lily.convert import convert
 
-    convert(args.hf_path, args.out, bits=args.q_bits, group_size=args.q_group_size, dtype=args.dtype,
+    convert(args.hf_path, args.out, bits=args.q_bits, group_size=args.q_group_size, mode=args.mode, dtype=args.dtype,
             quantize_weights=not args.no_quantize, progress=not args.quiet)
     return 0
 
@@ -610,13 +610,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("convert", help="Hugging Face checkpoint -> MLX affine 4/8-bit", formatter_class=fmt,
+    p = sub.add_parser("convert", help="Hugging Face checkpoint -> MLX affine 4/8-bit, mxfp4, mxfp8, nvfp4",
+                       formatter_class=fmt,
                        description="Convert a Hugging Face bf16/fp32 checkpoint to the MLX format with "
-                                   "affine quantization, making the same per-tensor choices as mlx_lm.convert.")
+                                   "MLX quantization, making the same per-tensor choices as mlx_lm.convert.")
     p.add_argument("hf_path", help="Hugging Face checkpoint folder (or repo id)")
     p.add_argument("--out", "-o", required=True, help="output folder (must not exist)")
-    p.add_argument("--q-bits", "-b", type=int, default=4, choices=[2, 3, 4, 5, 6, 8], help="bits per weight")
-    p.add_argument("--q-group-size", "-g", type=int, default=64, choices=[32, 64, 128])
+    p.add_argument("--q-bits", "-b", type=int, default=None, choices=[2, 3, 4, 5, 6, 8],
+                   help="bits per weight (affine; default 4)")
+    p.add_argument("--q-group-size", "-g", type=int, default=None, choices=[32, 64, 128],
+                   help="elements per scale (affine; default 64)")
+    p.add_argument("--mode", default="affine", choices=["affine", "mxfp4", "mxfp8", "nvfp4"],
+                   help="MLX quantization mode (mlx_lm.convert --q-mode); mxfp4 / mxfp8 / nvfp4 fix bits and group")
     p.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
                    help="dtype of unquantized tensors and scales (default: the checkpoint's)")
     p.add_argument("--no-quantize", action="store_true", help="only re-lay out the tensors (no quantization)")

@@ -29,8 +29,8 @@ SUPPORTED_MODEL_TYPES = {
 }
 
 
-#: MLX quantization modes lily reads ("mode" in config.json "quantization"). The GPU backends run
-#: affine only; mxfp4 / mxfp8 / nvfp4 run on the CPU backend.
+#: MLX quantization modes lily reads ("mode" in config.json "quantization"); every backend runs
+#: them (the GPU kernels read mxfp4 / mxfp8 / nvfp4 through their *_uchar instantiations).
 QUANT_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
 
 

@@ -1,6 +1,7 @@
-"""`lily convert`: Hugging Face checkpoint -> MLX-format affine-quantized checkpoint.
+"""`lily convert`: Hugging Face checkpoint -> MLX-format quantized checkpoint (affine, or the
+mxfp4 / mxfp8 / nvfp4 modes).
 
-The output is what ``mlx_lm.convert -q`` writes for this family, tensor for tensor and byte for
+The output is what ``mlx_lm.convert -q [--q-mode MODE]`` writes for this family, tensor for tensor and byte for
 byte, produced with NumPy alone (no MLX needed, so it also runs where MLX does not):
 
 1. re-layout (mlx_lm's ``sanitize``): drop vision / MTP tensors (also where a re-saved derivative
@@ -15,6 +16,8 @@ byte, produced with NumPy alone (no MLX needed, so it also runs where MLX does n
 3. affine quantization of every Linear / Embedding / SwitchLinear weight whose input dim is a
    multiple of the group size; the MoE router ``mlp.gate`` and ``mlp.shared_expert_gate`` at
    8 bits, group 64 (mlx_lm's quant_predicate for MoE models), recorded per layer in config.
+   With ``mode`` mxfp4 / mxfp8 / nvfp4 the same weights take that mode instead (uint8 scales, no
+   biases; quantize_microscaled), the routers staying affine 8-bit as mlx_lm leaves them.
 
 The quantizer reproduces MLX's affine rule exactly, in float32 like MLX's CPU kernel: per group
 of ``group_size`` inputs, with n = 2^bits - 1,
@@ -246,6 +249,76 @@ def quantize(w: np.ndarray, bits: int, group_size: int) -> tuple[np.ndarray, np.
     return packed, scale.reshape(groups), bias.reshape(groups)
 
 
+# -- MLX microscaled quantization (mxfp4, mxfp8, nvfp4) ------------------------------------------
+
+#: mode -> (bits, group size): each MLX floating-point mode fixes both (mlx.core.quantize).
+MICROSCALED = {"mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16)}
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                 dtype=np.float32)
+
+
+def _round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values rounded to the grid of `dtype` (kept as float32): what an MLX op in that
+    dtype returns (it computes in float32 and rounds once)."""
+    if dtype == "BF16":
+        return bf16_to_f32(f32_to_bf16(x))
+    if dtype == "F16":
+        return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
+    return np.asarray(x, dtype=np.float32)
+
+
+def to_e4m3(x: np.ndarray) -> np.ndarray:
+    """float32 -> float8 e4m3fn bytes as MLX's to_fp8 converts: round to nearest even,
+    saturating at +-448 (so is NaN), subnormals by adding 2^14 in float32."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    sign = u & np.uint32(0x80000000)
+    u = u ^ sign
+    magic = np.uint32(141 << 23)  # 2^14: below 2^-6 the f32 sum rounds x to a multiple of 2^-9
+    low = ((u.view(np.float32) + magic.view(np.float32)).view(np.uint32) - magic).astype(np.uint8)
+    rebias = np.uint32(((7 - 127) << 23) + 0x7FFFF & 0xFFFFFFFF)  # exponent bias 127 -> 7, round half...
+    high = ((u + rebias + ((u >> np.uint32(20)) & np.uint32(1))) >> np.uint32(20)).astype(np.uint8)  # ...to even
+    out = np.where(u < np.uint32(121 << 23), low, high)
+    out = np.where(u >= np.uint32(543 << 21), np.uint8(0x7E), out)  # |x| >= 448: the largest finite
+    return out | (sign >> np.uint32(24)).astype(np.uint8)
+
+
+def quantize_microscaled(w: np.ndarray, mode: str, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """w [..., cols] (float32 holding values of `dtype`) -> (packed uint32 [..., cols*bits/32],
+    scales uint8 [..., cols/group]), as mlx.core.quantize(w, mode=mode) computes it on a `dtype` array:
+    per group, scale = max|w| / (6 for e2m1, 448 for e4m3) in `dtype`;
+      mx (e8m0 scales): e = ceil(log2(scale)) in float32 (0 for a zero group; rounding up, so
+        no element clips), w / 2^e in `dtype`, byte e + 127;
+      nvfp4 (e4m3 scales): byte = e4m3(scale), w / scale in `dtype`, then float32;
+    codes: e4m3 of the scaled value (mxfp8), or the nearest e2m1 value, ties to the first in
+    e2m1 code order (mxfp4, nvfp4; distances in `dtype` for mxfp4, float32 for nvfp4)."""
+    bits, gs = MICROSCALED[mode]
+    *lead, cols = w.shape
+    if cols % gs:
+        raise ValueError(f"[quantize] last dim {cols} is not a multiple of {mode}'s group size {gs}")
+
+    def rnd(x):
+        return _round_to(x, dtype)
+
+    g = np.ascontiguousarray(w, dtype=np.float32).reshape(-1, gs)  # [groups, gs]
+    scale = rnd(np.abs(g).max(axis=1, keepdims=True) / np.float32(6.0 if bits == 4 else 448.0))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if mode == "nvfp4":
+            sbytes = to_e4m3(scale)
+            scaled = rnd(g / rnd(_E4M3[sbytes]))
+            arith = np.asarray  # the e4m3 scale's encode factor (1.0, float32) promotes to float32
+        else:
+            e = np.where(scale == 0, np.float32(0), np.ceil(np.log2(scale))).astype(np.int32)
+            scaled = rnd(g / rnd(np.ldexp(np.float32(1.0), e)))
+            sbytes = (e + 127).astype(np.uint8)
+            arith = rnd
+        if bits == 8:
+            packed = to_e4m3(scaled).reshape(-1).view(np.uint32)
+        else:
+            codes = np.argmin(np.abs(arith(scaled[..., None] - _E2M1)), axis=-1).astype(np.uint32)
+            packed = (codes.reshape(-1, 8) << (4 * np.arange(8, dtype=np.uint32))).sum(axis=1, dtype=np.uint32)
+    return packed.reshape(*lead, cols * bits // 32), sbytes.reshape(*lead, cols // gs)
+
+
 # -- the conversion --------------------------------------------------------------------------
 
 
@@ -305,8 +378,9 @@ def _sanitize(model_type: str, tensors: dict[str, Array], text: dict) -> dict[st
     return out
 
 
-def _quant_rule(model_type: str, key: str, shape: tuple, text: dict, bits: int, group_size: int):
-    """(bits, group_size, per-layer config entry or None) for a quantized weight; None to keep it."""
+def _quant_rule(model_type: str, key: str, shape: tuple, text: dict, bits: int, group_size: int, mode: str):
+    """(bits, group_size, mode, per-layer config entry or None) for a quantized weight; None to
+    keep it. The MoE routers stay affine 8-bit in every mode (mlx_lm's predicate names no mode)."""
     if not key.endswith(".weight") or len(shape) < 2 or "conv1d" in key:
         return None
     if shape[-1] % group_size:
@@ -314,19 +388,32 @@ def _quant_rule(model_type: str, key: str, shape: tuple, text: dict, bits: int, 
     path = key[: -len(".weight")]
     moe = model_type == "qwen3_next" or int(text.get("num_experts") or 0) > 0
     if moe and (path.endswith("mlp.gate") or path.endswith("shared_expert_gate")):
-        return 8, 64, {"group_size": 64, "bits": 8}
-    return bits, group_size, None
+        return 8, 64, "affine", {"group_size": 64, "bits": 8}
+    return bits, group_size, mode, None
 
 
-def convert(src: str | Path, out: str | Path, *, bits: int = 4, group_size: int = 64, dtype: str | None = None,
-            quantize_weights: bool = True, progress: bool = True) -> Path:
-    """Converts the Hugging Face checkpoint ``src`` into an MLX checkpoint folder ``out``."""
+def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_size: int | None = None,
+            mode: str = "affine", dtype: str | None = None, quantize_weights: bool = True,
+            progress: bool = True) -> Path:
+    """Converts the Hugging Face checkpoint ``src`` into an MLX checkpoint folder ``out``.
+
+    ``mode`` is MLX's quantization mode: "affine" (``bits`` 2-8, ``group_size`` 32/64/128;
+    default 4 / 64) or "mxfp4" / "mxfp8" / "nvfp4", which fix both (leave them None)."""
     from lily.hub import resolve_model_path
 
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"[convert] {out} already exists; give a new folder")
-    if bits not in (2, 3, 4, 5, 6, 8) or group_size not in (32, 64, 128):
+    if mode in MICROSCALED:
+        want = MICROSCALED[mode]
+        if (bits or want[0], group_size or want[1]) != want:
+            raise ConfigError(f"[convert] mode {mode!r} quantizes to {want[0]} bits in groups of {want[1]}; "
+                              f"got bits={bits} / group_size={group_size} (leave them out)")
+        bits, group_size = want
+    elif mode != "affine":
+        raise ConfigError(f"[convert] unknown quantization mode {mode!r} (affine, {', '.join(MICROSCALED)})")
+    bits, group_size = bits or 4, group_size or 64
+    if mode == "affine" and (bits not in (2, 3, 4, 5, 6, 8) or group_size not in (32, 64, 128)):
         raise ConfigError(f"[convert] unsupported bits={bits} / group_size={group_size} "
                           "(bits 2, 3, 4, 5, 6, 8; group size 32, 64, 128)")
     src = Path(src) if Path(src).exists() else resolve_model_path(str(src))
@@ -352,7 +439,7 @@ def convert(src: str | Path, out: str | Path, *, bits: int = 4, group_size: int 
     target = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}.get(dtype)
     keep_dtype = (lambda k: k.endswith("A_log")) if model_type in ("qwen3_5_moe", "qwen3_5") else (lambda k: False)
 
-    qconfig: dict = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    qconfig: dict = {"group_size": group_size, "bits": bits, "mode": mode}
     result: dict[str, Array] = {}
     names = list(tensors)
     shards: list[dict[str, Array]] = [{}]
@@ -363,15 +450,19 @@ def convert(src: str | Path, out: str | Path, *, bits: int = 4, group_size: int 
         v = tensors.pop(k)
         if target and v.dtype in ("F32", "BF16", "F16") and v.dtype != target and not keep_dtype(k):
             v = Array.from_f32(v.f32(), target)
-        rule = _quant_rule(model_type, k, v.shape, text, bits, group_size) if quantize_weights else None
+        rule = _quant_rule(model_type, k, v.shape, text, bits, group_size, mode) if quantize_weights else None
         if rule is None:
             produced = {k: v}
         else:
-            b, gs, entry = rule
-            packed, s, bias = quantize(v.f32(), b, gs)
+            b, gs, m, entry = rule
             base = k[: -len(".weight")]
-            produced = {k: Array(packed, "U32"), base + ".scales": Array.from_f32(s, v.dtype),
-                        base + ".biases": Array.from_f32(bias, v.dtype)}
+            if m == "affine":
+                packed, s, bias = quantize(v.f32(), b, gs)
+                produced = {k: Array(packed, "U32"), base + ".scales": Array.from_f32(s, v.dtype),
+                            base + ".biases": Array.from_f32(bias, v.dtype)}
+            else:  # byte scales, no biases
+                packed, sbytes = quantize_microscaled(v.f32(), m, v.dtype)
+                produced = {k: Array(packed, "U32"), base + ".scales": Array(sbytes, "U8")}
             if entry is not None:
                 qconfig[base] = entry
         for name, arr in produced.items():
