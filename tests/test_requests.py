@@ -534,6 +534,58 @@ def test_n_choices_for_completions_and_structured_output(loop, app, model):
         jsonschema.validate(json.loads(c["message"]["content"]), PET)
 
 
+def test_python_n_choices_equal_solo_runs_from_one_prefill(model, monkeypatch):
+    """Model.generate(n=3): a list of results, choice i the solo run with seed + i (the server's
+    rule), greedy choices identical, and the prompt prefilled once (later choices only its last
+    token, counted as cached)."""
+    from lily.model import Session
+
+    messages = [{"role": "user", "content": "Tell me a story about a fox and a crow."}]
+    solo = [model.generate(messages, max_tokens=12, temperature=1.0, seed=5 + i, logprobs=2) for i in range(3)]
+    prefilled = []
+    real_prefill = Session.prefill
+    monkeypatch.setattr(Session, "prefill", lambda self, ids, all_logits=False: prefilled.append(len(ids))
+                        or real_prefill(self, ids, all_logits))
+    choices = model.generate(messages, n=3, max_tokens=12, temperature=1.0, seed=5, logprobs=2)
+    assert isinstance(choices, list) and len(choices) == 3
+    assert [c.tokens for c in choices] == [s.tokens for s in solo]
+    assert [c.content for c in choices] == [s.content for s in solo]
+    assert [c.logprobs for c in choices] == [s.logprobs for s in solo]
+    assert len({s.text for s in solo}) > 1  # the seeds do differ
+    prompt = solo[0].prompt_tokens
+    assert sum(prefilled) == prompt + 2
+    assert [c.cached_tokens for c in choices] == [0, prompt - 1, prompt - 1]
+    monkeypatch.undo()
+
+    greedy = model.generate("Once upon", n=2, max_tokens=6, temperature=0)
+    assert greedy[0].tokens == greedy[1].tokens == model.generate("Once upon", max_tokens=6, temperature=0).tokens
+    one = model.generate("Once upon", n=1, max_tokens=6, temperature=0)  # n given: a list, even of one
+    assert isinstance(one, list) and one[0].tokens == greedy[0].tokens
+
+
+def test_python_n_choices_with_a_prompt_cache_and_structured_output(model):
+    cache = model.session()
+    cache.prefill(model.encode_prompt("Once upon a time"))
+    prompt = model.encode_prompt("Once upon a time there was")
+    solo = [model.generate(prompt, max_tokens=8, temperature=1.0, seed=11 + i) for i in range(2)]
+    choices = model.generate(prompt, n=2, max_tokens=8, temperature=1.0, seed=11, prompt_cache=cache)
+    assert [c.tokens for c in choices] == [s.tokens for s in solo]
+    assert cache.position == len(model.encode_prompt("Once upon a time"))  # the cache is left as it was
+    pets = model.generate([{"role": "user", "content": "A pet"}], n=2, max_tokens=300, temperature=1.0, seed=3,
+                          json_schema=PET, enable_thinking=False)
+    for c in pets:  # each choice starts the grammar afresh
+        jsonschema.validate(json.loads(c.text), PET)
+
+
+@pytest.mark.parametrize("n,stream,message", [(0, False, "n must be at least 1"), (2.0, False, "n must be an integer"),
+                                              (True, False, "n must be an integer"),
+                                              (2, True, "n cannot be combined with stream=True")])
+def test_python_n_refusals(model, n, stream, message):
+    with pytest.raises(lily.RequestError, match=message):
+        model.generate("Hi", n=n, stream=stream, max_tokens=1)
+    assert model.generate("Hi", max_tokens=1).finish_reason == "length"  # the model is free again
+
+
 # -- hostile schemas ---------------------------------------------------------------------------------
 
 _KEYWORDS = ["type", "properties", "items", "enum", "const", "required", "additionalProperties", "anyOf", "oneOf",
