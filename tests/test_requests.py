@@ -17,6 +17,7 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 import pytest
+from openai.types import chat as chat_types
 from openai.types import completion_create_params as legacy_params
 from openai.types.chat import completion_create_params as chat_params
 from scipy import stats
@@ -24,7 +25,7 @@ from scipy import stats
 import lily
 from lily import _core
 from lily.generation import GenerationStats, token_loop
-from lily.server import REQUEST_FIELDS, Server, build_app
+from lily.server import MESSAGE_KEYS, REQUEST_FIELDS, Server, build_app
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fuzz"))
 from asgi import request  # noqa: E402
@@ -98,6 +99,81 @@ def test_unrecognized_nested_fields_are_400(loop, app):
         status, resp = _post(loop, app, CHAT, {"messages": HI, "max_tokens": 1, **extra})
         assert status == 400, resp
         assert resp["error"]["message"] == f"Unrecognized request argument supplied: {name}"
+
+
+MESSAGE_TYPES = {"system": chat_types.ChatCompletionSystemMessageParam,
+                 "developer": chat_types.ChatCompletionDeveloperMessageParam,
+                 "user": chat_types.ChatCompletionUserMessageParam,
+                 "assistant": chat_types.ChatCompletionAssistantMessageParam,
+                 "tool": chat_types.ChatCompletionToolMessageParam}
+
+
+@pytest.mark.parametrize("role", list(MESSAGE_TYPES))
+def test_message_keys_are_openais(role):
+    """Each role takes exactly the keys of OpenAI's message type (the official client's), the
+    assistant lily's reasoning_content too."""
+    extension = {"reasoning_content"} if role == "assistant" else set()
+    assert MESSAGE_KEYS[role] == set(MESSAGE_TYPES[role].__annotations__) | extension
+
+
+@pytest.mark.parametrize("messages,path", [
+    ([{"role": "user", "content": "Hi", "foo": 1}], "messages[0].foo"),
+    ([{"role": "system", "content": "Be brief"}, *HI, {"role": "assistant", "content": "Hello", "thinking": "x"}],
+     "messages[2].thinking"),
+    ([{"role": "tool", "content": "42", "tool_call_id": "c1", "name": "f"}], "messages[0].name"),
+    ([{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {}}]}], "messages[0].content[0].cache_control"),
+    ([*HI, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}, "index": 0}]}],
+     "messages[1].tool_calls[0].index"),
+    ([*HI, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}", "strict": True}}]}],
+     "messages[1].tool_calls[0].function.strict"),
+])
+def test_unrecognized_message_keys_are_400_by_path(loop, app, messages, path):
+    status, resp = _post(loop, app, CHAT, {"messages": messages, "max_tokens": 1})
+    assert status == 400, resp
+    assert resp["error"] == {"message": f"Unrecognized request argument supplied: {path}", "param": path,
+                             "type": "invalid_request_error", "code": "unrecognized_argument"}
+
+
+@pytest.mark.parametrize("message,path", [
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]},
+     "messages[1].content[0]"),
+    ({"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "input_audio", "input_audio": {
+        "data": "", "format": "wav"}}]}, "messages[1].content[1]"),
+    ({"role": "user", "content": [{"type": "file", "file": {"file_id": "f"}}]}, "messages[1].content[0]"),
+    ({"role": "assistant", "content": None, "audio": {"id": "audio_1"}}, "messages[1].audio"),
+    ({"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+     "messages[1].function_call"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "custom", "custom": {
+        "name": "f", "input": "x"}}]}, "messages[1].tool_calls[0].type"),
+])
+def test_openai_message_features_lily_lacks_are_refused_by_name(loop, app, message, path):
+    status, resp = _post(loop, app, CHAT, {"messages": [*HI, message], "max_tokens": 1})
+    assert status == 400, resp
+    assert resp["error"]["code"] == "unsupported_parameter" and resp["error"]["param"] == path
+    assert resp["error"]["message"].startswith(f"Unsupported parameter: '{path}' is not supported by lily (")
+
+
+def test_openai_message_keys_lily_takes(loop, app):
+    """Null audio / function_call, names, a text part's prompt_cache_breakpoint (a cache hint) are
+    accepted; an earlier refusal (field or part) is what the assistant said."""
+    said = [{"role": "user", "content": "Hi", "name": "ann"}, {"role": "assistant", "content": "No."},
+            {"role": "user", "content": "Why?"}]
+    status, want = _post(loop, app, CHAT, {"messages": said, "max_tokens": 1})
+    assert status == 200, want
+    for refused in ({"role": "assistant", "content": None, "refusal": "No.", "audio": None, "function_call": None,
+                     "name": "bot"},
+                    {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": "No."}], "refusal": None}):
+        messages = [{"role": "user", "content": [{"type": "text", "text": "Hi", "prompt_cache_breakpoint": {
+            "mode": "explicit"}}], "name": "ann"}, refused, said[2]]
+        status, resp = _post(loop, app, CHAT, {"messages": messages, "max_tokens": 1})
+        assert status == 200, resp
+        assert resp["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    status, resp = _post(loop, app, CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "refusal", "refusal": "x"}]}], "max_tokens": 1})  # a refusal part is the assistant's only
+    assert status == 400 and resp["error"]["param"] == "messages[0].content[0].type", resp
 
 
 UNSUPPORTED = [
