@@ -238,9 +238,68 @@ def test_strict_tool_calls_follow_their_schemas(loop, app, seed):
         jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_strict_tools_under_auto_are_constrained(loop, app, model, seed):
+    """tool_choice "auto" with strict tools: the answer is free text, or a call whose arguments
+    follow the schema (jsonschema). A logit bias towards <tool_call> makes the model call; the
+    grammar then writes arguments the schema allows, where the unconstrained model writes none."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ALARM)}
+    call_open = model.tokenizer.token_to_id("<tool_call>")
+    body = {"messages": [{"role": "user", "content": "Weather in Paris, and wake me at 7."}], "max_tokens": 300,
+            "temperature": 1.0, "seed": seed, "tools": [WEATHER, ALARM], "stop": "</tool_call>",
+            "logit_bias": {str(call_open): 100}}
+    status, resp = _post(loop, app, CHAT, body)
+    assert status == 200, resp
+    c = resp["choices"][0]
+    assert c["finish_reason"] == "tool_calls" and len(c["message"]["tool_calls"]) == 1, c
+    call = c["message"]["tool_calls"][0]["function"]
+    jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+    free = [{**t, "function": {k: v for k, v in t["function"].items() if k != "strict"}} for t in (WEATHER, ALARM)]
+    status, resp = _post(loop, app, CHAT, {**body, "tools": free})  # the same request, nothing enforced
+    assert status == 200, resp
+    assert not resp["choices"][0]["message"].get("tool_calls"), resp  # the demo model writes no valid call
+    # Without the bias: text (never an unconstrained call), or calls that follow their schemas.
+    del body["logit_bias"], body["stop"]
+    status, resp = _post(loop, app, CHAT, {**body, "max_tokens": 40})
+    assert status == 200, resp
+    message = resp["choices"][0]["message"]
+    assert "<tool_call>" not in (message["content"] or "")
+    for tc in message.get("tool_calls") or ():
+        jsonschema.validate(json.loads(tc["function"]["arguments"]), schemas[tc["function"]["name"]])
+
+
+def test_strict_tools_under_auto_grammar(model):
+    """The turn grammar under "auto", run by llguidance on token ids: free text (EOS allowed),
+    text then a call that follows the schema; a call with arguments the schema refuses, and text
+    writing the call's opening in pieces, are held to the call format."""
+    import llguidance
+
+    from lily.structured import _index, tool_call_grammar
+
+    tok = model.tokenizer
+    grammar = tool_call_grammar(tok, [WEATHER], strict=[True], tool_choice="auto")
+    call_open, call_close = tok.token_to_id("<tool_call>"), tok.token_to_id("</tool_call>")
+
+    def accepts(ids) -> bool:
+        matcher = llguidance.LLMatcher(_index(tok, model.eos_token_ids), grammar.text, log_level=0)
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+    args = "<parameter=city>\nParis\n</parameter>\n<parameter=unit>\nC\n</parameter>\n"
+    call = [call_open, *tok.encode("\n<function=get_weather>\n" + args + "<parameter=days>\n3\n</parameter>\n"
+                                   "<parameter=hours>\n[7, 8]\n</parameter>\n</function>\n"), call_close]
+    assert accepts(tok.encode("Paris is sunny."))
+    assert accepts([*tok.encode("Let me check.\n\n"), *call])
+    assert accepts(call) and not accepts(call[:-1])
+    bad = [call_open, *tok.encode("\n<function=get_weather>\n" + args + "<parameter=days>\n9\n</parameter>\n")]
+    assert not accepts(bad)  # days > 7
+    assert not accepts(tok.encode("x <tool_call>\nhello"))  # an opening written as text is still a call
+
+
 def test_strict_tools_refused_where_not_enforced(loop, app):
-    status, resp = _post(loop, app, CHAT, {"messages": HI, "max_tokens": 1, "tools": [WEATHER]})  # "auto"
-    assert status == 400 and resp["error"]["param"] == "tools[0].function.strict", resp
+    rf = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET}}
+    status, resp = _post(loop, app, CHAT, {"messages": HI, "max_tokens": 1, "tools": [WEATHER],
+                                           "response_format": rf})  # "auto": one grammar, the answer's or the calls'
+    assert status == 400 and resp["error"]["param"] == "response_format", resp
     bad = json.loads(json.dumps(WEATHER))
     bad["function"]["parameters"]["properties"]["hours"]["uniqueItems"] = True
     status, resp = _post(loop, app, CHAT, {"messages": HI, "max_tokens": 1, "tools": [bad], "tool_choice": "required"})

@@ -391,23 +391,17 @@ class Server:
             raise APIError(400, str(e), param=param, code="invalid_value") from None
 
     def _strict_tools(self, tools: list[dict] | None, tool_choice: str) -> Grammar | None:
-        """The grammar of a forced call (tool_choice "required" or a named function) when a tool
-        is ``strict``: its arguments follow its schema (lily.structured.tool_call_grammar), and
-        the grammar, not a prompt prefix, opens the call. A strict tool under "auto" is refused:
-        the model may answer in text or call, and lily constrains only forced calls."""
+        """The grammar of the assistant turn when a tool is ``strict``: every call's arguments
+        follow its tool's schema (lily.structured.tool_call_grammar). A forced call (tool_choice
+        "required" or a named function) is opened by the grammar, not a prompt prefix; under
+        "auto" the turn is free text that may end in calls, and text never opens a call."""
         strict = [bool(t["function"].get("strict")) for t in tools or ()]
         if not any(strict) or tool_choice == "none":
             return None
-        if tool_choice == "auto":
-            i = strict.index(True)
-            raise APIError(400, f"Unsupported parameter: 'tools[{i}].function.strict' is supported by lily only with "
-                                "'tool_choice' \"required\" or a named function (a forced call)",
-                           param=f"tools[{i}].function.strict", code="unsupported_parameter")
         if self.model.tokenizer is None:
             raise APIError(400, "strict tools need a tokenizer, and this model has none", param="tools")
         try:
-            # A named function: one call to it; "required": one call or more.
-            return tool_call_grammar(self.model.tokenizer, tools, strict=strict, single=tool_choice == "function")
+            return tool_call_grammar(self.model.tokenizer, tools, strict=strict, tool_choice=tool_choice)
         except LilyError as e:
             raise APIError(400, str(e), param="tools", code="invalid_value") from None
 
@@ -581,6 +575,9 @@ class Server:
             raise APIError(400, "'response_format' cannot be combined with a forced tool call ('tool_choice')",
                            param="response_format")
         call_grammar = self._strict_tools(tools, tool_choice)
+        if grammar is not None and call_grammar is not None:  # one grammar per turn: the answer's or the calls'
+            raise APIError(400, "'response_format' cannot be combined with strict tools ('tools[].function.strict') "
+                                "under 'tool_choice' auto", param="response_format")
         if self.model.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send token ids to /v1/completions", param="messages")
 
