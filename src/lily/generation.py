@@ -1,8 +1,9 @@
 """The token loop: prefill, sample, decode, detokenize, stop.
 
 One generator, ``token_loop``, serves every caller (``Model.generate``, ``Chat.send``, the
-server): it yields a :class:`GenerationChunk` per sampled token and a last chunk carrying the
-finish reason. Non-streaming calls drain it into a :class:`GenerationResult`.
+server), each through ``choice_loops`` (one prompt prefilled once, n choices from it): it yields
+a :class:`GenerationChunk` per sampled token and a last chunk carrying the finish reason.
+Non-streaming calls drain it into a :class:`GenerationResult`.
 
 The engine call for each step releases the GIL; between steps the loop is plain Python, so
 Ctrl-C raises KeyboardInterrupt within one decode step (or one prefill chunk) and breaking
