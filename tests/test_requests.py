@@ -155,6 +155,19 @@ def test_openai_message_features_lily_lacks_are_refused_by_name(loop, app, messa
     assert resp["error"]["message"].startswith(f"Unsupported parameter: '{path}' is not supported by lily (")
 
 
+@pytest.mark.parametrize("message,param", [
+    ({"role": {"a": 1}, "content": "be brief"}, "messages[0].role"),
+    ({"role": ["user"], "content": "be brief"}, "messages[0].role"),
+    ({"role": "user", "content": [{"type": {"a": 1}, "text": "hi"}]}, "messages[0].content[0].type"),
+    ({"role": "user", "content": [{"type": ["text"], "text": "hi"}]}, "messages[0].content[0].type"),
+])
+def test_unhashable_role_or_part_type_is_400(loop, app, message, param):
+    """Found by the server fuzz target (seed regress_message_role_object): an object as a role
+    was looked up in the table of message keys, a TypeError and a 500."""
+    status, resp = _post(loop, app, CHAT, {"messages": [message], "max_tokens": 1})
+    assert status == 400 and resp["error"]["param"] == param, resp
+
+
 def test_openai_message_keys_lily_takes(loop, app):
     """Null audio / function_call, names, a text part's prompt_cache_breakpoint (a cache hint) are
     accepted; an earlier refusal (field or part) is what the assistant said."""

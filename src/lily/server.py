@@ -684,7 +684,7 @@ class Server:
             if not isinstance(m, dict):
                 raise APIError(400, f"'{where}' must be an object", param=where, code="invalid_type")
             role = m.get("role")
-            if role not in MESSAGE_KEYS:
+            if not isinstance(role, str) or role not in MESSAGE_KEYS:
                 raise APIError(400, f"'{where}.role' must be one of system, developer, user, assistant, tool; "
                                     f"got {json.dumps(role)[:40]}", param=f"{where}.role", code="invalid_value")
             _check_keys(m, MESSAGE_KEYS[role], where)
@@ -721,6 +721,7 @@ class Server:
         for j, part in enumerate(content):
             at = f"{where}.content[{j}]"
             kind = part.get("type") if isinstance(part, dict) else None
+            kind = kind if isinstance(kind, str) else None  # (a list or an object is no part type)
             if kind in OTHER_MEDIA_PARTS:
                 _unsupported(at, f"a content part of type {kind!r}: lily reads text only")
             # The key holding the part's text: text parts (and the Responses API's input_text) for
