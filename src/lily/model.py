@@ -524,7 +524,9 @@ class Model:
                                    f"{prompt_cache.max_context}")
             session = prompt_cache.fork()
             max_tokens = min(max_tokens, session.max_context - int(ids.size))
-        seq = CachedSequence.from_session(session)
+        # The sequence the choices run on; its only snapshot is the one n > 1 takes before the
+        # prompt's last token (choice_loops).
+        seq = CachedSequence.from_session(session, snapshot=False)
         want_lp = bool(logprobs)
         reasoning_started = rendered is not None and opens_reasoning(rendered)
         self._generation.acquire()
