@@ -10,6 +10,8 @@ of the tokens that keep the output valid; lily's sampler takes that bitmask
   this is the first-time cost),
 - mask: computing the bitmask for one step (every generated token), walked along the tokens of
   a valid document, consuming each token after its mask;
+- the same along a strict tool's turn under tool_choice "auto" (lily.structured.tool_call_grammar:
+  free text, then a call following the tool's schema), llguidance only;
 - then lily's own loop on the demo model: milliseconds per decoded token with and without a
   schema (everything structured output adds per token).
 
@@ -103,6 +105,45 @@ def run_xgrammar(tok, text: str, eos: int):
     return setup, compile_s, times
 
 
+def tool_turn(repeat: int) -> None:
+    """Mask time along a strict tool's turn under tool_choice "auto": text, then a call."""
+    import llguidance
+    from make_tokenizer import ensure_tokenizer
+
+    from lily.model import demo_model_path
+    from lily.structured import _index, tool_call_grammar
+    from lily.tokenizer import Tokenizer
+
+    tool = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "maximum": 7}},
+        "required": ["city", "days"]}}}
+    text = "The weather in Paris is mild in spring, around fifteen degrees with showers. Let me check.\n\n"
+    body = "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n" \
+           "</function>\n"
+    print("\n| tokenizer | strict tool, tool_choice auto | mask per token: median | mean | max | tokens |")
+    print("|---|---|---|---|---|---|")
+    for tname, path in {"demo (4K)": demo_model_path(), "Qwen3.5/3.6 (248K)": Path(ensure_tokenizer())}.items():
+        tok = Tokenizer.from_dir(path)
+        index = _index(tok, tok.eos_token_ids)
+        grammar = tool_call_grammar(tok, [tool], strict=[True], tool_choice="auto")
+        ids = [*tok.encode(text), tok.token_to_id("<tool_call>"), *tok.encode(body), tok.token_to_id("</tool_call>")]
+        bits = np.zeros((tok.vocab_size + 31) // 32, np.uint32)
+        runs = []
+        for _ in range(repeat):
+            matcher = llguidance.LLMatcher(index, grammar.text, log_level=0)
+            times = []
+            for t in ids:
+                t0 = time.perf_counter()
+                matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+                times.append(time.perf_counter() - t0)
+                assert bits[t // 32] >> (t % 32) & 1, f"the grammar masked token {t} of the valid turn"
+                assert matcher.consume_token(t), matcher.get_error()
+            runs.append(times)
+        per_step = np.min(np.array(runs), axis=0)
+        print(f"| {tname} | text then a call | {statistics.median(per_step) * 1e6:.0f} us | "
+              f"{per_step.mean() * 1e6:.0f} us | {per_step.max() * 1e6:.0f} us | {len(per_step)} |")
+
+
 def lily_per_token(repeat: int) -> None:
     """Time per generated token in lily's loop on the demo model (CPU backend), with and without
     a JSON Schema: the whole cost of structured output (mask, bitmask copy, masked sampling).
@@ -135,6 +176,7 @@ def main() -> None:
     args = ap.parse_args()
     if not args.skip_libraries:
         compare_libraries(args.repeat)
+        tool_turn(args.repeat)
     lily_per_token(args.repeat)
 
 

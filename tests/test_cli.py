@@ -140,6 +140,13 @@ def test_prompt_flag_as_in_mlx_lm(model):
     (("generate", "x", "--system", "Be brief."), "--chat"),
     (("generate", "x", "--think"), "--chat"),
     (("generate", "x", "-p", "y"), "once"),
+    (("generate", "x", "--chat-template-kwargs", '{"preserve_thinking": true}'), "--chat"),
+    (("generate", "x", "--chat", "--chat-template-kwargs", "{preserve_thinking: true}"),
+     "argument --chat-template-kwargs: not valid JSON"),
+    (("chat", "--chat-template-kwargs", '["preserve_thinking"]'),
+     "argument --chat-template-kwargs: must be a JSON object"),
+    (("generate", "x", "--chat", "--no-think", "-n", "1", "--chat-template-kwargs", '{"enable_thinking": true}'),
+     "enable_thinking=False disagrees with chat_template_kwargs['enable_thinking']=True"),
     (("bench", "-p", "16,abc"), "prompt-lengths"),
 ])
 def test_user_errors_exit_2_with_one_line(args, what):
@@ -215,6 +222,22 @@ def test_thinking_is_printed_apart_from_the_answer(model):
     assert p.stdout.strip() == ref.content.strip()
     # The same in a chat, switched on with /think on.
     p = run_lily("chat", "-n", "16", "-t", "0", stdin="/think on\nWhat is a list?\n")
+    assert p.returncode == 0, p.stderr
+    assert "thinking: " + ref.reasoning in p.stderr and ref.reasoning not in p.stdout
+
+
+def test_chat_template_kwargs_reach_the_template(model):
+    """--chat-template-kwargs in generate and chat: the keys are template variables, as the Python
+    API's chat_template_kwargs (here enable_thinking given as a key, not with --think)."""
+    messages = [{"role": "user", "content": "What is a list?"}]
+    ref = model.generate(messages, chat_template_kwargs={"enable_thinking": True}, max_tokens=16, temperature=0)
+    assert ref.reasoning and ref.prompt_tokens != model.generate(messages, max_tokens=1).prompt_tokens
+    kwargs = ("--chat-template-kwargs", '{"enable_thinking": true}')
+    p = run_lily("generate", "--chat", *kwargs, "-n", "16", "-t", "0", "-v", stdin="What is a list?")
+    assert p.returncode == 0, p.stderr
+    assert "thinking: " + ref.reasoning in p.stderr and f"[{ref.prompt_tokens} prompt tokens" in p.stderr
+    assert p.stdout.strip() == ref.content.strip()
+    p = run_lily("chat", *kwargs, "-n", "16", "-t", "0", stdin="What is a list?\n")
     assert p.returncode == 0, p.stderr
     assert "thinking: " + ref.reasoning in p.stderr and ref.reasoning not in p.stdout
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 import pytest
+from openai.types import chat as chat_types
 from openai.types import completion_create_params as legacy_params
 from openai.types.chat import completion_create_params as chat_params
 from scipy import stats
@@ -24,7 +25,7 @@ from scipy import stats
 import lily
 from lily import _core
 from lily.generation import GenerationStats, token_loop
-from lily.server import REQUEST_FIELDS, Server, build_app
+from lily.server import MESSAGE_KEYS, REQUEST_FIELDS, Server, build_app
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fuzz"))
 from asgi import request  # noqa: E402
@@ -100,6 +101,94 @@ def test_unrecognized_nested_fields_are_400(loop, app):
         assert resp["error"]["message"] == f"Unrecognized request argument supplied: {name}"
 
 
+MESSAGE_TYPES = {"system": chat_types.ChatCompletionSystemMessageParam,
+                 "developer": chat_types.ChatCompletionDeveloperMessageParam,
+                 "user": chat_types.ChatCompletionUserMessageParam,
+                 "assistant": chat_types.ChatCompletionAssistantMessageParam,
+                 "tool": chat_types.ChatCompletionToolMessageParam}
+
+
+@pytest.mark.parametrize("role", list(MESSAGE_TYPES))
+def test_message_keys_are_openais(role):
+    """Each role takes exactly the keys of OpenAI's message type (the official client's), the
+    assistant lily's reasoning_content too."""
+    extension = {"reasoning_content"} if role == "assistant" else set()
+    assert MESSAGE_KEYS[role] == set(MESSAGE_TYPES[role].__annotations__) | extension
+
+
+@pytest.mark.parametrize("messages,path", [
+    ([{"role": "user", "content": "Hi", "foo": 1}], "messages[0].foo"),
+    ([{"role": "system", "content": "Be brief"}, *HI, {"role": "assistant", "content": "Hello", "thinking": "x"}],
+     "messages[2].thinking"),
+    ([{"role": "tool", "content": "42", "tool_call_id": "c1", "name": "f"}], "messages[0].name"),
+    ([{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {}}]}], "messages[0].content[0].cache_control"),
+    ([*HI, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}, "index": 0}]}],
+     "messages[1].tool_calls[0].index"),
+    ([*HI, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}", "strict": True}}]}],
+     "messages[1].tool_calls[0].function.strict"),
+])
+def test_unrecognized_message_keys_are_400_by_path(loop, app, messages, path):
+    status, resp = _post(loop, app, CHAT, {"messages": messages, "max_tokens": 1})
+    assert status == 400, resp
+    assert resp["error"] == {"message": f"Unrecognized request argument supplied: {path}", "param": path,
+                             "type": "invalid_request_error", "code": "unrecognized_argument"}
+
+
+@pytest.mark.parametrize("message,path", [
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]},
+     "messages[1].content[0]"),
+    ({"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "input_audio", "input_audio": {
+        "data": "", "format": "wav"}}]}, "messages[1].content[1]"),
+    ({"role": "user", "content": [{"type": "file", "file": {"file_id": "f"}}]}, "messages[1].content[0]"),
+    ({"role": "assistant", "content": None, "audio": {"id": "audio_1"}}, "messages[1].audio"),
+    ({"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+     "messages[1].function_call"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "custom", "custom": {
+        "name": "f", "input": "x"}}]}, "messages[1].tool_calls[0].type"),
+])
+def test_openai_message_features_lily_lacks_are_refused_by_name(loop, app, message, path):
+    status, resp = _post(loop, app, CHAT, {"messages": [*HI, message], "max_tokens": 1})
+    assert status == 400, resp
+    assert resp["error"]["code"] == "unsupported_parameter" and resp["error"]["param"] == path
+    assert resp["error"]["message"].startswith(f"Unsupported parameter: '{path}' is not supported by lily (")
+
+
+@pytest.mark.parametrize("message,param", [
+    ({"role": {"a": 1}, "content": "be brief"}, "messages[0].role"),
+    ({"role": ["user"], "content": "be brief"}, "messages[0].role"),
+    ({"role": "user", "content": [{"type": {"a": 1}, "text": "hi"}]}, "messages[0].content[0].type"),
+    ({"role": "user", "content": [{"type": ["text"], "text": "hi"}]}, "messages[0].content[0].type"),
+])
+def test_unhashable_role_or_part_type_is_400(loop, app, message, param):
+    """Found by the server fuzz target (seed regress_message_role_object): an object as a role
+    was looked up in the table of message keys, a TypeError and a 500."""
+    status, resp = _post(loop, app, CHAT, {"messages": [message], "max_tokens": 1})
+    assert status == 400 and resp["error"]["param"] == param, resp
+
+
+def test_openai_message_keys_lily_takes(loop, app):
+    """Null audio / function_call, names, a text part's prompt_cache_breakpoint (a cache hint) are
+    accepted; an earlier refusal (field or part) is what the assistant said."""
+    said = [{"role": "user", "content": "Hi", "name": "ann"}, {"role": "assistant", "content": "No."},
+            {"role": "user", "content": "Why?"}]
+    status, want = _post(loop, app, CHAT, {"messages": said, "max_tokens": 1})
+    assert status == 200, want
+    for refused in ({"role": "assistant", "content": None, "refusal": "No.", "audio": None, "function_call": None,
+                     "name": "bot"},
+                    {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": "No."}], "refusal": None}):
+        messages = [{"role": "user", "content": [{"type": "text", "text": "Hi", "prompt_cache_breakpoint": {
+            "mode": "explicit"}}], "name": "ann"}, refused, said[2]]
+        status, resp = _post(loop, app, CHAT, {"messages": messages, "max_tokens": 1})
+        assert status == 200, resp
+        assert resp["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    status, resp = _post(loop, app, CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "refusal", "refusal": "x"}]}], "max_tokens": 1})  # a refusal part is the assistant's only
+    assert status == 400 and resp["error"]["param"] == "messages[0].content[0].type", resp
+
+
 UNSUPPORTED = [
     (CHAT, "audio", {"voice": "alloy", "format": "wav"}),
     (CHAT, "modalities", ["text", "audio"]),
@@ -162,9 +251,68 @@ def test_strict_tool_calls_follow_their_schemas(loop, app, seed):
         jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_strict_tools_under_auto_are_constrained(loop, app, model, seed):
+    """tool_choice "auto" with strict tools: the answer is free text, or a call whose arguments
+    follow the schema (jsonschema). A logit bias towards <tool_call> makes the model call; the
+    grammar then writes arguments the schema allows, where the unconstrained model writes none."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ALARM)}
+    call_open = model.tokenizer.token_to_id("<tool_call>")
+    body = {"messages": [{"role": "user", "content": "Weather in Paris, and wake me at 7."}], "max_tokens": 300,
+            "temperature": 1.0, "seed": seed, "tools": [WEATHER, ALARM], "stop": "</tool_call>",
+            "logit_bias": {str(call_open): 100}}
+    status, resp = _post(loop, app, CHAT, body)
+    assert status == 200, resp
+    c = resp["choices"][0]
+    assert c["finish_reason"] == "tool_calls" and len(c["message"]["tool_calls"]) == 1, c
+    call = c["message"]["tool_calls"][0]["function"]
+    jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+    free = [{**t, "function": {k: v for k, v in t["function"].items() if k != "strict"}} for t in (WEATHER, ALARM)]
+    status, resp = _post(loop, app, CHAT, {**body, "tools": free})  # the same request, nothing enforced
+    assert status == 200, resp
+    assert not resp["choices"][0]["message"].get("tool_calls"), resp  # the demo model writes no valid call
+    # Without the bias: text (never an unconstrained call), or calls that follow their schemas.
+    del body["logit_bias"], body["stop"]
+    status, resp = _post(loop, app, CHAT, {**body, "max_tokens": 40})
+    assert status == 200, resp
+    message = resp["choices"][0]["message"]
+    assert "<tool_call>" not in (message["content"] or "")
+    for tc in message.get("tool_calls") or ():
+        jsonschema.validate(json.loads(tc["function"]["arguments"]), schemas[tc["function"]["name"]])
+
+
+def test_strict_tools_under_auto_grammar(model):
+    """The turn grammar under "auto", run by llguidance on token ids: free text (EOS allowed),
+    text then a call that follows the schema; a call with arguments the schema refuses, and text
+    writing the call's opening in pieces, are held to the call format."""
+    import llguidance
+
+    from lily.structured import _index, tool_call_grammar
+
+    tok = model.tokenizer
+    grammar = tool_call_grammar(tok, [WEATHER], strict=[True], tool_choice="auto")
+    call_open, call_close = tok.token_to_id("<tool_call>"), tok.token_to_id("</tool_call>")
+
+    def accepts(ids) -> bool:
+        matcher = llguidance.LLMatcher(_index(tok, model.eos_token_ids), grammar.text, log_level=0)
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+    args = "<parameter=city>\nParis\n</parameter>\n<parameter=unit>\nC\n</parameter>\n"
+    call = [call_open, *tok.encode("\n<function=get_weather>\n" + args + "<parameter=days>\n3\n</parameter>\n"
+                                   "<parameter=hours>\n[7, 8]\n</parameter>\n</function>\n"), call_close]
+    assert accepts(tok.encode("Paris is sunny."))
+    assert accepts([*tok.encode("Let me check.\n\n"), *call])
+    assert accepts(call) and not accepts(call[:-1])
+    bad = [call_open, *tok.encode("\n<function=get_weather>\n" + args + "<parameter=days>\n9\n</parameter>\n")]
+    assert not accepts(bad)  # days > 7
+    assert not accepts(tok.encode("x <tool_call>\nhello"))  # an opening written as text is still a call
+
+
 def test_strict_tools_refused_where_not_enforced(loop, app):
-    status, resp = _post(loop, app, CHAT, {"messages": HI, "max_tokens": 1, "tools": [WEATHER]})  # "auto"
-    assert status == 400 and resp["error"]["param"] == "tools[0].function.strict", resp
+    rf = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET}}
+    status, resp = _post(loop, app, CHAT, {"messages": HI, "max_tokens": 1, "tools": [WEATHER],
+                                           "response_format": rf})  # "auto": one grammar, the answer's or the calls'
+    assert status == 400 and resp["error"]["param"] == "response_format", resp
     bad = json.loads(json.dumps(WEATHER))
     bad["function"]["parameters"]["properties"]["hours"]["uniqueItems"] = True
     status, resp = _post(loop, app, CHAT, {"messages": HI, "max_tokens": 1, "tools": [bad], "tool_choice": "required"})
@@ -532,6 +680,58 @@ def test_n_choices_for_completions_and_structured_output(loop, app, model):
     assert status == 200, resp
     for c in resp["choices"]:  # each choice starts the grammar afresh
         jsonschema.validate(json.loads(c["message"]["content"]), PET)
+
+
+def test_python_n_choices_equal_solo_runs_from_one_prefill(model, monkeypatch):
+    """Model.generate(n=3): a list of results, choice i the solo run with seed + i (the server's
+    rule), greedy choices identical, and the prompt prefilled once (later choices only its last
+    token, counted as cached)."""
+    from lily.model import Session
+
+    messages = [{"role": "user", "content": "Tell me a story about a fox and a crow."}]
+    solo = [model.generate(messages, max_tokens=12, temperature=1.0, seed=5 + i, logprobs=2) for i in range(3)]
+    prefilled = []
+    real_prefill = Session.prefill
+    monkeypatch.setattr(Session, "prefill", lambda self, ids, all_logits=False: prefilled.append(len(ids))
+                        or real_prefill(self, ids, all_logits))
+    choices = model.generate(messages, n=3, max_tokens=12, temperature=1.0, seed=5, logprobs=2)
+    assert isinstance(choices, list) and len(choices) == 3
+    assert [c.tokens for c in choices] == [s.tokens for s in solo]
+    assert [c.content for c in choices] == [s.content for s in solo]
+    assert [c.logprobs for c in choices] == [s.logprobs for s in solo]
+    assert len({s.text for s in solo}) > 1  # the seeds do differ
+    prompt = solo[0].prompt_tokens
+    assert sum(prefilled) == prompt + 2
+    assert [c.cached_tokens for c in choices] == [0, prompt - 1, prompt - 1]
+    monkeypatch.undo()
+
+    greedy = model.generate("Once upon", n=2, max_tokens=6, temperature=0)
+    assert greedy[0].tokens == greedy[1].tokens == model.generate("Once upon", max_tokens=6, temperature=0).tokens
+    one = model.generate("Once upon", n=1, max_tokens=6, temperature=0)  # n given: a list, even of one
+    assert isinstance(one, list) and one[0].tokens == greedy[0].tokens
+
+
+def test_python_n_choices_with_a_prompt_cache_and_structured_output(model):
+    cache = model.session()
+    cache.prefill(model.encode_prompt("Once upon a time"))
+    prompt = model.encode_prompt("Once upon a time there was")
+    solo = [model.generate(prompt, max_tokens=8, temperature=1.0, seed=11 + i) for i in range(2)]
+    choices = model.generate(prompt, n=2, max_tokens=8, temperature=1.0, seed=11, prompt_cache=cache)
+    assert [c.tokens for c in choices] == [s.tokens for s in solo]
+    assert cache.position == len(model.encode_prompt("Once upon a time"))  # the cache is left as it was
+    pets = model.generate([{"role": "user", "content": "A pet"}], n=2, max_tokens=300, temperature=1.0, seed=3,
+                          json_schema=PET, enable_thinking=False)
+    for c in pets:  # each choice starts the grammar afresh
+        jsonschema.validate(json.loads(c.text), PET)
+
+
+@pytest.mark.parametrize("n,stream,message", [(0, False, "n must be at least 1"), (2.0, False, "n must be an integer"),
+                                              (True, False, "n must be an integer"),
+                                              (2, True, "n cannot be combined with stream=True")])
+def test_python_n_refusals(model, n, stream, message):
+    with pytest.raises(lily.RequestError, match=message):
+        model.generate("Hi", n=n, stream=stream, max_tokens=1)
+    assert model.generate("Hi", max_tokens=1).finish_reason == "length"  # the model is free again
 
 
 # -- hostile schemas ---------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """lily is a typed package: mypy --strict passes on examples/ and on calls whose result type
-depends on ``stream=`` (the overloads), using lily's own annotations (py.typed) and the
+depends on ``stream=`` and ``n=`` (the overloads), using lily's own annotations (py.typed) and the
 native module's stub, which must import nothing a type checker cannot resolve.
 
 Reference: mypy itself (the `test` extra), run on the lily under test.
@@ -25,6 +25,7 @@ import lily
 model = lily.Model.load()
 result: lily.GenerationResult = model.generate("x", max_tokens=1)
 stream: lily.GenerationStream = model.generate("x", max_tokens=1, stream=True)
+choices: list[lily.GenerationResult] = model.generate("x", max_tokens=1, n=2)
 chat = model.chat()
 turn: lily.GenerationResult = chat.send("hi")
 chunks: lily.GenerationStream = chat.send("hi", stream=True)

@@ -27,11 +27,10 @@ import numpy as np
 from lily._core import RequestError
 from lily.generation import (
     GenerationResult,
-    GenerationStats,
     GenerationStream,
     check_stop,
+    choice_loops,
     sampling_params,
-    token_loop,
 )
 from lily.prefix_cache import CachedSequence
 from lily.tool_calls import ParsedOutput, opens_reasoning
@@ -190,15 +189,13 @@ class Chat:
         except BaseException:
             model._generation.release()
             raise
-        new = np.asarray(ids[reused:], dtype=np.int32)
-        stats = GenerationStats(prompt_tokens=len(ids), cached_tokens=reused)
         want_lp = bool(logprobs)
-
-        chunks = token_loop(seq.prefill, seq.decode, new, chunk=model._engine.prefill_chunk, params=params,
-                            max_tokens=max_tokens, eos_ids=eos_ids, logit_bias=bias, constraint=constraint,
-                            detokenizer=model.tokenizer.detokenizer(skip_special_tokens=True), stop=stop,
-                            want_logprobs=want_lp, history=seq.tokens[:reused], stats=stats,
-                            on_prefilled=seq.take_snapshot)
+        # One choice, through the generation flow generate() and the server share.
+        stats, chunks = next(choice_loops(
+            seq, np.asarray(ids, dtype=np.int32), reused, 1, prefill=seq.prefill, decode=seq.decode, params=params,
+            detokenizer=lambda: model.tokenizer.detokenizer(skip_special_tokens=True), constraint=constraint,
+            chunk=model._engine.prefill_chunk, max_tokens=max_tokens, eos_ids=eos_ids, logit_bias=bias, stop=stop,
+            want_logprobs=want_lp, on_prefilled=seq.take_snapshot))
 
         def finish(result: GenerationResult) -> None:
             if result.finish_reason == "cancelled":

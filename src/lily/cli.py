@@ -9,6 +9,7 @@ bad checkpoints) print one line `lily: error: ...` and exit with status 2; Ctrl-
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -45,6 +46,18 @@ def c_unescape(text: str) -> str:
     except (UnicodeDecodeError, DeprecationWarning, SyntaxWarning) as e:
         reason = str(e).split(": ", 1)[-1].removeprefix("decoding with 'unicode_escape' codec failed (")
         raise argparse.ArgumentTypeError(f"bad escape in {text!r}: {reason.rstrip(')')}") from None
+
+
+def json_object(text: str) -> dict:
+    """A JSON object given on the command line (``--chat-template-kwargs '{"preserve_thinking": true}'``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object {{\"name\": value, ...}}, got "
+                                         f"{type(value).__name__} {text!r}")
+    return value
 
 
 # -- shared flags ------------------------------------------------------------------------------
@@ -84,6 +97,12 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                    help="stop string (repeatable); C-style escapes such as \\n and \\t are unescaped")
 
 
+def _add_template_kwargs(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--chat-template-kwargs", type=json_object, default=None, metavar="JSON",
+                   help="a JSON object whose every key becomes a chat template variable" + what + ", e.g. "
+                        "'{\"preserve_thinking\": true}' (as chat_template_kwargs in the Python API and the server)")
+
+
 def _sampling(args) -> dict:
     kw = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
     if args.max_tokens is not None:
@@ -116,9 +135,10 @@ def cmd_generate(args) -> int:
     if args.prompt is not None and args.prompt_flag is not None:
         raise UsageError("give the prompt once: as an argument or with -p/--prompt")
     prompt = args.prompt if args.prompt is not None else args.prompt_flag
-    if not args.chat and (args.system is not None or args.think is not None):
-        raise UsageError(f"{'--system' if args.system is not None else '--think'} needs --chat "
-                         "(the prompt is used as plain text otherwise)")
+    chat_only = [flag for flag, value in (("--system", args.system), ("--think", args.think),
+                                          ("--chat-template-kwargs", args.chat_template_kwargs)) if value is not None]
+    if not args.chat and chat_only:
+        raise UsageError(f"{chat_only[0]} needs --chat (the prompt is used as plain text otherwise)")
     if prompt is None or prompt == "-":
         if sys.stdin.isatty():
             print("lily: reading the prompt from stdin (end with Ctrl-D)", file=sys.stderr)
@@ -140,7 +160,8 @@ def cmd_generate(args) -> int:
         target = prompt
     kw = _sampling(args)
     bar = PrefillProgress()
-    stream = model.generate(target, stream=True, enable_thinking=args.think, on_prefill_progress=bar,
+    stream = model.generate(target, stream=True, enable_thinking=args.think,
+                            chat_template_kwargs=args.chat_template_kwargs, on_prefill_progress=bar,
                             prompt_cache=cache, **kw)
     printer = AnswerPrinter(stream.reasoning_started)
     with stream:
@@ -362,7 +383,8 @@ def cmd_chat(args) -> int:
     interactive = sys.stdin.isatty()
     cache = _prompt_cache(model, args.prompt_cache, chat=True)
     system = _cached_system(cache, args) if cache is not None else args.system
-    chat = model.chat(system, enable_thinking=args.think, prompt_cache=cache, **_sampling(args))
+    chat = model.chat(system, enable_thinking=args.think, chat_template_kwargs=args.chat_template_kwargs,
+                      prompt_cache=cache, **_sampling(args))
     save_history = _line_editing() if interactive else None
     if interactive:
         print(f"lily chat - {model.config.family} ({_model_id(args, model)}). /help for commands, Ctrl-D to quit.",
@@ -548,6 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system prompt (with --chat)")
     p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
                    help="enable or disable thinking (with --chat)")
+    _add_template_kwargs(p, " (with --chat)")
     p.add_argument("--verbose", "-v", action="store_true", help="print token counts and speeds to stderr")
     p.add_argument("--prompt-cache", default=None, metavar="FILE",
                    help="continue from a `lily cache` file: the prompt continues the cached text (with --chat: "
@@ -564,6 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
                    help="enable or disable thinking (default: the chat template's)")
+    _add_template_kwargs(p, "")
     p.add_argument("--prompt-cache", default=None, metavar="FILE",
                    help="start each conversation from a `lily cache --chat` file (its system prompt, prefilled)")
     p.set_defaults(func=cmd_chat)

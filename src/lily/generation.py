@@ -1,8 +1,9 @@
 """The token loop: prefill, sample, decode, detokenize, stop.
 
 One generator, ``token_loop``, serves every caller (``Model.generate``, ``Chat.send``, the
-server): it yields a :class:`GenerationChunk` per sampled token and a last chunk carrying the
-finish reason. Non-streaming calls drain it into a :class:`GenerationResult`.
+server), each through ``choice_loops`` (one prompt prefilled once, n choices from it): it yields
+a :class:`GenerationChunk` per sampled token and a last chunk carrying the finish reason.
+Non-streaming calls drain it into a :class:`GenerationResult`.
 
 The engine call for each step releases the GIL; between steps the loop is plain Python, so
 Ctrl-C raises KeyboardInterrupt within one decode step (or one prefill chunk) and breaking
@@ -23,7 +24,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,6 +33,9 @@ from lily._core import RequestError
 from lily.stopping import StopStringMatcher
 from lily.structured import TokenConstraint
 from lily.tool_calls import parse_output
+
+if TYPE_CHECKING:
+    from lily.prefix_cache import CachedSequence
 
 #: Tokens of recent context the repetition penalties look at (prompt tail + completion), as in
 #: llama.cpp's default ``repeat_last_n``.
@@ -366,6 +370,57 @@ def token_loop(
                 stats.decode_s = time.perf_counter() - t_decode
 
 
+def choice_loops(
+    seq: CachedSequence,
+    prompt_ids: np.ndarray,
+    reused: int,
+    n: int,
+    *,
+    prefill: Callable[[np.ndarray], np.ndarray],
+    params,
+    detokenizer: Callable[[], Any],
+    constraint: TokenConstraint | None = None,
+    snapshot_prompt: bool = False,
+    on_prefill_progress: Callable[[int, int], None] | None = None,
+    **loop: Any,
+) -> Iterator[tuple[GenerationStats, Iterator[GenerationChunk]]]:
+    """The token loops of ``n`` choices for one prompt, one after another: each choice's stats
+    and chunks (``token_loop``). The server's jobs and ``Model.generate(n=...)`` both run this.
+
+    ``seq`` holds ``prompt_ids[:reused]``; ``prefill`` appends a chunk to it (``seq.prefill``,
+    or the server's wrapper of it that checks for a cancelled job). The prompt is prefilled once:
+    its last token on its own, after a snapshot of the state there (with ``snapshot_prompt``,
+    the server's prefix cache wants that snapshot for every prompt; otherwise only n > 1 takes
+    it). Each later choice rewinds ``seq`` to that snapshot (recurrent state restored, KV cut
+    back) and prefills the last token again for its logits; chunking never changes the logits,
+    so choice i is the generation a fresh state gives with seed ``seed + i``
+    (:func:`reseeded`). ``constraint`` starts over for each choice. ``detokenizer()`` makes a
+    fresh one per choice. ``on_prefill_progress`` reports the first choice's prefill only.
+    ``loop``: ``token_loop``'s other keyword arguments (``decode``, ``chunk``, ``max_tokens``, ...).
+    """
+    prompt_end = int(prompt_ids.size)
+    split = snapshot_prompt or n > 1
+
+    def prefill_prompt(chunk: np.ndarray) -> np.ndarray:
+        if split and seq.position + len(chunk) == prompt_end:
+            if len(chunk) > 1:
+                prefill(chunk[:-1])
+            seq.take_snapshot()  # a no-op where one is there already
+            chunk = chunk[-1:]
+        return prefill(chunk)
+
+    for choice in range(n):
+        if choice:
+            reused = seq.rewind(prompt_ids)
+            if constraint is not None:
+                constraint.reset()
+        stats = GenerationStats(prompt_tokens=prompt_end, cached_tokens=reused)
+        yield stats, token_loop(prefill_prompt, prompt_ids=prompt_ids[reused:], history=prompt_ids[:reused],
+                                params=reseeded(params, choice), detokenizer=detokenizer(), stats=stats,
+                                constraint=constraint,
+                                on_prefill_progress=on_prefill_progress if choice == 0 else None, **loop)
+
+
 class DeviceLoop:
     """A decode loop whose tokens stay on the device (GPU backends; ``Engine.begin_device_decode``).
 
@@ -431,11 +486,12 @@ class GenerationStream:
     stops generation at once and frees the model.
     """
 
-    def __init__(self, chunks: Iterator[GenerationChunk], stats: GenerationStats, lock: GenerationLock, *,
+    def __init__(self, chunks: Iterator[GenerationChunk], stats: GenerationStats, lock: GenerationLock | None, *,
                  want_logprobs: bool, token_text: Callable[[int], str] | None = None, chat: bool = False,
                  tools: Sequence[dict] | None = None, reasoning_started: bool = False,
                  on_finish: Callable[[GenerationResult], None] | None = None):
-        """Takes over ``lock`` (already acquired) until the stream ends. ``token_text(id)``
+        """Takes over ``lock`` (already acquired) until the stream ends (None: the caller
+        holds the lock, as ``generate(n=...)`` does across its choices). ``token_text(id)``
         gives logprob entries their text. ``chat``: the prompt was a chat turn, so the text is
         split into content, reasoning and calls to ``tools``; ``reasoning_started``: the prompt
         opened a ``<think>`` block, so the text starts as reasoning. ``on_finish(result)`` runs
@@ -455,7 +511,8 @@ class GenerationStream:
         self._stepping = False  # inside __next__ (a callback there must not end this stream)
         self._done = False
         self.result: GenerationResult | None = None
-        lock.attach(self)
+        if lock is not None:
+            lock.attach(self)
 
     def __iter__(self) -> GenerationStream:
         return self
@@ -507,7 +564,8 @@ class GenerationStream:
             if self._on_finish is not None:
                 self._on_finish(result)
         finally:
-            self._lock.release()
+            if self._lock is not None:
+                self._lock.release()
 
     def drain(self) -> GenerationResult:
         """Runs the stream to its end and returns the result (``generate(stream=False)``)."""

@@ -23,14 +23,15 @@ from lily.generation import (
     GenerationStream,
     check_stop,
     check_type,
+    choice_loops,
     device_loop_allowed,
     logit_bias_pairs,
     sampling_params,
     stop_token_list,
-    token_loop,
 )
 from lily.generation_config import GenerationDefaults, load_generation_config
 from lily.hub import resolve_model_path
+from lily.prefix_cache import CachedSequence
 from lily.structured import compile_constraint, grammar_for
 from lily.tokenizer import Tokenizer
 from lily.tool_calls import opens_reasoning
@@ -417,6 +418,10 @@ class Model:
         return ids, rendered
 
     @overload
+    def generate(self, prompt: Prompt, *, n: int, stream: Literal[False] = ...,
+                 **options: Unpack[GenerateOptions]) -> list[GenerationResult]: ...
+
+    @overload
     def generate(self, prompt: Prompt, *, stream: Literal[False] = ...,
                  **options: Unpack[GenerateOptions]) -> GenerationResult: ...
 
@@ -453,7 +458,8 @@ class Model:
         json_schema: dict | bool | None = None,
         regex: str | None = None,
         grammar: str | None = None,
-    ) -> GenerationResult | GenerationStream:
+        n: int | None = None,
+    ) -> GenerationResult | GenerationStream | list[GenerationResult]:
         """Generates a continuation of ``prompt``: a string, a list of OpenAI-format chat
         messages (rendered with the checkpoint's chat template), or token ids.
 
@@ -479,7 +485,19 @@ class Model:
         ``chat_template_kwargs``: extra variables for the chat template (every key reaches it).
         The result's ``content`` / ``reasoning`` / ``tool_calls`` split the text of a chat
         prompt (the ``<think>`` block and tool calls); for other prompts ``content`` is the text.
+        ``n``: that many choices, returned as a list of results (a list whenever ``n`` is
+        given, as OpenAI's ``choices``; not with ``stream=True``). The prompt is prefilled once
+        and each choice continues from its state; choice i samples with seed ``seed + i`` (as
+        the server's ``n``), so it equals ``generate(..., seed=seed + i)``; later choices count
+        the prompt but its last token as ``cached_tokens``.
         """
+        if n is not None:
+            check_type("generate", "n", n, (int, np.integer), "an integer")
+            if n < 1:
+                raise RequestError(f"[generate] n must be at least 1, got {n}")
+            if stream:
+                raise RequestError("[generate] n cannot be combined with stream=True (stream each seed's "
+                                   "generate instead)")
         ids, rendered = self._encode(prompt, tools=tools, enable_thinking=enable_thinking,
                                      chat_template_kwargs=chat_template_kwargs)
         max_tokens = self._max_tokens(max_tokens)
@@ -511,28 +529,40 @@ class Model:
                                    f"{prompt_cache.max_context}")
             session = prompt_cache.fork()
             max_tokens = min(max_tokens, session.max_context - int(ids.size))
-        stats = GenerationStats(prompt_tokens=int(ids.size), cached_tokens=len(cached))
+        # The sequence the choices run on; its only snapshot is the one n > 1 takes before the
+        # prompt's last token (choice_loops).
+        seq = CachedSequence.from_session(session, snapshot=False)
         want_lp = bool(logprobs)
-        detok = self.tokenizer.detokenizer(skip_special_tokens=True) if self.tokenizer else None
+        reasoning_started = rendered is not None and opens_reasoning(rendered)
         self._generation.acquire()
         try:
             # GPU backends choose each token on the device and feed it to the next step there, unless
             # the request needs the logits on the host (penalties, logprobs, logit_bias, structured output).
             on_device = device_loop_allowed(params, want_lp)
-            chunks = token_loop(session.prefill, session.decode, ids[len(cached):], chunk=self._engine.prefill_chunk,
-                                params=params, max_tokens=max_tokens, eos_ids=eos_ids,
-                                detokenizer=detok, stop=stop, want_logprobs=want_lp, history=cached, stats=stats,
-                                on_prefill_progress=on_prefill_progress,
-                                device_loop=session.device_loop if on_device else None,
-                                logit_bias=bias, constraint=constraint)
+            choices = choice_loops(
+                seq, ids, len(cached), n or 1, prefill=seq.prefill, decode=seq.decode, params=params,
+                detokenizer=lambda: self.tokenizer.detokenizer(skip_special_tokens=True) if self.tokenizer else None,
+                constraint=constraint, on_prefill_progress=on_prefill_progress, chunk=self._engine.prefill_chunk,
+                max_tokens=max_tokens, eos_ids=eos_ids, stop=stop, want_logprobs=want_lp,
+                device_loop=session.device_loop if on_device else None, logit_bias=bias)
+
+            def stream_of(stats: GenerationStats, chunks, lock: GenerationLock | None) -> GenerationStream:
+                # A chat prompt: reasoning and tool calls are split out of the answer.
+                return GenerationStream(chunks, stats, lock, want_logprobs=want_lp, token_text=self._token_text,
+                                        chat=rendered is not None, tools=tools, reasoning_started=reasoning_started)
+
+            if n is None:
+                stream_obj = stream_of(*next(choices), self._generation)  # takes over the lock
         except BaseException:
             self._generation.release()
             raise
-        # A chat prompt: reasoning and tool calls are split out of the answer.
-        stream_obj = GenerationStream(chunks, stats, self._generation, want_logprobs=want_lp,
-                                      token_text=self._token_text, chat=rendered is not None, tools=tools,
-                                      reasoning_started=rendered is not None and opens_reasoning(rendered))
-        return stream_obj if stream else stream_obj.drain()
+        if n is None:
+            return stream_obj if stream else stream_obj.drain()
+        try:  # n choices, the lock held across them
+            return [stream_of(stats, chunks, None).drain() for stats, chunks in choices]
+        finally:
+            choices.close()
+            self._generation.release()
 
     def _token_rules(self, options: dict[str, Any], *, thinking: bool, where: str = "generate"):
         """(logit bias pairs, end-of-sequence ids, structured-output constraint or None) from the

@@ -76,13 +76,14 @@ class CachedSequence:
         self.snapshots: list = []  # native Snapshots, ascending position
 
     @classmethod
-    def from_session(cls, session: Session, max_snapshots: int = 16) -> CachedSequence:
+    def from_session(cls, session: Session, max_snapshots: int = 16, *, snapshot: bool = True) -> CachedSequence:
         """A sequence continuing ``session`` (which it takes over), with a snapshot at its end
-        so a later prompt that diverges after it still reuses it."""
+        so a later prompt that diverges after it still reuses it (unless ``snapshot`` is False:
+        a one-off generation never goes back there)."""
         seq = cls.__new__(cls)
         seq.model, seq.max_snapshots, seq.session = session._model, max_snapshots, session
         seq.tokens, seq.snapshots = session.tokens, []
-        if seq.tokens:
+        if seq.tokens and snapshot:
             seq.take_snapshot()
         return seq
 

@@ -23,10 +23,11 @@ Design choices:
   the prompt, and after 16, 32, 64, ... generated tokens (log-spaced, so a long answer costs
   few). Chunking never changes the logits (docs/architecture.md), so the split costs one engine
   call, not determinism.
-- ``n`` > 1 choices run one after another on the job's sequence: the prompt is prefilled once,
-  and each further choice rewinds the sequence to the snapshot one token before the prompt's
-  end (the recurrent state restored, the KV cut back) and prefills that last token again for
-  its logits. Choice i samples with seed ``seed + i``, its grammar (if any) from the start.
+- ``n`` > 1 choices run one after another on the job's sequence (``lily.generation.choice_loops``,
+  which ``Model.generate(n=...)`` runs too): the prompt is prefilled once, and each further
+  choice rewinds the sequence to the snapshot one token before the prompt's end (the recurrent
+  state restored, the KV cut back) and prefills that last token again for its logits. Choice i
+  samples with seed ``seed + i``, its grammar (if any) from the start.
 - Results travel back as events through a callback; the HTTP layer turns the callback into
   an asyncio queue (``loop.call_soon_threadsafe``): each choice's chunks, then its "done".
 """
@@ -42,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from lily.generation import GenerationStats, reseeded, result_from, token_loop
+from lily.generation import GenerationStats, choice_loops, result_from
 from lily.prefix_cache import PrefixCache
 from lily.structured import TokenConstraint
 
@@ -185,44 +186,24 @@ class Scheduler:
                     steps_after_cancel += 1
                 return out
 
-            prompt_end = int(job.ids.size)
-
-            def prefill(chunk: np.ndarray) -> np.ndarray:
-                # The prompt's last token alone, after a snapshot: the same prompt sent again
-                # then reuses all of it but that token (see the module docstring).
-                if len(seq.tokens) + len(chunk) == prompt_end and len(chunk) > 1:
-                    step(seq.prefill, chunk[:-1])
-                    seq.take_snapshot()
-                    chunk = chunk[-1:]
-                return step(seq.prefill, chunk)
-
-            decoded = 0
-
             def decode(tok: int) -> np.ndarray:
                 # Snapshots after 16, 32, 64, ... decoded tokens too: when the next turn's
                 # template re-renders this answer to slightly different tokens (a cut-off
                 # last word, say), the follow-up still reuses most of the answer.
-                nonlocal decoded
                 out = step(seq.decode, tok)
-                decoded += 1
+                decoded = seq.position - int(job.ids.size)
                 if decoded >= 16 and decoded & (decoded - 1) == 0:
                     seq.take_snapshot()
                 return out
 
-            for choice in range(job.n):
-                if choice:  # back to the prompt's snapshot (one token before its end): no re-prefill
-                    reused = seq.rewind(job.ids)
-                    stats = GenerationStats(prompt_tokens=int(job.ids.size), cached_tokens=reused)
-                    decoded = 0
-                    if job.constraint is not None:
-                        job.constraint.reset()
-                detok = model.tokenizer.detokenizer(skip_special_tokens=True) if model.tokenizer else None
-                chunks = token_loop(prefill, decode, job.ids[reused:], chunk=model._engine.prefill_chunk,
-                                    params=reseeded(job.params, choice), max_tokens=job.max_tokens,
-                                    eos_ids=model.eos_token_ids + tuple(job.stop_token_ids),
-                                    detokenizer=detok, stop=job.stop, want_logprobs=job.want_logprobs,
-                                    history=seq.tokens[:reused], stats=stats, on_prefilled=seq.take_snapshot,
-                                    logit_bias=job.logit_bias, constraint=job.constraint)
+            choices = choice_loops(
+                seq, job.ids, reused, job.n, prefill=lambda chunk: step(seq.prefill, chunk), decode=decode,
+                params=job.params, constraint=job.constraint, snapshot_prompt=True,
+                detokenizer=lambda: model.tokenizer.detokenizer(skip_special_tokens=True) if model.tokenizer else None,
+                chunk=model._engine.prefill_chunk, max_tokens=job.max_tokens,
+                eos_ids=model.eos_token_ids + tuple(job.stop_token_ids), stop=job.stop,
+                want_logprobs=job.want_logprobs, on_prefilled=seq.take_snapshot, logit_bias=job.logit_bias)
+            for stats, chunks in choices:
                 texts: list[str] = []
                 tokens: list[int] = []
                 lps: list[dict] = []

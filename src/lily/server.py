@@ -11,7 +11,8 @@ Design choices:
   context), 401 (API key), 404 (unknown model or route), 405, 413 (body too large), 503 (queue
   full). No field is silently ignored, as OpenAI does it: a field that is not part of the
   OpenAI API (nor one of lily's documented extensions, REQUEST_FIELDS) is a 400 "Unrecognized
-  request argument supplied"; an OpenAI field that would change the output and that lily does
+  request argument supplied" (so is a key of a message or content part that OpenAI's message
+  types lack, named by its path); an OpenAI field that would change the output and that lily does
   not implement is a 400 "Unsupported parameter" naming it; metadata that cannot change the
   output (user, metadata, store, ...) is accepted. Known fields are type-checked strictly.
 - Streaming uses Server-Sent Events in OpenAI's chunk format, ending with ``data: [DONE]``.
@@ -40,7 +41,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -119,24 +120,44 @@ REQUEST_FIELDS: dict[str, dict[str, Any]] = {
 }
 
 
-def check_fields(body: dict, endpoint: str) -> None:
-    """Refuses any field of ``body`` that ``endpoint`` does not take (see REQUEST_FIELDS)."""
-    fields = REQUEST_FIELDS[endpoint]
-    known = fields["used"] | fields["extension"] | fields["metadata"] | set(fields["unsupported"])
-    unknown = [k for k in body if k not in known]
+# The keys of each chat message type in OpenAI's API (the official client's
+# ChatCompletion*MessageParam types), plus lily's ``reasoning_content`` on assistant turns (the
+# <think> block, as lily's answers return it; vLLM's and DeepSeek's name). Any other key is
+# refused by its path, as a top-level field is; ``audio`` and ``function_call`` unless null.
+MESSAGE_KEYS: dict[str, set[str]] = {
+    "system": {"role", "content", "name"},
+    "developer": {"role", "content", "name"},
+    "user": {"role", "content", "name"},
+    "assistant": {"role", "content", "name", "refusal", "tool_calls", "audio", "function_call", "reasoning_content"},
+    "tool": {"role", "content", "tool_call_id"},
+}
+# Content parts OpenAI's user messages take besides text, which lily (text only) refuses by name.
+OTHER_MEDIA_PARTS = ("image_url", "input_audio", "file")
+
+
+def _check_keys(obj: dict, allowed: set[str], where: str = "") -> None:
+    """Refuses keys of ``obj`` outside ``allowed``, naming each by its path (``messages[2].foo``)."""
+    unknown = [f"{where}.{k}" if where else k for k in obj if k not in allowed]
     if unknown:
         raise APIError(400, f"Unrecognized request argument{'s' if len(unknown) > 1 else ''} supplied: "
                             f"{', '.join(unknown)}", param=unknown[0], code="unrecognized_argument")
-    options = body.get("stream_options")
-    unknown = [f"stream_options.{k}" for k in options if k not in ("include_usage", "include_obfuscation")] \
-        if isinstance(options, dict) else []
-    if unknown:  # include_obfuscation (padding against length side channels) is accepted, not used
-        raise APIError(400, f"Unrecognized request argument supplied: {', '.join(unknown)}", param=unknown[0],
-                       code="unrecognized_argument")
+
+
+def _unsupported(path: str, why: str) -> NoReturn:
+    raise APIError(400, f"Unsupported parameter: '{path}' is not supported by lily ({why})", param=path,
+                   code="unsupported_parameter")
+
+
+def check_fields(body: dict, endpoint: str) -> None:
+    """Refuses any field of ``body`` that ``endpoint`` does not take (see REQUEST_FIELDS)."""
+    fields = REQUEST_FIELDS[endpoint]
+    _check_keys(body, fields["used"] | fields["extension"] | fields["metadata"] | set(fields["unsupported"]))
+    if isinstance(body.get("stream_options"), dict):
+        # include_obfuscation (padding against length side channels) is accepted, not used
+        _check_keys(body["stream_options"], {"include_usage", "include_obfuscation"}, "stream_options")
     for name, (why, accepted) in fields["unsupported"].items():
         if name in body and body[name] not in accepted:
-            raise APIError(400, f"Unsupported parameter: '{name}' is not supported by lily ({why})", param=name,
-                           code="unsupported_parameter")
+            _unsupported(name, why)
 
 
 class APIError(Exception):
@@ -370,23 +391,17 @@ class Server:
             raise APIError(400, str(e), param=param, code="invalid_value") from None
 
     def _strict_tools(self, tools: list[dict] | None, tool_choice: str) -> Grammar | None:
-        """The grammar of a forced call (tool_choice "required" or a named function) when a tool
-        is ``strict``: its arguments follow its schema (lily.structured.tool_call_grammar), and
-        the grammar, not a prompt prefix, opens the call. A strict tool under "auto" is refused:
-        the model may answer in text or call, and lily constrains only forced calls."""
+        """The grammar of the assistant turn when a tool is ``strict``: every call's arguments
+        follow its tool's schema (lily.structured.tool_call_grammar). A forced call (tool_choice
+        "required" or a named function) is opened by the grammar, not a prompt prefix; under
+        "auto" the turn is free text that may end in calls, and text never opens a call."""
         strict = [bool(t["function"].get("strict")) for t in tools or ()]
         if not any(strict) or tool_choice == "none":
             return None
-        if tool_choice == "auto":
-            i = strict.index(True)
-            raise APIError(400, f"Unsupported parameter: 'tools[{i}].function.strict' is supported by lily only with "
-                                "'tool_choice' \"required\" or a named function (a forced call)",
-                           param=f"tools[{i}].function.strict", code="unsupported_parameter")
         if self.model.tokenizer is None:
             raise APIError(400, "strict tools need a tokenizer, and this model has none", param="tools")
         try:
-            # A named function: one call to it; "required": one call or more.
-            return tool_call_grammar(self.model.tokenizer, tools, strict=strict, single=tool_choice == "function")
+            return tool_call_grammar(self.model.tokenizer, tools, strict=strict, tool_choice=tool_choice)
         except LilyError as e:
             raise APIError(400, str(e), param="tools", code="invalid_value") from None
 
@@ -407,12 +422,8 @@ class Server:
         if rf["type"] == "json_schema" and not isinstance(spec, dict):
             raise APIError(400, "'response_format.json_schema' must be an object with a 'schema'",
                            param="response_format.json_schema", code="invalid_value")
-        extra = [f"response_format.{k}" for k in rf if k not in allowed]
-        extra += [f"response_format.json_schema.{k}" for k in spec or {}
-                  if k not in ("name", "description", "schema", "strict")]
-        if extra:
-            raise APIError(400, f"Unrecognized request argument supplied: {', '.join(extra)}", param=extra[0],
-                           code="unrecognized_argument")
+        _check_keys(rf, allowed, "response_format")
+        _check_keys(spec or {}, {"name", "description", "schema", "strict"}, "response_format.json_schema")
         if rf["type"] == "text":
             return None
         schema: Any = True
@@ -564,6 +575,9 @@ class Server:
             raise APIError(400, "'response_format' cannot be combined with a forced tool call ('tool_choice')",
                            param="response_format")
         call_grammar = self._strict_tools(tools, tool_choice)
+        if grammar is not None and call_grammar is not None:  # one grammar per turn: the answer's or the calls'
+            raise APIError(400, "'response_format' cannot be combined with strict tools ('tools[].function.strict') "
+                                "under 'tool_choice' auto", param="response_format")
         if self.model.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send token ids to /v1/completions", param="messages")
 
@@ -670,59 +684,81 @@ class Server:
             if not isinstance(m, dict):
                 raise APIError(400, f"'{where}' must be an object", param=where, code="invalid_type")
             role = m.get("role")
-            if role == "developer":
-                role = "system"
-            if role not in ("system", "user", "assistant", "tool"):
+            if not isinstance(role, str) or role not in MESSAGE_KEYS:
                 raise APIError(400, f"'{where}.role' must be one of system, developer, user, assistant, tool; "
                                     f"got {json.dumps(role)[:40]}", param=f"{where}.role", code="invalid_value")
-            msg = {k: v for k, v in m.items() if k in ("name", "tool_call_id", "reasoning_content")}
-            msg["role"] = role
-            msg["content"] = self._content(m.get("content"), where, allow_none=role == "assistant")
+            _check_keys(m, MESSAGE_KEYS[role], where)
+            for name, why in (("audio", "lily generates text only"), ("function_call", "use tool_calls")):
+                if m.get(name) is not None:
+                    _unsupported(f"{where}.{name}", why)
+            for name in ("name", "tool_call_id", "refusal", "reasoning_content"):
+                if m.get(name) is not None and not isinstance(m[name], str):
+                    raise APIError(400, f"'{where}.{name}' must be a string", param=f"{where}.{name}",
+                                   code="invalid_type")
+            msg = {k: m[k] for k in ("name", "tool_call_id", "reasoning_content") if m.get(k) is not None}
+            msg["role"] = "system" if role == "developer" else role
+            content = self._content(m.get("content"), where, role=role)
+            if m.get("refusal"):  # an earlier refusal is what the assistant said
+                content = (content or "") + m["refusal"]
+            msg["content"] = content
             if role == "assistant" and m.get("tool_calls") is not None:
                 msg["tool_calls"] = self._history_tool_calls(m["tool_calls"], where)
             out.append(msg)
         return out
 
     @staticmethod
-    def _content(content, where: str, *, allow_none: bool) -> str | None:
+    def _content(content, where: str, *, role: str) -> str | None:
         if content is None:
-            if allow_none:
+            if role == "assistant":  # a turn of tool calls (or a refusal) only
                 return None
             raise APIError(400, f"'{where}.content' is required", param=f"{where}.content")
         if isinstance(content, str):
             return content
-        if isinstance(content, list):
-            parts = []
-            for p in content:
-                if not isinstance(p, dict) or p.get("type") not in ("text", "input_text"):
-                    kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-                    raise APIError(400, f"'{where}.content' part of type {kind!r} is not supported (text only)",
-                                   param=f"{where}.content")
-                if not isinstance(p.get("text"), str):
-                    raise APIError(400, f"'{where}.content' text part needs a string 'text'",
-                                   param=f"{where}.content")
-                parts.append(p["text"])
-            return "".join(parts)
-        raise APIError(400, f"'{where}.content' must be a string or an array of text parts",
-                       param=f"{where}.content", code="invalid_type")
+        if not isinstance(content, list):
+            raise APIError(400, f"'{where}.content' must be a string or an array of text parts",
+                           param=f"{where}.content", code="invalid_type")
+        texts = []
+        for j, part in enumerate(content):
+            at = f"{where}.content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            kind = kind if isinstance(kind, str) else None  # (a list or an object is no part type)
+            if kind in OTHER_MEDIA_PARTS:
+                _unsupported(at, f"a content part of type {kind!r}: lily reads text only")
+            # The key holding the part's text: text parts (and the Responses API's input_text) for
+            # every role, an assistant's earlier refusal parts too.
+            field = ({"text": "text", "input_text": "text"} | ({"refusal": "refusal"} if role == "assistant" else {})
+                     ).get(kind)
+            if field is None:
+                raise APIError(400, f"'{at}.type' must be 'text'{' or refusal' if role == 'assistant' else ''}, "
+                                    f"got {json.dumps(kind)[:40]}", param=f"{at}.type", code="invalid_value")
+            # prompt_cache_breakpoint: OpenAI's cache hint, metadata here (lily caches every prefix).
+            _check_keys(part, {"type", field, "prompt_cache_breakpoint"} if kind == "text" else {"type", field}, at)
+            if not isinstance(part.get(field), str):
+                raise APIError(400, f"'{at}.{field}' must be a string", param=f"{at}.{field}", code="invalid_type")
+            texts.append(part[field])
+        return "".join(texts)
 
     @staticmethod
     def _history_tool_calls(calls, where: str) -> list[dict]:
         if not isinstance(calls, list):
             raise APIError(400, f"'{where}.tool_calls' must be an array", param=f"{where}.tool_calls")
         out = []
-        for c in calls:
+        for j, c in enumerate(calls):
+            at = f"{where}.tool_calls[{j}]"
+            if isinstance(c, dict) and c.get("type") == "custom":
+                _unsupported(f"{at}.type", "custom tools: lily calls functions")
             fn = c.get("function") if isinstance(c, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise APIError(400, f"'{where}.tool_calls' entries need function.name",
-                               param=f"{where}.tool_calls")
+                raise APIError(400, f"'{at}' needs function.name", param=at)
+            _check_keys(c, {"id", "type", "function"}, at)
+            _check_keys(fn, {"name", "arguments"}, f"{at}.function")
             args = fn.get("arguments", "{}")
             if isinstance(args, str):
                 try:
                     args = json.loads(args) if args.strip() else {}
                 except json.JSONDecodeError:
-                    raise APIError(400, f"'{where}.tool_calls' arguments are not valid JSON",
-                                   param=f"{where}.tool_calls") from None
+                    raise APIError(400, f"'{at}.function.arguments' is not valid JSON",
+                                   param=f"{at}.function.arguments") from None
             out.append({"id": c.get("id"), "type": "function",
                         "function": {"name": fn["name"], "arguments": args}})
         return out

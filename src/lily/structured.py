@@ -94,10 +94,21 @@ def grammar_for(*, json_schema: Any = None, regex: str | None = None, grammar: s
         raise RequestError(f"[{where}] grammar: {e}") from None
 
 
-def tool_call_grammar(tokenizer, tools: Sequence[dict], *, strict: Sequence[bool], single: bool) -> Grammar:
-    """One tool call (``single``) or more in the Qwen3.5 / Qwen3.6 format (lily.tool_calls), to one of
-    ``tools`` (OpenAI tool dicts, already checked), each call's arguments following its tool's
-    ``parameters`` schema where ``strict`` says so (free parameters otherwise)::
+# What a turn may hold besides tool calls, by OpenAI's tool_choice: a named function, one call;
+# "required", one call or more; "auto", free text (which never holds a call's opening, so that a
+# call is always the constrained one) and optionally calls after it.
+_TURNS = {
+    "function": "start: call",
+    "required": 'start: call ("\\n" call)*',
+    "auto": 'start: TEXT? (call ("\\n" call)*)?\nTEXT: /(?s:.+)/ & ~/(?s:.*<tool_call>.*)/',
+}
+
+
+def tool_call_grammar(tokenizer, tools: Sequence[dict], *, strict: Sequence[bool], tool_choice: str) -> Grammar:
+    """The assistant turn ``tool_choice`` allows ("function": one call; "required": one call or
+    more; "auto": text, then optionally calls), each call in the Qwen3.5 / Qwen3.6 format
+    (lily.tool_calls) to one of ``tools`` (OpenAI tool dicts, already checked), its arguments
+    following its tool's ``parameters`` schema where ``strict`` says so (free parameters otherwise)::
 
         <tool_call>\n<function=NAME>\n<parameter=ARG>\nVALUE\n</parameter>\n...</function>\n</tool_call>
 
@@ -148,7 +159,7 @@ def tool_call_grammar(tokenizer, tools: Sequence[dict], *, strict: Sequence[bool
         rules.append(f"fn{i}: {literal(f'<function={name}>' + chr(10))} {' '.join(params)}")
     alternatives = " | ".join(f"fn{i}" for i in range(len(tools)))
     call = f'call: {token("<tool_call>")} "\\n" ({alternatives}) "</function>\\n" {token("</tool_call>")}'
-    lark = "\n".join(["start: call" if single else 'start: call ("\\n" call)*', call, *rules])
+    lark = "\n".join([_TURNS[tool_choice], call, *rules])
     return Grammar("tool schema", _llguidance().LLMatcher.grammar_from_lark(lark))
 
 
