@@ -36,6 +36,29 @@ from pathlib import Path
 DOC_ROOT = Path("/usr/share/doc")
 # python3.11-doc is prepare_corpus's own source (with its held-out rule); other doc trees of
 # the Python documentation itself would repeat the held-out pages.
+# The Debian (bookworm) documentation packages of the shipped demo's corpus, besides
+# python3.11-doc and the fortunes: `apt-get install $(python doc_sources.py --packages)`.
+DEBIAN_DOC_PACKAGES = """
+    cython-doc python-aiohttp-doc python-apsw-doc python-arrow-doc python-astropy-doc
+    python-attr-doc python-babel-doc python-biopython-doc python-black-doc python-bottle-doc
+    python-celery-doc python-cffi-doc python-cherrypy3-doc python-click-doc python-cliff-doc
+    python-coverage-doc python-cryptography-doc python-dask-doc python-distributed-doc
+    python-django-doc python-eventlet-doc python-flask-doc python-future-doc python-genshi-doc
+    python-gevent-doc python-greenlet-doc python-h5py-doc python-hypothesis-doc
+    python-ipython-doc python-jinja2-doc python-jupyter-client-doc python-kombu-doc
+    python-ldap-doc python-lxml-doc python-mako-doc python-markdown-doc python-nbconvert-doc
+    python-nbformat-doc python-notebook-doc python-openssl-doc python-oslo.config-doc
+    python-pandas-doc python-parso-doc python-pecan-doc python-peewee-doc python-persistent-doc
+    python-pexpect-doc python-pg8000-doc python-pil-doc python-psycopg2-doc python-pygments-doc
+    python-pymongo-doc python-pymysql-doc python-pytest-doc python-pythran-doc python-rdflib-doc
+    python-requests-doc python-scipy-doc python-scrapy-doc python-setuptools-doc
+    python-simplejson-doc python-six-doc python-skimage-doc python-sklearn-doc
+    python-sortedcontainers-doc python-sqlalchemy-doc python-sqlparse-doc python-statsmodels-doc
+    python-stevedore-doc python-structlog-doc python-sympy-doc python-tables-doc
+    python-toolz-doc python-tornado-doc python-traitlets-doc python-urwid-doc python-uvicorn-doc
+    python-webob-doc python-werkzeug-doc python-whoosh-doc python-xarray-doc sphinx-doc
+""".split()
+
 SKIP_DOC_DIRS = {"python3.11", "python3-doc", "python3.11-doc", "python3"}
 # Standard library modules documented by held-out pages, and the language reference's text.
 SKIP_MODULES = {"logging", "contextvars", "_contextvars", "marshal", "pydoc_data", "test", "idlelib",
@@ -233,7 +256,10 @@ def dedupe() -> Callable[[str], bool]:
     return fresh
 
 
-if __name__ == "__main__":  # a quick census
+if __name__ == "__main__":  # the package list, or a census of what they give
+    if sys.argv[1:] == ["--packages"]:
+        print(" ".join(["python3.11-doc", "fortunes", "fortunes-min", *DEBIAN_DOC_PACKAGES]))
+        raise SystemExit
     sys.path.insert(0, str(Path(__file__).parent))
     from prepare_corpus import rst_to_text
 
