@@ -20,11 +20,13 @@ loss.csv and train_summary.json.
 
   python train.py --data data --out /tmp/ckpt --seconds 300          # on the GPU
   python train.py --data data --out /tmp/ckpt --smoke                 # a few CPU steps of a tiny twin
+  python train.py --dequantize /tmp/ckpt_int8 --out /tmp/ckpt         # --export int8 -> bf16
 
 Sizes (--size): "small" is the first shipped demo (13.4M parameters); "medium" (28.4M: hidden 512,
 8 experts of width 128, a shared expert of 256) is the largest whose bf16 checkpoint still comes
-back from the device machine in four 16 MB shards (56.8 MB) and whose 4-bit package stays far
-under 32 MB (about 16 MB). --batch auto times a few steps at batch 32, 64, ... 512 first and
+back from the device machine in four 16 MB shards (56.8 MB); "large" (44.4M, the second shipped
+demo, 25.3 MB at 4-bit) comes back as int8 (--export int8, undone here by --dequantize).
+--batch auto times a few steps at batch 32, 64, ... 512 first and
 keeps the fastest in tokens per second: with transformers' PyTorch DeltaNet path a step is
 dominated by kernel launches, so larger batches are nearly free until the GPU is full.
 """
