@@ -1,7 +1,8 @@
 """The embedded demo model (src/lily/demo): it loads from the installed package and has learned its corpus.
 
-The demo is a 13.4M-parameter Qwen3.5 MoE hybrid (6 Gated DeltaNet + 2 gated-attention layers,
-8 experts top-2 + shared expert) trained on the Python 3.11 docs and the Debian fortunes
+The demo is a 44.4M-parameter Qwen3.5 MoE hybrid (6 Gated DeltaNet + 2 gated-attention layers,
+8 experts top-2 + shared expert) trained on Python documentation (the Python 3.11 docs, the Sphinx
+pages of Debian's Python library docs, docstrings) and the Debian fortunes
 (scripts/demo_model/README.md), shipped as MLX 4-bit. What is checked here, on held-out text
 (tests/data/demo_heldout.txt: prose paragraphs of documentation pages that were not trained on,
 separated by blank lines, each scored from a fresh state):
@@ -114,7 +115,7 @@ def perplexity(model, seqs: list[np.ndarray]) -> float:
 def test_demo_ships_in_package(lily, model, tokenizer):
     demo = demo_dir(lily)
     sizes = {name: (demo / name).stat().st_size for name in SHIPPED}
-    assert sum(sizes.values()) < 15e6, sizes
+    assert sum(sizes.values()) < 32e6, sizes  # the issue's limit on the package's demo
     config = json.loads((demo / "config.json").read_text())
     assert config["model_type"] == "qwen3_5_moe"
     assert config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 64
@@ -143,9 +144,9 @@ def test_demo_ships_in_package(lily, model, tokenizer):
 def test_heldout_perplexity_far_below_shuffled_twin(model, twin, heldout):
     ppl = perplexity(model, heldout)
     ppl_twin = perplexity(twin, heldout)
-    # Measured (scripts/demo_model/README.md): ~50 for the model; ~4,000 for a randomly
-    # initialized twin (a uniform guess is 4096) and ~1e8 for this shuffled one.
-    assert ppl < 80, f"demo perplexity {ppl:.1f} on held-out text"
+    # Measured (scripts/demo_model/README.md): 36.5 for the model (the first demo: 50.3); ~4,000
+    # for a randomly initialized twin (a uniform guess is 4096), far more for this shuffled one.
+    assert ppl < 45, f"demo perplexity {ppl:.1f} on held-out text"
     assert ppl * 20 < ppl_twin, f"demo {ppl:.1f} vs shuffled twin {ppl_twin:.1f}"
 
 
@@ -183,7 +184,9 @@ def test_greedy_continuation_beats_shuffled(model, heldout, tokenizer):
     rng = np.random.default_rng(0)
     for seq in heldout[:8]:
         prompt = mid_sentence_prompt(seq, tokenizer)
-        cont = np.array(model.generate(prompt, max_tokens=CONTINUATION_TOKENS, temperature=0).tokens, dtype=np.int64)
+        # repetition_penalty=1: plain argmax (the demo's generation_config.json sets 1.3).
+        cont = np.array(model.generate(prompt, max_tokens=CONTINUATION_TOKENS, temperature=0,
+                                       repetition_penalty=1).tokens, dtype=np.int64)
         assert len(cont) >= CONTINUATION_TOKENS // 2, f"stopped after {len(cont)} tokens"
         assert len(set(cont.tolist())) > 1, f"degenerate continuation {cont.tolist()}"
         # generate is greedy: its first token is the argmax after the prompt, and teacher-forcing

@@ -38,7 +38,8 @@ def test_repr_and_default_model(model):
 
 def test_greedy_matches_argmax_of_teacher_forced_logits(model):
     prompt = "The standard library"
-    res = model.generate(prompt, max_tokens=12, temperature=0)
+    # repetition_penalty=1: plain argmax (the demo's generation_config.json sets 1.3).
+    res = model.generate(prompt, max_tokens=12, temperature=0, repetition_penalty=1)
     ids = model.tokenizer.encode(prompt)
     # Re-derive each greedy token from the teacher-forced logits of prompt + tokens so far.
     logits = model.logits(ids + res.tokens[:-1])
@@ -50,7 +51,7 @@ def test_greedy_matches_argmax_of_teacher_forced_logits(model):
 
 
 def test_logprobs_are_log_softmax_of_logits(model):
-    res = model.generate("A module is", max_tokens=3, temperature=0, logprobs=5)
+    res = model.generate("A module is", max_tokens=3, temperature=0, repetition_penalty=1, logprobs=5)
     ids = model.tokenizer.encode("A module is")
     first = _log_softmax(model.logits(ids)[-1])
     lp = res.logprobs[0]

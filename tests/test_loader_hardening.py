@@ -106,7 +106,9 @@ import numpy as np
 import lily
 from lily.config import load_config
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-c = load_config(sys.argv[1]).to_native()
+cfg = load_config(sys.argv[1])
+hidden = cfg.hidden_size  # the demo's width
+c = cfg.to_native()
 layers, experts = int(sys.argv[2]), int(sys.argv[3])
 c.layer_types = ["linear_attention"] * layers
 c.ffn_types = ["moe"] * layers
@@ -116,13 +118,13 @@ try:
     b = lily._core.WeightsBuilder(c)
     steps.append("built")
     f = b.add_file(sys.argv[1] + "/model.safetensors")
-    b.set_vector(f"layers.{layers - 1}.input_norm", np.zeros(256, np.float32))
+    b.set_vector(f"layers.{layers - 1}.input_norm", np.zeros(hidden, np.float32))
     steps.append("bound the last layer")
     emb = "language_model.model.embed_tokens"
     b.set_affine("embed", f, emb + ".weight", f, emb + ".scales", f, emb + ".biases", 4, 64)
     head = "language_model.lm_head"
     b.set_affine("lm_head", f, head + ".weight", f, head + ".scales", f, head + ".biases", 4, 64)
-    b.set_vector("final_norm", np.zeros(256, np.float32))
+    b.set_vector("final_norm", np.zeros(hidden, np.float32))
     b.finish()
     steps.append("finished")
 except BaseException as e:

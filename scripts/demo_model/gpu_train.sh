@@ -1,33 +1,45 @@
 #!/usr/bin/env bash
 # The demo model's training run, as one device call on an nvidia-h200 (no network there): the
-# carried transformers wheel is installed beside the image's torch, then train.py trains the
-# "medium" model for $BUDGET_S seconds (default 360) with the batch size it times first, and the
-# checkpoint lands in $OUT/ckpt: 4 safetensors shards (bf16, 56.8 MB) + index + config + loss.csv
-# + train_summary.json = the 8 files a device call can return.
+# carried wheels (transformers, and fla-core for flash-linear-attention's gated-delta-rule kernel)
+# are installed beside the image's torch, the carried corpus text is tokenized with the shipped
+# tokenizer, then train.py trains the $SIZE model (default "large") for $BUDGET_S seconds (default
+# 270) with the batch size it times first, and the checkpoint lands in $OUT/ckpt: int8 safetensors
+# shards + index + config + loss.csv + train_summary.json (at most the 8 files a call returns).
 #
 # Carried (prepared here first; README.md "Retraining" lists the commands):
-#   scripts/demo_model/data/{train.bin,val.bin,tokenizer.json}   (~31 MB)
-#   .whl/transformers-5.24.0-py3-none-any.whl                  (13.5 MB)
-# SMOKE=1 runs train.py --smoke on the CPU instead (proves the script anywhere, ~2 minutes).
+#   $DATA (default scripts/demo_model/data): tokenizer.json and train.txt.xz + val.txt.xz
+#       (or train.bin + val.bin already tokenized)
+#   $WHEELS (default .whl): transformers-5.24.0 and fla_core-0.6.0 wheels
+# SMOKE=1 runs train.py --smoke on the CPU instead (proves the script anywhere, ~3 minutes).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-root=$(cd "$here/../.." && pwd)
+data=${DATA:-$here/data}
+wheels=${WHEELS:-$here/../../.whl}
 out=${OUT:?set OUT to the folder the checkpoint goes to}
 export PYTHONUNBUFFERED=1
-if ls "$root"/.whl/*.whl >/dev/null 2>&1; then
+if ls "$wheels"/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "$root"/.whl/*.whl
+    "$wheels"/*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
   torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"
+if [ ! -f "$data/train.bin" ] && [ -f "$data/train.txt.xz" ]; then
+  # Tokenizing here (16 cores) costs seconds; the text travels 3x smaller under xz than its ids.
+  python3 -c "import lzma, shutil, sys
+for f in ('train', 'val'):
+    with lzma.open(f'{sys.argv[1]}/{f}.txt.xz') as src, open(f'{sys.argv[1]}/{f}.txt', 'wb') as dst:
+        shutil.copyfileobj(src, dst, 1 << 24)" "$data"
+  python3 "$here/train_tokenizer.py" --data "$data" --reuse "$data/tokenizer.json"
+fi
 for f in train.bin val.bin tokenizer.json; do
-  [ -f "$here/data/$f" ] || { echo "missing scripts/demo_model/data/$f: carry it (README.md)" >&2; exit 1; }
+  [ -f "$data/$f" ] || { echo "missing $data/$f: carry it (README.md)" >&2; exit 1; }
 done
 if [ "${SMOKE:-0}" = 1 ]; then
-  python3 "$here/train.py" --data "$here/data" --out "$out/ckpt" --size medium --smoke --batch auto --eval-seconds 8
+  python3 "$here/train.py" --data "$data" --out "$out/ckpt" --size "${SIZE:-large}" --smoke --batch auto \
+    --eval-seconds 8 --export int8
 else
-  python3 "$here/train.py" --data "$here/data" --out "$out/ckpt" --size medium --batch auto \
-    --seconds "${BUDGET_S:-360}" --eval-seconds 20
+  python3 "$here/train.py" --data "$data" --out "$out/ckpt" --size "${SIZE:-large}" --batch auto \
+    --seconds "${BUDGET_S:-270}" --eval-seconds 20 --export int8
 fi
 ls -l "$out/ckpt"

@@ -25,17 +25,20 @@ def main() -> None:
     for i, path in enumerate(args.csv):
         rows = list(csv.DictReader(open(path)))
         tokens = [int(r["tokens"]) / 1e6 for r in rows]
-        label = {"loss": "shipped run (185 s)", "loss_run1_330s": "first run (330 s)"}.get(
-            Path(path).stem, Path(path).stem
-        )
+        label = {
+            "loss": "second demo, shipped (44.4M, 231 s)",
+            "loss_demo1_185s": "first demo (13.4M, 185 s)",
+            "loss_run1_330s": "first demo's trial run (13.4M, 330 s)",
+        }.get(Path(path).stem, Path(path).stem)
         ax.plot(tokens, [float(r["train_loss"]) for r in rows], f"C{i}--", label=f"{label}: train")
         ax.plot(
             tokens, [float(r["val_loss"]) for r in rows], f"C{i}-", label=f"{label}: validation"
         )
-    ax.set_xlabel("training tokens (millions); one epoch = 4.16M")
+    # Each run validates on its own corpus's held-out documents: compare curves within a run.
+    ax.set_xlabel("training tokens (millions); an epoch: 4.16M (first demo), 32.8M (second)")
     ax.set_ylabel("cross-entropy (nats / token)")
-    ax.set_title("lily demo model (13.4M params, Qwen3.5 MoE hybrid)")
-    ax.set_ylim(1.5, 6.0)
+    ax.set_title("lily demo model (Qwen3.5 MoE hybrid)")
+    ax.set_ylim(1.5, 7.5)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

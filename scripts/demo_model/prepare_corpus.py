@@ -304,6 +304,41 @@ def add_prose(train: list[str], val: list[str], train_chats: list[str], val_chat
     print("prose:", ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sizes.items()))
 
 
+def add_more_docs(train: list[str], val: list[str]) -> None:
+    """The Sphinx pages of Debian's Python *-doc packages and the docstrings of the Python sources
+    here (doc_sources.py): 1 in 40 documents to validation by a stable hash of its key, exact
+    duplicates (a page shipped by two packages) kept once. drop_leaks then cleans all of train."""
+    from doc_sources import dedupe, docstring_documents, sphinx_documents
+
+    fresh = dedupe()
+    sizes: dict[str, int] = {}
+    for source, key, text in [*sphinx_documents(rst_to_text), *docstring_documents()]:
+        if len(text) < 200 or not fresh(text):
+            continue
+        (val if stable_bucket(f"{source}:{key}", 40) == 0 else train).append(text.strip() + "\n")
+        group = "docstrings" if source in ("stdlib", "site") else "sphinx"
+        sizes[group] = sizes.get(group, 0) + len(text)
+    print("more docs:", ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sizes.items()))
+
+
+def drop_leaks(train: list[str], heldout_texts: list[str]) -> list[str]:
+    """train without the paragraphs (chats: the whole chat) that share a 13-word sequence with a
+    held-out page or the test's paragraphs (doc_sources.leakage_filter)."""
+    from doc_sources import leakage_filter
+
+    clean = leakage_filter(heldout_texts)
+    kept, dropped = [], 0
+    for doc in train:
+        text, n = clean(doc)
+        dropped += n
+        if n and doc.startswith("<|im_start|>"):
+            continue
+        if text.strip():
+            kept.append(text if text.endswith("\n") else text + "\n")
+    print(f"leakage filter: {dropped} paragraphs dropped for sharing 13 words with a held-out text")
+    return kept
+
+
 # --- main ----------------------------------------------------------------------------------------
 
 
@@ -316,6 +351,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "data"))
     ap.add_argument("--prose", action="store_true", help="add the dictionaries and manuals (prose_sources.py)")
     ap.add_argument("--docs-weight", type=int, default=1, help="times the Python docs appear in train.txt")
+    ap.add_argument("--more-docs", action="store_true",
+                    help="add the Debian *-doc packages' Sphinx pages and Python docstrings (doc_sources.py)")
+    ap.add_argument("--heldout-test", default=str(Path(__file__).parents[2] / "tests/data/demo_heldout.txt"),
+                    help="the test's held-out paragraphs: no training paragraph may share a 13-word sequence with them")
     ap.add_argument("--gcide-share", type=float, default=1.0, help="fraction of GCIDE entries kept (stable)")
     args = ap.parse_args()
     out = Path(args.out)
@@ -323,6 +362,7 @@ def main() -> None:
     random.seed(0)
 
     train, val, heldout_prose = [], [], []
+    heldout_pages: list[str] = []  # the held-out doc pages' text: the leakage filter's reference
     train_chats, val_chats = [], []
 
     docs = sorted(p for p in DOC_ROOT.rglob("*.rst.txt") if "changelog" not in p.name)
@@ -338,6 +378,7 @@ def main() -> None:
         chats = glossary_chats(src) if p.name == "glossary.rst.txt" else doc_chats(src)
         (val_chats if is_val else train_chats).extend(chats)
         if is_val:
+            heldout_pages.append(text)
             # Prose paragraphs (no code, no indented blocks) for the test's held-out file.
             for para in text.split("\n\n"):
                 if (
@@ -372,6 +413,8 @@ def main() -> None:
     docs_train = list(train)  # the Python docs (and fortunes): what --docs-weight repeats
     if args.prose:
         add_prose(train, val, train_chats, val_chats, args.gcide_share)
+    if args.more_docs:
+        add_more_docs(train, val)
 
     # Some two-turn chats and a system prompt now and then, so both shapes are seen.
     def with_extras(chats: list[str]) -> list[str]:
@@ -389,6 +432,8 @@ def main() -> None:
     train.extend(with_extras(train_chats))
     val.extend(with_extras(val_chats))
     train.extend(docs_train * (args.docs_weight - 1))
+    if args.more_docs:
+        train = drop_leaks(train, heldout_pages + [Path(args.heldout_test).read_text(encoding="utf-8")])
     random.shuffle(train)
     random.shuffle(val)
 

@@ -20,11 +20,13 @@ loss.csv and train_summary.json.
 
   python train.py --data data --out /tmp/ckpt --seconds 300          # on the GPU
   python train.py --data data --out /tmp/ckpt --smoke                 # a few CPU steps of a tiny twin
+  python train.py --dequantize /tmp/ckpt_int8 --out /tmp/ckpt         # --export int8 -> bf16
 
 Sizes (--size): "small" is the first shipped demo (13.4M parameters); "medium" (28.4M: hidden 512,
 8 experts of width 128, a shared expert of 256) is the largest whose bf16 checkpoint still comes
-back from the device machine in four 16 MB shards (56.8 MB) and whose 4-bit package stays far
-under 32 MB (about 16 MB). --batch auto times a few steps at batch 32, 64, ... 512 first and
+back from the device machine in four 16 MB shards (56.8 MB); "large" (44.4M, the second shipped
+demo, 25.3 MB at 4-bit) comes back as int8 (--export int8, undone here by --dequantize).
+--batch auto times a few steps at batch 32, 64, ... 512 first and
 keeps the fastest in tokens per second: with transformers' PyTorch DeltaNet path a step is
 dominated by kernel launches, so larger batches are nearly free until the GPU is full.
 """
@@ -49,6 +51,10 @@ EOT_ID, IM_START_ID, IM_END_ID = 4087, 4088, 4089  # fixed by train_tokenizer.py
 SIZES = {
     "small": {},
     "medium": dict(hidden_size=512, num_experts=8, moe_intermediate_size=128, shared_expert_intermediate_size=256),
+    # 44M parameters, 25 MB at 4-bit. Expert widths stay multiples of 64 (the 4-bit group size
+    # runs along down_proj's input). Its bf16 checkpoint (88 MB) is over what a device call
+    # returns, so it is exported as int8 (--export int8) and made bf16 again here (--dequantize).
+    "large": dict(hidden_size=640, num_experts=8, moe_intermediate_size=192, shared_expert_intermediate_size=320),
 }
 
 
@@ -141,18 +147,35 @@ def composite_config(tcfg: dict) -> dict:
     }
 
 
+INT8_SCALE = ".int8_scale"
+
+
+def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one fp32 scale per row (last dim): a transport format only, 2 bytes a
+    weight fewer than bf16; its error (1/254 of a row's largest weight) is far below the 4-bit
+    quantization the shipped model gets."""
+    w = w.detach().float()
+    scale = w.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
+    return torch.round(w / scale).clamp(-127, 127).to(torch.int8), scale
+
+
 def export(
-    model: Qwen3_5MoeForCausalLM, tcfg: dict, out: Path, state=None, shard_mb: float = 16.0
+    model: Qwen3_5MoeForCausalLM | None, tcfg: dict | None, out: Path, state=None, shard_mb: float = 16.0,
+    int8: bool = False,
 ) -> None:
     """Write the checkpoint in the released composite layout (fused experts): matrices in bf16 like
     the released checkpoints, 1-D tensors (norms, A_log, dt_bias) in fp32; sharded under shard_mb
-    (the device returns at most 8 files of at most 16 MiB) with the usual model.safetensors.index.json."""
+    (the device returns at most 8 files of at most 16 MiB) with the usual model.safetensors.index.json.
+    int8: matrices as int8 + per-row scales instead (undone by dequantize())."""
     out.mkdir(parents=True, exist_ok=True)
     state = state if state is not None else model.state_dict()
     tensors = {}
     for k, v in state.items():
-        if k.startswith("model."):
+        if k.startswith("model.") and not k.startswith("model.language_model."):
             k = "model.language_model." + k[len("model.") :]
+        if int8 and v.ndim >= 2:
+            tensors[k], tensors[k + INT8_SCALE] = int8_rows(v.to("cpu"))
+            continue
         tensors[k] = (
             v.detach().to("cpu", torch.bfloat16 if v.ndim >= 2 else torch.float32).contiguous()
         )
@@ -178,7 +201,69 @@ def export(
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n"
     )
-    (out / "config.json").write_text(json.dumps(composite_config(tcfg), indent=2) + "\n")
+    if tcfg:
+        (out / "config.json").write_text(json.dumps(composite_config(tcfg), indent=2) + "\n")
+
+
+def dequantize(src: Path, out: Path) -> None:
+    """An --export int8 checkpoint back to the usual bf16 one (config, loss.csv and summary copied)."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    for k in [k for k in state if k.endswith(INT8_SCALE)]:
+        w = k[: -len(INT8_SCALE)]
+        state[w] = state[w].float() * state.pop(k)
+    tcfg = json.loads((src / "config.json").read_text())["text_config"]
+    export(None, None, out, state=state, shard_mb=1e9)
+    for name in ("config.json", "loss.csv", "train_summary.json"):
+        if (src / name).exists():
+            (out / name).write_bytes((src / name).read_bytes())
+    print(f"dequantized {src} -> {out} ({sum(v.numel() for v in state.values()) / 1e6:.2f}M values)", tcfg["hidden_size"])
+
+
+def use_fast_delta_rule(device: str) -> bool:
+    """Keep flash-linear-attention's Triton chunked gated delta rule (what transformers picks when
+    `fla` is importable) only if it runs here and agrees with transformers' PyTorch reference on a
+    random input, forward and backward; otherwise put the reference back. The reference is a
+    Python loop over 64-token chunks, so on the GPU the kernel is the difference between a
+    launch-bound step and a full one."""
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as m
+
+    fast = m.torch_chunk_gated_delta_rule
+    ref = getattr(fast, "__wrapped__", None)
+    if device != "cuda" or ref is None:
+        return False
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401  (what transformers imported, if it could)
+
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        B, T, H, HV, D = 2, 256, 2, 4, 128  # the demo's DeltaNet heads: 2 key, 4 value, dim 128
+
+        def inputs():
+            r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+            q, k, v = r(B, T, H, D), r(B, T, H, D), r(B, T, HV, D)
+            g = -torch.nn.functional.softplus(r(B, T, HV))
+            beta = torch.sigmoid(r(B, T, HV))
+            return [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)] + [g.requires_grad_(), beta.requires_grad_()]
+
+        args = inputs()
+        outs = []
+        for fn in (fast, ref):
+            xs = [a.detach().clone().requires_grad_() for a in args]
+            o, _ = fn(*xs[:3], g=xs[3], beta=xs[4], use_qk_l2norm_in_kernel=True)
+            o.float().square().sum().backward()
+            outs.append([o.float()] + [x.grad.float() for x in xs])
+        worst = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item() for a, b in zip(*outs, strict=True))
+        ok = worst < 0.1  # bf16 inputs; a wrong kernel is off by O(1)
+        print(f"fla chunk_gated_delta_rule: max relative difference from the reference {worst:.2e}", flush=True)
+    except Exception as e:  # not importable, no kernel for this GPU, ...
+        print(f"fla chunk_gated_delta_rule unusable ({type(e).__name__}: {e}); the PyTorch path is used", flush=True)
+        ok = False
+    if not ok:
+        m.torch_chunk_gated_delta_rule = ref
+    return ok
 
 
 def batches(tokens: torch.Tensor, batch: int, seq: int, gen: torch.Generator):
@@ -265,7 +350,14 @@ def main() -> None:
         "--smoke", action="store_true", help="tiny model, few steps, CPU: proves the script"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--export", choices=("bf16", "int8"), default="bf16",
+                    help="matrix format of the written checkpoint (int8: see dequantize)")
+    ap.add_argument("--dequantize", default=None, metavar="INT8_CKPT",
+                    help="turn an --export int8 checkpoint into the usual bf16 one in --out, and exit")
     args = ap.parse_args()
+    if args.dequantize:
+        dequantize(Path(args.dequantize), Path(args.out))
+        return
 
     torch.manual_seed(args.seed)
     data, out = Path(args.data), Path(args.out)
@@ -277,6 +369,7 @@ def main() -> None:
         IM_END_ID,
     )
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    fast_delta_rule = use_fast_delta_rule(device)
     # The whole token stream lives on the device (uint16 -> int32: 4 bytes a token), so a batch
     # is one gather, whatever its size.
     train = torch.from_numpy(np.fromfile(data / "train.bin", dtype=np.uint16).astype(np.int32)).to(device)
@@ -372,7 +465,7 @@ def main() -> None:
         best = (v, None, step)
     out.mkdir(parents=True, exist_ok=True)
     (out / "loss.csv").write_text("\n".join(log) + "\n")
-    export(model, tcfg, out, state=best[1])
+    export(model, tcfg, out, state=best[1], int8=args.export == "int8")
     summary = dict(
         steps=step,
         seconds=round(el, 1),
@@ -387,6 +480,7 @@ def main() -> None:
         lr=args.lr,
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
         torch=torch.__version__,
+        fla_delta_rule=fast_delta_rule,
     )
     import transformers
 
