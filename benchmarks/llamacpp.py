@@ -47,11 +47,10 @@ TARGETS = ("llama-bench", "llama-quantize")
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",
-    # Explicit x86-64 SIMD instead of GGML_NATIVE (which turns on AMX: segfaults here).
+    # Explicit x86-64 SIMD instead of GGML_NATIVE (which turns on AMX: segfaults here); the
+    # extensions this CPU has are added by simd_flags() (VEX AVX-VNNI on an AMD EPYC that lacks
+    # it was an illegal instruction, 2026-12-01).
     "-DGGML_NATIVE=OFF",
-    "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
-    "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON",
-    "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX_VNNI=ON",
     "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
     # CPU only, nothing fetched, nothing we do not run.
     "-DGGML_METAL=OFF", "-DGGML_CUDA=OFF", "-DGGML_VULKAN=OFF",
@@ -59,6 +58,19 @@ CMAKE_FLAGS = [
     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
 ]
+
+
+def simd_flags() -> list[str]:
+    """GGML's x86 SIMD options for the extensions /proc/cpuinfo lists (the same choice as
+    benchmarks/fullsize/run_llamacpp.sh)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split())
+    except (OSError, IndexError):
+        return []
+    wanted = [("avx", "AVX"), ("avx2", "AVX2"), ("fma", "FMA"), ("f16c", "F16C"), ("bmi2", "BMI2"),
+              ("avx512f", "AVX512"), ("avx512_vnni", "AVX512_VNNI"), ("avx512_bf16", "AVX512_BF16"),
+              ("avx512vbmi", "AVX512_VBMI"), ("avx_vnni", "AVX_VNNI")]
+    return [f"-DGGML_{name}={'ON' if flag in flags else 'OFF'}" for flag, name in wanted]
 
 
 @dataclass(frozen=True)
@@ -105,14 +117,14 @@ def build(jobs: int = 2) -> Tools:
 
 def _build_locked(src: Path, jobs: int) -> Tools:
     stamp = BUILD / "lily-stamp.json"
-    want = {"version": VERSION, "flags": CMAKE_FLAGS}
+    want = {"version": VERSION, "flags": CMAKE_FLAGS + simd_flags()}
     bins = [BUILD / "bin" / t for t in TARGETS]
     if (all(b.is_file() for b in bins) and stamp.is_file()
             and json.loads(stamp.read_text()) == want):
         return tools()
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
     _log(f"configuring llama.cpp in {BUILD}")
-    subprocess.run(["cmake", "-S", str(src), "-B", str(BUILD), *gen, *CMAKE_FLAGS], check=True,
+    subprocess.run(["cmake", "-S", str(src), "-B", str(BUILD), *gen, *want["flags"]], check=True,
                    stdout=subprocess.DEVNULL)
     _log(f"building {' '.join(TARGETS)} with -j{jobs} (a few minutes)")
     subprocess.run(["cmake", "--build", str(BUILD), "-j", str(jobs), "--target", *TARGETS],
