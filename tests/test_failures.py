@@ -286,7 +286,9 @@ def test_ctrl_c_during_prefill_leaves_the_model_usable(reference, sigint_raises)
 
 def test_ctrl_c_during_decode_leaves_the_model_usable(reference, sigint_raises):
     model = lily.Model.load()
-    stream = model.generate(PROMPT, max_tokens=100000, temperature=0, stream=True)
+    # End-of-turn banned (logit_bias): the demo must still be decoding when the interrupt lands.
+    no_eos = {int(t): -100.0 for t in model.eos_token_ids}
+    stream = model.generate(PROMPT, max_tokens=100000, temperature=0, stream=True, logit_bias=no_eos)
     got = 0
     timer = None
     try:

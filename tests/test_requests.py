@@ -406,11 +406,12 @@ def test_sampler_refuses_bad_bias():
 def test_generate_with_logit_bias_is_the_biased_greedy_path(model):
     """Each greedy token = argmax(teacher-forced logits + bias), NumPy on model.logits."""
     prompt = model.tokenizer.encode("The quick brown fox")
-    plain = model.generate(prompt, max_tokens=6, temperature=0).tokens
+    plain = model.generate(prompt, max_tokens=6, temperature=0, repetition_penalty=1).tokens
     first = model.logits(prompt)[-1]
     runner_up = int(np.argsort(-first, kind="stable")[1])
     bias = {runner_up: float(first.max() - first[runner_up]) + 0.5, plain[1]: -100.0}
-    out = model.generate(prompt, max_tokens=6, temperature=0, logit_bias=bias).tokens
+    # repetition_penalty=1: the demo's generation_config penalizes repeats, this is plain argmax
+    out = model.generate(prompt, max_tokens=6, temperature=0, logit_bias=bias, repetition_penalty=1).tokens
     assert out[0] == runner_up != plain[0]
     context = list(prompt)
     for tok in out:
@@ -792,12 +793,13 @@ def test_gpu_backend_samples_biased_and_constrained_requests_on_the_host(monkeyp
     real_start = DeviceLoop.start.__func__
     monkeypatch.setattr(DeviceLoop, "start", classmethod(lambda cls, *a: starts.append(1) or real_start(cls, *a)))
     prompt = gpu.tokenizer.encode("The quick brown fox")
-    plain = gpu.generate(prompt, max_tokens=4, temperature=0).tokens
+    # repetition_penalty=1: the demo's default penalty would need the host loop too
+    plain = gpu.generate(prompt, max_tokens=4, temperature=0, repetition_penalty=1).tokens
     assert len(starts) == 1  # the device loop runs plain requests
     first = gpu.logits(prompt)[-1].astype(np.float64)
     runner_up = int(np.argsort(-first, kind="stable")[1])
     bias = {runner_up: float(first.max() - first[runner_up]) + 0.5}
-    out = gpu.generate(prompt, max_tokens=4, temperature=0, logit_bias=bias).tokens
+    out = gpu.generate(prompt, max_tokens=4, temperature=0, logit_bias=bias, repetition_penalty=1).tokens
     first[runner_up] += bias[runner_up]
     assert out[0] == int(np.argmax(first)) == runner_up != plain[0]
     r = gpu.generate("Phone:", regex=r"\(\d{3}\) \d{3}-\d{4}", max_tokens=20, temperature=1.0, seed=2)

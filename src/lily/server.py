@@ -50,7 +50,7 @@ from lily.chat_template import template_kwargs
 from lily.generation import logit_bias_pairs, sampling_params, stop_token_list
 from lily.prefix_cache import DiskCache
 from lily.scheduler import Job, Scheduler
-from lily.server_limits import ServerLimits, limited_protocol
+from lily.server_limits import ServerLimits, accept_batch, limited_protocol
 from lily.structured import Grammar, compile_constraint, grammar_for, tool_call_grammar
 from lily.tokenizer import PromptTooLong
 from lily.tool_calls import CALL_OPEN, THINK_CLOSE, THINK_OPEN, _split_reasoning, parse_output
@@ -1060,4 +1060,4 @@ def serve(model, *, model_id: str, host: str = "127.0.0.1", port: int = 8000, ap
     protocol = limited_protocol(limits)
     server.open_connections = protocol.open_connections
     uvicorn.run(build_app(server), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,
-                http=protocol, backlog=limits.backlog)
+                http=protocol, backlog=accept_batch(limits))
