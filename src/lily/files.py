@@ -68,14 +68,21 @@ def read_text(path: str | os.PathLike, error: type[Exception], *, prefix: str = 
             raise error(f"{prefix}{p}: is {_describe(st.st_mode)}, not a regular file")
         if st.st_size > max_bytes:
             raise error(f"{prefix}{p}: is {st.st_size} bytes, more than the {max_bytes} a file of its kind may be")
-        with os.fdopen(fd, "rb", closefd=True) as f:
-            fd = -1
-            data = f.read(max_bytes + 1)
+        # Read from the descriptor itself: handing it to a file object would give it two owners,
+        # and a KeyboardInterrupt between os.fdopen and the hand-over closed it twice (EBADF,
+        # or a descriptor the process had reused meanwhile).
+        parts, left = [], max_bytes + 1
+        while left > 0:
+            part = os.read(fd, min(left, 1 << 20))
+            if not part:
+                break
+            parts.append(part)
+            left -= len(part)
+        data = b"".join(parts)
     except OSError as e:
         raise _os_error(p, e, error, prefix) from None
     finally:
-        if fd >= 0:
-            os.close(fd)
+        os.close(fd)
     if len(data) > max_bytes:  # grew while being read
         raise error(f"{prefix}{p}: is more than {max_bytes} bytes")
     try:
