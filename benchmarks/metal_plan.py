@@ -23,12 +23,21 @@ weights + every expert a chunk of that size can touch, min(T*k, E) per layer), K
 attention dispatches read, and the device memory the backend holds besides the weights
 (sequence state, and scratch: activations for one chunk, tables).
 
+With --json the same runs are printed as one JSON object instead of tables: per decode context
+(and KV cache type) and per prompt's last prefill chunk, one object per dispatch (kernel,
+stage, threadgroups, threads_per_threadgroup, weight_bytes, state_bytes, other_bytes) and the
+step's totals; for decode also an ESTIMATE of tokens/s on M-series GPUs from a simple model
+(see estimate_decode: bandwidth, GPU cores and threadgroup-count-limited occupancy are
+parameters, nothing there was measured on Apple hardware).
+
     PYTHONPATH=src python benchmarks/metal_plan.py [--contexts 4096 32768 131072] [--prompts 512 4096 32768]
+    PYTHONPATH=src python benchmarks/metal_plan.py --json > plan.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from collections import Counter, defaultdict
 
 from lily import _core
@@ -77,14 +86,50 @@ def minimum_bytes(c: _core.ModelConfig, context: int, kv_bytes: int = 4) -> dict
     }
 
 
+# Parameters of the decode estimate. Assumptions, not measurements: M1 Max's published 32 GPU
+# cores and 400 GB/s; an M5 Max-like part taken as 40 cores and 614 GB/s. `efficiency` is the
+# fraction of peak bandwidth a streaming kernel reaches with the GPU full, `threadgroups_per_core`
+# how many resident threadgroups a core needs to hide memory latency, `stage_us` the cost of a
+# memory barrier between dependent dispatches of the concurrent encoder.
+GPU_MODELS = {
+    "M1 Max-like": dict(cores=32, bandwidth_gbs=400.0),
+    "M5 Max-like": dict(cores=40, bandwidth_gbs=614.0),
+}
+ESTIMATE_DEFAULTS = dict(efficiency=0.8, threadgroups_per_core=4, stage_us=2.0)
+
+
+def dispatch_objects(rows) -> list[dict]:
+    """gpu_plan's rows as the JSON report's dispatch objects."""
+    keys = ("kernel", "stage", "weight_bytes", "state_bytes", "other_bytes", "threadgroups", "threads_per_threadgroup")
+    return [dict(zip(keys, r, strict=True)) for r in rows]
+
+
+def estimate_decode(dispatches: list[dict], cores: int, bandwidth_gbs: float, efficiency: float,
+                    threadgroups_per_core: int, stage_us: float) -> dict:
+    """ESTIMATE of one decode step's time on a GPU with `cores` cores and `bandwidth_gbs` peak:
+    every dispatch is bandwidth-bound (batch-1 decode is), streaming its declared bytes at
+    efficiency x peak scaled by its occupancy min(1, threadgroups / (cores x
+    threadgroups_per_core)) (a dispatch of few threadgroups cannot keep the memory system busy),
+    plus stage_us per dependency stage. A model of the plan's shape, not a measurement."""
+    seconds = 0.0
+    for d in dispatches:
+        occupancy = min(1.0, d["threadgroups"] / (cores * threadgroups_per_core))
+        nbytes = d["weight_bytes"] + d["state_bytes"] + d["other_bytes"]
+        seconds += nbytes / (bandwidth_gbs * 1e9 * efficiency * occupancy)
+    stages = len({d["stage"] for d in dispatches})
+    seconds += stages * stage_us * 1e-6
+    return {"step_ms": seconds * 1e3, "tokens_per_s": 1.0 / seconds}
+
+
 def plan(c, context, kv_half=False):
     rows, (dispatches, barriers, cbs, waits), _scratch = _core.gpu_plan(
         c, context, BITS, GROUP, GATE_BITS, kv_half=kv_half)
     kernels = Counter(r[0] for r in rows)
     by_kernel = defaultdict(int)
-    for name, _stage, wb, sb, ob in rows:
+    for name, _stage, wb, sb, ob, _tgs, _threads in rows:
         by_kernel[name] += wb + sb + ob
     return {
+        "rows": dispatch_objects(rows),
         "dispatches": dispatches,
         "stages": barriers + 1,
         "command buffers": cbs,
@@ -126,6 +171,45 @@ def prefill_plan(c, prompt: int, chunk: int = 512, kv_half: bool = False) -> dic
         "device": p["device_bytes"],
         "seq state": p["state_bytes"],
         "kernels": Counter(r[0] for r in rows),
+        "rows": dispatch_objects(rows),
+    }
+
+
+def totals(p: dict) -> dict:
+    """A step's totals in the JSON report (decode plan() or prefill_plan() results)."""
+    return {
+        "dispatches": p["dispatches"],
+        "stages": p["stages"],
+        "command_buffers": p["command buffers"],
+        "cpu_waits": p["CPU waits"] if "CPU waits" in p else p["waits in chunk"],
+        "weight_bytes": sum(d["weight_bytes"] for d in p["rows"]),
+        "state_bytes": sum(d["state_bytes"] for d in p["rows"]),
+        "other_bytes": sum(d["other_bytes"] for d in p["rows"]),
+    }
+
+
+def json_report(c, contexts: list[int], prompts: list[int], chunk: int) -> dict:
+    decode = []
+    for kv in ("f32", "f16"):
+        for ctx in contexts:
+            p = plan(c, ctx, kv == "f16")
+            decode.append({
+                "context": ctx, "kv_cache": kv, "dispatches": p["rows"], "totals": totals(p),
+                "estimate": {name: estimate_decode(p["rows"], **gpu, **ESTIMATE_DEFAULTS)
+                             for name, gpu in GPU_MODELS.items()},
+            })
+    prefill = []
+    for n in prompts:
+        p = prefill_plan(c, n, chunk)
+        prefill.append({"prompt": n, "chunk": chunk, "last_chunk_tokens": p["last tokens"],
+                        "dispatches": p["rows"], "totals": totals(p)})
+    return {
+        "model": "Qwen3.6-35B-A3B shape, MLX affine 4-bit group 64 (router and shared-expert gate 8-bit)",
+        "decode": decode,
+        "prefill_last_chunk": prefill,
+        "estimate_note": "ESTIMATE from benchmarks/metal_plan.py estimate_decode (bandwidth-bound dispatches, "
+                         "threadgroup-count-limited occupancy); unverified on Apple hardware",
+        "estimate_parameters": {"gpus": GPU_MODELS, **ESTIMATE_DEFAULTS},
     }
 
 
@@ -135,8 +219,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, nargs="+", default=[512, 4096, 32768])
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--markdown", action="store_true", help="print markdown tables (docs/metal.md)")
+    ap.add_argument("--json", action="store_true", help="one JSON object: every dispatch, totals, estimates")
     args = ap.parse_args()
     c = config_35b()
+    if args.json:
+        print(json.dumps(json_report(c, args.contexts, args.prompts, args.chunk), indent=1))
+        return
     GB = 1e9
     results = {(ctx, kv): (plan(c, ctx, kv == "f16"), minimum_bytes(c, ctx, 2 if kv == "f16" else 4))
                for kv in ("f32", "f16") for ctx in args.contexts}
@@ -150,6 +238,16 @@ def main() -> None:
         print(f"| {ctx:,} | {kv} | {p['dispatches']} | {p['stages']} | {p['command buffers']} | {p['CPU waits']} | "
               f"{p['weights'] / GB:.3f} | {p['state'] / GB:.3f} | {p['activations'] / GB:.4f} | "
               f"{total / GB:.3f} | {mn / GB:.3f} | {total / mn:.3f} |")
+    print()
+    print("ESTIMATE (a model, not a measurement; unverified on Apple hardware): decode tokens/s from the plan's "
+          f"bytes and threadgroup counts (estimate_decode, {ESTIMATE_DEFAULTS})")
+    print()
+    print("| context | KV cache | " + " | ".join(f"{n} ({g['cores']} cores, {g['bandwidth_gbs']:.0f} GB/s)"
+                                           for n, g in GPU_MODELS.items()) + " |")
+    print("|---:|---|" + "---:|" * len(GPU_MODELS))
+    for (ctx, kv), (p, _m) in results.items():
+        est = [estimate_decode(p["rows"], **g, **ESTIMATE_DEFAULTS)["tokens_per_s"] for g in GPU_MODELS.values()]
+        print(f"| {ctx:,} | {kv} | " + " | ".join(f"{e:.0f}" for e in est) + " |")
     print()
     ctx0 = args.contexts[0]
     p0, m0 = results[(ctx0, "f32")]

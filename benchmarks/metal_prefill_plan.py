@@ -31,7 +31,7 @@ def chunk_plan(c, prompt: int, chunk: int):
     rows, (dispatches, barriers, cbs, waits), scratch = _core.gpu_plan(
         c, prompt, BITS, GROUP, GATE_BITS, tokens=tokens)
     kernels, weights = Counter(r[0] for r in rows), defaultdict(int)
-    for name, _stage, wb, _sb, _ob in rows:
+    for name, _stage, wb, _sb, _ob, _tgs, _threads in rows:
         weights[name] += wb
     return {"tokens": tokens, "dispatches": dispatches, "stages": barriers + 1, "command buffers": cbs,
             "CPU waits": waits, "weights": sum(r[2] for r in rows), "state": sum(r[3] for r in rows),

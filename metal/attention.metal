@@ -10,7 +10,8 @@
 //                 (n_splits == 1) applies the sigmoid output gate and writes o; split-K
 //                 (n_splits > 1) writes unnormalised partials and (max, sum).
 //                                                      grid (Hkv, n_splits, T), 128 threads
-//   attn_combine  merges the split partials and applies the gate.  grid (Hq, T), 128 threads
+//   attn_combine  merges the split partials and applies the gate.
+//                                      grid (Hq, D / LILY_ATTN_COMBINE_COLUMNS, T), 32 threads
 //   attn_prepare_blocks, attn_decode_blocks  the same over the fixed-block cache layout of long
 //                 contexts (attention_args.h): splits are whole blocks, so split-K walks blocks.
 //
@@ -24,7 +25,8 @@
 // parameter (LILY_ATTN_HEAD_DIMS), so q, the accumulators and the K/V row stay in registers.
 // Softmax in f32 with the running max subtracted, as the CPU backend computes it.
 //
-// KV is the cache's element type: float (the CPU backend's precision, the default) or half
+// KV is the cache's element type: half (the GPU backends' default) or float (the CPU backend's
+// precision, the reference option)
 // (half the bytes per token at long contexts; scores and sums stay f32).
 #include <metal_stdlib>
 #include "lily_msl.h"
@@ -248,27 +250,32 @@ kernel void attn_decode_blocks(constant AttnArgs& args [[buffer(0)]],
   LILY_KERNEL_INSTANTIATE("attn_decode_blocks_half_d" #D, attn_decode_blocks, half, D)
 LILY_ATTN_HEAD_DIMS(LILY_ATTN_DECODE_INSTANTIATE)
 
+// One query head (tg.x), one slice of LILY_ATTN_COMBINE_COLUMNS value columns (tg.y), one
+// token (tg.z): the slices spread a head's combine over D / 32 threadgroups, since the partials
+// it reads grow with the splits (2 MB per layer at 128 splits of the 35B shape). Every thread
+// recomputes the splits' global max and total (2 floats per split, the same for all) and merges
+// its column over the splits in split order, so a row's result depends only on its own splits.
 kernel void attn_combine(constant AttnArgs& args [[buffer(0)]],
                          device const float* qg [[buffer(1)]],       // [T, Hq, 2D] (gate)
                          device const float* part_o [[buffer(2)]],   // [T, Hq, n_splits, D]
                          device const float* part_ml [[buffer(3)]],  // [T, Hq, n_splits, 2]
                          device float* o [[buffer(4)]],              // [T, Hq, D]
-                         uint2 tg [[threadgroup_position_in_grid]],
-                         uint2 threads [[threads_per_threadgroup]],
-                         uint tid [[thread_index_in_threadgroup]]) {
-  const uint D = args.D, hq = tg.x, t = tg.y, n = args.n_splits;
+                         uint3 tg [[threadgroup_position_in_grid]],
+                         uint3 tid [[thread_position_in_threadgroup]]) {
+  const uint D = args.D, hq = tg.x, t = tg.z, n = args.n_splits;
+  const uint d = tg.y * LILY_ATTN_COMBINE_COLUMNS + tid.x;
+  if (d >= D) return;
   const ulong head_row = ulong(t) * args.Hq + hq;
   device const float* ml = part_ml + head_row * n * 2;
   float mx = -INFINITY;
   for (uint s = 0; s < n; ++s) mx = max(mx, ml[2 * s]);
-  float total = 0.0f;
-  for (uint s = 0; s < n; ++s)
-    if (ml[2 * s] != -INFINITY) total += ml[2 * s + 1] * exp(ml[2 * s] - mx);
-  device const float* gate = qg + head_row * 2 * D + D;
-  for (uint d = tid; d < D; d += threads.x) {
-    float num = 0.0f;
-    for (uint s = 0; s < n; ++s)
-      if (ml[2 * s] != -INFINITY) num += part_o[(head_row * n + s) * D + d] * exp(ml[2 * s] - mx);
-    o[head_row * D + d] = num / total * sigmoid_f(gate[d]);
+  float total = 0.0f, num = 0.0f;
+  for (uint s = 0; s < n; ++s) {
+    if (ml[2 * s] == -INFINITY) continue;  // a split past the causal end: no positions
+    const float w = exp(ml[2 * s] - mx);
+    total += ml[2 * s + 1] * w;
+    num += part_o[(head_row * n + s) * D + d] * w;
   }
+  device const float* gate = qg + head_row * 2 * D + D;
+  o[head_row * D + d] = num / total * sigmoid_f(gate[d]);
 }

@@ -17,6 +17,7 @@
 // D/32 elements in registers): the Qwen3.5 / 3.6 / Next family's 256, and smaller ones for
 // tests and tiny checkpoints. X(D) per head dim; the host checks a model's head_dim against it.
 #define LILY_ATTN_HEAD_DIMS(X) X(64) X(96) X(128) X(256)
+#define LILY_ATTN_COMBINE_COLUMNS 32  // value columns per attn_combine threadgroup (head dims are multiples)
 #define LILY_ATTN_MAX_ARENAS 6   // block-layout arenas per K and per V (sizes double)
 
 // q, k <- RMSNorm(.) * gain, then rotate-half RoPE on the first `rot` dims; k, v -> cache.

@@ -5,13 +5,15 @@
 //   gdn_conv        causal depthwise conv1d over [carried K-1 inputs ; chunk] + SiLU, one
 //                   thread per channel walking the chunk's tokens; the new window is written to
 //                   window_out.                               grid (ceil(C / 256)), 256 threads
-//   gdn_recurrence_dk<Dk>  one threadgroup per value head, one thread per value column j: the
-//                   column S[:, j] (Dk floats, Dk a template parameter: LILY_GDN_KEY_DIMS)
-//                   stays in registers for the whole chunk. Per token:
-//                   l2-norm q and k (threadgroup reductions), beta = sigmoid(b),
+//   gdn_recurrence_dk<Dk>  one threadgroup per (value head, slice of LILY_GDN_COLUMNS value
+//                   columns), one thread per column j: the column S[:, j] (Dk floats, Dk a
+//                   template parameter: LILY_GDN_KEY_DIMS) stays in registers for the whole
+//                   chunk. Per token: l2-norm q and k, beta = sigmoid(b),
 //                   decay = exp(-exp(A_log) * softplus(a + dt_bias)),
-//                   S <- S * decay; delta = (v - S^T k) * beta; S <- S + k delta^T; o = S^T q,
-//                   then the gated RMSNorm  (w * (o * r)) * silu(z)  fused.   grid (Hv), Dv threads
+//                   S <- S * decay; delta = (v - S^T k) * beta; S <- S + k delta^T; o = S^T q.
+//                                          grid (Hv, ceil(Dv / LILY_GDN_COLUMNS)), LILY_GDN_COLUMNS threads
+//   gdn_gated_norm  the gated RMSNorm  (w * (o * r)) * silu(z)  of each head's o, in place.
+//                                          grid (Hv, T), 32 * ceil(Dv / 32) threads
 // f32 throughout, in the CPU backend's order of operations.
 // State in and out are separate bindings (they may be the same buffer): the host ping-pongs two
 // copies, so the state before a pass survives it and a pass made past the end of a generation
@@ -82,30 +84,35 @@ kernel void gdn_conv(constant GdnArgs& args [[buffer(0)]],
   }
 }
 
+// One value head (tg.x), one slice of LILY_GDN_COLUMNS value columns (tg.y): the columns of a
+// head's state are independent, so a slice needs only q, k, v's slice and the gates, and the
+// 35B shape's 32 heads x 4 slices make 128 threadgroups to stream the 2 MB of state per layer
+// (one threadgroup per head made 32). Each slice normalises q and k itself (Dk floats, read
+// from L2 by the head's slices alike). o is written unnormalised: the gated RMSNorm needs the
+// whole head's columns and runs in gdn_gated_norm.
 template <int Dk>
 kernel void gdn_recurrence(constant GdnArgs& args [[buffer(0)]],
                            device const float* conv_out [[buffer(1)]],  // [T, C]
                            device const float* b [[buffer(2)]],         // [T, Hv]
                            device const float* a [[buffer(3)]],         // [T, Hv]
-                           device const float* z [[buffer(4)]],         // [T, Hv*Dv]
-                           device const float* a_neg [[buffer(5)]],     // [Hv] -exp(A_log)
-                           device const float* dt_bias [[buffer(6)]],   // [Hv]
-                           device const float* norm_w [[buffer(7)]],    // [Dv]
-                           device const float* S [[buffer(8)]],         // [Hv, Dk, Dv] in
-                           device float* o [[buffer(9)]],               // [T, Hv*Dv]
-                           device float* S_out [[buffer(10)]],          // [Hv, Dk, Dv] out
-                           uint hv [[threadgroup_position_in_grid]],
-                           uint j [[thread_index_in_threadgroup]],
-                           uint threads [[threads_per_threadgroup]],
+                           device const float* a_neg [[buffer(4)]],     // [Hv] -exp(A_log)
+                           device const float* dt_bias [[buffer(5)]],   // [Hv]
+                           device const float* S [[buffer(6)]],         // [Hv, Dk, Dv] in
+                           device float* o [[buffer(7)]],               // [T, Hv*Dv] S^T q
+                           device float* S_out [[buffer(8)]],           // [Hv, Dk, Dv] out
+                           uint2 tg [[threadgroup_position_in_grid]],
+                           uint2 tid [[thread_position_in_threadgroup]],
+                           uint2 threads [[threads_per_threadgroup]],
                            uint simd_id [[simdgroup_index_in_threadgroup]],
                            uint lane [[thread_index_in_simdgroup]],
                            uint n_simd [[simdgroups_per_threadgroup]]) {
   LILY_THREADGROUP(float, scratch, [32]);
   LILY_THREADGROUP(float, qs, [Dk]);
   LILY_THREADGROUP(float, ks, [Dk]);
-  const uint Dv = args.Dv, Hv = args.Hv, C = args.C;
+  const uint Dv = args.Dv, Hv = args.Hv, C = args.C, hv = tg.x, n = threads.x;
+  const uint j = tg.y * n + tid.x;  // this thread's value column
   const uint hk = hv / (Hv / args.Hk), key_dim = args.Hk * Dk, vdim = Hv * Dv;
-  const bool owner = j < Dv;  // threads is Dv rounded up to the simdgroup width
+  const bool owner = j < Dv;
 
   float col[Dk];  // S[:, j] of this head
   device const float* Sh = S + ulong(hv) * Dk * Dv;
@@ -115,13 +122,14 @@ kernel void gdn_recurrence(constant GdnArgs& args [[buffer(0)]],
     device const float* row = conv_out + ulong(t) * C;
     threadgroup_barrier(mem_flags::mem_threadgroup);  // last token's qs / ks fully read
     float sq = 0.0f, sk = 0.0f;
-    for (uint i = j; i < uint(Dk); i += threads) {
+    for (uint i = tid.x; i < uint(Dk); i += n) {
       const float qv = row[hk * Dk + i], kv = row[key_dim + hk * Dk + i];
       qs[i] = qv;
       ks[i] = kv;
       sq += qv * qv;
       sk += kv * kv;
     }
+    // (the same sums in every slice of the head: same threads, same order)
     const float rq = 1.0f / sqrt(threadgroup_sum(sq, scratch, simd_id, lane, n_simd) + 1e-6f);
     const float rk = 1.0f / sqrt(threadgroup_sum(sk, scratch, simd_id, lane, n_simd) + 1e-6f);
 
@@ -146,14 +154,7 @@ kernel void gdn_recurrence(constant GdnArgs& args [[buffer(0)]],
       col[i] += (ks[i] * rk) * delta;
       out += ((qs[i] * rq) * args.q_scale) * col[i];
     }
-    if (!owner) out = 0.0f;
-
-    const float ss = threadgroup_sum(out * out, scratch, simd_id, lane, n_simd);
-    const float r = 1.0f / sqrt(ss / float(Dv) + args.eps);
-    if (owner) {
-      const float zj = z[ulong(t) * vdim + hv * Dv + j];
-      o[ulong(t) * vdim + hv * Dv + j] = (norm_w[j] * (out * r)) * silu_f(zj);
-    }
+    if (owner) o[ulong(t) * vdim + hv * Dv + j] = out;
   }
   device float* So = S_out + ulong(hv) * Dk * Dv;  // may be S itself: each thread owns its column
   if (owner) LILY_UNROLL for (int i = 0; i < Dk; ++i) So[ulong(i) * Dv + j] = col[i];
@@ -161,3 +162,25 @@ kernel void gdn_recurrence(constant GdnArgs& args [[buffer(0)]],
 
 #define LILY_GDN_RECURRENCE_INSTANTIATE(Dk) LILY_KERNEL_INSTANTIATE("gdn_recurrence_dk" #Dk, gdn_recurrence, Dk)
 LILY_GDN_KEY_DIMS(LILY_GDN_RECURRENCE_INSTANTIATE)
+
+// The gated RMSNorm of the recurrence's output, one threadgroup per (value head, token), in
+// place:  o <- (w * (o * r)) * silu(z),  r = 1 / sqrt(mean(o^2) + eps) over the head's Dv.
+kernel void gdn_gated_norm(constant GdnArgs& args [[buffer(0)]],
+                           device const float* z [[buffer(1)]],       // [T, Hv*Dv]
+                           device const float* norm_w [[buffer(2)]],  // [Dv]
+                           device float* o [[buffer(3)]],             // [T, Hv*Dv]
+                           uint2 tg [[threadgroup_position_in_grid]],
+                           uint2 tid [[thread_position_in_threadgroup]],
+                           uint2 threads [[threads_per_threadgroup]],
+                           uint simd_id [[simdgroup_index_in_threadgroup]],
+                           uint lane [[thread_index_in_simdgroup]],
+                           uint n_simd [[simdgroups_per_threadgroup]]) {
+  LILY_THREADGROUP(float, scratch, [32]);
+  const uint Dv = args.Dv, hv = tg.x, t = tg.y;
+  const ulong base = ulong(t) * args.Hv * Dv + ulong(hv) * Dv;
+  float ss = 0.0f;
+  for (uint j = tid.x; j < Dv; j += threads.x) ss += o[base + j] * o[base + j];
+  const float r = 1.0f / sqrt(threadgroup_sum(ss, scratch, simd_id, lane, n_simd) / float(Dv) + args.eps);
+  for (uint j = tid.x; j < Dv; j += threads.x)  // each element read back only by its writer
+    o[base + j] = (norm_w[j] * (o[base + j] * r)) * silu_f(z[base + j]);
+}

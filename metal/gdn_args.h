@@ -6,6 +6,7 @@
 #pragma once
 
 #define LILY_GDN_MAX_DK 256  // key head dim held per thread (the state column lives in registers)
+#define LILY_GDN_COLUMNS 32   // value columns (threads) per gdn_recurrence threadgroup  // key head dim held per thread (the state column lives in registers)
 
 // The key head dims the recurrence kernels are instantiated for (a compile-time Dk keeps the
 // state column in registers): the Qwen3.5 / 3.6 / Next family's 128, and smaller ones for tests

@@ -263,7 +263,8 @@ def test_yarn_on_the_gpu_kernels_matches_transformers(store, lily):
     d = store.copy(store.hf("qwen3_5_moe", "fused"), "yarn-msl-cpu")
     _edit_config(d, lambda c: c["text_config"]["rope_parameters"].update(YARN, attention_factor=1.3))
     want = ref.hf_logits(ref.hf_load(d), cases.LONG_PROMPT)
-    assert rel_err(lily.Model.load(d, backend="msl-cpu").logits(cases.LONG_PROMPT), want) <= cases.TOL_FP32
+    got = lily.Model.load(d, backend="msl-cpu", backend_options=cases.F32_KV).logits(cases.LONG_PROMPT)
+    assert rel_err(got, want) <= cases.TOL_FP32
 
 
 def test_tie_word_embeddings_read_from_the_text_config(store, lily):
@@ -341,7 +342,7 @@ def test_microscaled_modes_run_in_the_metal_kernels(microscaled, lily):
     the embedding gather, the GEMV and tiled GEMM projections, the expert gather-GEMVs and grouped
     GEMMs (a prefill over gemm_min_rows, then decode steps), against the CPU backend and mlx-lm."""
     mode, d = microscaled
-    gpu = lily.Model.load(d, backend="msl-cpu", backend_options=dict(gemm_min_rows=4))
+    gpu = lily.Model.load(d, backend="msl-cpu", backend_options=dict(gemm_min_rows=4, **cases.F32_KV))
     cpu = lily.Model.load(d, cpu_matmul="f32")
     want = ref.mlx_logits(ref.mlx_load(d, upcast_fp32=True), cases.PROMPT)
     n = cases.DECODE_SPLIT

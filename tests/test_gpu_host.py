@@ -29,6 +29,7 @@ from msl_cpu_harness import library, u32
 from test_metal_decode import _check
 
 MODEL = ("qwen3_5_moe", 4, 64, "bfloat16")  # head_dim 96, float KV: attn_decode_float_d96
+F32_KV = cases.F32_KV  # the steps are compared with the CPU backend at TOL_MLX
 
 
 def test_failure_while_encoding_a_decode_step(store, lily):
@@ -36,7 +37,7 @@ def test_failure_while_encoding_a_decode_step(store, lily):
     before it were encoded: were that pass not discarded (or the state's copies not put back),
     the next step would read a DeltaNet state the failed step never wrote."""
     path = store.mlx(*MODEL)
-    gpu = lily.Model.load(path, backend="msl-cpu", backend_options=dict(fail_dispatch="attn_decode_float_d96"))
+    gpu = lily.Model.load(path, backend="msl-cpu", backend_options=dict(fail_dispatch="attn_decode_float_d96", **F32_KV))
     cpu = lily.Model.load(path, backend="cpu", cpu_matmul="f32")
     prompt = cases.PROMPT[:8]
     s, c = gpu.session(), cpu.session()
@@ -59,7 +60,7 @@ def test_failure_while_encoding_a_device_loop_step(store, lily):
     """The device decode loop's first sample dispatch fails: the generation raises, and the next
     one (on a fresh and on the same session) gives the CPU backend's tokens."""
     path = store.mlx(*MODEL)
-    gpu = lily.Model.load(path, backend="msl-cpu", backend_options=dict(fail_dispatch="sample"))
+    gpu = lily.Model.load(path, backend="msl-cpu", backend_options=dict(fail_dispatch="sample", **F32_KV))
     cpu = lily.Model.load(path, backend="cpu", cpu_matmul="f32")
     with pytest.raises(lily.LilyError, match="kernel 'sample': injected failure"):
         gpu.generate(cases.GEN_PROMPT, max_tokens=4)
@@ -88,7 +89,7 @@ def test_context_must_fit_the_working_set(store, lily):
     path = store.mlx(*MODEL)
     weights, per_token, fixed = _sizes(path)
     ws = weights + fixed + 100 * per_token + per_token // 2  # room for 100 positions, not 101
-    opts = dict(working_set=ws)
+    opts = dict(working_set=ws, **F32_KV)  # (_sizes counts f32 K and V)
     m = lily.Model.load(path, backend="msl-cpu", backend_options=opts)
     assert m._engine.max_fitting_context == 100
     assert m.max_context == 100 and m.session().max_context == 100  # the default, capped

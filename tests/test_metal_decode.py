@@ -42,7 +42,7 @@ def _check(got, want, what, tol=TOL):
 @pytest.fixture(scope="module", params=[pytest.param(m, id=cases.case_id(m)) for m in MODELS])
 def case(request, store, lily):
     path = store.mlx(*request.param)
-    gpu = lily.Model.load(path, backend="msl-cpu", backend_options=ROUTES)
+    gpu = lily.Model.load(path, backend="msl-cpu", backend_options={**ROUTES, **cases.F32_KV})
     cpu = lily.Model.load(path, backend="cpu", cpu_matmul="f32")
     return gpu, cpu, store.mlx_reference(path)
 
@@ -206,7 +206,7 @@ def test_block_kv_layout_across_the_threshold(store, lily):
     Logits of every position and greedy tokens against mlx-lm and the CPU backend."""
     path = store.mlx("qwen3_5_moe", 4, 64, "bfloat16")
     ref = store.mlx_reference(path)
-    opts = dict(split_threshold=18, split_len=4, block_threshold=5, block_len=2)
+    opts = dict(split_threshold=18, split_len=4, block_threshold=5, block_len=2, **cases.F32_KV)
     gpu = lily.Model.load(path, backend="msl-cpu", prefill_chunk=3, backend_options=opts)
     cpu = lily.Model.load(path, backend="cpu", cpu_matmul="f32")
     s, c = gpu.session(), cpu.session()
@@ -250,7 +250,7 @@ def test_decode_step_has_no_missing_dependency(store, lily):
     path = store.mlx("qwen3_next", 4)  # grouped projections + a dense MLP layer + MoE layers
     model = lily.Model.load(path, backend="msl-cpu",
                             backend_options=dict(split_threshold=4, split_len=2, check_dependencies=True,
-                                                 interleavings=1))
+                                                 interleavings=1, **cases.F32_KV))
     s = model.session()
     s.prefill(cases.PROMPT[:4])
     for tok in cases.PROMPT[4:6]:  # contexts 5 and 6: split-K route
@@ -260,7 +260,7 @@ def test_decode_step_has_no_missing_dependency(store, lily):
 
 def test_qwen3_5_moe_dependency_check(store, lily):
     path = store.mlx("qwen3_5_moe", 4, 64, "bfloat16")
-    model = lily.Model.load(path, backend="msl-cpu", backend_options=dict(check_dependencies=True))
+    model = lily.Model.load(path, backend="msl-cpu", backend_options=dict(check_dependencies=True, **cases.F32_KV))
     s = model.session()
     s.prefill(cases.PROMPT[:2])
     _check(s.decode(cases.PROMPT[2]), store.mlx_reference(path).prompt[2], "checked decode step vs mlx-lm")
@@ -284,7 +284,8 @@ def test_decode_under_address_sanitizer(store, lily):
         from fixtures import cases
         from fixtures.references import rel_err
         gpu = lily.Model.load({str(path)!r}, backend="msl-cpu",
-                              backend_options=dict(asan=True, split_threshold=4, split_len=2, gemm_min_rows=3))
+                              backend_options=dict(asan=True, split_threshold=4, split_len=2, gemm_min_rows=3,
+                                                   kv_dtype="float32"))
         cpu = lily.Model.load({str(path)!r}, backend="cpu", cpu_matmul="f32")
         s, c = gpu.session(), cpu.session()
         errs = [rel_err(s.prefill(cases.PROMPT[:4]), c.prefill(cases.PROMPT[:4]))]
@@ -301,17 +302,35 @@ def test_decode_under_address_sanitizer(store, lily):
     assert err <= TOL, f"rel err {err:.2e} under ASan"
 
 
-def test_half_precision_kv_cache(store, lily):
-    """kv_dtype="float16" halves the cache's bytes per token; k and v are rounded to f16 once
-    (relative 2^-11), scores and sums stay f32, so logits stay within 1e-3 of mlx-lm's f32."""
+def test_default_half_precision_kv_cache(store, lily):
+    """The GPU backends' default KV cache is float16: half the cache's bytes per position; k and
+    v are rounded to f16 once (relative 2^-11), scores and sums stay f32, so logits stay within
+    1e-3 of mlx-lm's f32 (and of the CPU backend's) with the same top-1, and greedy tokens are
+    the CPU backend's. kv_dtype="float32" is the reference option, "auto" the default."""
     path = store.mlx("qwen3_5_moe", 4, 64, "bfloat16")
     ref = store.mlx_reference(path)
-    model = lily.Model.load(path, backend="msl-cpu", backend_options=dict(kv_dtype="float16", **ROUTES))
+    model = lily.Model.load(path, backend="msl-cpu", backend_options=ROUTES)
+    f32 = lily.Model.load(path, backend="msl-cpu", backend_options={**ROUTES, **cases.F32_KV})
+    cpu = lily.Model.load(path, backend="cpu", cpu_matmul="f32")
+    assert (model._engine.kv_dtype, f32._engine.kv_dtype) == ("float16", "float32")
+    # Half the bytes per position: a working set with room for 100.5 f32 positions beside the
+    # weights and the DeltaNet state fits 100 of them, or 201 in float16.
+    from test_gpu_host import _sizes
+
+    weights, per_f32_position, fixed = _sizes(path)
+    ws = dict(working_set=weights + fixed + 100 * per_f32_position + per_f32_position // 2)
+    fits = {kv: lily.Model.load(path, backend="msl-cpu", backend_options=dict(ws, kv_dtype=kv))._engine.max_fitting_context
+            for kv in ("float32", "auto")}
+    assert fits == {"float32": 100, "auto": 201}
     s = model.session()
     n = cases.DECODE_SPLIT
-    errs = [rel_err(s.prefill(cases.PROMPT[:n], all_logits=True), ref.prompt[:n])]
-    errs += [rel_err(s.decode(cases.PROMPT[i]), ref.prompt[i]) for i in range(n, len(cases.PROMPT))]
-    assert max(errs) <= 1e-3, f"rel err {max(errs):.2e} with a half-precision KV cache"
+    for i, got in enumerate([s.prefill(cases.PROMPT[:n], all_logits=True)]
+                            + [s.decode(cases.PROMPT[i])[None] for i in range(n, len(cases.PROMPT))]):
+        want = ref.prompt[:n] if i == 0 else ref.prompt[n + i - 1][None]
+        _check(got, want, f"step {i} with the default float16 KV cache vs mlx-lm", tol=1e-3)
+    assert rel_err(got, ref.prompt[-1][None]) > 0  # (f16 rounding is visible: not the f32 cache's path)
+    want = cpu.generate(cases.GEN_PROMPT, max_tokens=cases.GEN_TOKENS, repetition_penalty=1).tokens
+    assert model.generate(cases.GEN_PROMPT, max_tokens=cases.GEN_TOKENS, repetition_penalty=1).tokens == want
     with pytest.raises(lily.ConfigError, match="kv_dtype"):
         lily.Model.load(path, backend="msl-cpu", backend_options=dict(kv_dtype="int8"))
 
@@ -337,7 +356,7 @@ def test_kernel_sources_are_embedded(store, lily, tmp_path):
     path = store.mlx("qwen3_5", 4)
     script = textwrap.dedent(f"""
         import numpy as np, lily
-        gpu = lily.Model.load({str(path)!r}, backend="msl-cpu")
+        gpu = lily.Model.load({str(path)!r}, backend="msl-cpu", backend_options=dict(kv_dtype="float32"))
         cpu = lily.Model.load({str(path)!r}, backend="cpu", cpu_matmul="f32")
         prompt = {cases.PROMPT[:5]!r}
         s, c = gpu.session(), cpu.session()

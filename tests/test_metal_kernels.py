@@ -251,7 +251,7 @@ def test_attention(D, Hq, Hkv, rot, pos0, T, n_splits, split_len, kv):
     dispatch(dev, lib.pipeline(f"attn_decode_{kv}_d{D}"), (Hkv, n_splits, T), (A.ATTN_THREADS,),
              {"qg": qgb, "k_cache": kcb, "v_cache": vcb, "o": o, "part_o": part_o, "part_ml": part_ml, "args": args})
     if n_splits > 1:
-        dispatch(dev, lib.pipeline("attn_combine"), (Hq, T), (128,),
+        dispatch(dev, lib.pipeline("attn_combine"), (Hq, D // A.ATTN_COMBINE_COLUMNS, T), (A.ATTN_COMBINE_COLUMNS,),
                  {"qg": qgb, "part_o": part_o, "part_ml": part_ml, "o": o, "args": args})
     # Attention over the cache as stored (f16 values are exact in f64).
     want = _torch_attention(got_qg[..., :D], kc_got.astype(np.float32), vc_got.astype(np.float32), qg[..., D:],
@@ -327,11 +327,14 @@ def test_gated_deltanet_step(Hk, Hv, Dk, Dv, K, T):
              {"qkv": dev.buffer(qkv), "taps": dev.buffer(taps), "window": winb, "out": conv_out, "args": args,
               "window_out": winb})
     S_in, Sb, o = dev.buffer(S0), dev.buffer_empty(S0.nbytes), dev.buffer_empty(4 * T * vdim)
-    dispatch(dev, lib.pipeline(f"gdn_recurrence_dk{Dk}"), (Hv,), (32 * ((Dv + 31) // 32),),
-             {"conv_out": conv_out, "b": dev.buffer(b), "a": dev.buffer(a), "z": dev.buffer(z),
-              "a_neg": dev.buffer(a_neg), "dt_bias": dev.buffer(dt_bias), "norm_w": dev.buffer(norm_w), "S": S_in,
-              "o": o, "args": args, "S_out": Sb})
+    # One threadgroup per (value head, slice of value columns), then the gated norm per head.
+    slices = -(-Dv // A.GDN_COLUMNS)
+    dispatch(dev, lib.pipeline(f"gdn_recurrence_dk{Dk}"), (Hv, slices), (A.GDN_COLUMNS,),
+             {"conv_out": conv_out, "b": dev.buffer(b), "a": dev.buffer(a), "a_neg": dev.buffer(a_neg),
+              "dt_bias": dev.buffer(dt_bias), "S": S_in, "o": o, "args": args, "S_out": Sb})
     np.testing.assert_array_equal(read(S_in, np.float32, S0.shape), S0)  # the input state survives
+    dispatch(dev, lib.pipeline("gdn_gated_norm"), (Hv, T), (32 * ((Dv + 31) // 32),),
+             {"z": dev.buffer(z), "norm_w": dev.buffer(norm_w), "o": o, "args": args})
 
     # Reference: PyTorch's depthwise conv1d over [window ; qkv], transformers' recurrence and norm.
     want_o, want_S, want_window, want_conv = gdn_reference(Hk, Hv, Dk, Dv, taps, window, S0, a_neg, dt_bias,

@@ -6,6 +6,9 @@
 - At the 35B shape the bytes the dispatches declare equal the minimum computed from the config
   alone to within the activations (a few percent), at 4K / 32K / 128K, with one command buffer
   and one CPU wait per token.
+- Every decode dispatch that moves over 1 MB at the 35B shape has at least 64 threadgroups (an
+  M-series GPU has 10-40 cores: fewer cannot stream at full bandwidth), at 1K to 128K.
+- --json reports every dispatch and the step totals, and labels its tokens/s as an estimate.
 """
 
 from __future__ import annotations
@@ -56,6 +59,56 @@ def test_plan_bytes_at_35b_shape():
             assert p["state"] == m["KV"] + m["DeltaNet + conv state"]
             total = p["weights"] + p["state"] + p["activations"]
             assert 1.0 <= total / sum(m.values()) < 1.05
+
+
+def _narrow_dispatches(rows, min_threadgroups=64, min_bytes=1_000_000):
+    """(kernel, threadgroups, bytes) of the dispatches moving over min_bytes on fewer threadgroups."""
+    return {(r[0], r[5], r[2] + r[3] + r[4]) for r in rows if r[2] + r[3] + r[4] > min_bytes and r[5] < min_threadgroups}
+
+
+def test_decode_dispatches_fill_the_gpu():
+    from lily import _core
+
+    c = _plan_module().config_35b()
+    for ctx in (1024, 4096, 32768, 131072):
+        for kv_half in (False, True):
+            rows, _, _ = _core.gpu_plan(c, ctx, 4, 64, 8, kv_half=kv_half)
+            assert not _narrow_dispatches(rows), (ctx, kv_half)
+            assert all(r[6] > 0 for r in rows)  # threads per threadgroup recorded for each
+    # The rule catches the old route: up to 4K positions on one threadgroup per KV head.
+    rows, _, _ = _core.gpu_plan(c, 1024, 4, 64, 8, split_threshold=4096, split_len=1024)
+    assert {k for k, _, _ in _narrow_dispatches(rows)} == {"attn_decode_float_d256"}
+
+
+def test_json_report():
+    mp = _plan_module()
+    c = mp.config_35b()
+    report = __import__("json").loads(__import__("json").dumps(mp.json_report(c, [1024, 32768], [512], 512)))
+    assert "unverified on Apple hardware" in report["estimate_note"]
+    decode = {(d["context"], d["kv_cache"]): d for d in report["decode"]}
+    assert set(decode) == {(1024, "f32"), (32768, "f32"), (1024, "f16"), (32768, "f16")}
+    for step in [*report["decode"], *report["prefill_last_chunk"]]:
+        ds, tot = step["dispatches"], step["totals"]
+        assert set(ds[0]) == {"kernel", "stage", "threadgroups", "threads_per_threadgroup", "weight_bytes",
+                              "state_bytes", "other_bytes"}
+        assert tot["dispatches"] == len(ds)
+        assert tot["stages"] == len({d["stage"] for d in ds})
+        for key in ("weight_bytes", "state_bytes", "other_bytes"):
+            assert tot[key] == sum(d[key] for d in ds)
+    for name in mp.GPU_MODELS:  # longer context, more bytes: slower; f16 KV: faster
+        tps = {k: d["estimate"][name]["tokens_per_s"] for k, d in decode.items()}
+        assert tps[(32768, "f32")] < tps[(32768, "f16")] < tps[(1024, "f16")]
+    assert report["prefill_last_chunk"][0]["last_chunk_tokens"] == 512
+
+
+def test_decode_estimate_model():
+    """estimate_decode by hand: 1 GB at 100 GB/s x 0.5 efficiency is 20 ms on a full GPU, twice
+    that on half the threadgroups it needs, plus the stage cost."""
+    mp = _plan_module()
+    d = dict(kernel="k", stage=0, weight_bytes=10**9, state_bytes=0, other_bytes=0, threads_per_threadgroup=32)
+    opts = dict(cores=10, bandwidth_gbs=100.0, efficiency=0.5, threadgroups_per_core=2, stage_us=1000.0)
+    assert mp.estimate_decode([dict(d, threadgroups=20)], **opts)["step_ms"] == pytest.approx(21.0)
+    assert mp.estimate_decode([dict(d, threadgroups=10)], **opts)["step_ms"] == pytest.approx(41.0)
 
 
 @pytest.mark.parametrize("prompt,chunk", [(8, 3), (4, 8)])  # last chunks of 2 and 4 tokens

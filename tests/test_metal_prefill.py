@@ -127,7 +127,7 @@ CHUNK = 5  # prompts of 3 (one partial chunk), 9 and 11 tokens (several chunks, 
 @pytest.fixture(scope="module", params=[pytest.param(m, id=cases.case_id(m)) for m in MODELS])
 def models(request, store, lily):
     path = store.mlx(*request.param)
-    gpu = lily.Model.load(path, backend="msl-cpu", prefill_chunk=CHUNK)
+    gpu = lily.Model.load(path, backend="msl-cpu", prefill_chunk=CHUNK, backend_options=cases.F32_KV)
     cpu = lily.Model.load(path, backend="cpu", cpu_matmul="f32", prefill_chunk=CHUNK)
     return gpu, cpu, store.mlx_reference(path)
 
@@ -175,7 +175,7 @@ def test_prefill_chunk_dependency_check(store, lily):
     barrier in the prefill kernels; logits still the CPU backend's."""
     path = store.mlx("qwen3_next", 4)
     gpu = lily.Model.load(path, backend="msl-cpu", prefill_chunk=4,
-                          backend_options=dict(check_dependencies=True, interleavings=1))
+                          backend_options=dict(check_dependencies=True, interleavings=1, **cases.F32_KV))
     cpu = lily.Model.load(path, backend="cpu", cpu_matmul="f32", prefill_chunk=4)
     _check(gpu.session().prefill(cases.PROMPT[:7], all_logits=True),
            cpu.session().prefill(cases.PROMPT[:7], all_logits=True), "checked chunked prefill vs cpu backend")

@@ -328,7 +328,8 @@ def test_prefill_then_decode_matches_cpu(store, lily, ckpt, chunk, min_rows, par
     the CPU backend (same top-1), and the same greedy continuation. Each chunk is one command
     buffer and one CPU wait (at its end): the routing never goes back to the CPU."""
     path = store.mlx(*ckpt)
-    gpu = lily.Model.load(path, backend="msl-cpu", prefill_chunk=chunk, backend_options=dict(gemm_min_rows=min_rows))
+    gpu = lily.Model.load(path, backend="msl-cpu", prefill_chunk=chunk,
+                          backend_options=dict(gemm_min_rows=min_rows, **cases.F32_KV))
     cpu = lily.Model.load(path, backend="cpu", cpu_matmul="f32", prefill_chunk=chunk)
     eng = gpu._engine
     s, c = gpu.session(), cpu.session()
@@ -362,7 +363,8 @@ def test_prefill_chunk_has_no_missing_dependency(store, lily):
     randomized thread interleavings: no undeclared data edge, no missing threadgroup barrier."""
     path = store.mlx("qwen3_5_moe", 4, 64, "bfloat16")
     gpu = lily.Model.load(path, backend="msl-cpu",
-                          backend_options=dict(check_dependencies=True, interleavings=1, gemm_min_rows=4))
+                          backend_options=dict(check_dependencies=True, interleavings=1, gemm_min_rows=4,
+                                               **cases.F32_KV))
     prompt = cases.PROMPT[:9]
     got = gpu.session().prefill(prompt, all_logits=True)
     _close(got, lily.Model.load(path, backend="cpu", cpu_matmul="f32").session().prefill(prompt, all_logits=True),

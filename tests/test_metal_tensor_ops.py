@@ -225,7 +225,7 @@ def test_prefill_on_tensor_ops_matches_cpu(store, lily):
     logits within TOL_MLX of the CPU backend with the same top-1, same greedy tokens."""
     path = store.mlx("qwen3_5_moe", 4, 64, "bfloat16")
     gpu = lily.Model.load(path, backend="msl-cpu", prefill_chunk=40,
-                          backend_options=dict(metal4=True, apple_gpu_family=10))
+                          backend_options=dict(metal4=True, apple_gpu_family=10, **cases.F32_KV))
     cpu = lily.Model.load(path, backend="cpu", cpu_matmul="f32", prefill_chunk=40)
     prompt = cases.LONG_PROMPT[:40]
     eng = gpu._engine

@@ -171,8 +171,8 @@ def test_refuses_damaged_files(checkpoint, saved, tmp_path):
 
 
 @pytest.mark.parametrize("options", [
-    {},                                                  # contiguous f32 KV cache
-    {"kv_dtype": "float16"},                             # f16 elements, converted to f32 in the file
+    {"kv_dtype": "float32"},                             # contiguous f32 KV cache
+    {},                                                  # the default f16 elements, f32 in the file
     {"block_threshold": 20, "block_len": 8},             # the fixed-block layout of long contexts
 ], ids=["f32", "f16", "blocks"])
 def test_gpu_backend_sessions_continue_bit_identically(checkpoint, tmp_path, options):
@@ -190,9 +190,9 @@ def test_gpu_backend_sessions_continue_bit_identically(checkpoint, tmp_path, opt
     fresh = _load(checkpoint, backend="msl-cpu", backend_options=options)
     loaded = fresh.load_session(tmp_path / "gpu.safetensors")
     np.testing.assert_array_equal(loaded.prefill(prompt[SPLIT:], all_logits=True), rest)
-    if options.get("kv_dtype") == "float16":
+    if not options:
         with pytest.raises(lily.ConfigError, match="KV cache dtype 'float16', this model runs 'float32'"):
-            _load(checkpoint, backend="msl-cpu").load_session(tmp_path / "gpu.safetensors")
+            _load(checkpoint, backend="msl-cpu", backend_options=cases.F32_KV).load_session(tmp_path / "gpu.safetensors")
 
 
 def test_state_tensors_follow_the_config(checkpoint):

@@ -106,7 +106,7 @@ void encode_attn_decode(EncoderContext& ctx, const AttnArgs& args, int T, const 
         .read("part_o", part_o, po)
         .read("part_ml", part_ml, pml)
         .write("o", o, Hq * D * 4);
-    d.run({uint32_t(Hq), 1, 1}, {128, 1, 1});
+    d.run({uint32_t(Hq), uint32_t(div_up(D, LILY_ATTN_COMBINE_COLUMNS)), 1}, {LILY_ATTN_COMBINE_COLUMNS, 1, 1});
   }
 }
 

@@ -47,13 +47,20 @@ namespace lily::gpu {
 
 struct GpuOptions {
   // Decode over a context longer than this splits the cache (split-K + combine); shorter
-  // contexts take the single pass. Parameters so tests reach both routes with tiny models.
-  int split_threshold = 4096;
-  int split_len = 1024;  // positions per split (grown so that splits <= max_splits)
+  // contexts take the single pass. Splits of split_len positions walked from position 0 (grown
+  // to a multiple of it once there would be more than max_splits): an M-series GPU needs many
+  // threadgroups per dispatch to stream the cache at full bandwidth, and one threadgroup per KV
+  // head and split gives 64 at a 1K context of the 35B shape (2 KV heads), 256 from 4K on
+  // (benchmarks/metal_plan.py; tests/test_metal_plan.py holds it). Parameters so tests reach
+  // both routes with tiny models.
+  int split_threshold = 32;
+  int split_len = 32;
   int max_splits = 128;
-  // KV cache elements in half precision: half the bytes per token at long contexts, at the cost
-  // of f16 rounding of k and v (default f32: the CPU backend's precision).
-  bool kv_half = false;
+  // KV cache elements in half precision (the default): half the bytes per token at long
+  // contexts (a 128K decode step reads 4.5 GB instead of 7.2 GB at the 35B shape), at the cost
+  // of one f16 rounding of k and v; scores, softmax and sums stay f32. false: f32 elements, the
+  // CPU backend's precision (what the tests that compare at 1e-4 select).
+  bool kv_half = true;
   // A context reaching block_threshold positions moves its KV cache (once) into fixed blocks of
   // block_len positions (csrc/gpu/kv_cache.cpp): later growth adds blocks without copying
   // the cache, and split-K walks whole blocks.

@@ -157,6 +157,8 @@ void Dispatch::run(Size3 grid, Size3 threads) {
   }
   ++ctx_.stats().dispatches;
   rec_.stage = ctx_.stage();
+  rec_.threadgroups = uint64_t(grid.width) * grid.height * grid.depth;
+  rec_.threads_per_threadgroup = uint32_t(n);
   if (ctx_.recording) ctx_.records.push_back(rec_);
 }
 

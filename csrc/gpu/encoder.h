@@ -36,6 +36,8 @@ struct DispatchRecord {
   uint64_t weight_bytes = 0;  // checkpoint bytes the kernel reads
   uint64_t state_bytes = 0;   // KV cache / DeltaNet state bytes read (and written back)
   uint64_t other_bytes = 0;   // activations read and written
+  uint64_t threadgroups = 0;             // in the grid
+  uint32_t threads_per_threadgroup = 0;  // all three dimensions multiplied
 };
 
 struct GpuStats {

@@ -54,19 +54,26 @@ void encode_gdn_recurrence(EncoderContext& ctx, const GdnArgs& args, const Buffe
                            const BufferRange& b, const BufferRange& a, const BufferRange& z,
                            const GdnLayerBuffers& L, const GdnStateView& st, const BufferRange& o) {
   const size_t f = size_t(args.T) * 4, C = args.C, vdim = size_t(args.Hv) * args.Dv, Hv = args.Hv;
-  Dispatch d(ctx, "gdn.metal", "gdn_recurrence_dk" + std::to_string(args.Dk));
+  {
+    Dispatch d(ctx, "gdn.metal", "gdn_recurrence_dk" + std::to_string(args.Dk));
+    d.args(args)
+        .read("conv_out", conv_out, f * C)
+        .read("b", b, f * Hv)
+        .read("a", a, f * Hv)
+        .weight("a_neg", {L.a_neg, 0})
+        .weight("dt_bias", {L.dt_bias, 0})
+        .state("S", st.S_in, false, st.S_in->length())
+        .write("o", o, f * vdim)
+        .state("S_out", st.S_out, true, st.S_out->length());
+    d.run({args.Hv, div_up(args.Dv, LILY_GDN_COLUMNS), 1}, {LILY_GDN_COLUMNS, 1, 1});
+  }
+  Dispatch d(ctx, "gdn.metal", "gdn_gated_norm");
   d.args(args)
-      .read("conv_out", conv_out, f * C)
-      .read("b", b, f * Hv)
-      .read("a", a, f * Hv)
       .read("z", z, f * vdim)
-      .weight("a_neg", {L.a_neg, 0})
-      .weight("dt_bias", {L.dt_bias, 0})
       .weight("norm_w", {L.norm_w, 0})
-      .state("S", st.S_in, false, st.S_in->length())
       .write("o", o, f * vdim)
-      .state("S_out", st.S_out, true, st.S_out->length());
-  d.run({args.Hv, 1, 1}, {32 * div_up(args.Dv, 32), 1, 1});
+      .declare_read(o.buf, f * vdim, o.off);
+  d.run({args.Hv, args.T, 1}, {32 * div_up(args.Dv, 32), 1, 1});
 }
 
 bool gdn_prefill_fits(int Dk, int Dv) {

@@ -143,6 +143,8 @@ void init_kernel_args(nb::module_& parent) {
   m.attr("GEMM_BN") = LILY_GEMM_BN;
   m.attr("GEMM_THREADS") = LILY_GEMM_THREADS;
   m.attr("ATTN_THREADS") = 32 * LILY_ATTN_SIMDGROUPS;
+  m.attr("ATTN_COMBINE_COLUMNS") = LILY_ATTN_COMBINE_COLUMNS;
+  m.attr("GDN_COLUMNS") = LILY_GDN_COLUMNS;
   m.attr("ATTN_PF_ROWS") = LILY_ATTN_PF_ROWS;
   m.attr("ATTN_PF_THREADS") = 32 * LILY_ATTN_PF_SIMDGROUPS;
   m.attr("GDN_PREP_THREADS") = LILY_GDN_PREP_THREADS;

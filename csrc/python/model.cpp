@@ -67,7 +67,7 @@ struct BackendArgs {
   int split_threshold = -1, split_len = -1, gemm_min_rows = -1, block_threshold = -1, block_len = -1;
   bool check_dependencies = false, asan = false, metal4 = false, opaque_buffers = false;
   int interleavings = 0;
-  std::string kv_dtype = "float32", gemm = "auto", cpu_matmul = "auto";
+  std::string kv_dtype = "auto", gemm = "auto", cpu_matmul = "auto";
   int apple_gpu_family = 0;    // msl-cpu: the family the device reports (0: its default)
   uint64_t working_set = 0;    // msl-cpu: recommendedMaxWorkingSetSize reported (0: none)
   std::string fail_dispatch, fail_library;  // msl-cpu: fault injection (tests of error paths)
@@ -101,9 +101,11 @@ std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weigh
                       "opaque_buffers are options of the msl-cpu backend (a real device reports its own)");
   if (a.block_threshold >= 0) opt.block_threshold = a.block_threshold;
   if (a.block_len > 0) opt.block_len = a.block_len;
-  if (a.kv_dtype != "float32" && a.kv_dtype != "float16")
-    throw ConfigError("[engine] kv_dtype must be 'float32' or 'float16', not '" + a.kv_dtype + "'");
-  opt.kv_half = a.kv_dtype == "float16";
+  // "auto": float16 (GpuOptions::kv_half's default: half the bytes a long-context decode step
+  // reads, f32 accumulation); "float32" is the reference option the tight tests select.
+  if (a.kv_dtype != "auto" && a.kv_dtype != "float32" && a.kv_dtype != "float16")
+    throw ConfigError("[engine] kv_dtype must be 'auto', 'float32' or 'float16', not '" + a.kv_dtype + "'");
+  if (a.kv_dtype != "auto") opt.kv_half = a.kv_dtype == "float16";
   if (name == "msl-cuda") {
     // The msl_cpu checking modes have no CUDA counterpart here: refused by name.
     for (const auto& [set, option] : {std::pair{a.check_dependencies, "check_dependencies"},
@@ -146,6 +148,17 @@ std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weigh
 
 TensorSlice slice(int file, const std::string& name, int index, int row_begin, int row_end) {
   return TensorSlice{file, name, index, row_begin, row_end};
+}
+
+// (kernel, stage, weight bytes, state bytes, other bytes, threadgroups, threads per threadgroup)
+// per dispatch: what gpu_records, gpu_plan and gpu_plan_prefill return.
+using DispatchRow = std::tuple<std::string, int, uint64_t, uint64_t, uint64_t, uint64_t, uint32_t>;
+std::vector<DispatchRow> dispatch_rows(const std::vector<gpu::DispatchRecord>& records) {
+  std::vector<DispatchRow> rows;
+  for (const auto& d : records)
+    rows.emplace_back(d.kernel, d.stage, d.weight_bytes, d.state_bytes, d.other_bytes, d.threadgroups,
+                      d.threads_per_threadgroup);
+  return rows;
 }
 
 using PackedArray = nb::ndarray<const uint32_t, nb::ndim<2>, nb::c_contig>;
@@ -414,7 +427,7 @@ void init_model(nb::module_& m) {
           },
           nb::arg("weights"), nb::arg("backend") = "cpu", nb::arg("threads") = 0, nb::arg("prefill_chunk") = 512,
           nb::arg("split_threshold") = -1, nb::arg("split_len") = -1, nb::arg("check_dependencies") = false,
-          nb::arg("interleavings") = 0, nb::arg("kv_dtype") = "float32", nb::arg("asan") = false,
+          nb::arg("interleavings") = 0, nb::arg("kv_dtype") = "auto", nb::arg("asan") = false,
           nb::arg("gemm_min_rows") = -1, nb::arg("metal4") = false, nb::arg("gemm") = "auto",
           nb::arg("block_threshold") = -1, nb::arg("block_len") = -1, nb::arg("cpu_matmul") = "auto",
           nb::arg("apple_gpu_family") = 0, nb::arg("working_set") = 0, nb::arg("fail_dispatch") = "",
@@ -450,14 +463,12 @@ void init_model(nb::module_& m) {
       .def("gpu_records", [](Engine& e, bool recording) {
         auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
         if (!g) throw Error("[engine] gpu_records: the backend is not a GPU backend");
-        std::vector<std::tuple<std::string, int, uint64_t, uint64_t, uint64_t>> rows;
-        for (const auto& d : g->records())
-          rows.emplace_back(d.kernel, d.stage, d.weight_bytes, d.state_bytes, d.other_bytes);
+        auto rows = dispatch_rows(g->records());
         g->records().clear();
         g->set_recording(recording);
         return rows;
       }, nb::arg("recording"),
-      "[(kernel, stage, weight bytes, state bytes, other bytes)] of the dispatches encoded since the last "
+      "[(kernel, stage, weight bytes, state bytes, other bytes, threadgroups, threads per threadgroup)] of the dispatches encoded since the last "
       "call (while recording), then clears them and turns recording on or off.")
       .def("gpu_timings", [](Engine& e) {
         auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
@@ -569,10 +580,7 @@ void init_model(nb::module_& m) {
         if (split_len > 0) opt.split_len = split_len;
         if (gemm_min_rows > 0) opt.gemm_min_rows = gemm_min_rows;
         gpu::DecodePlan p = gpu::plan_chunk(c, q, opt, context, tokens);
-        std::vector<std::tuple<std::string, int, uint64_t, uint64_t, uint64_t>> rows;
-        for (const auto& d : p.dispatches)
-          rows.emplace_back(d.kernel, d.stage, d.weight_bytes, d.state_bytes, d.other_bytes);
-        return std::make_tuple(rows, std::make_tuple(p.stats.dispatches, p.stats.barriers,
+        return std::make_tuple(dispatch_rows(p.dispatches), std::make_tuple(p.stats.dispatches, p.stats.barriers,
                                                      p.stats.command_buffers, p.stats.waits),
                                p.scratch_bytes);
       },
@@ -582,7 +590,7 @@ void init_model(nb::module_& m) {
       nb::arg("block_threshold") = -1,
       "The GPU backend's dispatch sequence for one decode step (or a prefill chunk of `tokens` "
       "tokens ending at `context`), recorded without running it: "
-      "([(kernel, stage, weight bytes, state bytes, other bytes)], (dispatches, barriers, "
+      "([(kernel, stage, weight bytes, state bytes, other bytes, threadgroups, threads per threadgroup)], (dispatches, barriers, "
       "command buffers, CPU waits), scratch bytes allocated while encoding it).");
 
   m.def(
@@ -592,11 +600,8 @@ void init_model(nb::module_& m) {
         gpu::GpuOptions opt;
         opt.kv_half = kv_half;
         gpu::PrefillPlan p = gpu::plan_prefill(c, q, opt, prompt, chunk);
-        std::vector<std::tuple<std::string, int, uint64_t, uint64_t, uint64_t>> rows;
-        for (const auto& d : p.last_chunk)
-          rows.emplace_back(d.kernel, d.stage, d.weight_bytes, d.state_bytes, d.other_bytes);
         nb::dict out;
-        out["last_chunk"] = rows;
+        out["last_chunk"] = dispatch_rows(p.last_chunk);
         out["last_tokens"] = p.last_tokens;
         out["chunks"] = p.chunks;
         out["last_stats"] = std::make_tuple(p.last_stats.dispatches, p.last_stats.barriers,
@@ -612,7 +617,7 @@ void init_model(nb::module_& m) {
       nb::arg("gate_bits") = 8, nb::arg("kv_half") = false,
       "The GPU backend's dispatch sequence for a prompt prefilled in chunks (the last chunk as device greedy "
       "step 0), recorded without running it: a dict with the last chunk's dispatches [(kernel, stage, weight "
-      "bytes, state bytes, other bytes)], last_stats / total (dispatches, barriers, command buffers, CPU "
+      "bytes, state bytes, other bytes, threadgroups, threads per threadgroup)], last_stats / total (dispatches, barriers, command buffers, CPU "
       "waits), waits_inside_chunks, device_bytes (backend buffers, no weights) and state_bytes.");
 
   // Whether this build has the Metal backend, and the device it would run on: what

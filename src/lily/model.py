@@ -236,7 +236,8 @@ class Model:
         which the KV cache moves into fixed blocks, and their length; gemm_min_rows: the
         shortest chunk that runs prefill GEMMs rather than GEMVs; gemm: "auto", "simdgroup" or
         "tensor", the prefill GEMMs' inner product (simdgroup_matrix, or Metal 4 tensor ops
-        where the GPU has them); kv_dtype: "float32" or "float16" KV cache;
+        where the GPU has them); kv_dtype: the KV cache's elements, "float16" (the default,
+        "auto") or "float32" (the CPU backend's precision);
         check_dependencies, interleavings, asan: the MSL-on-CPU runtime's checking modes;
         metal4, apple_gpu_family, working_set: what the MSL-on-CPU device reports (Metal 4
         tensors, the Apple GPU family 7-10, recommendedMaxWorkingSetSize in bytes);

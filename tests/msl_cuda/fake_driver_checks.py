@@ -342,7 +342,7 @@ def whole_model():
     # The second decode step takes the context to block_threshold 8: the 7 cached rows move into
     # blocks of 4 by device copies, one per (block, KV head) of K and V of every attention layer.
     moves = [r["bytes"] for r in ev["decode1"] if r["call"] == "dtod"]
-    row = hd * 4
+    row = hd * (2 if gpu._engine.kv_dtype == "float16" else 4)  # (the default KV cache: float16)
     assert sorted(moves) == sorted([3 * row, 4 * row] * (n_attn * 2 * hkv)), moves
     # A snapshot reads, a restore writes, the recurrent state (conv window and S of every
     # DeltaNet layer); a fork copies the whole state on the device.
