@@ -176,18 +176,23 @@ inline __m256i dpbusd(__m256i acc, __m256i a, __m256i b) {
 // prefetchers stop at every 4 KiB page and ramp up again on the next, which left one thread's
 // loads waiting on DRAM. The row kernels prefetch each of a quad's four weight streams a
 // distance ahead (rows are contiguous: near a row's end that is a later row), and the scales
-// and biases of the next block of rows (StreamPrefetch). The distance, about five rows (at least
-// 5 KiB, at most 16 KiB), is empirical (benchmarks/kernels/matvec_bench, 2 threads, matrices of
-// 64-256 MB): 1 KiB rows (the lm_head, in = 2048) ran best at 5-6 KiB and 10-15% slower at 2, 4
-// and 8 KiB; 2 KiB rows at 8-10 KiB; 256-byte rows anywhere from 5 to 8 KiB.
-inline size_t prefetch_distance(size_t row_bytes) { return std::clamp<size_t>(5 * row_bytes, 5120, 16384); }
+// and biases of the next block of rows (StreamPrefetch), into L2 (kPrefetchLocality).
+// Measured with benchmarks/kernels/matvec_bench, 248320 x 2048 4-bit (the lm_head), 1-2 threads:
+// - into L2, not L1: on the CI-class AMD EPYC (Zen 4) prefetcht0 streamed 10 GB/s on one thread
+//   and 19 GB/s on two, prefetcht1 19-20 and 26-27 (prefetchnta 8-10). The L1 fills of t0
+//   compete with the kernel's own loads; from L2 the core's L1 prefetcher takes over.
+// - the distance, about eight rows (at least 8 KiB, at most 32 KiB): with prefetcht1, 2 KiB ran
+//   at 16-17 GB/s on two threads, 5 KiB at 22-23, 8-32 KiB at 26-27. (The first tuning, on an
+//   Intel Xeon with prefetcht0, chose five rows: 1 KiB rows ran best at 5-6 KiB there.)
+constexpr int kPrefetchLocality = 2;  // __builtin_prefetch's: 2 = prefetcht1 on x86
+inline size_t prefetch_distance(size_t row_bytes) { return std::clamp<size_t>(8 * row_bytes, 8192, 32768); }
 
 // One row-major stream, prefetched up to a moving target.
 struct StreamPrefetch {
   const uint8_t* next;  // first byte not yet prefetched
   const uint8_t* end;   // the stream's end: nothing past it is touched
   void upto(const uint8_t* target) {
-    for (const uint8_t* t = std::min(end, target); next < t; next += 64) __builtin_prefetch(next, 0, 3);
+    for (const uint8_t* t = std::min(end, target); next < t; next += 64) __builtin_prefetch(next, 0, kPrefetchLocality);
   }
 };
 
@@ -511,7 +516,7 @@ void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* 
           if (t0 == 0)
             for (int i = 0; i < 4; ++i) {
               const uint8_t* ahead = qrows[i] + size_t(st) * S::kFull * BITS / 8 + pf_distance;
-              if (ahead < w_end) __builtin_prefetch(ahead, 0, 3);
+              if (ahead < w_end) __builtin_prefetch(ahead, 0, kPrefetchLocality);
             }
 #if defined(LILY_INT8_AVX512)
           if (tail && st == nsteps - 1) S::template quad<true, NT>(qrows, xt, st * S::kFull, q);
