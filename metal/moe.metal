@@ -96,14 +96,17 @@ kernel void moe_gate_up(constant MoeGateUpArgs& args [[buffer(0)]],
   device const float* x = h + ulong(t) * args.gate.in;
   device float* out = act + (ulong(t) * args.k + job) * I;
   const uint row0 = (tg.x * LILY_GEMV_SIMDGROUPS + simd_id) * LILY_GEMV_ROWS_PER_SIMDGROUP;
-  for (uint r = 0; r < LILY_GEMV_ROWS_PER_SIMDGROUP; ++r) {
-    const uint row = row0 + r;
-    if (row >= I) break;
-    const float g = simd_sum(row_partial<S>(at(gate_w, gate_table, e, 0), at(gate_s, gate_table, e, 1),
-                                            at(gate_b, gate_table, e, 2), args.gate, row, x, lane));
-    const float u = simd_sum(row_partial<S>(at(up_w, up_table, e, 0), at(up_s, up_table, e, 1),
-                                            at(up_b, up_table, e, 2), args.up, row, x, lane));
-    if (lane == 0) out[row] = silu_f(g) * u;
+  if (row0 >= I) return;  // uniform across the simdgroup (no barrier below)
+  const uint rows = min(uint(LILY_GEMV_ROWS_PER_SIMDGROUP), I - row0);
+  const RowParts pg = rows_partial<S>(at(gate_w, gate_table, e, 0), at(gate_s, gate_table, e, 1),
+                                      at(gate_b, gate_table, e, 2), args.gate, row0, rows, x, lane);
+  const RowParts pu = rows_partial<S>(at(up_w, up_table, e, 0), at(up_s, up_table, e, 1),
+                                      at(up_b, up_table, e, 2), args.up, row0, rows, x, lane);
+  LILY_UNROLL for (int r = 0; r < LILY_GEMV_ROWS_PER_SIMDGROUP; ++r) {
+    if (uint(r) < rows) {  // uniform across the simdgroup
+      const float g = simd_sum(pg.v[r]), u = simd_sum(pu.v[r]);
+      if (lane == 0) out[row0 + r] = silu_f(g) * u;
+    }
   }
 }
 
@@ -133,25 +136,31 @@ kernel void moe_down(constant MoeDownArgs& args [[buffer(0)]],
                      uint lane [[thread_index_in_simdgroup]]) {
   const uint t = tg.y, H = args.down.out, I = args.down.in;
   const uint row0 = (tg.x * LILY_GEMV_SIMDGROUPS + simd_id) * LILY_GEMV_ROWS_PER_SIMDGROUP;
-  for (uint r = 0; r < LILY_GEMV_ROWS_PER_SIMDGROUP; ++r) {
-    const uint row = row0 + r;
-    if (row >= H) break;
-    float part = 0.0f;
-    for (uint j = 0; j < args.k; ++j) {
-      const uint e = ids[ulong(t) * args.k + j];
-      const float wt = args.weighted ? weights[ulong(t) * args.k + j] : 1.0f;
-      part += wt * row_partial<S>(at(down_w, down_table, e, 0), at(down_s, down_table, e, 1),
-                                  at(down_b, down_table, e, 2), args.down, row,
-                                  act + (ulong(t) * args.k + j) * I, lane);
+  if (row0 >= H) return;  // uniform across the simdgroup (no barrier below)
+  const uint rows = min(uint(LILY_GEMV_ROWS_PER_SIMDGROUP), H - row0);
+  // Each row's lane partial sums the jobs in order, then the shared expert: per job, the rows
+  // share one read of that job's activations.
+  float part[LILY_GEMV_ROWS_PER_SIMDGROUP] = {};
+  for (uint j = 0; j < args.k; ++j) {
+    const uint e = ids[ulong(t) * args.k + j];
+    const float wt = args.weighted ? weights[ulong(t) * args.k + j] : 1.0f;
+    const RowParts p = rows_partial<S>(at(down_w, down_table, e, 0), at(down_s, down_table, e, 1),
+                                       at(down_b, down_table, e, 2), args.down, row0, rows,
+                                       act + (ulong(t) * args.k + j) * I, lane);
+    LILY_UNROLL for (int r = 0; r < LILY_GEMV_ROWS_PER_SIMDGROUP; ++r) part[r] += wt * p.v[r];
+  }
+  if (args.has_shared) {
+    const float gate = sigmoid_f(shared_gate[t]);
+    const RowParts p = rows_partial<S>(at(shared_w, shared_table, 0, 0), at(shared_s, shared_table, 0, 1),
+                                       at(shared_b, shared_table, 0, 2), args.shared_down, row0, rows,
+                                       shared_act + ulong(t) * args.shared_down.in, lane);
+    LILY_UNROLL for (int r = 0; r < LILY_GEMV_ROWS_PER_SIMDGROUP; ++r) part[r] += gate * p.v[r];
+  }
+  LILY_UNROLL for (int r = 0; r < LILY_GEMV_ROWS_PER_SIMDGROUP; ++r) {
+    if (uint(r) < rows) {  // uniform across the simdgroup
+      const float total = simd_sum(part[r]);
+      if (lane == 0) y[ulong(t) * H + row0 + r] = total;
     }
-    if (args.has_shared) {
-      part += sigmoid_f(shared_gate[t]) *
-              row_partial<S>(at(shared_w, shared_table, 0, 0), at(shared_s, shared_table, 0, 1),
-                             at(shared_b, shared_table, 0, 2), args.shared_down, row,
-                             shared_act + ulong(t) * args.shared_down.in, lane);
-    }
-    const float total = simd_sum(part);
-    if (lane == 0) y[ulong(t) * H + row] = total;
   }
 }
 

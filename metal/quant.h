@@ -9,34 +9,30 @@
 // and both sums accumulate in f32. A word never straddles a group (group % (32/b) == 0).
 //
 // S = uchar selects MLX's microscaled modes (microscale.h; their scales are bytes, there are no
-// biases): per word sum_j w_j x_j = scale[g] * sum_j code_j x_j. The row_partial and
+// biases): per word sum_j w_j x_j = scale[g] * sum_j code_j x_j. The rows_partial and
 // dequantize_element specializations for uchar read them; the other S read affine or dense W.
 //
 // Work split: the 32 lanes of a simdgroup take consecutive words (dense: consecutive elements),
-// so each step of a simdgroup reads one contiguous 128-byte run of the row. The caller reduces
-// the lane partials with simd_sum.
+// so each step of a simdgroup reads one contiguous 128-byte run of each row; a simdgroup serves
+// up to LILY_GEMV_ROWS_PER_SIMDGROUP rows with each x value read once. The caller reduces the
+// lane partials with simd_sum.
 #pragma once
 #include <metal_stdlib>
+#include "lily_msl.h"  // LILY_UNROLL
 #include "microscale.h"
 #include "quant_args.h"
 using namespace metal;
 
-// How a row dot product reads one packed word of BITS-wide codes: partial(word, xs, g) is
-// sum_j w_j xs[j] over the word's 32 / BITS elements, all of group g.
+// How a row dot product reads the packed words of BITS-wide codes, per word of group g:
+// sum_j w_j x_j = combine(sum_j code(q_j) x_j, sum_j x_j, g).
 //   affine: scale[g] * sum_j q_j x_j + bias[g] * sum_j x_j
 template <int BITS, typename S>
 struct AffineWords {
   device const S* scales;  // this row's
   device const S* biases;
-  float partial(uint word, device const float* xs, uint g) const {
-    float qx = 0.0f, sx = 0.0f;
-    for (uint j = 0; j < 32 / BITS; ++j) {
-      const float xv = xs[j];
-      qx += float((word >> (j * BITS)) & ((1u << BITS) - 1u)) * xv;
-      sx += xv;
-    }
-    return float(scales[g]) * qx + float(biases[g]) * sx;
-  }
+  AffineWords row(uint r, uint groups) const { return {scales + r * groups, biases + r * groups}; }
+  static float code(uint q) { return float(q); }
+  float combine(float qx, float sx, uint g) const { return float(scales[g]) * qx + float(biases[g]) * sx; }
 };
 
 //   microscaled: scale[g] * sum_j code_j x_j (microscale.h)
@@ -44,59 +40,88 @@ template <int BITS>
 struct MicroscaledWords {
   device const uchar* scales;  // this row's
   uint group;
-  float partial(uint word, device const float* xs, uint g) const {
-    float qx = 0.0f;
-    for (uint j = 0; j < 32 / BITS; ++j) qx += microscale_code<BITS>((word >> (j * BITS)) & ((1u << BITS) - 1u)) * xs[j];
-    return microscale_scale(scales[g], group) * qx;
-  }
+  MicroscaledWords row(uint r, uint groups) const { return {scales + r * groups, group}; }
+  static float code(uint q) { return microscale_code<BITS>(q); }
+  float combine(float qx, float, uint g) const { return microscale_scale(scales[g], group) * qx; }
 };
 
-// A packed row (w at its first word) . x, this lane's words.
+// The lane partials of up to LILY_GEMV_ROWS_PER_SIMDGROUP consecutive rows of one matrix
+// against one x: v[r] for row row0 + r, r < rows (the caller reduces each with simd_sum).
+struct RowParts {
+  float v[LILY_GEMV_ROWS_PER_SIMDGROUP];
+};
+
+// Packed rows (w at the first row's first word, `stride` words between rows) . x, this lane's
+// words: the lane takes words lane, lane + 32, ... (so each step of a simdgroup reads one
+// contiguous 128-byte run of a row), reads the word's x values once into registers and uses
+// them for every row it serves (the x slice is re-read per row otherwise: 4x the x traffic).
+// Each row's sum runs over the lane's words in the same order as for one row alone.
 template <int BITS, typename Words>
-inline float packed_row_partial(device const uint* w, Words words, device const float* x, uint in, uint group,
-                                uint lane) {
+inline RowParts packed_rows_partial(device const uint* w, uint stride, Words words, uint groups, uint rows,
+                                    device const float* x, uint in, uint group, uint lane) {
   constexpr uint per_word = 32 / BITS;
   const uint n = in / per_word;
-  float part = 0.0f;
-  for (uint i = lane; i < n; i += 32) part += words.partial(w[i], x + i * per_word, i * per_word / group);
-  return part;
-}
-
-template <typename S>
-inline float dense_row_partial(device const S* w, device const float* x, uint in, uint lane) {
-  float part = 0.0f;
-  for (uint i = lane; i < in; i += 32) part += float(w[i]) * x[i];
-  return part;
-}
-
-// Row `row` of matrix m (w, scales, biases at their matrix starts). The switch is uniform
-// across the dispatch, so it costs a branch, not divergence.
-template <typename S>
-inline float row_partial(device const uchar* w, device const uchar* scales,
-                         device const uchar* biases, constant QuantMatrix& m, uint row,
-                         device const float* x, uint lane) {
-  if (m.bits == 0) {
-    return dense_row_partial((device const S*)w + ulong(row) * m.in, x, m.in, lane);
+  RowParts p;
+  LILY_UNROLL for (int r = 0; r < LILY_GEMV_ROWS_PER_SIMDGROUP; ++r) p.v[r] = 0.0f;
+  for (uint i = lane; i < n; i += 32) {
+    float xs[per_word], sx = 0.0f;
+    LILY_UNROLL for (uint j = 0; j < per_word; ++j) {
+      xs[j] = x[i * per_word + j];
+      sx += xs[j];
+    }
+    const uint g = i * per_word / group;
+    LILY_UNROLL for (int r = 0; r < LILY_GEMV_ROWS_PER_SIMDGROUP; ++r) {
+      if (uint(r) < rows) {
+        const uint word = w[ulong(r) * stride + i];
+        float qx = 0.0f;
+        LILY_UNROLL for (uint j = 0; j < per_word; ++j) qx += Words::code((word >> (j * BITS)) & ((1u << BITS) - 1u)) * xs[j];
+        p.v[r] += words.row(r, groups).combine(qx, sx, g);
+      }
+    }
   }
-  const uint groups = m.in / m.group;
-  device const uint* wr = (device const uint*)w + ulong(row) * (m.in * m.bits / 32);
-  device const S* sr = (device const S*)scales + ulong(row) * groups;
-  device const S* br = (device const S*)biases + ulong(row) * groups;
+  return p;
+}
+
+template <typename S>
+inline RowParts dense_rows_partial(device const S* w, uint rows, device const float* x, uint in, uint lane) {
+  RowParts p;
+  LILY_UNROLL for (int r = 0; r < LILY_GEMV_ROWS_PER_SIMDGROUP; ++r) p.v[r] = 0.0f;
+  for (uint i = lane; i < in; i += 32) {
+    const float xv = x[i];
+    LILY_UNROLL for (int r = 0; r < LILY_GEMV_ROWS_PER_SIMDGROUP; ++r)
+      if (uint(r) < rows) p.v[r] += float(w[ulong(r) * in + i]) * xv;
+  }
+  return p;
+}
+
+// Rows [row0, row0 + rows) of matrix m (w, scales, biases at their matrix starts), rows <=
+// LILY_GEMV_ROWS_PER_SIMDGROUP. The switch is uniform across the dispatch, so it costs a
+// branch, not divergence.
+template <typename S>
+inline RowParts rows_partial(device const uchar* w, device const uchar* scales, device const uchar* biases,
+                             constant QuantMatrix& m, uint row0, uint rows, device const float* x, uint lane) {
+  if (m.bits == 0) return dense_rows_partial((device const S*)w + ulong(row0) * m.in, rows, x, m.in, lane);
+  const uint groups = m.in / m.group, stride = m.in * m.bits / 32;
+  device const uint* wr = (device const uint*)w + ulong(row0) * stride;
+  device const S* sr = (device const S*)scales + ulong(row0) * groups;
+  device const S* br = (device const S*)biases + ulong(row0) * groups;
   switch (m.bits) {
-    case 2: return packed_row_partial<2>(wr, AffineWords<2, S>{sr, br}, x, m.in, m.group, lane);
-    case 4: return packed_row_partial<4>(wr, AffineWords<4, S>{sr, br}, x, m.in, m.group, lane);
-    default: return packed_row_partial<8>(wr, AffineWords<8, S>{sr, br}, x, m.in, m.group, lane);
+    case 2: return packed_rows_partial<2>(wr, stride, AffineWords<2, S>{sr, br}, groups, rows, x, m.in, m.group, lane);
+    case 4: return packed_rows_partial<4>(wr, stride, AffineWords<4, S>{sr, br}, groups, rows, x, m.in, m.group, lane);
+    default: return packed_rows_partial<8>(wr, stride, AffineWords<8, S>{sr, br}, groups, rows, x, m.in, m.group, lane);
   }
 }
 
-// Row `row` of a microscaled matrix (mxfp8: 8 bits; mxfp4, nvfp4: 4).
+// Rows of a microscaled matrix (mxfp8: 8 bits; mxfp4, nvfp4: 4).
 template <>
-inline float row_partial<uchar>(device const uchar* w, device const uchar* scales, device const uchar* biases,
-                                constant QuantMatrix& m, uint row, device const float* x, uint lane) {
-  device const uint* wr = (device const uint*)w + ulong(row) * (m.in * m.bits / 32);
-  device const uchar* sr = scales + ulong(row) * (m.in / m.group);
-  return m.bits == 8 ? packed_row_partial<8>(wr, MicroscaledWords<8>{sr, m.group}, x, m.in, m.group, lane)
-                     : packed_row_partial<4>(wr, MicroscaledWords<4>{sr, m.group}, x, m.in, m.group, lane);
+inline RowParts rows_partial<uchar>(device const uchar* w, device const uchar* scales, device const uchar* biases,
+                                    constant QuantMatrix& m, uint row0, uint rows, device const float* x, uint lane) {
+  const uint groups = m.in / m.group, stride = m.in * m.bits / 32;
+  device const uint* wr = (device const uint*)w + ulong(row0) * stride;
+  device const uchar* sr = scales + ulong(row0) * groups;
+  return m.bits == 8
+             ? packed_rows_partial<8>(wr, stride, MicroscaledWords<8>{sr, m.group}, groups, rows, x, m.in, m.group, lane)
+             : packed_rows_partial<4>(wr, stride, MicroscaledWords<4>{sr, m.group}, groups, rows, x, m.in, m.group, lane);
 }
 
 // Element j of row `row`, dequantized (embedding gather).

@@ -17,8 +17,9 @@
 #include "quant_gemm.h"
 using namespace metal;
 
-// Each simdgroup owns LILY_GEMV_ROWS_PER_SIMDGROUP rows and walks them one after another, so a
-// threadgroup covers 8 consecutive rows; f32 partials per lane, one simd_sum per row.
+// Each simdgroup owns LILY_GEMV_ROWS_PER_SIMDGROUP rows and walks them together (quant.h
+// rows_partial: each x value read once for all of them), so a threadgroup covers 8 consecutive
+// rows; f32 partials per lane, one simd_sum per row.
 template <typename S>
 kernel void gemv(constant GemvArgs& args [[buffer(0)]],
                  device const uchar* w [[buffer(1)]],       // packed or dense W
@@ -32,11 +33,14 @@ kernel void gemv(constant GemvArgs& args [[buffer(0)]],
   const uint t = tg.y;
   device const float* xt = x + ulong(t) * args.ldx;
   const uint row0 = (tg.x * LILY_GEMV_SIMDGROUPS + simd_id) * LILY_GEMV_ROWS_PER_SIMDGROUP;
-  for (uint r = 0; r < LILY_GEMV_ROWS_PER_SIMDGROUP; ++r) {
-    const uint row = row0 + r;
-    if (row >= args.w.out) break;  // uniform across the simdgroup
-    const float dot = simd_sum(row_partial<S>(w, scales, biases, args.w, row, xt, lane));
-    if (lane == 0) y[ulong(t) * args.ldy + row] = dot;
+  if (row0 >= args.w.out) return;  // uniform across the simdgroup (no barrier below)
+  const uint rows = min(uint(LILY_GEMV_ROWS_PER_SIMDGROUP), args.w.out - row0);
+  const RowParts p = rows_partial<S>(w, scales, biases, args.w, row0, rows, xt, lane);
+  LILY_UNROLL for (int r = 0; r < LILY_GEMV_ROWS_PER_SIMDGROUP; ++r) {
+    if (uint(r) < rows) {  // uniform across the simdgroup
+      const float dot = simd_sum(p.v[r]);
+      if (lane == 0) y[ulong(t) * args.ldy + row0 + r] = dot;
+    }
   }
 }
 
