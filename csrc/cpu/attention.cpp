@@ -15,7 +15,7 @@ void KvCache::reserve(int positions, int max_positions) {
   if (positions <= capacity) return;
   int cap = std::max(capacity, 256);
   while (cap < positions) cap *= 2;
-  cap = std::min(cap, max_positions);
+  cap = std::min(cap, (max_positions + kKvBlock - 1) / kKvBlock * kKvBlock);  // whole K blocks
   std::vector<float> nk(size_t(kv_heads) * cap * head_dim), nv(nk.size());
   for (int hh = 0; hh < kv_heads && capacity > 0; ++hh) {
     std::memcpy(nk.data() + size_t(hh) * cap * head_dim, k.data() + size_t(hh) * capacity * head_dim,
@@ -26,6 +26,18 @@ void KvCache::reserve(int positions, int max_positions) {
   k.swap(nk);
   v.swap(nv);
   capacity = cap;
+}
+
+// (Both layouts keep a head's positions in one run of capacity * head_dim floats, block by
+// block for K, so reserve's copies above move whole blocks.)
+void KvCache::put_k(int head, int pos, const float* row) {
+  float* blk = k.data() + (size_t(head) * capacity + size_t(pos / kKvBlock) * kKvBlock) * head_dim;
+  for (int d = 0; d < head_dim; ++d) blk[size_t(d) * kKvBlock + pos % kKvBlock] = row[d];
+}
+
+void KvCache::get_k(int head, int pos, float* row) const {
+  const float* blk = k_block(head, pos / kKvBlock);
+  for (int d = 0; d < head_dim; ++d) row[d] = blk[size_t(d) * kKvBlock + pos % kKvBlock];
 }
 
 namespace {
@@ -61,13 +73,13 @@ void rope(float* x, int rot, const float* cos, const float* sin) {
 //
 //   qg [T, Hq, 2D] (q, then the output gate)   K, V [Hkv, capacity, D]   o [T, Hq, D]
 //   item rows r = (t - t0) * group + g  <->  query head hq = hk * group + g
-constexpr int kBlock = 32;  // positions per K/V block: 32 KB of K + 32 KB of V at D = 256
+constexpr int kBlock = kKvBlock;  // positions per K/V block: 32 KB of K + 32 KB of V at D = 256
 constexpr int kQTile = 16;  // chunk tokens per work item
 constexpr int kSpan = 8 * kBlock;  // positions per span (the unit of split-K)
 static_assert(kSpan % kBlock == 0, "spans are whole blocks");
 
 // Micro-kernels over one block of kBlock positions for NR rows at a time. The block's keys are
-// transposed once into kt [D, kBlock], so scores need no horizontal sums: for each d, one
+// stored transposed, kt [D, kBlock] (KvCache), so scores need no horizontal sums: for each d, one
 // broadcast of q[r][d] times a row of kt, for NR rows sharing the loads (FMA-bound on AVX-512
 // rather than L2-bound as a dot per (row, position) is).
 //
@@ -138,7 +150,6 @@ void pv_block(const float* p, const float* v, int n, int D, float* const* o, con
 
 // Per-thread working set of one work item.
 struct SpanScratch {
-  std::vector<float> kt;      // [D, kBlock]
   std::vector<float> scores;  // [NR, kBlock]
 };
 
@@ -175,26 +186,17 @@ void attend_rows(KvCache& cache, int hk, const float* const* q, const int* lim, 
 
 void attend_span(KvCache& cache, int hk, const float* const* q, const int* lim, int R, int p0, int p1,
                  float scale_qk, float* m, float* l, float* const* o, SpanScratch& ss) {
-  const int D = cache.head_dim;
-  ss.kt.resize(size_t(D) * kBlock);
   ss.scores.resize(4 * kBlock);
-  for (int b = p0; b < p1; b += kBlock) {
-    const int bend = std::min(b + kBlock, p1), nb = bend - b;
-    // Positions past p1 may be unwritten cache: they enter the transposed block as zeros and
-    // every row masks them.
-    for (int j = 0; j < nb; ++j) {
-      const float* kj = cache.k_at(hk, b + j);
-      for (int d = 0; d < D; ++d) ss.kt[size_t(d) * kBlock + j] = kj[d];
-    }
-    for (int j = nb; j < kBlock; ++j)
-      for (int d = 0; d < D; ++d) ss.kt[size_t(d) * kBlock + j] = 0.0f;
+  for (int b = p0; b < p1; b += kBlock) {  // p0 is a span start: blocks are the cache's K blocks
+    const int bend = std::min(b + kBlock, p1);
+    // Positions of the block at or past p1 (unwritten, or left by a rewound sequence) are scored
+    // too, and every row masks them (attend_rows): their keys never reach a result.
+    const float* kt = cache.k_block(hk, b / kBlock);
     int r = 0;
     for (; r + 4 <= R; r += 4)
-      attend_rows<4>(cache, hk, q + r, lim + r, ss.kt.data(), b, bend, scale_qk, m + r, l + r, o + r,
-                     ss.scores.data());
+      attend_rows<4>(cache, hk, q + r, lim + r, kt, b, bend, scale_qk, m + r, l + r, o + r, ss.scores.data());
     for (; r < R; ++r)
-      attend_rows<1>(cache, hk, q + r, lim + r, ss.kt.data(), b, bend, scale_qk, m + r, l + r, o + r,
-                     ss.scores.data());
+      attend_rows<1>(cache, hk, q + r, lim + r, kt, b, bend, scale_qk, m + r, l + r, o + r, ss.scores.data());
   }
 }
 
@@ -349,7 +351,7 @@ void attention_mixer(const ModelConfig& c, const AttentionWeights& w, KvCache& c
         float* k = s.k.data() + (size_t(t) * Hkv + hk) * D;
         rms_norm(k, w.k_norm.data(), D, c.rms_eps, k);
         rope(k, rot, cs, sn);
-        std::memcpy(cache.k_at(hk, pos0 + int(t)), k, D * sizeof(float));
+        cache.put_k(hk, pos0 + int(t), k);
         std::memcpy(cache.v_at(hk, pos0 + int(t)), s.v.data() + (size_t(t) * Hkv + hk) * D, D * sizeof(float));
       }
     }

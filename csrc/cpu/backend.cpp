@@ -71,8 +71,11 @@ void CpuState::write_recurrent(Snapshot& snap, int layer, const std::vector<floa
 void CpuState::read_kv_rows(int layer, bool v, int positions, float* out) const {
   const KvCache& c = kv[layer];
   const size_t run = size_t(positions) * c.head_dim;
-  for (int h = 0; h < c.kv_heads && positions > 0; ++h)  // [Hkv, capacity, D] -> [Hkv, positions, D]
-    std::copy_n((v ? c.v : c.k).data() + size_t(h) * c.capacity * c.head_dim, run, out + h * run);
+  for (int h = 0; h < c.kv_heads && positions > 0; ++h) {  // the cache's layout -> [Hkv, positions, D]
+    if (v) std::copy_n(c.v.data() + size_t(h) * c.capacity * c.head_dim, run, out + h * run);
+    else
+      for (int p = 0; p < positions; ++p) c.get_k(h, p, out + h * run + size_t(p) * c.head_dim);
+  }
 }
 
 void CpuState::reserve_kv_rows(int rows) {
@@ -90,8 +93,11 @@ void CpuState::reserve_kv_rows(int rows) {
 void CpuState::write_kv_rows(int layer, bool v, int rows, const float* in) {
   KvCache& c = kv[layer];
   const size_t run = size_t(rows) * c.head_dim;
-  for (int h = 0; h < c.kv_heads && rows > 0; ++h)  // [Hkv, rows, D] -> [Hkv, capacity, D]
-    std::copy_n(in + h * run, run, (v ? c.v : c.k).data() + size_t(h) * c.capacity * c.head_dim);
+  for (int h = 0; h < c.kv_heads && rows > 0; ++h) {  // [Hkv, rows, D] -> the cache's layout
+    if (v) std::copy_n(in + h * run, run, c.v.data() + size_t(h) * c.capacity * c.head_dim);
+    else
+      for (int p = 0; p < rows; ++p) c.put_k(h, p, in + h * run + size_t(p) * c.head_dim);
+  }
 }
 
 CpuBackend::CpuBackend(std::shared_ptr<const ModelWeights> weights, int n_threads, Matmul matmul)
