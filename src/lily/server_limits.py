@@ -16,10 +16,11 @@ additions, chosen by a test that held 32 slow connections against each candidate
   its connection is closed;
 - a cap on open connections: one over the cap is answered ``503`` and closed at once, so a
   flood costs a descriptor only for the moment it takes to refuse it; and a short listen
-  backlog, which is also how many connections asyncio accepts in one go. A refused
-  connection's descriptor is closed one event-loop turn after its refusal, while the next batch
-  may already be accepted in that turn, so a burst can hold the cap plus two batches:
-  ``accept_batch`` sizes the backlog so that this fits the open-file limit;
+  backlog, which is also how many connections asyncio accepts in one go. A batch accepted in
+  one event-loop turn gets its transports the next turn and ``connection_made`` (the refusal)
+  the turn after; a refused connection's descriptor closes one turn later still. Meanwhile the
+  next batches are accepted, so a burst can hold the cap plus three batches: ``accept_batch``
+  sizes the backlog so that three fit the open-file limit;
 - a small kernel send buffer per connection (``SO_SNDBUF``), so a client that stops reading a
   stream blocks the server's writes after a few hundred KiB instead of after the several MiB
   Linux's autotuning grants; that is what lets the server notice a stalled reader
@@ -82,9 +83,11 @@ def default_max_connections() -> int:
 
 def accept_batch(limits: ServerLimits) -> int:
     """The listen backlog (asyncio's accept batch) to use: ``limits.backlog``, smaller where the
-    open-file limit cannot hold the connection cap plus two batches plus 32 descriptors for the
-    process's own files (a burst found EMFILE at a limit of 160 with the cap at 56 and batches
-    of 64)."""
+    open-file limit cannot hold the connection cap plus three batches (as many as can be in
+    flight, see the module's docstring) plus 32 descriptors for the process's own files. At a
+    limit of 160 with the cap at 56, batches of 64 met EMFILE, and so, now and then, did batches
+    of 36 (sized for two in flight). Smaller batches are a shorter listen queue too: at 18 a
+    burst of 48 connections lost some before the server took them."""
     try:
         import resource
 
@@ -93,7 +96,7 @@ def accept_batch(limits: ServerLimits) -> int:
         return limits.backlog
     if soft == resource.RLIM_INFINITY:
         return limits.backlog
-    return max(1, min(limits.backlog, (soft - limits.max_connections - 32) // 2))
+    return max(1, min(limits.backlog, (soft - limits.max_connections - 32) // 3))
 
 
 def _raw_response(status: int, reason: str, code: str, message: str) -> bytes:
