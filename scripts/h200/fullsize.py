@@ -50,13 +50,36 @@ def run_session(model, ids: np.ndarray, steps: int) -> dict:
             "finite": bool(np.isfinite(first).all() and np.isfinite(logits).all())}
 
 
-def kernel_table(rows) -> list[dict]:
-    """[(kernel, ms)] of each dispatch -> per kernel: dispatches, total ms, sorted by time."""
-    agg: dict[str, list[float]] = defaultdict(list)
-    for name, ms in rows:
-        agg[name].append(ms)
-    out = [{"kernel": k, "dispatches": len(v), "ms": float(sum(v))} for k, v in agg.items()]
+def kernel_table(records, timings) -> list[dict]:
+    """Records [(kernel, stage, weight, state, other bytes, tgs, threads)] and timings
+    [(kernel, ms)] of the same dispatches, in order -> per kernel: dispatches, bytes (the
+    records' count of what each dispatch reads and writes), ms and GB/s, by time."""
+    if len(records) != len(timings):
+        raise RuntimeError(f"{len(records)} recorded dispatches but {len(timings)} timed ones")
+    agg: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
+    for rec, (name, ms) in zip(records, timings, strict=True):
+        if rec[0] != name:
+            raise RuntimeError(f"dispatch order differs: recorded {rec[0]}, timed {name}")
+        a = agg[name]
+        a[0] += 1
+        a[1] += rec[2] + rec[3] + rec[4]
+        a[2] += ms
+    out = [{"kernel": k, "dispatches": int(n), "bytes": int(b), "ms": ms, "gb_s": b / (ms * 1e6) if ms > 0 else 0.0}
+           for k, (n, b, ms) in agg.items()]
     return sorted(out, key=lambda r: -r["ms"])
+
+
+def kernel_markdown(rows: list[dict], title: str, copy_gbs: float | None) -> list[str]:
+    """The per-kernel table: time, bytes, GB/s and % of the measured copy bandwidth."""
+    total = sum(k["ms"] for k in rows)
+    nbytes = sum(k["bytes"] for k in rows)
+    pct = (lambda g: f"{100 * g / copy_gbs:.0f}%") if copy_gbs else (lambda g: "-")
+    md = ["", f"GPU time by kernel, {title}: {total:.2f} ms, {nbytes / 1e6:.1f} MB, {nbytes / (total * 1e6):.0f} GB/s"
+          + (f" (copy bandwidth {copy_gbs:.0f} GB/s)" if copy_gbs else ""), "",
+          "| kernel | dispatches | MB | ms | share | GB/s | % of copy |", "|---|---:|---:|---:|---:|---:|---:|"]
+    md += [f"| {k['kernel']} | {k['dispatches']} | {k['bytes'] / 1e6:.1f} | {k['ms']:.3f} | "
+           f"{100 * k['ms'] / total:.1f}% | {k['gb_s']:.0f} | {pct(k['gb_s'])} |" for k in rows[:20]]
+    return md
 
 
 def main(argv=None) -> int:
@@ -68,7 +91,8 @@ def main(argv=None) -> int:
     ap.add_argument("--check-max", type=int, default=4096, help="CPU reference up to this context")
     ap.add_argument("--f32-max", type=int, default=4096, help="the f32 CPU mode up to this context")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--timing-prefill", type=int, default=512)
+    ap.add_argument("--timing-prefill", type=int, default=512, help="0: no timing pass")
+    ap.add_argument("--copy-gbs", type=float, help="the GPU's measured copy bandwidth (scripts/h200/copy_bw.cu)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -113,14 +137,15 @@ def main(argv=None) -> int:
     # Timing pass: the same backend with an event pair around every dispatch.
     del gpu
     timed = lily.Model.load(a.ckpt, backend=a.backend, max_context=a.timing_prefill + 4,
-                            backend_options={"timing": True}) if a.backend == "msl-cuda" else None
+                            backend_options={"timing": True}) if a.backend == "msl-cuda" and a.timing_prefill else None
     if timed is not None:
         s = timed.session(a.timing_prefill + 4)
         timed._engine.gpu_timings()  # drop the load's
+        timed._engine.gpu_records(True)
         logits = s.prefill(rng.integers(0, vocab, a.timing_prefill).astype(np.int32))
-        report["prefill_kernels"] = kernel_table(timed._engine.gpu_timings())
+        report["prefill_kernels"] = kernel_table(timed._engine.gpu_records(True), timed._engine.gpu_timings())
         s.decode(int(np.argmax(logits)))
-        report["decode_kernels"] = kernel_table(timed._engine.gpu_timings())
+        report["decode_kernels"] = kernel_table(timed._engine.gpu_records(False), timed._engine.gpu_timings())
 
     (a.out / "fullsize.json").write_text(json.dumps(report, indent=1))
     md = [f"backend {a.backend}; load {report['load_s']:.1f} s", "",
@@ -133,11 +158,7 @@ def main(argv=None) -> int:
                   f"{r.get('top1_same', '-')} | {r.get('greedy_prefix', '-')}/{a.decode} |")
     for key, title in (("prefill_kernels", f"prefill of {a.timing_prefill}"), ("decode_kernels", "one decode step")):
         if key in report:
-            total = sum(k["ms"] for k in report[key])
-            md += ["", f"GPU time by kernel, {title}: {total:.2f} ms", "", "| kernel | dispatches | ms | share |",
-                   "|---|---:|---:|---:|"]
-            md += [f"| {k['kernel']} | {k['dispatches']} | {k['ms']:.3f} | {100 * k['ms'] / total:.1f}% |"
-                   for k in report[key][:15]]
+            md += kernel_markdown(report[key], title, a.copy_gbs)
     (a.out / "fullsize.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0 if all(r["gpu_finite"] for r in report["contexts"]) else 1
