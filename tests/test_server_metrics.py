@@ -117,16 +117,9 @@ def settled(base: str) -> dict:
 
 
 def test_content_type_is_the_0_0_4_text_format(server):
-    host, port = server.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=10)
-    try:
-        conn.request("GET", "/metrics")
-        r = conn.getresponse()
-        r.read()
-        assert r.status == 200
-        assert r.getheader("content-type").startswith("text/plain; version=0.0.4")
-    finally:
-        conn.close()
+    r = _request(server, "GET", "/metrics", timeout=10)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
 
 
 def test_queue_gauge_rejections_and_cancels(server):
