@@ -2,6 +2,7 @@
 """llama.cpp as the CPU peer: fetch, build and convert, cached under build/llamacpp/.
 
     python benchmarks/llamacpp.py build
+    python benchmarks/llamacpp.py build-server
     python benchmarks/llamacpp.py convert HF_DIR OUT_DIR [--types q4_0 q8_0] [--tokenizer DIR]
 
 Design choices:
@@ -17,6 +18,10 @@ Design choices:
   llama.cpp as its users build it.
 - Only the two tools the harness runs are built (llama-bench, llama-quantize), at -j2 because
   the machine is shared. A stamp file records the version and flags; a changed flag rebuilds.
+- llama-server (benchmarks/serve_load.py) is built on request only, in its own build dir
+  (build/llamacpp/build-server) with the same source and flags but LLAMA_BUILD_SERVER=ON, so the
+  peer benchmarks neither wait for it nor see their stamp change. It serves no web UI (the UI
+  options stay off: nothing is downloaded).
 - Conversion uses llama.cpp's own `convert_hf_to_gguf.py` with its bundled `gguf-py` first on
   PYTHONPATH, to a bf16 GGUF (the HF source dtype of the medium model), then
   `llama-quantize` to each requested type. `--no-mtp` is passed when the checkpoint has no MTP
@@ -42,7 +47,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "build" / "llamacpp"
 SRC = CACHE / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
 BUILD = CACHE / "build"
+BUILD_SERVER = CACHE / "build-server"
 TARGETS = ("llama-bench", "llama-quantize")
+SERVER_TARGETS = ("llama-server",)
 
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
@@ -58,6 +65,7 @@ CMAKE_FLAGS = [
     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
 ]
+SERVER_FLAGS = [f.replace("SERVER=OFF", "SERVER=ON") for f in CMAKE_FLAGS]
 
 
 def simd_flags() -> list[str]:
@@ -108,29 +116,47 @@ def fetch_source() -> Path:
 
 def build(jobs: int = 2) -> Tools:
     """Configure and build llama-bench + llama-quantize (cached; rebuilt if flags change)."""
+    _build(BUILD, CMAKE_FLAGS, TARGETS, jobs)
+    return tools()
+
+
+def build_server(jobs: int = 2) -> Path:
+    """Configure and build llama-server in its own dir (cached); returns the binary."""
+    _build(BUILD_SERVER, SERVER_FLAGS, SERVER_TARGETS, jobs)
+    return server_binary()
+
+
+def server_binary() -> Path:
+    p = BUILD_SERVER / "bin" / "llama-server"
+    if not p.is_file():
+        raise RuntimeError(f"llama-server missing: {p} (run: python {__file__} build-server)")
+    return p
+
+
+def _build(build_dir: Path, flags: list[str], targets: tuple[str, ...], jobs: int) -> None:
     src = fetch_source()
-    BUILD.mkdir(parents=True, exist_ok=True)
-    with open(BUILD / ".lock", "w") as lock:  # one build at a time (two sessions may ask)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / ".lock", "w") as lock:  # one build at a time (two sessions may ask)
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _build_locked(src, jobs)
+        _build_locked(src, build_dir, flags, targets, jobs)
 
 
-def _build_locked(src: Path, jobs: int) -> Tools:
-    stamp = BUILD / "lily-stamp.json"
-    want = {"version": VERSION, "flags": CMAKE_FLAGS + simd_flags()}
-    bins = [BUILD / "bin" / t for t in TARGETS]
+def _build_locked(src: Path, build_dir: Path, flags: list[str], targets: tuple[str, ...],
+                  jobs: int) -> None:
+    stamp = build_dir / "lily-stamp.json"
+    want = {"version": VERSION, "flags": flags + simd_flags()}
+    bins = [build_dir / "bin" / t for t in targets]
     if (all(b.is_file() for b in bins) and stamp.is_file()
             and json.loads(stamp.read_text()) == want):
-        return tools()
+        return
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-    _log(f"configuring llama.cpp in {BUILD}")
-    subprocess.run(["cmake", "-S", str(src), "-B", str(BUILD), *gen, *want["flags"]], check=True,
-                   stdout=subprocess.DEVNULL)
-    _log(f"building {' '.join(TARGETS)} with -j{jobs} (a few minutes)")
-    subprocess.run(["cmake", "--build", str(BUILD), "-j", str(jobs), "--target", *TARGETS],
+    _log(f"configuring llama.cpp in {build_dir}")
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build_dir), *gen, *want["flags"]],
+                   check=True, stdout=subprocess.DEVNULL)
+    _log(f"building {' '.join(targets)} with -j{jobs} (a few minutes)")
+    subprocess.run(["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *targets],
                    check=True)
     stamp.write_text(json.dumps(want, indent=1))
-    return tools()
 
 
 def tools() -> Tools:
@@ -206,6 +232,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="fetch the sdist and build llama-bench + llama-quantize")
     b.add_argument("-j", "--jobs", type=int, default=2)
+    bs = sub.add_parser("build-server", help="build llama-server (its own build dir)")
+    bs.add_argument("-j", "--jobs", type=int, default=2)
     c = sub.add_parser("convert", help="HF checkpoint -> GGUF (bf16, then quantized types)")
     c.add_argument("hf_dir", type=Path)
     c.add_argument("out_dir", type=Path)
@@ -215,6 +243,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.cmd == "build":
         print(build(a.jobs))
+    elif a.cmd == "build-server":
+        print(build_server(a.jobs))
     else:
         for ty, p in convert(a.hf_dir, a.out_dir, a.types, a.tokenizer, a.jobs).items():
             print(ty, p)

@@ -38,8 +38,9 @@ MODEL = "lily-demo"
 class Resp:
     """A raw HTTP answer (stdlib http.client: no dependency on the client's HTTP library)."""
 
-    def __init__(self, status: int, body: bytes):
+    def __init__(self, status: int, body: bytes, headers: dict | None = None):
         self.status_code, self.text = status, body.decode("utf-8", "replace")
+        self.headers = headers or {}  # lower-cased names
 
     def json(self):
         return json.loads(self.text)
@@ -52,7 +53,7 @@ def _request(base: str, method: str, path: str, body: bytes | None = None, heade
     try:
         conn.request(method, path, body=body, headers=headers or {})
         r = conn.getresponse()
-        return Resp(r.status, r.read())
+        return Resp(r.status, r.read(), {k.lower(): v for k, v in r.getheaders()})
     finally:
         conn.close()
 

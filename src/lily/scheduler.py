@@ -30,6 +30,11 @@ Design choices:
   samples with seed ``seed + i``, its grammar (if any) from the start.
 - Results travel back as events through a callback; the HTTP layer turns the callback into
   an asyncio queue (``loop.call_soon_threadsafe``): each choice's chunks, then its "done".
+- Metrics: the scheduler reports each event where it happens (queued, rejected, started with
+  its prompt and cached tokens, first chunk, each generated token, finished with its outcome)
+  to a ``SchedulerMetrics``; the server's implementation is Prometheus's
+  (lily.server_metrics), the default does nothing. Each outcome is counted once, in
+  ``SchedulerStats`` (/health) and the metrics alike (``_finish``).
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class Job:
     cancel_time: float | None = None
     cancel_reason: str | None = None
     enqueued: float = field(default_factory=time.perf_counter)
+    started: float | None = None  # when the worker took it (perf_counter)
     logit_bias: Sequence[tuple[int, float]] = ()  # (token id, bias) pairs
     stop_token_ids: Sequence[int] = ()  # end generation as EOS does
     constraint: TokenConstraint | None = None  # structured output (lily.structured)
@@ -98,6 +104,30 @@ class Job:
                 raise Cancelled
 
 
+OUTCOMES = ("completed", "cancelled", "failed", "rejected")  # SchedulerStats' counters
+
+
+class SchedulerMetrics:
+    """What the scheduler reports as it runs; these defaults ignore it (the server's
+    lily.server_metrics.PrometheusMetrics counts it). Called from the worker thread, except
+    ``finished("rejected")`` (the submitting thread)."""
+
+    def set_running(self, n: int) -> None:
+        """How many jobs are generating now."""
+
+    def started(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A job got its sequence: its prompt's tokens, of which the prompt cache held ``cached_tokens``."""
+
+    def first_chunk(self, seconds: float) -> None:
+        """A job emitted its first chunk, ``seconds`` after it was queued."""
+
+    def token(self) -> None:
+        """One generated token (``usage.completion_tokens`` counts the same ones)."""
+
+    def finished(self, outcome: str, seconds: float | None = None) -> None:
+        """A job ended (one of OUTCOMES), ``seconds`` after it was queued (None: never ran)."""
+
+
 @dataclass
 class SchedulerStats:
     completed: int = 0
@@ -117,8 +147,9 @@ class Scheduler:
     """A worker thread running queued Jobs one at a time on ``model``."""
 
     def __init__(self, model, *, max_queue: int = 64, cache_bytes: int = 1 << 30,
-                 max_snapshots: int = 12):
+                 max_snapshots: int = 12, metrics: SchedulerMetrics | None = None):
         self.model = model
+        self.metrics = metrics or SchedulerMetrics()
         self.cache = PrefixCache(model, cache_bytes, max_snapshots=max_snapshots)
         self.stats = SchedulerStats()
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
@@ -135,8 +166,14 @@ class Scheduler:
         try:
             self._queue.put_nowait(job)
         except queue.Full:
-            self.stats.rejected += 1
+            self._finish(job, "rejected")
             raise
+
+    def _finish(self, job: Job, outcome: str) -> None:
+        """Counts a job's end, in the stats and the metrics alike."""
+        setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+        ran = outcome != "rejected" and job.started is not None
+        self.metrics.finished(outcome, time.perf_counter() - job.enqueued if ran else None)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         if self.running is not None:
@@ -157,13 +194,15 @@ class Scheduler:
             if job is None:
                 return
             if job.cancelled.is_set():
-                self.stats.cancelled += 1
+                self._finish(job, "cancelled")
                 continue
             self.running = job
+            self.metrics.set_running(1)
             try:
                 self._generate(job)
             finally:
                 self.running = None
+                self.metrics.set_running(0)
 
     def _generate(self, job: Job) -> None:
         model = self.model
@@ -173,6 +212,8 @@ class Scheduler:
         stats = None
         try:
             seq, reused = self.cache.acquire(job.ids)
+            job.started = time.perf_counter()
+            self.metrics.started(int(job.ids.size), reused)
             stats = GenerationStats(prompt_tokens=int(job.ids.size), cached_tokens=reused)
 
             def step(fn, arg):
@@ -203,7 +244,8 @@ class Scheduler:
                 chunk=model._engine.prefill_chunk, max_tokens=job.max_tokens,
                 eos_ids=model.eos_token_ids + tuple(job.stop_token_ids), stop=job.stop,
                 want_logprobs=job.want_logprobs, on_prefilled=seq.take_snapshot, logit_bias=job.logit_bias)
-            for stats, chunks in choices:
+            first = True
+            for choice, (stats, chunks) in enumerate(choices):
                 texts: list[str] = []
                 tokens: list[int] = []
                 lps: list[dict] = []
@@ -211,24 +253,30 @@ class Scheduler:
                     for c in chunks:
                         texts.append(c.text)
                         if c.token is not None:
+                            self.metrics.token()
                             tokens.append(c.token)
                             if job.want_logprobs:
                                 lps.append({"token": c.token, "logprob": c.logprob, "top_logprobs": c.top_logprobs})
                         job.wait_for_room()
+                        if first:
+                            self.metrics.first_chunk(time.perf_counter() - job.enqueued)
+                            first = False
                         job.emit("chunk", c)
                 finally:
                     chunks.close()  # a job dropped between steps: close the token loop now
-                job.emit("done", result_from(stats, "".join(texts), tokens, lps if job.want_logprobs else None))
-            self.stats.completed += 1
+                result = result_from(stats, "".join(texts), tokens, lps if job.want_logprobs else None)
+                if choice == job.n - 1:  # counted before the client can see its answer (and scrape)
+                    self._finish(job, "completed")
+                job.emit("done", result)
         except Cancelled:
-            self.stats.cancelled += 1
+            self._finish(job, "cancelled")
             self.stats.last_cancel_reason = job.cancel_reason
             self.stats.last_cancel_tokens = stats.completion_tokens if stats is not None else 0
             self.stats.last_cancel_steps = steps_after_cancel
             self.stats.last_cancel_release_s = (time.perf_counter() - job.cancel_time
                                                 if job.cancel_time is not None else None)
         except Exception as e:  # a bad request that got past validation; keep serving
-            self.stats.failed += 1
+            self._finish(job, "failed")
             job.emit("error", e)
         finally:
             if seq is not None:

@@ -1,7 +1,7 @@
 """`lily serve`: an OpenAI-compatible HTTP server (Starlette + uvicorn + sse-starlette).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming or not), GET /v1/models,
-GET /health. Requests are validated here, turned into token ids and native sampling parameters,
+GET /health, GET /metrics (Prometheus, lily.server_metrics). Requests are validated here, turned into token ids and native sampling parameters,
 and queued on the Scheduler (one engine, arrival order, bounded queue, prompt-prefix cache).
 
 Design choices:
@@ -62,12 +62,15 @@ try:
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect, Request
-    from starlette.responses import JSONResponse
+    from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
+
+    from lily.server_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+    from lily.server_metrics import PrometheusMetrics
 except ImportError as e:  # pragma: no cover - depends on the install
     raise ImportError(
         "lily serve needs the server extra: pip install \".[server]\" in a lily checkout (the distribution "
-        "lily-llm; or pip install starlette uvicorn sse-starlette jsonschema)"
+        "lily-llm; or pip install starlette uvicorn sse-starlette jsonschema prometheus-client)"
     ) from e
 
 MAX_BODY_BYTES = 16 << 20
@@ -284,7 +287,9 @@ class Server:
         self.limits = limits or ServerLimits()
         self.open_connections: Callable[[], int | None] = lambda: None  # set by serve()
         self.created = int(time.time())
-        self.scheduler = Scheduler(model, max_queue=max_queue, cache_bytes=cache_bytes)
+        # Its own registry (not prometheus_client's global one): one per server.
+        self.metrics = PrometheusMetrics(queue_depth=lambda: self.scheduler.queued)
+        self.scheduler = Scheduler(model, max_queue=max_queue, cache_bytes=cache_bytes, metrics=self.metrics)
         if cache_dir is not None:  # the prompt cache's disk tier (lily.prefix_cache.DiskCache)
             self.scheduler.cache.disk = DiskCache(model, cache_dir, cache_disk_bytes)
 
@@ -535,6 +540,10 @@ class Server:
                           "sequences": len(d), "bytes": d.nbytes, "budget_bytes": d.budget_bytes,
                           "loads": d.loads, "writes": d.writes, "skipped_files": d.skipped}},
         })
+
+    async def prometheus(self, request: Request):
+        """GET /metrics: Prometheus's text exposition (version 0.0.4); no key needed, as /health."""
+        return Response(self.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
 
     async def models(self, request: Request):
         self._check_auth(request)
@@ -1027,6 +1036,7 @@ def build_app(server: Server) -> Starlette:
 
     routes = [
         Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.prometheus, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/models/{name:path}", server.model_card, methods=["GET"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
