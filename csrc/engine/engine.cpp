@@ -121,10 +121,15 @@ void Engine::decode(State& st, int32_t token, float* logits) {
 }
 
 void Engine::forward(State& st, const int32_t* tokens, int T, LogitRows rows, float* logits) {
+  const SeqRows seg{&st, 0, T};
+  forward(Segments{&seg, 1}, tokens, rows, logits);
+}
+
+void Engine::forward(Segments segs, const int32_t* tokens, LogitRows rows, float* logits) {
   try {
-    forward_chunk(*backend_, *weights_, st, tokens, T, rows, logits);
+    forward_pass(*backend_, *weights_, segs, tokens, rows, logits);
   } catch (...) {
-    backend_->abandon_pass(st);  // nothing of the pass runs; the state is as before it
+    backend_->abandon_pass(segs);  // nothing of the pass runs; every state is as before it
     throw;
   }
 }

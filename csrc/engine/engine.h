@@ -75,8 +75,10 @@ class Engine {
   void check_no_device_loop() const;
 
   void device_step(State& st);
-  // forward_chunk; if it throws, the backend abandons the pass (none of it runs, the state is
+  // forward_pass; if it throws, the backend abandons the pass (none of it runs, every state is
   // as before it), then the exception goes on.
+  void forward(Segments segs, const int32_t* tokens, LogitRows rows, float* logits);
+  // The same for one sequence's T tokens.
   void forward(State& st, const int32_t* tokens, int T, LogitRows rows, float* logits);
 
   std::shared_ptr<const ModelWeights> weights_;
