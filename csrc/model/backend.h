@@ -118,6 +118,7 @@ class State {
   int position_ = 0;
   int max_context_ = 0;
   const ModelConfig* config_ = nullptr;  // the model's (set by the backend; it outlives its states)
+  const void* engine_ = nullptr;  // the Engine that made it (or the state it was cloned from)
   uint64_t epoch_ = 0;
   // (epoch after the restore, position restored to): a snapshot at position p taken in epoch e
   // stays valid while every later restore went to a position >= p.
