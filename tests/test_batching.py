@@ -11,10 +11,10 @@ sequences share its pass, in both CPU matmul modes and at any thread count:
   demo model (MoE layers) and a tiny dense-MLP checkpoint;
 - batch membership changing every step (a sequence joins, one leaves, the order changes);
 - a prompt prefilled in chunks inside the decode passes of other sequences (Engine.step);
-- refused batches (a state of another engine, a state twice, a full context, a bad token)
-  raise a RequestError naming the problem and change no state.
+- refused batches (a state of another engine, a state twice, a full context, a bad token, a
+  device decode loop running) raise a RequestError naming the problem and change no state.
 GPU backends run a batch as one pass per sequence: on msl-cpu (the Metal kernels on the CPU)
-decode_batch equals solo decodes.
+decode_batch and a mixed step equal solo decodes and prefills.
 """
 
 from __future__ import annotations
@@ -180,3 +180,9 @@ def test_msl_cpu_runs_a_batch_one_sequence_at_a_time(msl_path):
     got = engine.step([batch[0], fresh], [np.asarray([tokens[0]], np.int32), np.asarray([1, 2, 3], np.int32)])
     _assert_same(got[0], engine.decode(solo[0], tokens[0]), "msl-cpu step: the decode row")
     _assert_same(got[1], engine.prefill(twin, np.asarray([1, 2, 3], np.int32), False), "msl-cpu step: the chunk")
+    # No batch while a device decode loop runs on the engine (its passes would interleave).
+    assert engine.begin_device_decode(twin, 4, 2)
+    try:
+        _refused(engine, batch, [1, 2], r"device decode loop is running")
+    finally:
+        engine.end_device_decode(twin)
