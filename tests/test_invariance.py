@@ -34,24 +34,11 @@ import numpy as np
 import pytest
 
 import lily
+from fixtures.references import assert_same_bits as _assert_same
 from lily.prefix_cache import PrefixCache
 
 MODES = ["int8", "f32"]
 PROMPT = [int(t) for t in np.random.default_rng(18).integers(0, 4000, size=300)]
-
-
-def _bits(a):
-    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-
-
-def _assert_same(got, want, what):
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape, f"{what}: shape {got.shape} vs {want.shape}"
-    diff = np.argwhere(_bits(got) != _bits(want))
-    if diff.size:
-        at = tuple(diff[0])
-        raise AssertionError(f"{what}: {len(diff)} logits differ, first at {at}: {got[at]!r} vs {want[at]!r} "
-                             f"(max |diff| {np.max(np.abs(got.astype(np.float64) - want)):.3g})")
 
 
 @pytest.fixture(scope="module", params=MODES)

@@ -65,14 +65,15 @@ void rope(float* x, int rot, const float* cos, const float* sin) {
 // One order per row. The positions are cut into fixed spans of kSpan from position 0; a span's
 // blocks are folded into a fresh state, and the spans' states are merged in ascending order
 // (merge_span). Spans, blocks and the merge depend on the row's position alone, never on the
-// chunk length, the tile or the thread count, so a token's attention output is bit-identical
-// however its prompt was chunked or cached. Decode and short chunks have too few (head, tile)
-// items to feed every thread: there each (head, tile, span) is an item of its own, and a second
-// pass merges the spans' states in the same order (split-K) -- the same operations, run by more
-// threads.
+// chunk length, the tile, the thread count or the other sequences sharing the pass, so a token's
+// attention output is bit-identical however its prompt was chunked, cached or batched. Decode
+// and short chunks have too few (head, tile) items to feed every thread: there each (head, tile,
+// span) is an item of its own, and a second pass merges the spans' states in the same order
+// (split-K) -- the same operations, run by more threads.
 //
+// Tiles are cut per sequence (a tile never mixes sequences: each reads its own cache).
 //   qg [T, Hq, 2D] (q, then the output gate)   K, V [Hkv, capacity, D]   o [T, Hq, D]
-//   item rows r = (t - t0) * group + g  <->  query head hq = hk * group + g
+//   item rows r = (t - t0) * group + g  <->  query head hq = hk * group + g  (t: row in the sequence)
 constexpr int kBlock = kKvBlock;  // positions per K/V block: 32 KB of K + 32 KB of V at D = 256
 constexpr int kQTile = 16;  // chunk tokens per work item
 constexpr int kSpan = 8 * kBlock;  // positions per span (the unit of split-K)
@@ -214,35 +215,71 @@ void merge_span(float& M, float& L, float* O, float m, float l, const float* o, 
 // Memory bound of the split-K partial states (floats): past it the items walk their spans.
 constexpr size_t kMaxPartialFloats = size_t(16) << 20;
 
-void attend(KvCache& cache, const float* qg, int pos0, int T, int Hq, int D, AttentionScratch& s, ThreadPool& pool) {
-  const int Hkv = cache.kv_heads, group = Hq / Hkv;
-  const int n_ctx = pos0 + T;
-  const int n_tiles = (T + kQTile - 1) / kQTile;
-  const int n_spans = (n_ctx + kSpan - 1) / kSpan;
-  // Speed only (both ways run the same operations per row): one item per span when the (head,
-  // tile) items cannot keep every thread busy and the spans' states stay small.
-  const int base_items = Hkv * n_tiles;
-  const bool split = n_spans > 1 && base_items < 2 * pool.size() &&
-                     size_t(n_spans) * T * Hq * (D + 2) <= kMaxPartialFloats;
-  const int items_per_tile = split ? n_spans : 1;
+// The plan entry whose range [key(p), key(next)) holds x: keys ascend over the plans, and a
+// plan with an empty range shares its key with the next one, so the last plan at or below x is
+// the one that holds it.
+template <class Key>
+int plan_of(const std::vector<AttendPlan>& plan, int64_t x, Key key) {
+  int lo = 0, hi = int(plan.size());  // the first plan whose key is > x, by bisection
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (key(plan[mid]) <= x) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo - 1;
+}
+
+// Every sequence of the pass attends over its own cache; one item space holds all of their
+// items, so a batch of decode rows (one tile each) shares out over the threads in one region.
+void attend(const KvRows* seqs, int n_seqs, const float* qg, int Hq, int D, AttentionScratch& s, ThreadPool& pool) {
+  const int Hkv = seqs[0].cache->kv_heads, group = Hq / Hkv;
   const float scale_qk = 1.0f / std::sqrt(float(D));
-  // Split-K partial states: [n_spans, T, Hq] (m, l) and [n_spans, T, Hq, D] o.
-  if (split) {
-    s.part_ml.resize(size_t(n_spans) * T * Hq * 2);
-    s.part_o.resize(size_t(n_spans) * T * Hq * D);
+  std::vector<AttendPlan>& plan = s.plan;
+  plan.resize(n_seqs);
+  int64_t base_items = 0;
+  for (int i = 0; i < n_seqs; ++i) base_items += int64_t(Hkv) * ((seqs[i].n + kQTile - 1) / kQTile);
+  int64_t n_items = 0, merge_rows = 0;
+  size_t parts = 0;  // split-K partial rows: per split sequence [n_spans, n, Hq]
+  for (int i = 0; i < n_seqs; ++i) {
+    const KvRows& q = seqs[i];
+    AttendPlan& p = plan[i];
+    p.n_tiles = (q.n + kQTile - 1) / kQTile;
+    p.n_spans = (q.pos0 + q.n + kSpan - 1) / kSpan;
+    const size_t need = size_t(p.n_spans) * q.n * Hq;
+    // Speed only (both ways run the same operations per row): one item per span when the
+    // pass's (head, tile) items cannot keep every thread busy and the spans' states stay small.
+    p.split = p.n_spans > 1 && base_items < 2 * pool.size() && (parts + need) * (D + 2) <= kMaxPartialFloats;
+    p.item0 = n_items;
+    p.part0 = parts;
+    p.merge_row0 = merge_rows;
+    n_items += int64_t(Hkv) * p.n_tiles * (p.split ? p.n_spans : 1);
+    if (p.split) {
+      parts += need;
+      merge_rows += int64_t(q.n) * Hq;
+    }
+  }
+  if (parts) {
+    s.part_ml.resize(parts * 2);
+    s.part_o.resize(parts * D);
   }
   float* out = s.o.data();
 
-  pool.parallel_for(int64_t(base_items) * items_per_tile, [&](int64_t i0, int64_t i1, int) {
+  pool.parallel_for(n_items, [&](int64_t i0, int64_t i1, int) {
     thread_local std::vector<float> m, l, o, M, L, O;
     thread_local std::vector<const float*> q;
     thread_local std::vector<float*> orows;
     thread_local SpanScratch ss;
     thread_local std::vector<int> lim;
     for (int64_t item = i0; item < i1; ++item) {
-      const int span = int(item % items_per_tile), tile = int(item / items_per_tile % n_tiles);
-      const int hk = int(item / items_per_tile / n_tiles);
-      const int t0 = tile * kQTile, t1 = std::min(T, t0 + kQTile), R = (t1 - t0) * group;
+      const int seq = plan_of(plan, item, [](const AttendPlan& p) { return p.item0; });
+      const KvRows& sq = seqs[seq];
+      const AttendPlan& p = plan[seq];
+      KvCache& cache = *sq.cache;
+      const int pos0 = sq.pos0, n = sq.n, first = sq.first;
+      const int64_t local = item - p.item0, items_per_tile = p.split ? p.n_spans : 1;
+      const int span = int(local % items_per_tile), tile = int(local / items_per_tile % p.n_tiles);
+      const int hk = int(local / items_per_tile / p.n_tiles);
+      const int t0 = tile * kQTile, t1 = std::min(n, t0 + kQTile), R = (t1 - t0) * group;  // the sequence's rows
       const int tile_end = pos0 + t1;  // the tile's last causal limit
       q.resize(R);
       orows.resize(R);
@@ -250,7 +287,7 @@ void attend(KvCache& cache, const float* qg, int pos0, int T, int Hq, int D, Att
       for (int t = t0; t < t1; ++t)
         for (int g = 0; g < group; ++g) {
           const int r = (t - t0) * group + g;
-          q[r] = qg + (size_t(t) * Hq + hk * group + g) * 2 * D;
+          q[r] = qg + (size_t(first + t) * Hq + hk * group + g) * 2 * D;
           lim[r] = pos0 + t + 1;  // causal: this token and everything before it
         }
       // One span [p0, p1) folded into a fresh state (m, l, o).
@@ -262,12 +299,12 @@ void attend(KvCache& cache, const float* qg, int pos0, int T, int Hq, int D, Att
         const int p1 = std::min(tile_end, p0 + kSpan);
         if (p0 < p1) attend_span(cache, hk, q.data(), lim.data(), R, p0, p1, scale_qk, m.data(), l.data(), orows.data(), ss);
       };
-      if (split) {
+      if (p.split) {
         run_span(span * kSpan);
         for (int t = t0; t < t1; ++t)
           for (int g = 0; g < group; ++g) {
             const int r = (t - t0) * group + g;
-            const size_t prow = size_t(span) * T * Hq + size_t(t) * Hq + hk * group + g;
+            const size_t prow = p.part0 + size_t(span) * n * Hq + size_t(t) * Hq + hk * group + g;
             s.part_ml[prow * 2] = m[r];
             s.part_ml[prow * 2 + 1] = l[r];
             std::memcpy(s.part_o.data() + prow * D, o.data() + size_t(r) * D, D * sizeof(float));
@@ -285,26 +322,31 @@ void attend(KvCache& cache, const float* qg, int pos0, int T, int Hq, int D, Att
         for (int g = 0; g < group; ++g) {
           const int r = (t - t0) * group + g;
           const float inv = 1.0f / L[r];
-          float* orow = out + (size_t(t) * Hq + hk * group + g) * D;
+          float* orow = out + (size_t(first + t) * Hq + hk * group + g) * D;
           for (int d = 0; d < D; ++d) orow[d] = O[size_t(r) * D + d] * inv;
         }
     }
   });
-  if (!split) return;
+  if (!merge_rows) return;
 
-  // Merge the spans' states in ascending order, as the walking items do.
-  pool.parallel_for(int64_t(T) * Hq, [&](int64_t r0, int64_t r1, int) {
+  // Merge each split sequence's span states in ascending order, as the walking items do.
+  // Rows: per split sequence, its [n, Hq] query rows.
+  pool.parallel_for(merge_rows, [&](int64_t r0, int64_t r1, int) {
     thread_local std::vector<float> O;
     O.resize(D);
-    for (int64_t row = r0; row < r1; ++row) {
+    for (int64_t mr = r0; mr < r1; ++mr) {
+      const int seq = plan_of(plan, mr, [](const AttendPlan& p) { return p.merge_row0; });
+      const AttendPlan& p = plan[seq];
+      const int64_t row = mr - p.merge_row0;  // t * Hq + hq in the sequence
+      const size_t rows_per_span = size_t(seqs[seq].n) * Hq;
       float M = -INFINITY, L = 0;
       std::fill(O.begin(), O.end(), 0.0f);
-      for (int sp = 0; sp < n_spans; ++sp) {
-        const size_t prow = size_t(sp) * T * Hq + row;
+      for (int sp = 0; sp < p.n_spans; ++sp) {
+        const size_t prow = p.part0 + size_t(sp) * rows_per_span + row;
         merge_span(M, L, O.data(), s.part_ml[prow * 2], s.part_ml[prow * 2 + 1], s.part_o.data() + prow * D, D);
       }
       const float inv = 1.0f / L;
-      float* orow = out + size_t(row) * D;
+      float* orow = out + (size_t(seqs[seq].first) * Hq + row) * D;
       for (int d = 0; d < D; ++d) orow[d] = O[d] * inv;
     }
   });
@@ -312,8 +354,8 @@ void attend(KvCache& cache, const float* qg, int pos0, int T, int Hq, int D, Att
 
 }  // namespace
 
-void attention_mixer(const ModelConfig& c, const AttentionWeights& w, KvCache& cache, int pos0, int max_context,
-                     const float* h, int T, float* y, AttentionScratch& s, ThreadPool& pool) {
+void attention_mixer(const ModelConfig& c, const AttentionWeights& w, const KvRows* seqs, int n_seqs, const float* h,
+                     int T, float* y, AttentionScratch& s, ThreadPool& pool) {
   const int Hq = c.n_heads, Hkv = c.n_kv_heads, D = c.head_dim, rot = c.rotary_dim, half = rot / 2;
   s.qg.resize(size_t(T) * Hq * 2 * D);
   s.k.resize(size_t(T) * Hkv * D);
@@ -323,23 +365,28 @@ void attention_mixer(const ModelConfig& c, const AttentionWeights& w, KvCache& c
   linear(w.k_proj, h, T, s.k.data(), pool, s.matmul);
   linear(w.v_proj, h, T, s.v.data(), pool, s.matmul);
 
-  // RoPE tables for this chunk's positions. inv_freq and the angle are rounded to f32 the way
-  // the reference computes them, so long-context angles agree.
+  // RoPE tables for each row's own position (its sequence's pos0 + its offset in the sequence).
+  // inv_freq and the angle are rounded to f32 the way the reference computes them, so
+  // long-context angles agree.
+  s.row_seq.resize(T);
+  for (int i = 0; i < n_seqs; ++i) std::fill_n(s.row_seq.begin() + seqs[i].first, seqs[i].n, i);
+  auto position = [&](int64_t t) { const KvRows& q = seqs[s.row_seq[t]]; return q.pos0 + int(t - q.first); };
   s.rope_cos.resize(size_t(T) * half);
   s.rope_sin.resize(size_t(T) * half);
   const std::vector<float> inv_freq = c.rope_inv_freq();
   for (int i = 0; i < half; ++i) {
     for (int t = 0; t < T; ++t) {
-      const float angle = float(pos0 + t) * inv_freq[i];
+      const float angle = float(position(t)) * inv_freq[i];
       s.rope_cos[size_t(t) * half + i] = std::cos(angle);
       s.rope_sin[size_t(t) * half + i] = std::sin(angle);
     }
   }
 
-  // Normalise + rotate q and k in place; append k, v to the cache.
-  cache.reserve(pos0 + T, max_context);
+  // Normalise + rotate q and k in place; append k, v to the row's sequence's cache.
   pool.parallel_for(T, [&](int64_t t0, int64_t t1, int) {
     for (int64_t t = t0; t < t1; ++t) {
+      KvCache& cache = *seqs[s.row_seq[t]].cache;
+      const int pos = position(t);
       const float* cs = s.rope_cos.data() + size_t(t) * half;
       const float* sn = s.rope_sin.data() + size_t(t) * half;
       for (int hq = 0; hq < Hq; ++hq) {
@@ -351,13 +398,13 @@ void attention_mixer(const ModelConfig& c, const AttentionWeights& w, KvCache& c
         float* k = s.k.data() + (size_t(t) * Hkv + hk) * D;
         rms_norm(k, w.k_norm.data(), D, c.rms_eps, k);
         rope(k, rot, cs, sn);
-        cache.put_k(hk, pos0 + int(t), k);
-        std::memcpy(cache.v_at(hk, pos0 + int(t)), s.v.data() + (size_t(t) * Hkv + hk) * D, D * sizeof(float));
+        cache.put_k(hk, pos, k);
+        std::memcpy(cache.v_at(hk, pos), s.v.data() + (size_t(t) * Hkv + hk) * D, D * sizeof(float));
       }
     }
   });
 
-  attend(cache, s.qg.data(), pos0, T, Hq, D, s, pool);
+  attend(seqs, n_seqs, s.qg.data(), Hq, D, s, pool);
   // o *= sigmoid(gate), per query head
   pool.parallel_for(int64_t(T) * Hq, [&](int64_t i0, int64_t i1, int) {
     for (int64_t i = i0; i < i1; ++i) {

@@ -5,7 +5,12 @@
 //   o = softmax(q k^T / sqrt(head_dim), causal) v     (GQA: n_heads / n_kv_heads queries per KV head)
 //   y = o_proj(o * sigmoid(gate))
 //
-// Shapes: T tokens in the chunk, P = cached positions before it, Hq/Hkv heads, D = head_dim.
+// A pass may hold several sequences (KvRows segments, back to back over its rows): the
+// projections run over all T rows at once; RoPE, the cache append and the attention itself run
+// each segment against its own cache from its own position.
+//
+// Shapes: T rows in the pass, P = a sequence's cached positions before it, Hq/Hkv heads,
+// D = head_dim.
 //   h [T, hidden]  qg [T, Hq, 2D]  k, v [T, Hkv, D]  cache K, V [Hkv, capacity, D]  o [T, Hq, D]
 #pragma once
 #include <vector>
@@ -42,13 +47,32 @@ struct KvCache {
   float* v_at(int head, int pos) { return v.data() + (size_t(head) * capacity + pos) * head_dim; }
 };
 
+// Rows [first, first + n) of the pass extend `cache` from position pos0 (one sequence).
+struct KvRows {
+  KvCache* cache = nullptr;
+  int pos0 = 0, first = 0, n = 0;
+};
+
+// How attend() cuts one sequence's rows into work items (attention.cpp).
+struct AttendPlan {
+  int n_tiles = 0, n_spans = 0;
+  bool split = false;     // one item per (head, tile, span), merged in a second pass
+  int64_t item0 = 0;      // the sequence's first item in the pass's item space
+  size_t part0 = 0;       // its first split-K partial row (split only)
+  int64_t merge_row0 = 0;  // its first row in the merge pass's space (split only)
+};
+
 struct AttentionScratch {
   Matmul matmul = Matmul::F32;  // the backend's choice for the projections
   std::vector<float> qg, k, v, o, rope_cos, rope_sin;
-  std::vector<float> part_ml, part_o;  // split-K span states: [spans, T, Hq] (m, l) and [spans, T, Hq, D]
+  std::vector<float> part_ml, part_o;  // split-K span states: per split sequence [spans, n, Hq] (m, l), [.., D] o
+  std::vector<AttendPlan> plan;        // [sequences]
+  std::vector<int> row_seq;            // [T]: the sequence each row belongs to
 };
 
-void attention_mixer(const ModelConfig& c, const AttentionWeights& w, KvCache& cache, int pos0, int max_context,
-                     const float* h, int T, float* y, AttentionScratch& s, ThreadPool& pool);
+// seqs [n_seqs]: back to back over the T rows from row 0; each cache already holds room for
+// pos0 + n positions (KvCache::reserve: the backend grows them all before a pass changes any).
+void attention_mixer(const ModelConfig& c, const AttentionWeights& w, const KvRows* seqs, int n_seqs, const float* h,
+                     int T, float* y, AttentionScratch& s, ThreadPool& pool);
 
 }  // namespace lily::cpu

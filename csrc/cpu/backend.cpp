@@ -124,20 +124,24 @@ std::unique_ptr<State> CpuBackend::new_state(int max_context) {
   return st;
 }
 
-void CpuBackend::embed(State& st, const int32_t* tokens, int T) {
-  // Grow every layer's KV cache for this chunk before any layer runs: if memory runs out, the
-  // chunk fails here with the state untouched (position, KV, DeltaNet state all as before),
+void CpuBackend::embed(Segments segs, const int32_t* tokens) {
+  // Grow every segment's KV caches for this pass before any layer runs: if memory runs out, the
+  // pass fails here with every state untouched (positions, KV entries, DeltaNet state all as
+  // before; a cache grown for an earlier segment keeps its larger capacity, nothing else),
   // instead of after some layers have already advanced their recurrent state.
-  auto& s = static_cast<CpuState&>(st);
-  for (int l = 0; l < c_.n_layers(); ++l) {
-    if (c_.mixers[l] != Mixer::Attention) continue;
-    try {
-      s.kv[l].reserve(s.position() + T, s.max_context());
-    } catch (const std::bad_alloc&) {
-      throw RequestError("[kv-cache] out of memory growing layer " + std::to_string(l) + "'s KV cache to " +
-                         std::to_string(s.position() + T) + " positions; use a shorter context");
+  for (const SeqRows& seg : segs) {
+    auto& s = static_cast<CpuState&>(*seg.state);
+    for (int l = 0; l < c_.n_layers(); ++l) {
+      if (c_.mixers[l] != Mixer::Attention) continue;
+      try {
+        s.kv[l].reserve(s.position() + seg.n, s.max_context());
+      } catch (const std::bad_alloc&) {
+        throw RequestError("[kv-cache] out of memory growing layer " + std::to_string(l) + "'s KV cache to " +
+                           std::to_string(s.position() + seg.n) + " positions; use a shorter context");
+      }
     }
   }
+  const int T = segs.rows();
   T_ = T;
   const size_t n = size_t(T) * c_.hidden;
   x_.resize(n);
@@ -163,14 +167,20 @@ void CpuBackend::norm_rows(const std::vector<float>& w, bool add) {
 void CpuBackend::rms_norm(const std::vector<float>& w) { norm_rows(w, false); }
 void CpuBackend::add_rms_norm(const std::vector<float>& w) { norm_rows(w, true); }
 
-void CpuBackend::attention(State& st, int layer, const AttentionWeights& w) {
-  auto& s = static_cast<CpuState&>(st);
-  attention_mixer(c_, w, s.kv[layer], s.position(), s.max_context(), h_.data(), T_, y_.data(), attn_, pool_);
+void CpuBackend::attention(Segments segs, int layer, const AttentionWeights& w) {
+  kv_rows_.clear();
+  for (const SeqRows& seg : segs) {
+    auto& s = static_cast<CpuState&>(*seg.state);
+    kv_rows_.push_back({&s.kv[layer], s.position(), seg.first, seg.n});
+  }
+  attention_mixer(c_, w, kv_rows_.data(), segs.size(), h_.data(), T_, y_.data(), attn_, pool_);
 }
 
-void CpuBackend::gated_deltanet(State& st, int layer, const GdnWeights& w) {
-  auto& s = static_cast<CpuState&>(st);
-  gated_deltanet_mixer(c_, w, conv_taps_[layer].data(), s.gdn[layer], h_.data(), T_, y_.data(), gdn_, pool_);
+void CpuBackend::gated_deltanet(Segments segs, int layer, const GdnWeights& w) {
+  gdn_rows_.clear();
+  for (const SeqRows& seg : segs) gdn_rows_.push_back({&static_cast<CpuState&>(*seg.state).gdn[layer], seg.first, seg.n});
+  gated_deltanet_mixer(c_, w, conv_taps_[layer].data(), gdn_rows_.data(), segs.size(), h_.data(), T_, y_.data(), gdn_,
+                       pool_);
 }
 
 void CpuBackend::mlp(const MlpWeights& w) { mlp_block(w, h_.data(), T_, y_.data(), ffn_, pool_); }

@@ -1,6 +1,8 @@
 // The CPU backend: the reference every other backend is tested against, and a fast runtime in
 // its own right. Ops run as loops over one thread pool; scratch buffers persist across calls,
-// so decoding allocates nothing per token once warmed up.
+// so decoding allocates nothing per token once warmed up. A pass may batch several sequences
+// (batches()): each row's result is bit-identical to running its sequence alone, because every
+// kernel computes an output row by one fixed order that depends on that row alone.
 #pragma once
 #include <memory>
 
@@ -51,11 +53,12 @@ class CpuBackend : public Backend {
   Matmul matmul() const { return matmul_; }
   std::unique_ptr<State> new_state(int max_context) override;
 
-  void embed(State& st, const int32_t* tokens, int T) override;
+  bool batches() const override { return true; }
+  void embed(Segments segs, const int32_t* tokens) override;
   void rms_norm(const std::vector<float>& w) override;
   void add_rms_norm(const std::vector<float>& w) override;
-  void attention(State& st, int layer, const AttentionWeights& w) override;
-  void gated_deltanet(State& st, int layer, const GdnWeights& w) override;
+  void attention(Segments segs, int layer, const AttentionWeights& w) override;
+  void gated_deltanet(Segments segs, int layer, const GdnWeights& w) override;
   void mlp(const MlpWeights& w) override;
   void moe(const MoeWeights& w) override;
   void lm_head(const Linear& head, int first, int n, float* logits) override;
@@ -67,10 +70,12 @@ class CpuBackend : public Backend {
   const ModelConfig& c_;
   ThreadPool pool_;
   Matmul matmul_;
-  int T_ = 0;                   // tokens in the current chunk
+  int T_ = 0;                   // rows in the current pass
   std::vector<float> x_, h_, y_;  // [T, hidden]
   AttentionScratch attn_;
   GdnScratch gdn_;
+  std::vector<KvRows> kv_rows_;    // [segments]: the pass's segments as the mixers take them
+  std::vector<GdnRows> gdn_rows_;
   std::vector<std::vector<float>> conv_taps_;  // per DeltaNet layer: transpose_conv_taps, once
   FfnScratch ffn_;
 };

@@ -46,8 +46,8 @@ std::vector<float> transpose_conv_taps(const ModelConfig& c, const GdnWeights& w
   return taps;
 }
 
-void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, const float* taps, GdnState& st, const float* h,
-                          int T, float* y, GdnScratch& s, ThreadPool& pool) {
+void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, const float* taps, const GdnRows* seqs,
+                          int n_seqs, const float* h, int T, float* y, GdnScratch& s, ThreadPool& pool) {
   const int Hk = c.gdn_k_heads, Hv = c.gdn_v_heads, Dk = c.gdn_k_dim, Dv = c.gdn_v_dim, K = c.conv_kernel;
   const int C = c.gdn_qkv_dim(), vdim = c.gdn_value_dim(), key_dim = Hk * Dk, r = Hv / Hk;
   s.qkv.resize(size_t(T) * C);
@@ -67,49 +67,56 @@ void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, const float
     linear(w.in_a, h, T, s.a.data(), pool, s.matmul);
   }
 
-  // Causal depthwise conv over [carried K-1 inputs ; this chunk], then SiLU. Channels are
-  // independent, so threads split the channel axis; each thread walks its channel range row by
-  // row (token-major, as qkv is laid out), so every load is contiguous and vectorises; the taps
-  // come transposed to [K, C] for the same reason. Per channel the sum runs over taps in order
-  // from 0, exactly as a per-channel loop would.
+  // Causal depthwise conv over [carried K-1 inputs ; the sequence's rows], then SiLU, for each
+  // sequence of the pass in turn. Channels are independent, so threads split the channel axis;
+  // each thread walks its channel range row by row (token-major, as qkv is laid out), so every
+  // load is contiguous and vectorises; the taps come transposed to [K, C] for the same reason.
+  // Per channel the sum runs over taps in order from 0, exactly as a per-channel loop would.
   s.conv_out.resize(size_t(T) * C);
   pool.parallel_for(
       C,
       [&](int64_t c0, int64_t c1, int) {
         const int64_t n = c1 - c0;
-        for (int t = 0; t < T; ++t) {
-          float* out = s.conv_out.data() + size_t(t) * C + c0;
-          std::fill(out, out + n, 0.0f);
-          for (int j = 0; j < K; ++j) {
-            const int src = t + j - (K - 1);  // < 0: from the carried state
-            const float* xin = (src >= 0 ? s.qkv.data() + size_t(src) * C : st.conv.data() + size_t(K - 1 + src) * C) + c0;
-            const float* tap = taps + size_t(j) * C + c0;
-            for (int64_t i = 0; i < n; ++i) out[i] += tap[i] * xin[i];
+        for (int sq = 0; sq < n_seqs; ++sq) {
+          GdnState& st = *seqs[sq].state;
+          const float* qkv = s.qkv.data() + size_t(seqs[sq].first) * C;  // the sequence's rows [Ts, C]
+          float* conv_out = s.conv_out.data() + size_t(seqs[sq].first) * C;
+          const int Ts = seqs[sq].n;
+          for (int t = 0; t < Ts; ++t) {
+            float* out = conv_out + size_t(t) * C + c0;
+            std::fill(out, out + n, 0.0f);
+            for (int j = 0; j < K; ++j) {
+              const int src = t + j - (K - 1);  // < 0: from the carried state
+              const float* xin = (src >= 0 ? qkv + size_t(src) * C : st.conv.data() + size_t(K - 1 + src) * C) + c0;
+              const float* tap = taps + size_t(j) * C + c0;
+              for (int64_t i = 0; i < n; ++i) out[i] += tap[i] * xin[i];
+            }
+            for (int64_t i = 0; i < n; ++i) out[i] = silu(out[i]);
           }
-          for (int64_t i = 0; i < n; ++i) out[i] = silu(out[i]);
-        }
-        // Carry the last K-1 inputs (rows in increasing order: a row is read before it is
-        // overwritten, as j + T > j).
-        for (int j = 0; j < K - 1; ++j) {
-          const int src = T - (K - 1) + j;
-          const float* from = (src >= 0 ? s.qkv.data() + size_t(src) * C : st.conv.data() + size_t(j + T) * C) + c0;
-          std::copy(from, from + n, st.conv.data() + size_t(j) * C + c0);
+          // Carry the last K-1 inputs (rows in increasing order: a row is read before it is
+          // overwritten, as j + Ts > j).
+          for (int j = 0; j < K - 1; ++j) {
+            const int src = Ts - (K - 1) + j;
+            const float* from = (src >= 0 ? qkv + size_t(src) * C : st.conv.data() + size_t(j + Ts) * C) + c0;
+            std::copy(from, from + n, st.conv.data() + size_t(j) * C + c0);
+          }
         }
       },
       16);
 
-  // The recurrence: sequential in t, independent per value head.
+  // The recurrence: sequential in t, independent per (sequence, value head) item.
   s.o.resize(size_t(T) * vdim);
   const float q_scale = 1.0f / std::sqrt(float(Dk));
-  pool.parallel_for(Hv, [&](int64_t h0, int64_t h1, int) {
+  pool.parallel_for(int64_t(n_seqs) * Hv, [&](int64_t i0, int64_t i1, int) {
     thread_local std::vector<float> q, k, kv_mem;
     q.resize(Dk);
     k.resize(Dk);
     kv_mem.resize(Dv);
-    for (int64_t hv = h0; hv < h1; ++hv) {
-      const int hk = int(hv) / r;
-      float* S = st.S.data() + size_t(hv) * Dk * Dv;
-      for (int t = 0; t < T; ++t) {
+    for (int64_t item = i0; item < i1; ++item) {
+      const GdnRows& sq = seqs[item / Hv];
+      const int hv = int(item % Hv), hk = hv / r;
+      float* S = sq.state->S.data() + size_t(hv) * Dk * Dv;
+      for (int t = sq.first; t < sq.first + sq.n; ++t) {
         const float* row = s.conv_out.data() + size_t(t) * C;
         std::memcpy(q.data(), row + hk * Dk, Dk * sizeof(float));
         std::memcpy(k.data(), row + key_dim + hk * Dk, Dk * sizeof(float));

@@ -8,7 +8,11 @@
 //     S <- S * exp(g);  delta = (v - S^T k) * beta;  S <- S + k delta^T;  o = S^T q
 //   y = out_proj(gated_rms_norm(o, z))
 //
-// Shapes: T tokens; Hk, Hv heads; Dk, Dv head dims; C = 2*Hk*Dk + Hv*Dv conv channels.
+// A pass may hold several sequences (GdnRows segments, back to back over its rows): the
+// projections run over all T rows at once; the causal conv and the recurrence run each segment
+// on its own state.
+//
+// Shapes: T rows; Hk, Hv heads; Dk, Dv head dims; C = 2*Hk*Dk + Hv*Dv conv channels.
 //   qkv [T, C]  z [T, Hv*Dv]  b, a [T, Hv]  conv state [K-1, C]  S [Hv, Dk, Dv]  o [T, Hv*Dv]
 #pragma once
 #include <vector>
@@ -29,9 +33,16 @@ struct GdnScratch {
   std::vector<float> qkv, qkvz, z, b, a, ba, conv_out, o;
 };
 
+// Rows [first, first + n) of the pass continue `state` (one sequence).
+struct GdnRows {
+  GdnState* state = nullptr;
+  int first = 0, n = 0;
+};
+
 // taps: the layer's conv1d weights transposed to [K, C] (transpose_conv_taps, once per model).
-void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, const float* taps, GdnState& st, const float* h,
-                          int T, float* y, GdnScratch& s, ThreadPool& pool);
+// seqs [n_seqs]: back to back over the T rows from row 0.
+void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, const float* taps, const GdnRows* seqs,
+                          int n_seqs, const float* h, int T, float* y, GdnScratch& s, ThreadPool& pool);
 
 // conv1d [C, K] -> [K, C]: the conv reads one row of taps per kernel position, contiguous over
 // the channels each thread owns.

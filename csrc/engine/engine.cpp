@@ -23,6 +23,7 @@ std::unique_ptr<State> Engine::new_state(int max_context) {
   auto st = backend_->new_state(max_context);
   st->max_context_ = max_context;
   st->position_ = 0;
+  st->engine_ = this;
   return st;
 }
 
@@ -120,11 +121,94 @@ void Engine::decode(State& st, int32_t token, float* logits) {
   st.position_ += 1;
 }
 
+void Engine::check_step(const std::vector<StepRows>& seqs) const {
+  check_no_device_loop();
+  if (seqs.empty()) throw RequestError("[engine] a batched step needs at least one sequence");
+  bool decode_only = true;
+  uint64_t grow = 0;  // KV bytes the step adds beyond what the states hold, all together
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const StepRows& q = seqs[i];
+    const std::string which = "sequence " + std::to_string(i) + " of the batch";
+    if (!q.state) throw RequestError("[engine] " + which + " has no state");
+    if (q.state->engine_ != this) throw RequestError("[engine] " + which + "'s state belongs to another engine");
+    for (size_t j = 0; j < i; ++j)
+      if (seqs[j].state == q.state)
+        throw RequestError("[engine] " + which + "'s state is also sequence " + std::to_string(j) +
+                           "'s: a state can appear once in a batch");
+    if (q.n < 1) throw RequestError("[engine] " + which + " has no tokens");
+    try {
+      check_tokens(*q.state, q.tokens, q.n);
+    } catch (const RequestError& e) {
+      throw RequestError(std::string(e.what()) + " (" + which + ")");
+    }
+    decode_only = decode_only && q.n == 1;
+    const uint64_t need = kv_bytes(int64_t(q.state->position()) + q.n), held = q.state->nbytes();
+    if (need > held) grow = saturating_add(grow, need - held);
+  }
+  if (grow > available_memory())
+    throw RequestError("[engine] the batch grows its KV caches by " + std::to_string(grow >> 20) +
+                       " MiB, more than the " + std::to_string(available_memory() >> 20) +
+                       " MiB of memory available; use fewer or shorter sequences");
+  // As decode and prefill check the files: decode rows only when the watch saw an event.
+  if (decode_only) weights_->check_files_unchanged_if_touched();
+  else weights_->check_files_unchanged();
+}
+
+void Engine::step(const std::vector<StepRows>& seqs, float* logits) {
+  check_step(seqs);
+  const int vocab = config().vocab;
+  if (!backend_->batches()) {  // one pass per sequence (see engine.h)
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      forward(*seqs[i].state, seqs[i].tokens, seqs[i].n, logits ? LogitRows::Last : LogitRows::None,
+              logits ? logits + i * vocab : nullptr);
+      seqs[i].state->position_ += seqs[i].n;
+    }
+    return;
+  }
+  // Pass order: the multi-row segments first, so the last rows of all segments are consecutive
+  // and the head reads its weights once (forward_pass).
+  step_order_.clear();
+  for (int multi : {1, 0})
+    for (size_t i = 0; i < seqs.size(); ++i)
+      if ((seqs[i].n > 1) == bool(multi)) step_order_.push_back(int(i));
+  step_segs_.clear();
+  step_tokens_.clear();
+  bool in_order = true;
+  for (size_t k = 0; k < step_order_.size(); ++k) {
+    const StepRows& q = seqs[step_order_[k]];
+    step_segs_.push_back({q.state, int(step_tokens_.size()), q.n});
+    step_tokens_.insert(step_tokens_.end(), q.tokens, q.tokens + q.n);
+    in_order = in_order && step_order_[k] == int(k);
+  }
+  const Segments segs{step_segs_.data(), int(step_segs_.size())};
+  float* out = logits;
+  if (logits && !in_order) {
+    step_logits_.resize(seqs.size() * size_t(vocab));
+    out = step_logits_.data();
+  }
+  forward(segs, step_tokens_.data(), logits ? LogitRows::Last : LogitRows::None, out);
+  for (const SeqRows& seg : step_segs_) seg.state->position_ += seg.n;
+  if (out != logits)
+    for (size_t k = 0; k < step_order_.size(); ++k)
+      std::copy_n(out + k * vocab, vocab, logits + size_t(step_order_[k]) * vocab);
+}
+
+void Engine::decode_batch(const std::vector<State*>& states, const int32_t* tokens, float* logits) {
+  std::vector<StepRows> seqs(states.size());
+  for (size_t i = 0; i < states.size(); ++i) seqs[i] = {states[i], tokens + i, 1};
+  step(seqs, logits);
+}
+
 void Engine::forward(State& st, const int32_t* tokens, int T, LogitRows rows, float* logits) {
+  const SeqRows seg{&st, 0, T};
+  forward(Segments{&seg, 1}, tokens, rows, logits);
+}
+
+void Engine::forward(Segments segs, const int32_t* tokens, LogitRows rows, float* logits) {
   try {
-    forward_chunk(*backend_, *weights_, st, tokens, T, rows, logits);
+    forward_pass(*backend_, *weights_, segs, tokens, rows, logits);
   } catch (...) {
-    backend_->abandon_pass(st);  // nothing of the pass runs; the state is as before it
+    backend_->abandon_pass(segs);  // nothing of the pass runs; every state is as before it
     throw;
   }
 }

@@ -40,6 +40,30 @@ class Engine {
   // One token; logits [vocab].
   void decode(State& st, int32_t token, float* logits);
 
+  // Continuous batching: one step over several sequences. Each StepRows appends its n >= 1
+  // tokens to its state (n = 1: a decode row; more: a prefill chunk, so a prompt can be
+  // prefilled in the same passes as other sequences' decode rows); logits [seqs, vocab] gets
+  // the last row's logits of each, in the order given (nullptr: none).
+  // Everything is checked first, before any compute, and a failed check changes no state: each
+  // state was made by this engine, appears once, and has room in its context; the tokens are
+  // in the vocabulary; the KV caches the step grows fit in the memory left, all together; the
+  // checkpoint files are unchanged (as prefill / decode check them); no device loop is running.
+  // On a backend that batches (Backend::batches(): the CPU) the step is ONE pass: every weight
+  // matrix is read once for all rows, and each sequence's logits are bit-identical to running
+  // it alone; a pass that throws is abandoned as a single sequence's is (abandon_pass), and no
+  // position moves (the CPU backend's one failure point, KV growth, comes before any state
+  // changes). Elsewhere (the GPU backends: their kernels take one sequence per pass) the
+  // sequences run one pass each, in order, with the same results as decode / prefill calls; a
+  // pass that throws there leaves the sequences before it advanced.
+  struct StepRows {
+    State* state = nullptr;
+    const int32_t* tokens = nullptr;  // [n]
+    int n = 0;
+  };
+  void step(const std::vector<StepRows>& seqs, float* logits);
+  // One decode row per state: step() with n = 1 each; tokens [B], logits [B, vocab].
+  void decode_batch(const std::vector<State*>& states, const int32_t* tokens, float* logits);
+
   // Greedy decoding from `token` (not yet in the state): up to max_tokens tokens, each the
   // argmax (lowest id among ties) of the previous step's logits; stops after a token for which
   // keep_going returns false (that token is returned but not fed back). The state ends holding
@@ -73,15 +97,24 @@ class Engine {
  private:
   void check_tokens(const State& st, const int32_t* tokens, int n) const;
   void check_no_device_loop() const;
+  void check_step(const std::vector<StepRows>& seqs) const;
 
   void device_step(State& st);
-  // forward_chunk; if it throws, the backend abandons the pass (none of it runs, the state is
+  // forward_pass; if it throws, the backend abandons the pass (none of it runs, every state is
   // as before it), then the exception goes on.
+  void forward(Segments segs, const int32_t* tokens, LogitRows rows, float* logits);
+  // The same for one sequence's T tokens.
   void forward(State& st, const int32_t* tokens, int T, LogitRows rows, float* logits);
 
   std::shared_ptr<const ModelWeights> weights_;
   std::unique_ptr<Backend> backend_;
   int prefill_chunk_;
+  // step()'s pass, reused: segments in pass order, their tokens back to back, the caller's
+  // index of each segment, and the logits in pass order when that differs from the caller's.
+  std::vector<SeqRows> step_segs_;
+  std::vector<int32_t> step_tokens_;
+  std::vector<int> step_order_;
+  std::vector<float> step_logits_;
   // The device loop in progress (begin_device_decode .. end_device_decode).
   struct DeviceLoop {
     const State* state = nullptr;

@@ -283,12 +283,13 @@ std::unique_ptr<State> GpuBackend::new_state(int max_context) {
   return st;
 }
 
-void GpuBackend::abandon_pass(State& state) noexcept {
+void GpuBackend::abandon_pass(Segments segs) noexcept {
   ctx_.discard();
+  State* state = segs.size() == 1 ? segs[0].state : nullptr;
   // The pass flipped the state's parity at embed: its reads came from copy in_, which it never
   // got to overwrite (nothing ran), so returning to it restores the state. The device loop's
   // steps already committed stay in flight (end_device_decode waits for them).
-  if (pass_state_ == &state) static_cast<GpuState&>(state).parity = in_;
+  if (state && pass_state_ == state) static_cast<GpuState&>(*state).parity = in_;
   pass_state_ = nullptr;
 }
 
@@ -303,11 +304,15 @@ void GpuBackend::project(const Linear& W, const char* what, const BufferRange& x
   else encode_gemv(ctx_, L, x, ldx, y, ldy, T);
 }
 
-void GpuBackend::embed(State& state, const int32_t* tokens, int T) {
-  auto& st = static_cast<GpuState&>(state);
+void GpuBackend::embed(Segments segs, const int32_t* tokens) {
+  pass_state_ = nullptr;  // the previous pass was encoded completely
+  if (segs.size() != 1)
+    throw Error("[gpu] the " + name_ + " backend runs one sequence per pass, not " + std::to_string(segs.size()) +
+                " (Engine::step runs batched sequences one after another here)");
+  auto& st = static_cast<GpuState&>(*segs[0].state);
+  const int T = segs[0].n;
   T_ = T;
   pos0_ = st.position();
-  pass_state_ = nullptr;  // the previous pass was encoded completely
   const size_t f = 4 * size_t(T);
   BufferRange token_src;
   if (!greedy_) {
@@ -345,8 +350,8 @@ void GpuBackend::add_rms_norm(const std::vector<float>& w) { norm(w, true); }
 
 // ---- attention ---------------------------------------------------------------------------------
 
-void GpuBackend::attention(State& state, int layer, const AttentionWeights& w) {
-  auto& st = static_cast<GpuState&>(state);
+void GpuBackend::attention(Segments segs, int layer, const AttentionWeights& w) {
+  auto& st = static_cast<GpuState&>(*segs[0].state);  // the one segment (embed)
   const int T = T_, H = c_.hidden, Hq = c_.n_heads, Hkv = c_.n_kv_heads, D = c_.head_dim;
   layer_ = layer;
   ctx_.signpost("layer " + std::to_string(layer) + " attention");
@@ -378,8 +383,8 @@ void GpuBackend::attention(State& state, int layer, const AttentionWeights& w) {
 
 // ---- Gated DeltaNet ----------------------------------------------------------------------------
 
-void GpuBackend::gated_deltanet(State& state, int layer, const GdnWeights& w) {
-  auto& st = static_cast<GpuState&>(state);
+void GpuBackend::gated_deltanet(Segments segs, int layer, const GdnWeights& w) {
+  auto& st = static_cast<GpuState&>(*segs[0].state);  // the one segment (embed)
   const int T = T_, H = c_.hidden, C = c_.gdn_qkv_dim(), vdim = c_.gdn_value_dim(), Hv = c_.gdn_v_heads;
   layer_ = layer;
   ctx_.signpost("layer " + std::to_string(layer) + " gated deltanet");

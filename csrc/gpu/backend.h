@@ -25,6 +25,9 @@
 //   the device's recommended working set: new_state refuses a context that does not, and
 //   max_fitting_context() tells the largest that does.
 // - Activations and state are f32 (the CPU backend's precision; KV optionally f16).
+// - One sequence per pass (batches() is false): the attention and DeltaNet kernels read one KV
+//   cache and one DeltaNet state, so a pass of several segments is refused at embed, and
+//   Engine::step / decode_batch run batched sequences one pass each here.
 // - Decode is the target (T = 1). Chunks of at least GpuOptions::gemm_min_rows tokens take
 //   tiled GEMMs for projections and feed-forward (MoE routed on the GPU into grouped GEMMs);
 //   shorter ones run the decode kernels with T rows in the grid. Attention and DeltaNet cores
@@ -133,13 +136,14 @@ class GpuBackend : public Backend {
   std::unique_ptr<State> new_state(int max_context) override;
   int max_fitting_context() const override;
   void check_context(int max_context) const override;
-  void abandon_pass(State& st) noexcept override;
+  void abandon_pass(Segments segs) noexcept override;
 
-  void embed(State& st, const int32_t* tokens, int T) override;
+  // Passes have one segment (see batches()).
+  void embed(Segments segs, const int32_t* tokens) override;
   void rms_norm(const std::vector<float>& w) override;
   void add_rms_norm(const std::vector<float>& w) override;
-  void attention(State& st, int layer, const AttentionWeights& w) override;
-  void gated_deltanet(State& st, int layer, const GdnWeights& w) override;
+  void attention(Segments segs, int layer, const AttentionWeights& w) override;
+  void gated_deltanet(Segments segs, int layer, const GdnWeights& w) override;
   void mlp(const MlpWeights& w) override;
   void moe(const MoeWeights& w) override;
   void lm_head(const Linear& head, int first, int n, float* logits) override;

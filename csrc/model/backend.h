@@ -5,9 +5,14 @@
 // the CPU backend runs loops over its thread pool; a GPU backend encodes dispatches and waits
 // for nothing until the pass ends.
 //
-// Activations live inside the backend for the current chunk of T tokens:
+// Activations live inside the backend for the current pass of T rows:
 //   x [T, hidden]  residual stream     h [T, hidden]  normed input of the next block
 //   y [T, hidden]  output of the last mixer / feed-forward block
+//
+// A pass's rows may belong to several sequences (continuous batching): each sequence owns a
+// contiguous run of rows (a SeqRows segment). Norms, projections, the MLP / MoE and the head
+// treat the T rows alike, so every weight matrix is read once for all of them; only the mixers
+// (attention, DeltaNet) read and extend per-sequence state, each segment against its own.
 #pragma once
 #include <cstdint>
 #include <limits>
@@ -113,6 +118,7 @@ class State {
   int position_ = 0;
   int max_context_ = 0;
   const ModelConfig* config_ = nullptr;  // the model's (set by the backend; it outlives its states)
+  const void* engine_ = nullptr;  // the Engine that made it (or the state it was cloned from)
   uint64_t epoch_ = 0;
   // (epoch after the restore, position restored to): a snapshot at position p taken in epoch e
   // stays valid while every later restore went to a position >= p.
@@ -133,6 +139,26 @@ struct DeviceSampling {
   int32_t token_limit = 0;          // only ids below it are chosen (0: every row); Sampler::token_limit
 };
 
+// Rows [first, first + n) of a pass extend `state` from state->position() (n >= 1).
+struct SeqRows {
+  State* state = nullptr;
+  int first = 0, n = 0;
+};
+
+// The segments of one pass, in row order and back to back (segment i + 1 starts where i ends,
+// the first at row 0): a view (pointer and count; C++17 has no std::span), so a
+// single-sequence pass builds its one segment on the stack and allocates nothing.
+struct Segments {
+  const SeqRows* seg = nullptr;
+  int count = 0;
+
+  const SeqRows* begin() const { return seg; }
+  const SeqRows* end() const { return seg + count; }
+  const SeqRows& operator[](int i) const { return seg[i]; }
+  int size() const { return count; }
+  int rows() const { return count ? seg[count - 1].first + seg[count - 1].n : 0; }  // T
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -144,20 +170,26 @@ class Backend {
   // Throws ConfigError naming the sizes if a state of max_context positions does not fit (what
   // new_state would refuse), allocating nothing.
   virtual void check_context(int max_context) const {}
-  // An exception escaped a pass (forward_chunk) before it completed: drop whatever of it was
-  // encoded (none of it runs) and return `st` to how it was before the pass, so the next pass
-  // starts clean. The engine calls it, then rethrows.
-  virtual void abandon_pass(State& st) noexcept {}
+  // Whether one pass may hold rows of several sequences (more than one segment). Backends that
+  // cannot (the GPU backends: their kernels read one KV cache and one DeltaNet state per pass)
+  // refuse such a pass at embed; Engine::step runs the sequences one pass each there.
+  virtual bool batches() const { return false; }
+  // An exception escaped a pass (forward_pass) before it completed: drop whatever of it was
+  // encoded (none of it runs) and return every segment's state to how it was before the pass,
+  // so the next pass starts clean. The engine calls it, then rethrows.
+  virtual void abandon_pass(Segments segs) noexcept {}
 
-  // Starts a chunk of T tokens at state.position(): x = embed(tokens).
-  virtual void embed(State& st, const int32_t* tokens, int T) = 0;
+  // Starts a pass of segs.rows() tokens, each segment at its state's position:
+  // x = embed(tokens). Grows every segment's KV cache for the pass first, so running out of
+  // memory fails here, before any state changes.
+  virtual void embed(Segments segs, const int32_t* tokens) = 0;
   // h = rmsnorm(x) * w
   virtual void rms_norm(const std::vector<float>& w) = 0;
   // x += y; h = rmsnorm(x) * w
   virtual void add_rms_norm(const std::vector<float>& w) = 0;
-  // y = mixer(h), reading and extending the layer's state.
-  virtual void attention(State& st, int layer, const AttentionWeights& w) = 0;
-  virtual void gated_deltanet(State& st, int layer, const GdnWeights& w) = 0;
+  // y = mixer(h), each segment's rows reading and extending its own state's layer.
+  virtual void attention(Segments segs, int layer, const AttentionWeights& w) = 0;
+  virtual void gated_deltanet(Segments segs, int layer, const GdnWeights& w) = 0;
   // y = ffn(h)
   virtual void mlp(const MlpWeights& w) = 0;
   virtual void moe(const MoeWeights& w) = 0;

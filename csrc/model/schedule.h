@@ -6,11 +6,18 @@
 
 namespace lily {
 
+// Which rows' logits a pass writes: none, the last row of each segment ([segments, vocab]), or
+// every row ([T, vocab]).
 enum class LogitRows { None, Last, All };
 
-// Runs T tokens through the model from st.position(); writes logits for the requested rows
-// ([1, vocab] for Last, [T, vocab] for All). Does not advance the position (the engine does).
-void forward_chunk(Backend& be, const ModelWeights& w, State& st, const int32_t* tokens, int T,
-                   LogitRows rows, float* logits);
+// Runs one pass of segs.rows() tokens, each segment from its state's position (segments back to
+// back from row 0: see Segments; more than one only where be.batches()); writes the requested
+// logits. Does not advance any position (the engine does).
+void forward_pass(Backend& be, const ModelWeights& w, Segments segs, const int32_t* tokens, LogitRows rows,
+                  float* logits);
+
+// One sequence: T tokens from st.position() ([1, vocab] logits for Last).
+void forward_chunk(Backend& be, const ModelWeights& w, State& st, const int32_t* tokens, int T, LogitRows rows,
+                   float* logits);
 
 }  // namespace lily

@@ -223,6 +223,18 @@ std::vector<StateTensor> state_tensors(const nb::dict& tensors) {
   return out;
 }
 
+// A fresh [rows, vocab] logits array, filled by run(data) with the GIL released.
+template <class Run>
+F32Array logit_rows(const Engine& e, size_t rows, Run run) {
+  float* p;
+  F32Array out = new_f32({rows, size_t(e.config().vocab)}, &p);
+  {
+    nb::gil_scoped_release release;
+    run(p);
+  }
+  return out;
+}
+
 // generate_greedy's keep_going: false once a stop token was generated.
 std::function<bool(int32_t)> until_stop(const std::vector<int32_t>& stop) {
   return [&stop](int32_t t) { return std::find(stop.begin(), stop.end(), t) == stop.end(); };
@@ -524,6 +536,35 @@ void init_model(nb::module_& m) {
             return out;
           },
           nb::arg("state"), nb::arg("token"))
+      .def(
+          "decode_batch",
+          [](Engine& e, const std::vector<State*>& states, nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig> tokens) {
+            const size_t B = states.size();
+            if (tokens.shape(0) != B)
+              throw RequestError("[engine] decode_batch: " + std::to_string(B) + " states but " +
+                                 std::to_string(tokens.shape(0)) + " tokens");
+            return logit_rows(e, B, [&](float* logits) { e.decode_batch(states, tokens.data(), logits); });
+          },
+          nb::arg("states"), nb::arg("tokens"),
+          "One decode step of several sequences: tokens[i] appended to states[i]; returns logits [B, vocab]. "
+          "On the CPU backend one pass for all (each row bit-identical to decode() alone); GPU backends "
+          "run them one after another. Checks everything first: a refused batch changes no state.")
+      .def(
+          "step",
+          [](Engine& e, const std::vector<State*>& states,
+             const std::vector<nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig>>& tokens) {
+            const size_t S = states.size();
+            if (tokens.size() != S)
+              throw RequestError("[engine] step: " + std::to_string(S) + " states but " +
+                                 std::to_string(tokens.size()) + " token arrays");
+            std::vector<Engine::StepRows> seqs(S);
+            for (size_t i = 0; i < S; ++i) seqs[i] = {states[i], tokens[i].data(), int(tokens[i].shape(0))};
+            return logit_rows(e, S, [&](float* logits) { e.step(seqs, logits); });
+          },
+          nb::arg("states"), nb::arg("tokens"),
+          "One step of several sequences, each appending its tokens (one: a decode row; more: a prefill chunk, "
+          "prefilled in the same pass as the others' decode rows on the CPU backend); returns the logits of "
+          "each sequence's last token [len(states), vocab]. Checks as decode_batch.")
       .def(
           "generate_greedy",
           [](Engine& e, State& st, int32_t token, int max_tokens, const std::vector<int32_t>& stop_tokens) {

@@ -1,0 +1,84 @@
+"""Batched decode (Engine.decode_batch): time per step and aggregate tokens/s for B sequences.
+
+One step is one forward pass over B decode rows, one per sequence (csrc/engine/engine.h
+Engine::step): the dense and expert weights are read once for all rows, attention and DeltaNet
+run per sequence. Each sequence holds a context of about --context tokens: a shared prefix of
+--context - 10 tokens prefilled once and cloned, then 10 random tokens of its own, so the rows
+differ (and route to different experts) from the first step on. Each step feeds every sequence
+its greedy token. Reported: the median wall time of --steps steps after --warmup, and B / that.
+
+    python benchmarks/batch_decode.py --model build/bench/medium/mlx4 --threads 2 --batch 1,2,4,8,16
+    python benchmarks/batch_decode.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+import lily
+
+ROOT = Path(__file__).resolve().parents[1]
+OWN_TOKENS = 10  # distinct tokens per sequence after the shared prefix
+
+
+def measure(model: lily.Model, batch: int, context: int, steps: int, warmup: int, seed: int) -> dict:
+    engine = model._engine
+    rng = np.random.default_rng(seed)
+    vocab = model.config.vocab_size
+    prefix = engine.new_state(context + warmup + steps + 1)
+    engine.prefill(prefix, rng.integers(0, vocab, size=context - OWN_TOKENS).astype(np.int32), False)
+    states = []
+    for _ in range(batch):
+        s = prefix.clone()
+        logits = engine.prefill(s, rng.integers(0, vocab, size=OWN_TOKENS).astype(np.int32), False)
+        states.append(s)
+    tokens = np.full(batch, int(logits.argmax()), dtype=np.int32)
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        logits = engine.decode_batch(states, tokens)
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(dt)
+        tokens = logits.argmax(-1).astype(np.int32)
+    step_s = statistics.median(times)
+    return {"batch": batch, "context": states[0].position - warmup - steps, "step_ms": step_s * 1e3,
+            "tokens_per_s": batch / step_s, "steps": steps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(ROOT / "build" / "bench" / "medium" / "mlx4"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cpu-matmul", default="auto", choices=["auto", "int8", "f32"])
+    ap.add_argument("--batch", default="1,2,4,8,16", help="comma-separated batch sizes")
+    ap.add_argument("--context", type=int, default=200, help="tokens in each sequence before the first step")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="also write the rows to this file")
+    args = ap.parse_args()
+    if args.context <= OWN_TOKENS:
+        ap.error(f"--context must exceed {OWN_TOKENS}")
+    model = lily.Model.load(args.model, threads=args.threads, cpu_matmul=args.cpu_matmul)
+    rows = [measure(model, int(b), args.context, args.steps, args.warmup, args.seed) for b in args.batch.split(",")]
+    base = rows[0]["tokens_per_s"] / rows[0]["batch"]
+    print(f"{model!r}\ncontext ~{args.context} tokens, median of {args.steps} steps after {args.warmup}\n")
+    print("| B | ms / step | tokens/s (all sequences) | vs B=1 per token |")
+    print("|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f}x |")
+    if args.json:
+        out = {"model": args.model, "engine": repr(model), "threads": args.threads, "cpu_matmul": model._engine.cpu_matmul,
+               "rows": rows}
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
