@@ -1,9 +1,12 @@
 """How streams, chat turns and generations end, on the shipped demo model.
 
-A model runs one generation at a time. A stream ends — and frees the model at once — when it
-is exhausted, closed, garbage-collected, interrupted by Ctrl-C, or when the same thread starts
-the next generation; its ``result`` then holds the partial text and tokens with finish_reason
-"cancelled". A chat turn that does not finish is rolled back (docs/api-generation.md).
+A model runs up to ``max_batch`` generations at once (they share engine passes; 8 by default
+on the CPU). A stream ends — and frees its slot at once — when it is exhausted, closed,
+garbage-collected, interrupted by Ctrl-C, when the same thread starts another generation while
+every slot is taken, or when it sat idle past the slots' idle timeout while another generation
+waited; its ``result`` then holds the partial text and tokens with finish_reason "cancelled".
+A chat turn that does not finish is rolled back (docs/api-generation.md). Tests of the
+full-slots rules run the model with ``max_batch = 1`` (the ``serial`` fixture).
 
 References: a full greedy generation of the same prompt (a cancelled stream's tokens are its
 prefix), the tokenizer's own decode, and from-scratch generation of the rendered history.
@@ -27,6 +30,14 @@ def model():
     return lily.Model.load()
 
 
+@pytest.fixture
+def serial(model):
+    """The model with one generation slot (every slot taken by one stream)."""
+    model.max_batch = 1
+    yield model
+    model.max_batch = 8
+
+
 def _generate_in_thread(model, timeout: float = 30.0):
     """A generation in another thread: returns its result, or None if the model stayed busy."""
     out = []
@@ -47,7 +58,19 @@ def _partial_stream(model, n: int, prompt: str = "Errors"):
     return stream, chunks
 
 
-def test_the_next_generate_ends_a_stream_broken_out_of(model):
+def test_a_stream_broken_out_of_continues_beside_the_next_generate(model):
+    """Slots free: the next generate runs beside the open stream, which later goes on as if alone."""
+    full = model.generate("Errors", max_tokens=200, temperature=0)
+    stream, chunks = _partial_stream(model, 4)
+    again = model.generate("Errors", max_tokens=200, temperature=0)
+    assert again.tokens == full.tokens
+    rest = [c.token for c in stream if c.token is not None]
+    assert [c.token for c in chunks] + rest == full.tokens
+    assert stream.result.finish_reason == full.finish_reason
+
+
+def test_the_next_generate_ends_a_stream_broken_out_of(serial):
+    model = serial
     full = model.generate("Errors", max_tokens=200, temperature=0)
     stream, chunks = _partial_stream(model, 4)
     # Same thread, stream still referenced and unfinished: the next generate ends it and runs.
@@ -104,13 +127,40 @@ def test_ctrl_c_inside_a_stream_ends_it(model, sigint_raises):
     assert _generate_in_thread(model) is not None
 
 
-def test_generate_inside_a_running_generation_is_an_error(model):
+def test_generate_inside_a_running_generation_is_an_error_when_no_slot_is_free(serial):
+    model = serial
+
     def progress(done, total):
         model.generate("x", max_tokens=1)
 
     with pytest.raises(lily.RequestError, match="inside another"):
         model.generate(list(range(10, 40)), max_tokens=1, on_prefill_progress=progress)
     assert model.generate("Errors", max_tokens=2, temperature=0).completion_tokens >= 1
+
+
+def test_generate_inside_a_running_generation_runs_when_a_slot_is_free(model):
+    inner = []
+
+    def progress(done, total):
+        inner.append(model.generate("x", max_tokens=2, temperature=0).tokens)
+
+    outer = model.generate(list(range(10, 40)), max_tokens=3, temperature=0, on_prefill_progress=progress)
+    assert inner == [model.generate("x", max_tokens=2, temperature=0).tokens]
+    assert outer.tokens == model.generate(list(range(10, 40)), max_tokens=3, temperature=0).tokens
+
+
+def test_an_idle_stream_loses_its_slot_to_a_waiting_generation(serial):
+    """A stream abandoned without close() (still referenced, never stepped again) holds its slot
+    only until another generation needs it past the idle timeout."""
+    model = serial
+    model._generation.idle_timeout_s = 0.5
+    try:
+        stream, _ = _partial_stream(model, 2)
+        other = _generate_in_thread(model, timeout=30)
+        assert other is not None and other.completion_tokens >= 1
+        assert stream.result is not None and stream.result.finish_reason == "cancelled"
+    finally:
+        model._generation.idle_timeout_s = 60.0
 
 
 # -- chat turns: one rule, streamed or not: an unfinished turn is rolled back -----------------------
@@ -134,7 +184,8 @@ def test_a_closed_streamed_chat_turn_is_rolled_back(model):
     assert r.tokens == model.generate(chat.messages[:-1], max_tokens=16, temperature=0).tokens
 
 
-def test_a_chat_turn_ended_by_the_next_generate_is_rolled_back(model):
+def test_a_chat_turn_ended_by_the_next_generate_is_rolled_back(serial):
+    model = serial
     chat = model.chat(temperature=0)
     stream = chat.send("What is a list?", stream=True, max_tokens=50)
     next(stream)

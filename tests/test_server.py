@@ -394,9 +394,19 @@ def test_disconnect_during_prefill_frees_the_engine(server, client, model):
     assert _chat(client, [{"role": "user", "content": "What is a list?"}], max_tokens=4).usage.completion_tokens >= 1
 
 
-def test_disconnect_while_queued_drops_the_job(server, client):
+@pytest.fixture(scope="module")
+def serial_server():
+    """A server running one request at a time (--max-batch 1), so a second one queues."""
+    proc, base, _ = start_server("--api-key", KEY, "--max-batch", "1")
+    yield base
+    stop_server(proc)
+
+
+def test_disconnect_while_queued_drops_the_job(serial_server):
     """A client that leaves while its request waits behind another never gets engine time: the
     job is dropped when its turn comes (neither completed nor run), and the server serves on."""
+    server = serial_server
+    client = openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120)
     before = _health(server)
 
     def open_request(prompt: str, max_tokens: int) -> http.client.HTTPConnection:
@@ -513,7 +523,7 @@ def test_malformed_and_hostile_requests(server, client):
 
 
 def test_full_queue_gets_503_and_server_recovers(server, client):
-    n = MAX_QUEUE + 8
+    n = MAX_QUEUE + 24  # more than the queue and the 8 running requests (--max-batch default) hold
     codes = [None] * n
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Count."}], "max_tokens": 6, "temperature": 0}
 

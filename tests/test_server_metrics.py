@@ -25,7 +25,8 @@ JSON = {"Content-Type": "application/json"}
 
 @pytest.fixture(scope="module")
 def server():
-    proc, base, _ = start_server("--max-queue", str(MAX_QUEUE))
+    # One request at a time, so a long one makes the others queue (the gauges' test needs a queue).
+    proc, base, _ = start_server("--max-queue", str(MAX_QUEUE), "--max-batch", "1")
     yield base
     stop_server(proc)
 

@@ -475,7 +475,8 @@ def cmd_serve(args) -> int:
     serve(model, model_id=model_id, host=args.host, port=args.port, api_key=api_key, max_queue=args.max_queue,
           cache_bytes=int(args.cache_mb * (1 << 20)), log_level=args.log_level,
           default_max_tokens=args.default_max_tokens, limits=limits, cache_dir=args.prompt_cache_dir,
-          cache_disk_bytes=int(args.prompt_cache_disk_mb * (1 << 20)))
+          cache_disk_bytes=int(args.prompt_cache_disk_mb * (1 << 20)), max_batch=args.max_batch,
+          kv_budget_bytes=None if args.kv_budget_mb is None else int(args.kv_budget_mb * (1 << 20)))
     return 0
 
 
@@ -614,6 +615,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require this bearer key (default: $LILY_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model, or lily-demo)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get HTTP 503")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="requests generating at once, sharing each engine pass (continuous batching; default 8 "
+                        "on the CPU backend; GPU backends run one at a time)")
+    p.add_argument("--kv-budget-mb", type=float, default=None, metavar="MIB",
+                   help="KV cache and state the running requests may reserve; a request waits for room, and one "
+                        "that could never fit is refused (default: half the memory available at start)")
     p.add_argument("--cache-mb", type=float, default=1024, help="prompt cache budget in MiB (0 disables it)")
     p.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
                    help="keep the prompt cache on disk too: sequences evicted from memory, and all of them at "

@@ -9,11 +9,12 @@ The engine call for each step releases the GIL; between steps the loop is plain 
 Ctrl-C raises KeyboardInterrupt within one decode step (or one prefill chunk) and breaking
 out of a stream stops generation at once.
 
-Lifetimes: a model runs one generation at a time (:class:`GenerationLock`). A
-:class:`GenerationStream` holds the lock from its creation until it ends, however it ends
-(exhausted, closed, garbage-collected, interrupted, or ended by the same thread's next
-``generate``), and always leaves a ``result``; both ``Model.generate`` and ``Chat`` go
-through it, streamed or not.
+Lifetimes: a model runs up to ``max_batch`` generations at once (:class:`GenerationSlots`;
+they share engine passes, lily.batching). A :class:`GenerationStream` holds a slot from its
+creation until it ends, however it ends (exhausted, closed, garbage-collected, interrupted,
+ended by the same thread's next ``generate`` when no slot is free, or idle while another
+generation waits), and always leaves a ``result``; ``Model.generate``, ``Chat`` and the
+server's jobs go through it, streamed or not.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class GenerationChunk:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None
+    index: int = 0  # the prompt's position in generate([...], stream=True)'s list
 
 
 @dataclass(repr=False)
@@ -119,40 +121,69 @@ class GenerationStats:
     finish_reason: str | None = None
 
 
-class GenerationLock:
-    """One generation at a time per model.
+class GenerationSlots:
+    """At most ``capacity`` generations at once per model; more wait for a slot.
 
-    Other threads wait their turn. A thread's own earlier stream that is still open (broken out
-    of but still referenced) cannot make progress while the same thread waits, so starting a
-    generation ends it first (its result is kept, finish_reason "cancelled") and then proceeds.
-    Starting a generation from inside one that is running (a progress callback, say) is an error.
+    On a backend that batches (the CPU) the capacity is the model's ``max_batch``: the running
+    generations share every engine pass (lily.batching). Elsewhere it is 1, and generations take
+    turns. Streams are lazy (a step runs when the consumer asks for the next chunk), so a
+    stream holds its slot until it ends; two rules keep that from blocking others forever:
+    - A thread's own earlier stream that is still open cannot make progress while that thread
+      waits, so when no slot is free, starting a generation ends the thread's oldest open stream
+      first (its result is kept, finish_reason "cancelled"). Waiting on a stream of its own that
+      is in the middle of a step (from a progress callback) is an error.
+    - A stream nobody has stepped for ``idle_timeout_s`` (abandoned without ``close()`` but still
+      referenced) is ended when another generation needs its slot.
     """
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._owner: int | None = None
-        # The open stream holding the lock: a weak reference, so dropping the stream still
-        # garbage-collects it (which closes it).
-        self._stream: weakref.ref[GenerationStream] | None = None
+    def __init__(self, capacity: int = 1, idle_timeout_s: float = 60.0) -> None:
+        self.capacity = max(1, int(capacity))
+        self.idle_timeout_s = idle_timeout_s
+        self._cv = threading.Condition()
+        self.held = 0
+        # Open streams holding a slot, by the thread that started them: weak references, so
+        # dropping a stream still garbage-collects it (which closes it and frees its slot).
+        self._streams: dict[int, list[weakref.ref[GenerationStream]]] = {}
+
+    def _open(self, thread: int | None = None) -> list[GenerationStream]:
+        """Open streams holding slots, oldest first (of one thread, if given)."""
+        refs = self._streams.get(thread, []) if thread is not None else [r for v in self._streams.values() for r in v]
+        return [s for s in (r() for r in refs) if s is not None and not s._done]
 
     def acquire(self) -> None:
-        if self._owner == threading.get_ident():
-            stream = self._stream() if self._stream is not None else None
-            if stream is None or stream._stepping:
-                raise RequestError("[generate] a generation cannot start inside another one on the same model "
-                                   "and thread (from a callback?)")
-            stream.close()  # releases the lock
-        self._lock.acquire()
-        self._owner = threading.get_ident()
+        me = threading.get_ident()
+        with self._cv:
+            while self.held >= self.capacity:
+                mine = self._open(me)
+                if mine and mine[0]._stepping:
+                    raise RequestError("[generate] a generation cannot start inside another one on the same model "
+                                       "and thread (from a callback?) while every generation slot is taken")
+                now = time.monotonic()
+                idle = [s for s in self._open() if now - s._last_step > self.idle_timeout_s]
+                victim = mine[0] if mine else (idle[0] if idle else None)
+                if victim is None:
+                    self._cv.wait(min(1.0, self.idle_timeout_s))
+                    continue
+                self._cv.release()
+                try:
+                    victim._end_if_idle(force=bool(mine))  # frees its slot (unless it started a step)
+                finally:
+                    self._cv.acquire()
+            self.held += 1
 
     def attach(self, stream: GenerationStream) -> None:
-        """Records the stream that holds the lock (``acquire`` may end it)."""
-        self._stream = weakref.ref(stream)
+        """Records the open stream holding a slot (``acquire`` may end it)."""
+        with self._cv:
+            self._streams.setdefault(threading.get_ident(), []).append(weakref.ref(stream))
 
     def release(self) -> None:
-        self._owner = None
-        self._stream = None
-        self._lock.release()
+        with self._cv:
+            self.held -= 1
+            for thread, refs in list(self._streams.items()):
+                refs[:] = [r for r in refs if (s := r()) is not None and not s._done]
+                if not refs:
+                    del self._streams[thread]
+            self._cv.notify()
 
 
 # Sampling arguments and the Python types they take (checked here so a wrong type is one line
@@ -486,7 +517,7 @@ class GenerationStream:
     stops generation at once and frees the model.
     """
 
-    def __init__(self, chunks: Iterator[GenerationChunk], stats: GenerationStats, lock: GenerationLock | None, *,
+    def __init__(self, chunks: Iterator[GenerationChunk], stats: GenerationStats, lock: GenerationSlots | None, *,
                  want_logprobs: bool, token_text: Callable[[int], str] | None = None, chat: bool = False,
                  tools: Sequence[dict] | None = None, reasoning_started: bool = False,
                  on_finish: Callable[[GenerationResult], None] | None = None):
@@ -509,6 +540,8 @@ class GenerationStream:
         self._tokens: list[int] = []
         self._lps: list[dict[str, Any]] = []
         self._stepping = False  # inside __next__ (a callback there must not end this stream)
+        self._step_lock = threading.Lock()  # held by __next__; another thread ends an idle stream only between steps
+        self._last_step = time.monotonic()  # when the consumer last asked for a chunk (idle streams lose their slot)
         self._done = False
         self.result: GenerationResult | None = None
         if lock is not None:
@@ -518,9 +551,14 @@ class GenerationStream:
         return self
 
     def __next__(self) -> GenerationChunk:
+        with self._step_lock:
+            return self._step()
+
+    def _step(self) -> GenerationChunk:
         if self._done:
             raise StopIteration
         self._stepping = True
+        self._last_step = time.monotonic()
         try:
             c = next(self._chunks)
         except StopIteration:
@@ -531,6 +569,7 @@ class GenerationStream:
             raise
         finally:
             self._stepping = False
+            self._last_step = time.monotonic()
         self._texts.append(c.text)
         if c.token is not None:
             self._tokens.append(c.token)
@@ -566,6 +605,18 @@ class GenerationStream:
         finally:
             if self._lock is not None:
                 self._lock.release()
+
+    def _end_if_idle(self, force: bool) -> None:
+        """Ends the stream for a generation waiting for its slot (GenerationSlots.acquire):
+        ``force``, the waiting thread's own stream; else only if nobody stepped it meanwhile."""
+        if force:
+            self._finish()
+            return
+        if self._step_lock.acquire(blocking=False):
+            try:
+                self._finish()
+            finally:
+                self._step_lock.release()
 
     def drain(self) -> GenerationResult:
         """Runs the stream to its end and returns the result (``generate(stream=False)``)."""

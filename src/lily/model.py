@@ -12,13 +12,14 @@ import numpy as np
 
 from lily import _core, session_file
 from lily._core import ConfigError, RequestError
+from lily.batching import Batcher, BatchStream, generate_batch, is_prompt_batch
 from lily.chat_template import render, template_kwargs
 from lily.checkpoint import load_weights, resident_by_default
 from lily.config import ModelConfig, load_config
 from lily.generation import (
     DeviceLoop,
-    GenerationLock,
     GenerationResult,
+    GenerationSlots,
     GenerationStats,
     GenerationStream,
     check_stop,
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from lily.chat import Chat
 
     Prompt = str | Sequence[dict] | Sequence[int] | np.ndarray
+    PromptBatch = list[str] | list[list[int]] | list[list[dict]] | list[np.ndarray]
 
     class GenerateOptions(TypedDict, total=False):
         """Model.generate's keyword arguments but ``stream`` (what its overloads share)."""
@@ -69,6 +71,10 @@ if TYPE_CHECKING:
         grammar: str | None
 
 
+# Generations at once by default on a backend that batches: benchmarks/serve_load.py on the
+# medium model, 2 cores (docs/server.md, "Continuous batching").
+DEFAULT_MAX_BATCH = 8
+
 # "msl-cpu" runs the Metal backend's dispatch sequence on the MSL-on-CPU runtime (tests; slow);
 # "msl-cuda" the same kernels and dispatch sequence on an NVIDIA GPU (docs/msl-on-cuda.md).
 BACKENDS = ("cpu", "metal", "msl-cpu", "msl-cuda")
@@ -89,7 +95,8 @@ class Session:
     """One sequence's state (KV cache, DeltaNet and conv state) on a model.
 
     ``prefill`` appends tokens and returns logits; ``decode`` appends one token. Sessions of one
-    model share its weights and engine; calls are serialised by the model's lock. ``save``
+    model share its weights and engine; calls from several threads at once share engine passes
+    (lily.batching), which changes no logits. ``save``
     writes the state and its tokens to a file that :meth:`Model.load_session` reads back.
     """
 
@@ -115,16 +122,14 @@ class Session:
         ids = _token_array(token_ids)
         if ids.size == 0:
             raise RequestError("[prefill] no tokens given")
-        with self._model._lock:
-            logits = self._model._engine.prefill(self._state, ids, all_logits)
+        logits = self._model._batcher.run(self._state, ids, all_logits)
         self._tokens.extend(ids.tolist())
         return logits
 
     def decode(self, token_id: int) -> np.ndarray:
         """Appends one token; returns its logits [vocab]."""
         check_type("decode", "token_id", token_id, (int, np.integer), "an integer")
-        with self._model._lock:
-            logits = self._model._engine.decode(self._state, int(token_id))
+        logits = self._model._batcher.run(self._state, np.array([token_id], dtype=np.int32))
         self._tokens.append(int(token_id))
         return logits
 
@@ -201,7 +206,30 @@ class Model:
         self._engine = engine
         self.max_context = max_context
         self._lock = threading.Lock()  # one engine call at a time (shared scratch)
-        self._generation = GenerationLock()  # one generation at a time
+        # Engine passes shared by every thread's calls (lily.batching); generations at once:
+        # max_batch on a backend that batches (the CPU), else one at a time.
+        self._batcher = Batcher(engine, self._lock, prefill_rows=engine.prefill_chunk)
+        self._generation = GenerationSlots(1)
+        self.max_batch = DEFAULT_MAX_BATCH
+
+    @property
+    def batches(self) -> bool:
+        """Whether generations running at once share engine passes (the CPU backend: continuous
+        batching, lily.batching); elsewhere they take turns."""
+        return self._engine.backend == "cpu"
+
+    @property
+    def max_batch(self) -> int:
+        """How many generations run at once (more wait their turn); 1 where the backend does
+        not batch. Settable: ``Model.load(max_batch=...)``, ``lily serve --max-batch``."""
+        return self._generation.capacity
+
+    @max_batch.setter
+    def max_batch(self, n: int) -> None:
+        check_type("max_batch", "max_batch", n, (int, np.integer), "an integer")
+        if n < 1:
+            raise ConfigError(f"[load] max_batch must be at least 1, got {n}")
+        self._generation.capacity = int(n) if self.batches else 1
 
     @classmethod
     def load(
@@ -216,6 +244,7 @@ class Model:
         backend_options: dict | None = None,
         cpu_matmul: str = "auto",
         use_mmap: bool | None = None,
+        max_batch: int | None = None,
     ) -> Model:
         """Loads a checkpoint: a local folder, or a Hugging Face repo id (downloaded into the
         standard HF cache, only the files lily needs; offline when cached). With no argument,
@@ -258,6 +287,9 @@ class Model:
         load time and memory, and the files may then change freely); None (default): read
         into memory on the CPU backend when the files take at most 3/4 of the available
         memory, mapped otherwise.
+        max_batch: how many generations run at once, sharing engine passes (continuous
+        batching; default 8); more wait their turn. On backends that do not batch (the GPU
+        backends today) generations always take turns.
         """
         for name, value, types, what in (
                 ("path_or_repo_id", path_or_repo_id, (str, os.PathLike, type(None)), "a path or repo id"),
@@ -316,6 +348,8 @@ class Model:
         # The fingerprint saved sessions carry (lily.session_file), taken from the files as they
         # were loaded: with use_mmap=False they may change afterwards, the weights in memory not.
         session_file.model_identity(model)
+        if max_batch is not None:
+            model.max_batch = max_batch
         return model
 
     def __repr__(self) -> str:
@@ -419,6 +453,14 @@ class Model:
         return ids, rendered
 
     @overload
+    def generate(self, prompt: PromptBatch, *, stream: Literal[False] = ...,
+                 **options: Unpack[GenerateOptions]) -> list[GenerationResult]: ...
+
+    @overload
+    def generate(self, prompt: PromptBatch, *, stream: Literal[True],
+                 **options: Unpack[GenerateOptions]) -> BatchStream: ...
+
+    @overload
     def generate(self, prompt: Prompt, *, n: int, stream: Literal[False] = ...,
                  **options: Unpack[GenerateOptions]) -> list[GenerationResult]: ...
 
@@ -435,7 +477,7 @@ class Model:
 
     def generate(
         self,
-        prompt: str | Sequence[dict] | Sequence[int] | np.ndarray,
+        prompt: str | Sequence[dict] | Sequence[int] | np.ndarray | Sequence[str] | Sequence[Sequence[Any]],
         *,
         max_tokens: int | None = None,
         temperature: float | None = None,
@@ -460,15 +502,15 @@ class Model:
         regex: str | None = None,
         grammar: str | None = None,
         n: int | None = None,
-    ) -> GenerationResult | GenerationStream | list[GenerationResult]:
+    ) -> GenerationResult | GenerationStream | list[GenerationResult] | BatchStream:
         """Generates a continuation of ``prompt``: a string, a list of OpenAI-format chat
         messages (rendered with the checkpoint's chat template), or token ids.
 
         Sampling defaults come from the checkpoint's generation_config.json, else greedy.
         ``logprobs``: True for the sampled token's logprob, an int N for the top N as well.
-        ``stream=True`` returns a :class:`GenerationStream` of chunks instead of a result; the
-        model runs one generation at a time, and this thread's earlier stream, if still open,
-        is ended (finish_reason "cancelled") before this one starts.
+        ``stream=True`` returns a :class:`GenerationStream` of chunks instead of a result. Up to
+        ``max_batch`` generations run at once; when all slots are taken, this thread's oldest
+        stream still open is ended (finish_reason "cancelled") before this one starts.
         ``on_prefill_progress(done, total)`` is called after each prefill chunk (progress bars).
         ``prompt_cache``: a :class:`Session` holding a prefix of the prompt (``load_session`` of a
         file ``lily cache`` or ``Session.save`` wrote): the prompt's token ids must start with the
@@ -486,12 +528,29 @@ class Model:
         ``chat_template_kwargs``: extra variables for the chat template (every key reaches it).
         The result's ``content`` / ``reasoning`` / ``tool_calls`` split the text of a chat
         prompt (the ``<think>`` block and tool calls); for other prompts ``content`` is the text.
+        A list of prompts (strings, token-id lists or message lists) runs them as one batch and
+        returns one result per prompt, in order (with ``stream=True`` a :class:`lily.batching.BatchStream`
+        of chunks tagged with their prompt's ``index``); up to ``max_batch`` run at once, sharing
+        engine passes, each getting the tokens it gets alone. Threads calling ``generate`` on
+        one model at once are batched the same way.
         ``n``: that many choices, returned as a list of results (a list whenever ``n`` is
         given, as OpenAI's ``choices``; not with ``stream=True``). The prompt is prefilled once
         and each choice continues from its state; choice i samples with seed ``seed + i`` (as
         the server's ``n``), so it equals ``generate(..., seed=seed + i)``; later choices count
         the prompt but its last token as ``cached_tokens``.
         """
+        if is_prompt_batch(prompt):  # several prompts, run as one batch (lily.batching)
+            options = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                           repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                           frequency_penalty=frequency_penalty, seed=seed, stop=stop, logprobs=logprobs, tools=tools,
+                           enable_thinking=enable_thinking, chat_template_kwargs=chat_template_kwargs,
+                           on_prefill_progress=on_prefill_progress, prompt_cache=prompt_cache,
+                           logit_bias=logit_bias, stop_token_ids=stop_token_ids, json_schema=json_schema,
+                           regex=regex, grammar=grammar)
+            if n is not None:
+                raise RequestError("[generate] n cannot be combined with a list of prompts (repeat the prompt "
+                                   "in the list instead)")
+            return BatchStream(self, list(prompt), options) if stream else generate_batch(self, list(prompt), options)
         if n is not None:
             check_type("generate", "n", n, (int, np.integer), "an integer")
             if n < 1:
@@ -547,7 +606,7 @@ class Model:
                 max_tokens=max_tokens, eos_ids=eos_ids, stop=stop, want_logprobs=want_lp,
                 device_loop=session.device_loop if on_device else None, logit_bias=bias)
 
-            def stream_of(stats: GenerationStats, chunks, lock: GenerationLock | None) -> GenerationStream:
+            def stream_of(stats: GenerationStats, chunks, lock: GenerationSlots | None) -> GenerationStream:
                 # A chat prompt: reasoning and tool calls are split out of the answer.
                 return GenerationStream(chunks, stats, lock, want_logprobs=want_lp, token_text=self._token_text,
                                         chat=rendered is not None, tools=tools, reasoning_started=reasoning_started)

@@ -282,8 +282,9 @@ class PrefixCache:
 
     ``acquire(ids)`` hands out the sequence that can reuse the most of ``ids`` (rewound to
     that prefix) or a fresh one; ``release(seq)`` puts it back as the most recently used and
-    evicts others until the cache fits its budget. One request uses a sequence at a time (the
-    server runs one generation at a time); the lock only guards the bookkeeping.
+    evicts others until the cache fits its budget. A sequence handed out belongs to one request
+    until released (requests running at once get different sequences); the lock guards the
+    bookkeeping.
     """
 
     def __init__(self, model: Model, budget_bytes: int, *, max_context: int | None = None,

@@ -1,12 +1,20 @@
 """One engine, many requests: the server's generation worker.
 
 Design choices:
-- One worker thread owns generation. Requests wait in a bounded FIFO (``queue.Queue``), so
-  they run in arrival order and a full queue is refused at once (HTTP 503) instead of piling
-  up. The engine itself runs one sequence at a time (its scratch buffers are shared), so a
-  single worker is the whole scheduler; there is no batching.
-- The worker also takes the model's GenerationLock per job, so Python-API calls on the same
-  model in the same process take turns with the server instead of corrupting it.
+- Up to ``model.max_batch`` worker threads each run one job at a time, taken from one bounded
+  FIFO (``queue.Queue``): requests start in arrival order, and a full queue is refused at once
+  (HTTP 503) instead of piling up. The jobs running at once share every engine pass
+  (continuous batching, lily.batching): each worker's token loop calls the engine for its own
+  sequence and those calls are taken together into one pass, prefill chunks beside decode rows,
+  so a long prompt does not stall the others. On the CPU backend a job's tokens do not depend
+  on which others share its passes (bit-identical logits); on backends that do not batch, one
+  worker runs and jobs take turns.
+- The workers take the model's generation slots (``Model._generation``) per job, so Python-API
+  calls on the same model in the same process share the slots and passes with the server.
+- KV memory is admitted, not discovered: a job reserves the KV cache and recurrent state of its
+  whole context (prompt + max_tokens) from ``kv_budget_bytes`` before it starts, and waits (at
+  the head of the queue) until running jobs free enough; a job that could never fit is refused
+  at submit with an error naming both sizes. A running job therefore never runs out mid-way.
 - Every job carries a cancel flag. The HTTP side sets it when the client goes away; the worker
   checks it before each prefill chunk and each decode step, so a disconnect frees the engine
   within one step. ``Scheduler.stats`` records how many steps ran after the flag was set, and why.
@@ -39,6 +47,7 @@ Design choices:
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -48,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from lily._core import RequestError
 from lily.generation import GenerationStats, choice_loops, result_from
 from lily.prefix_cache import PrefixCache
 from lily.structured import TokenConstraint
@@ -57,7 +67,7 @@ class Cancelled(Exception):
     """Raised inside the token loop when the job's client went away."""
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the running set holds jobs
 class Job:
     """One generation request, ready to run: token ids and native sampling parameters."""
 
@@ -144,25 +154,50 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """A worker thread running queued Jobs one at a time on ``model``."""
+    """Worker threads running queued Jobs on ``model``, up to ``model.max_batch`` at once."""
 
     def __init__(self, model, *, max_queue: int = 64, cache_bytes: int = 1 << 30,
-                 max_snapshots: int = 12, metrics: SchedulerMetrics | None = None):
+                 max_snapshots: int = 12, metrics: SchedulerMetrics | None = None,
+                 kv_budget_bytes: int | None = None):
         self.model = model
         self.metrics = metrics or SchedulerMetrics()
         self.cache = PrefixCache(model, cache_bytes, max_snapshots=max_snapshots)
         self.stats = SchedulerStats()
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
-        self.running: Job | None = None
-        self._thread = threading.Thread(target=self._run, name="lily-engine", daemon=True)
-        self._thread.start()
+        self._lock = threading.Condition()  # guards _running, the stats' counters and the KV reservations
+        self._running: set[Job] = set()
+        # Per-sequence memory: its recurrent state (fixed) plus the KV cache of its context.
+        self._recurrent_bytes = int(model._engine.new_state(1).nbytes)
+        self.kv_budget_bytes = kv_budget_bytes if kv_budget_bytes is not None else default_kv_budget()
+        self.kv_reserved = 0
+        self._threads = [threading.Thread(target=self._run, name=f"lily-engine-{i}", daemon=True)
+                         for i in range(model.max_batch)]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def running(self) -> list[Job]:
+        """The jobs generating now."""
+        with self._lock:
+            return list(self._running)
+
+    def job_bytes(self, job: Job) -> int:
+        """Memory a job's sequence can grow to: KV cache of its whole context, recurrent state."""
+        positions = min(int(job.ids.size) + job.max_tokens, self.model.max_context)  # n choices reuse it
+        return int(self.model._engine.kv_bytes(positions)) + self._recurrent_bytes
 
     @property
     def queued(self) -> int:
         return self._queue.qsize()
 
     def submit(self, job: Job) -> None:
-        """Queues ``job``; raises ``queue.Full`` when the queue is at its limit."""
+        """Queues ``job``; raises ``queue.Full`` when the queue is at its limit, RequestError
+        when its sequence could never fit the KV budget."""
+        need = self.job_bytes(job)
+        if need > self.kv_budget_bytes:
+            raise RequestError(f"[server] the request's context (prompt {job.ids.size} + max_tokens {job.max_tokens}"
+                               f" tokens) needs {need / 2**20:.1f} MiB of KV cache and state; the server's KV budget "
+                               f"is {self.kv_budget_bytes / 2**20:.1f} MiB (--kv-budget-mb): ask for fewer tokens")
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -171,38 +206,53 @@ class Scheduler:
 
     def _finish(self, job: Job, outcome: str) -> None:
         """Counts a job's end, in the stats and the metrics alike."""
-        setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+        with self._lock:
+            setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
         ran = outcome != "rejected" and job.started is not None
         self.metrics.finished(outcome, time.perf_counter() - job.enqueued if ran else None)
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        if self.running is not None:
-            self.running.cancel("shutdown")
-        while True:  # drop waiting jobs, then wake the worker
+        for job in self.running:
+            job.cancel("shutdown")
+        while True:  # drop waiting jobs, then wake the workers
             try:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 break
             if job is not None:
                 job.cancel("shutdown")
-        self._queue.put(None)
-        self._thread.join(timeout)
+        with self._lock:
+            self._lock.notify_all()  # a worker waiting for KV room sees its job cancelled
+        deadline = time.monotonic() + timeout
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
         while True:
             job = self._queue.get()
             if job is None:
                 return
+            need = self.job_bytes(job)
+            with self._lock:  # at the head of the queue: wait for KV room (the others wait behind)
+                while self.kv_reserved + need > self.kv_budget_bytes and not job.cancelled.is_set():
+                    self._lock.wait(0.1)
+                if not job.cancelled.is_set():
+                    self.kv_reserved += need
+                    self._running.add(job)
+                    self.metrics.set_running(len(self._running))
             if job.cancelled.is_set():
                 self._finish(job, "cancelled")
                 continue
-            self.running = job
-            self.metrics.set_running(1)
             try:
                 self._generate(job)
             finally:
-                self.running = None
-                self.metrics.set_running(0)
+                with self._lock:
+                    self.kv_reserved -= need
+                    self._running.discard(job)
+                    self.metrics.set_running(len(self._running))
+                    self._lock.notify_all()
 
     def _generate(self, job: Job) -> None:
         model = self.model
@@ -282,3 +332,13 @@ class Scheduler:
             if seq is not None:
                 self.cache.release(seq)
             model._generation.release()
+
+
+def default_kv_budget() -> int:
+    """Half the memory available now (the rest: weights not yet faulted in, the prompt cache,
+    Python), at least 256 MiB."""
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        avail = 8 << 30
+    return max(avail // 2, 256 << 20)

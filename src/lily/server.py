@@ -279,7 +279,7 @@ class Server:
     def __init__(self, model, *, model_id: str, api_key: str | None = None, max_queue: int = 64,
                  cache_bytes: int = 1 << 30, default_max_tokens: int | None = None,
                  limits: ServerLimits | None = None, cache_dir: str | None = None,
-                 cache_disk_bytes: int = 10 << 30):
+                 cache_disk_bytes: int = 10 << 30, kv_budget_bytes: int | None = None):
         self.model = model
         self.model_id = model_id
         self.api_key = api_key
@@ -289,7 +289,8 @@ class Server:
         self.created = int(time.time())
         # Its own registry (not prometheus_client's global one): one per server.
         self.metrics = PrometheusMetrics(queue_depth=lambda: self.scheduler.queued)
-        self.scheduler = Scheduler(model, max_queue=max_queue, cache_bytes=cache_bytes, metrics=self.metrics)
+        self.scheduler = Scheduler(model, max_queue=max_queue, cache_bytes=cache_bytes, metrics=self.metrics,
+                                   kv_budget_bytes=kv_budget_bytes)
         if cache_dir is not None:  # the prompt cache's disk tier (lily.prefix_cache.DiskCache)
             self.scheduler.cache.disk = DiskCache(model, cache_dir, cache_disk_bytes)
 
@@ -528,7 +529,7 @@ class Server:
         s = self.scheduler
         st = s.stats
         return JSONResponse({
-            "status": "ok", "model": self.model_id, "running": s.running is not None, "queued": s.queued,
+            "status": "ok", "model": self.model_id, "running": bool(s.running), "running_requests": len(s.running), "queued": s.queued,
             "completed": st.completed, "cancelled": st.cancelled, "failed": st.failed,
             "rejected": st.rejected, "last_cancel_steps": st.last_cancel_steps,
             "last_cancel_release_s": st.last_cancel_release_s, "last_cancel_reason": st.last_cancel_reason,
@@ -1057,14 +1058,19 @@ def build_app(server: Server) -> Starlette:
 def serve(model, *, model_id: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_queue: int = 64, cache_bytes: int = 1 << 30, log_level: str = "info",
           default_max_tokens: int | None = None, limits: ServerLimits | None = None, cache_dir: str | None = None,
-          cache_disk_bytes: int = 10 << 30) -> None:
-    """Runs the server until interrupted."""
+          cache_disk_bytes: int = 10 << 30, max_batch: int | None = None,
+          kv_budget_bytes: int | None = None) -> None:
+    """Runs the server until interrupted. ``max_batch``: requests generating at once, sharing
+    engine passes (default: the model's, Model.max_batch); ``kv_budget_bytes``: the KV cache and
+    state the running requests may reserve (default: half the memory available at start)."""
     import uvicorn
 
     limits = limits or ServerLimits()
+    if max_batch is not None:
+        model.max_batch = max_batch
     server = Server(model, model_id=model_id, api_key=api_key, max_queue=max_queue, cache_bytes=cache_bytes,
                     default_max_tokens=default_max_tokens, limits=limits, cache_dir=cache_dir,
-                    cache_disk_bytes=cache_disk_bytes)
+                    cache_disk_bytes=cache_disk_bytes, kv_budget_bytes=kv_budget_bytes)
     # uvicorn's h11 protocol with read deadlines, a connection cap and small send buffers
     # (lily.server_limits: uvicorn has no deadline for reading a request).
     protocol = limited_protocol(limits)
