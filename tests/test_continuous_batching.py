@@ -213,3 +213,15 @@ def test_kv_budget_admission(model):
         assert running_at_chunks and max(running_at_chunks) == 1, "two requests ran beyond the KV budget"
     finally:
         sched.shutdown()
+
+
+def test_gpu_backends_take_turns(store):
+    """On a backend that does not batch (the GPU host, here on msl-cpu) max_batch stays 1 and
+    threads still get their solo answers, one after another."""
+    path = store.mlx("qwen3_5_moe", 4)
+    gpu = lily.Model.load(path, backend="msl-cpu", max_batch=8)
+    assert not gpu.batches and gpu.max_batch == 1
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    solo = [gpu.generate(p, max_tokens=3, temperature=0).tokens for p in prompts]
+    assert _in_threads(lambda i: gpu.generate(prompts[i], max_tokens=3, temperature=0).tokens, 2) == solo
+    assert gpu._batcher.stats.max_sequences == 1

@@ -28,7 +28,8 @@ Design choices:
   prefills chunk by chunk inside the others' decode passes instead of stalling them.
 - A failed pass (a request error of one sequence, say) is retried one sequence at a time, so
   the error reaches the call that caused it and the others go on; the engine checks everything
-  before it computes, so the failed pass changed nothing.
+  before it computes, so the failed pass changed nothing (on the CPU backend, the only one
+  whose passes hold several sequences).
 - ``all_logits`` calls (``Session.prefill(all_logits=True)``, ``Model.logits``) and calls of
   more tokens than a pass prefills run alone (the engine chunks those itself).
 """
@@ -74,6 +75,9 @@ class Batcher:
 
     def __init__(self, engine, lock: threading.Lock, *, prefill_rows: int, max_wait_s: float = 0.005):
         self._engine = engine
+        # GPU backends run a step's sequences one pass after another, so a failing one would
+        # leave those before it advanced: there every call is a pass of its own.
+        self.batches = engine.backend == "cpu"
         self._lock = lock  # the model's engine lock: also taken by clone, save, device loops
         self.prefill_rows = max(1, int(prefill_rows))  # prefill tokens in one pass (the engine's chunk)
         self.max_wait_s = float(max_wait_s)
@@ -135,7 +139,7 @@ class Batcher:
                 break
             self._cv.wait(left)
         first = self._waiting[0]
-        if first.alone:
+        if first.alone or not self.batches:
             batch = [first]
         else:
             batch, prefill = [], 0

@@ -216,7 +216,7 @@ class Model:
     def batches(self) -> bool:
         """Whether generations running at once share engine passes (the CPU backend: continuous
         batching, lily.batching); elsewhere they take turns."""
-        return self._engine.backend == "cpu"
+        return self._batcher.batches
 
     @property
     def max_batch(self) -> int:
