@@ -468,6 +468,9 @@ def main(argv=None) -> int:
             finally:
                 srv.close()
             rows.append({**row, "server_command": command_line})
+            if a.json:  # as we go: an interrupted run keeps the rows it measured
+                with open(a.json.with_suffix(".rows.jsonl"), "a") as f:
+                    f.write(json.dumps(rows[-1]) + "\n")
             requests += [asdict(r) for r in reqs]
             print(f"[serve_load] {engine} C={c}: {row['tokens_per_s']:.1f} tok/s, p50 latency "
                   f"{row['latency_p50_s']:.2f} s, p50 TTFT {_f(row['ttft_p50_s'], '.2f')} s, completion tokens "
