@@ -199,16 +199,26 @@ struct StreamPrefetch {
 // ---- Block sums with rows in lanes -----------------------------------------------------------
 //
 // Rows are taken kRows at a time (a block of rows), four at a time within it (a quad). A quad's
-// four rows are read together, front to back, and the quad's block sums wait in a small buffer;
-// then, step by step, the quads' vectors are rearranged into one vector per block whose lane i
-// is row i of the block, and the f32 sequence runs for the kRows rows at once.
-//   Step<BITS>::quad<kHalf, NT>(rows, xt, v, q): values [v, v + width) of the quad's rows
-//     (rows[i]: row i's packed bytes) against NT (1 or 2) tokens (xt[j]: token j's xq); q[j]
-//     gets token j's block sums in the layout blocks() reads. Two tokens share each row's loads
-//     and nibble unpacking. Step::kFull is the width of the main steps; a row may end with one
-//     half-width step (kHalf).
+// four rows are read together, front to back, step by step; each step is loaded and unpacked
+// once into registers and every token of the call runs over it, and the tokens' block sums wait
+// in a small buffer. Then, step by step, the quads' vectors are rearranged into one vector per
+// block whose lane i is row i of the block, and each token's f32 sequence runs for the kRows
+// rows at once.
+//   Step<BITS>::unpack<kHalf>(rows, v) -> Codes: values [v, v + width) of the quad's rows
+//     (rows[i]: row i's packed bytes) as u8 codes in registers (4-bit: 8 vectors, 8-bit: 4).
+//     Step::kFull is the width of the main steps; a row may end with one half-width step (kHalf).
+//   Step<BITS>::dot<kHalf>(codes, x): the quad's block sums of that step against one token (x:
+//     its xq at value v) in the layout blocks() reads.
 //   Step<BITS>::blocks(q, blk): the quads' vectors of one step (q[0 .. kRows / 4)) -> blk[k] =
 //     the block sums of block v / 32 + k, lane i = row i; returns the number of blocks.
+// (Why all tokens over one unpacked step: until then the kernel ran tokens in pairs, unpacking
+// each step again per pair; unpacking once cut the decode step of 4 and 8 sequences by ~10% on the
+// medium model. Per token the step then costs 8 VPDPBUSD plus the 9-instruction reduction of
+// sum_lane_quads, near the VPDPBUSD throughput on Zen 4, where 512-bit VPDPBUSD and shuffles do
+// not overlap; moving that reduction to the weight side, once per step, measured no faster:
+// transposing the codes so tokens need only in-lane broadcasts of x (in registers, or
+// broadcast once per call into a 4x copy of x) cost more than it saved, and so did staggering
+// the rows across the accumulators with blends.)
 // (Why quads: reading all 16 rows interleaved, no prefetch pattern we tried streamed the lm_head
 // from DRAM as fast as one row at a time (15-20% short); reading rows one at a time needs a
 // 16 x 16 transpose of block sums per 16 blocks, ~15% more instructions. Measured with
@@ -251,21 +261,27 @@ struct Step;
 template <>
 struct Step<4> {
   static constexpr int kFull = 128;
-  template <bool kHalf, int NT>
-  static void quad(const uint8_t* const* rows, const int8_t* const* xt, int v, __m512i* q) {
-    constexpr int half = kHalf ? 32 : 64;  // bytes of codes per row = x bytes per parity
-    const __m512i m4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
-    __m512i xe[NT], xo[NT], ia[NT][4];
-    for (int j = 0; j < NT; ++j) {
-      xe[j] = load_bytes<kHalf>(xt[j] + v);
-      xo[j] = load_bytes<kHalf>(xt[j] + v + half);
-    }
+  struct Codes {
+    __m512i lo[4], hi[4];  // row i's low and high nibbles (the step's even and odd values)
+  };
+  template <bool kHalf>
+  static Codes unpack(const uint8_t* const* rows, int v) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    Codes c;
     for (int i = 0; i < 4; ++i) {
       const __m512i w = load_bytes<kHalf>(rows[i] + v / 2);
-      const __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
-      for (int j = 0; j < NT; ++j) ia[j][i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, xe[j]), hi, xo[j]);
+      c.lo[i] = _mm512_and_si512(w, m4);
+      c.hi[i] = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
     }
-    for (int j = 0; j < NT; ++j) q[j] = sum_lane_quads(ia[j][0], ia[j][1], ia[j][2], ia[j][3]);
+    return c;
+  }
+  template <bool kHalf>
+  static __m512i dot(const Codes& c, const int8_t* x) {
+    constexpr int half = kHalf ? 32 : 64;  // bytes of codes per row = x bytes per parity
+    const __m512i zero = _mm512_setzero_si512(), xe = load_bytes<kHalf>(x), xo = load_bytes<kHalf>(x + half);
+    __m512i ia[4];
+    for (int i = 0; i < 4; ++i) ia[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, c.lo[i], xe), c.hi[i], xo);
+    return sum_lane_quads(ia[0], ia[1], ia[2], ia[3]);
   }
   template <bool kHalf>
   static int blocks(const __m512i* q, __m512i* blk) {
@@ -279,16 +295,21 @@ struct Step<4> {
 template <>
 struct Step<8> {
   static constexpr int kFull = 64;
-  template <bool kHalf, int NT>
-  static void quad(const uint8_t* const* rows, const int8_t* const* xt, int v, __m512i* q) {
-    const __m512i zero = _mm512_setzero_si512();
-    __m512i x[NT], ia[NT][4];
-    for (int j = 0; j < NT; ++j) x[j] = load_bytes<kHalf>(xt[j] + v);
-    for (int i = 0; i < 4; ++i) {
-      const __m512i w = load_bytes<kHalf>(rows[i] + v);
-      for (int j = 0; j < NT; ++j) ia[j][i] = _mm512_dpbusd_epi32(zero, w, x[j]);
-    }
-    for (int j = 0; j < NT; ++j) q[j] = sum_lane_quads(ia[j][0], ia[j][1], ia[j][2], ia[j][3]);
+  struct Codes {
+    __m512i w[4];
+  };
+  template <bool kHalf>
+  static Codes unpack(const uint8_t* const* rows, int v) {
+    Codes c;
+    for (int i = 0; i < 4; ++i) c.w[i] = load_bytes<kHalf>(rows[i] + v);
+    return c;
+  }
+  template <bool kHalf>
+  static __m512i dot(const Codes& c, const int8_t* x) {
+    const __m512i zero = _mm512_setzero_si512(), xv = load_bytes<kHalf>(x);
+    __m512i ia[4];
+    for (int i = 0; i < 4; ++i) ia[i] = _mm512_dpbusd_epi32(zero, c.w[i], xv);
+    return sum_lane_quads(ia[0], ia[1], ia[2], ia[3]);
   }
   template <bool kHalf>
   static int blocks(const __m512i* q, __m512i* blk) {
@@ -353,6 +374,17 @@ inline __m256i sum_lane_quads(__m256i a, __m256i b, __m256i c, __m256i d) {
 
 inline __m256i load_bytes(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
+// a0 · b0 + a1 · b1 (u8 x s8, summed per int32 lane) for 4-bit codes a0, a1 (<= 15).
+inline __m256i dpbusd2(__m256i a0, __m256i b0, __m256i a1, __m256i b1) {
+#if defined(LILY_INT8_VNNI)
+  return dpbusd(dpbusd(_mm256_setzero_si256(), a0, b0), a1, b1);
+#else
+  // Both int16 pair sums and their sum are exact: |2 * 2 * 15 * 127| < 2^15.
+  const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(a0, b0), _mm256_maddubs_epi16(a1, b1));
+  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#endif
+}
+
 template <int BITS>
 struct Step;
 
@@ -361,21 +393,27 @@ struct Step;
 template <>
 struct Step<4> {
   static constexpr int kFull = 64;
-  template <bool kHalf, int NT>
-  static void quad(const uint8_t* const* rows, const int8_t* const* xt, int v, __m256i* q) {
+  struct Codes {
+    __m256i lo[4], hi[4];
+  };
+  template <bool kHalf>
+  static Codes unpack(const uint8_t* const* rows, int v) {
     static_assert(!kHalf, "4-bit rows are multiples of 64 values");
-    const __m256i m4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
-    __m256i xe[NT], xo[NT], ia[NT][4];
-    for (int j = 0; j < NT; ++j) {
-      xe[j] = load_bytes(xt[j] + v);
-      xo[j] = load_bytes(xt[j] + v + 32);
-    }
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    Codes c;
     for (int i = 0; i < 4; ++i) {
       const __m256i w = load_bytes(rows[i] + v / 2);
-      const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
-      for (int j = 0; j < NT; ++j) ia[j][i] = dpbusd(dpbusd(zero, lo, xe[j]), hi, xo[j]);
+      c.lo[i] = _mm256_and_si256(w, m4);
+      c.hi[i] = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
     }
-    for (int j = 0; j < NT; ++j) q[j] = sum_lane_quads(ia[j][0], ia[j][1], ia[j][2], ia[j][3]);
+    return c;
+  }
+  template <bool kHalf>
+  static __m256i dot(const Codes& c, const int8_t* x) {
+    const __m256i xe = load_bytes(x), xo = load_bytes(x + 32);
+    __m256i ia[4];
+    for (int i = 0; i < 4; ++i) ia[i] = dpbusd2(c.lo[i], xe, c.hi[i], xo);
+    return sum_lane_quads(ia[0], ia[1], ia[2], ia[3]);
   }
   template <bool kHalf>
   static int blocks(const __m256i* q, __m256i* blk) {
@@ -390,17 +428,22 @@ struct Step<4> {
 template <>
 struct Step<8> {
   static constexpr int kFull = 32;
-  template <bool kHalf, int NT>
-  static void quad(const uint8_t* const* rows, const int8_t* const* xt, int v, __m256i* q) {
+  struct Codes {
+    __m256i w[4];
+  };
+  template <bool kHalf>
+  static Codes unpack(const uint8_t* const* rows, int v) {
     static_assert(!kHalf, "8-bit rows are multiples of 32 values");
-    const __m256i zero = _mm256_setzero_si256();
-    __m256i x[NT], ia[NT][4];
-    for (int j = 0; j < NT; ++j) x[j] = load_bytes(xt[j] + v);
-    for (int i = 0; i < 4; ++i) {
-      const __m256i w = load_bytes(rows[i] + v);
-      for (int j = 0; j < NT; ++j) ia[j][i] = dpbusd(zero, w, x[j]);
-    }
-    for (int j = 0; j < NT; ++j) q[j] = sum_lane_quads(ia[j][0], ia[j][1], ia[j][2], ia[j][3]);
+    Codes c;
+    for (int i = 0; i < 4; ++i) c.w[i] = load_bytes(rows[i] + v);
+    return c;
+  }
+  template <bool kHalf>
+  static __m256i dot(const Codes& c, const int8_t* x) {
+    const __m256i zero = _mm256_setzero_si256(), xv = load_bytes(x);
+    __m256i ia[4];
+    for (int i = 0; i < 4; ++i) ia[i] = dpbusd(zero, c.w[i], xv);
+    return sum_lane_quads(ia[0], ia[1], ia[2], ia[3]);
   }
   template <bool kHalf>
   static int blocks(const __m256i* q, __m256i* blk) {
@@ -452,12 +495,19 @@ inline void fstore(float* y, FVec v, int n) {
 }
 #endif
 
+// Tokens per call of rows_int8 (int8_rows splits longer chunks): each step of a quad's rows is
+// unpacked once for them, and their x and block sums stay in L1 (8 tokens: 24 KiB at in = 2048
+// on AVX-512, 16 KiB on AVX2). Decode batches up to 8 are one pass; longer chunks (AVX2 and
+// AVX-VNNI prefill: no int8_gemm there) pass over the rows once per group.
+constexpr int kTokenGroup = 8;
+
 // A vector in a std::vector (which drops a bare vector type's alignment attribute).
 struct IVecSlot {
   IVec v;
 };
 
-// Rows [r0, r1) for T tokens, kRows rows at a time in the canonical order (linear_int8.h).
+// Rows [r0, r1) for T tokens, kRows rows at a time in the canonical order (linear_int8.h); each
+// step of a quad's rows is unpacked once and serves all T tokens.
 template <int BITS>
 void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int T, float* y, int ldy,
                int64_t r0, int64_t r1) {
@@ -470,14 +520,14 @@ void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* 
   while ((kInt8Block << gshift) < W.group) ++gshift;
   const size_t esz = dtype_size(W.dtype), wbytes = size_t(in) * BITS / 8, pbytes = size_t(G) * esz;
   // Per thread: the block of rows' scales and biases as f32, transposed to [Gp][kRows] (lane i
-  // = row i); the quads' block-sum vectors [2 tokens][kQuads][nsteps].
+  // = row i); the quads' block-sum vectors [kQuads][nsteps][T].
   thread_local std::vector<float> params_store;
   thread_local std::vector<IVecSlot> sums_store;
   params_store.resize(size_t(2) * Gp * kRows);
-  sums_store.resize(size_t(2) * kQuads * nsteps);
+  sums_store.resize(size_t(T) * kQuads * nsteps);
   float* sT = params_store.data();      // [Gp][kRows]
   float* bT = sT + size_t(Gp) * kRows;  // [Gp][kRows]
-  IVecSlot* sums = sums_store.data();  // [2][kQuads][nsteps]
+  IVecSlot* sums = sums_store.data();  // [kQuads][nsteps][T]
   const uint8_t* w_end = W.w + size_t(r1) * wbytes;  // nothing past this thread's rows is touched
   const size_t pf_distance = prefetch_distance(wbytes);
   StreamPrefetch spf{W.scales + size_t(r0) * pbytes, W.scales + size_t(r1) * pbytes};
@@ -502,52 +552,48 @@ void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* 
       transpose_rows(sr, sT + size_t(g) * kRows);
       transpose_rows(br, bT + size_t(g) * kRows);
     }
-    // Tokens t0 .. t0 + NT - 1 (NT = 1 or 2) over the block: each token's own canonical sequence.
-    auto pass = [&](int t0, auto nt) {
-      constexpr int NT = decltype(nt)::value;
-      const int8_t* xt[NT];
-      for (int j = 0; j < NT; ++j) xt[j] = xq + size_t(t0 + j) * in;
-      // Integer sums, quad by quad. On the first pass over the block the rows stream from
-      // memory: each of the quad's four streams is prefetched pf_distance ahead.
-      for (int qd = 0; qd < kQuads; ++qd) {
-        const uint8_t* const* qrows = rows + 4 * qd;
-        IVec q[NT];
-        for (int st = 0; st < nsteps; ++st) {
-          if (t0 == 0)
-            for (int i = 0; i < 4; ++i) {
-              const uint8_t* ahead = qrows[i] + size_t(st) * S::kFull * BITS / 8 + pf_distance;
-              if (ahead < w_end) __builtin_prefetch(ahead, 0, kPrefetchLocality);
-            }
+    // Integer sums, quad by quad, step by step: the quad's step is loaded and unpacked once into
+    // registers (S::Codes), then every token runs over it (sums: tokens innermost, so the stores
+    // are contiguous). The rows stream from memory: each of the quad's four streams is prefetched
+    // pf_distance ahead.
+    for (int qd = 0; qd < kQuads; ++qd) {
+      const uint8_t* const* qrows = rows + 4 * qd;
+      for (int st = 0; st < nsteps; ++st) {
+        const int v = st * S::kFull;
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t* ahead = qrows[i] + size_t(v) * BITS / 8 + pf_distance;
+          if (ahead < w_end) __builtin_prefetch(ahead, 0, kPrefetchLocality);
+        }
+        auto tokens = [&](auto half) {
+          constexpr bool kHalf = decltype(half)::value;
+          const typename S::Codes codes = S::template unpack<kHalf>(qrows, v);
+          IVecSlot* out = sums + (size_t(qd) * nsteps + st) * T;
+          for (int t = 0; t < T; ++t) out[t].v = S::template dot<kHalf>(codes, xq + size_t(t) * in + v);
+        };
 #if defined(LILY_INT8_AVX512)
-          if (tail && st == nsteps - 1) S::template quad<true, NT>(qrows, xt, st * S::kFull, q);
-          else
+        if (tail && st == nsteps - 1) tokens(std::true_type());
+        else
 #endif
-            S::template quad<false, NT>(qrows, xt, st * S::kFull, q);
-          for (int j = 0; j < NT; ++j) sums[(size_t(j) * kQuads + qd) * nsteps + st].v = q[j];
+          tokens(std::false_type());
+      }
+    }
+    // The f32 sequence, kRows rows per vector, token by token.
+    for (int t = 0; t < T; ++t) {
+      const float* dt = dx + size_t(t) * nb;
+      FVec acc = fzero();
+      for (int st = 0; st < nsteps; ++st) {
+        IVec qv[kQuads], blk[4];
+        for (int qd = 0; qd < kQuads; ++qd) qv[qd] = sums[(size_t(qd) * nsteps + st) * T + t].v;
+        const int n = tail && st == nsteps - 1 ? S::template blocks<true>(qv, blk) : S::template blocks<false>(qv, blk);
+        for (int k = 0; k < n; ++k) {
+          const int b = st * S::kFull / kInt8Block + k;
+          acc = fma_block(acc, blk[k], fload(sT + size_t(b >> gshift) * kRows), dt[b]);
         }
       }
-      // The f32 sequence, kRows rows per vector.
-      for (int j = 0; j < NT; ++j) {
-        const int t = t0 + j;
-        const float* dt = dx + size_t(t) * nb;
-        FVec acc = fzero();
-        for (int st = 0; st < nsteps; ++st) {
-          IVec qv[kQuads], blk[4];
-          for (int qd = 0; qd < kQuads; ++qd) qv[qd] = sums[(size_t(j) * kQuads + qd) * nsteps + st].v;
-          const int n = tail && st == nsteps - 1 ? S::template blocks<true>(qv, blk) : S::template blocks<false>(qv, blk);
-          for (int k = 0; k < n; ++k) {
-            const int b = st * S::kFull / kInt8Block + k;
-            acc = fma_block(acc, blk[k], fload(sT + size_t(b >> gshift) * kRows), dt[b]);
-          }
-        }
-        const float* gt = gsum + size_t(t) * G;
-        for (int g = 0; g < G; ++g) acc = fma_bias(acc, fload(bT + size_t(g) * kRows), gt[g]);
-        fstore(y + size_t(t) * ldy + rb, acc, nr);
-      }
-    };
-    int t = 0;
-    for (; t + 2 <= T; t += 2) pass(t, std::integral_constant<int, 2>());
-    if (t < T) pass(t, std::integral_constant<int, 1>());
+      const float* gt = gsum + size_t(t) * G;
+      for (int g = 0; g < G; ++g) acc = fma_bias(acc, fload(bT + size_t(g) * kRows), gt[g]);
+      fstore(y + size_t(t) * ldy + rb, acc, nr);
+    }
   }
 }
 
@@ -566,8 +612,16 @@ bool int8_supported(const Linear& W) {
 
 void int8_rows(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int T, float* y, int ldy,
                int64_t r0, int64_t r1) {
-  if (W.bits == 4) rows_int8<4>(W, xq, dx, gsum, T, y, ldy, r0, r1);
-  else rows_int8<8>(W, xq, dx, gsum, T, y, ldy, r0, r1);
+  // Tokens in groups of at most kTokenGroup, each group a pass over the rows.
+  const int nb = int8_dx_per_token(W.in), G = W.in / W.group;
+  for (int t0 = 0; t0 < T; t0 += kTokenGroup) {
+    const int nt = std::min(kTokenGroup, T - t0);
+    const int8_t* xg = xq + size_t(t0) * W.in;
+    const float *dg = dx + size_t(t0) * nb, *gg = gsum + size_t(t0) * G;
+    float* yg = y + size_t(t0) * ldy;
+    if (W.bits == 4) rows_int8<4>(W, xg, dg, gg, nt, yg, ldy, r0, r1);
+    else rows_int8<8>(W, xg, dg, gg, nt, yg, ldy, r0, r1);
+  }
 }
 
 #elif !defined(LILY_INT8_NEON)  // no AVX2 nor NEON: the f32 kernels serve both modes
