@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 
 
 # Generations at once by default on a backend that batches: benchmarks/serve_load.py on the
-# medium model, 2 cores (docs/server.md, "Continuous batching").
+# medium model, 2 cores (docs/server.md, "Measured"; benchmarks/README.md, "Batched decode").
 DEFAULT_MAX_BATCH = 8
 
 # "msl-cpu" runs the Metal backend's dispatch sequence on the MSL-on-CPU runtime (tests; slow);
