@@ -60,7 +60,7 @@ class _Call:
 
 @dataclass
 class BatchStats:
-    """Counts since the model was loaded (the server's /metrics reads them)."""
+    """Counts since the model was loaded (what the passes held; tests read max_sequences)."""
 
     passes: int = 0
     rows: int = 0  # decode rows and prefill tokens, summed over passes
