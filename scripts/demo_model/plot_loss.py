@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+
+def shipped_label(csv_path: Path) -> str:
+    """The shipped run's label, from the train_summary.json beside its loss.csv."""
+    summary = csv_path.with_name("train_summary.json")
+    if not summary.exists():
+        return "shipped demo"
+    s = json.loads(summary.read_text())
+    return f"shipped demo ({s['params'] / 1e6:.1f}M, {s['seconds']:.0f} s)"
 
 
 def main() -> None:
@@ -26,7 +36,8 @@ def main() -> None:
         rows = list(csv.DictReader(open(path)))
         tokens = [int(r["tokens"]) / 1e6 for r in rows]
         label = {
-            "loss": "second demo, shipped (44.4M, 231 s)",
+            "loss": shipped_label(Path(path)),
+            "loss_demo2_231s": "second demo (44.4M, 231 s)",
             "loss_demo1_185s": "first demo (13.4M, 185 s)",
             "loss_run1_330s": "first demo's trial run (13.4M, 330 s)",
         }.get(Path(path).stem, Path(path).stem)
