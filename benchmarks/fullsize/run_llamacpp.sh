@@ -38,7 +38,7 @@
 #   OUT=/tmp/out GPU=cuda BUDGET_S=570 benchmarks/fullsize/run_llamacpp.sh
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$root"
+cd "$root" || exit 1
 start=$(date +%s)
 OUT=${OUT:-/tmp/fullsize-out}
 THREADS=${THREADS:-16}
@@ -93,6 +93,7 @@ compile=(cmake --build "$build" -j "$jobs" --target llama-bench llama-batched-be
 template="$TEMPLATE"
 [ "${TEMPLATE%.xz}" != "$TEMPLATE" ] && template="$WORK/template.gguf"
 # GGUF_ARGS: e.g. "--layers 4 --experts 8" for a small model of the same layout (a local check).
+# shellcheck disable=SC2206  # GGUF_ARGS is split into words on purpose
 make_gguf=("$PY" benchmarks/fullsize/make_gguf.py "$template" "$GGUF" --workers 8 ${GGUF_ARGS:-})
 
 if [ "$DRY_RUN" = 1 ]; then
