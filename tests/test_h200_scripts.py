@@ -6,11 +6,18 @@ state (State.import_tensors) past attention's split threshold, decodes on both a
 against the CPU backend; the dispatches it records must read exactly the bytes gpu_plan counts
 for that context (bf16 scales, as the released checkpoints and make_fullsize.py have: the plan
 assumes them), and every step's top-1 must agree.
+
+benchmarks/fullsize/run_llamacpp.sh (llama.cpp's CPU build, and its CUDA build with GPU=cuda) is
+checked through DRY_RUN=1: the configure flags (CUDA the only GPU backend, its options at
+llama.cpp's defaults), the build targets and the llama-bench commands it would run.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -32,3 +39,66 @@ def test_long_context_dry_run(store, tmp_path):
             assert s["finite"] and s["top1_same"]
             assert s["max_abs_diff"] < 1e-2 * s["logit_scale"]  # f16 KV on the GPU path, f32 on the CPU
     assert "| 1100 | 2 | True |" in (tmp_path / "long_context.md").read_text()
+
+
+# benchmarks/fullsize/run_llamacpp.sh: llama.cpp's CUDA build on the H200 (GPU=cuda) and its CPU
+# build, checked by DRY_RUN=1, which prints the configure, build, GGUF and benchmark commands.
+LLAMACPP = ROOT / "benchmarks" / "fullsize" / "run_llamacpp.sh"
+GPU_BACKENDS = ("CUDA", "METAL", "VULKAN", "HIP", "MUSA", "SYCL", "OPENCL", "CANN", "WEBGPU", "ZDNN", "ZENDNN",
+                "OPENVINO", "HEXAGON", "VIRTGPU")
+
+
+def _dry_run(tmp_path, **env) -> list[list[str]]:
+    env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), **env)
+    out = subprocess.run(["bash", str(LLAMACPP)], env=env, capture_output=True, text=True, check=True, timeout=30)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()  # nothing ran
+    return [shlex.split(line) for line in out.stdout.splitlines() if not line.startswith("#")]
+
+
+def _on(configure: list[str]) -> set[str]:
+    return {b for b in GPU_BACKENDS if f"-DGGML_{b}=ON" in configure}
+
+
+def test_llamacpp_scripts_parse():
+    for script in (LLAMACPP, ROOT / "scripts" / "h200" / "prepare_llamacpp.sh"):
+        subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+def test_run_llamacpp_cuda_dry_run(tmp_path):
+    configure, build, make_gguf, *benches = _dry_run(tmp_path, GPU="cuda")
+    assert configure[:2] == ["cmake", "-S"] and configure[4].endswith("/build-cuda")
+    assert _on(configure) == {"CUDA"} and "-DCMAKE_CUDA_ARCHITECTURES=90" in configure
+    # The CUDA options stay at llama.cpp's defaults (flash attention kernels, graphs, MMQ choice).
+    assert not [a for a in configure if a.startswith("-DGGML_CUDA_")]
+    assert "-DGGML_NATIVE=OFF" in configure and "-DGGML_AMX_INT8=OFF" in configure
+    assert build[-3:] == ["--target", "llama-bench", "llama-batched-bench"] and build[build.index("-j") + 1] == "16"
+    assert make_gguf[1].endswith("make_gguf.py")
+    tests = []
+    for cmd in benches:
+        assert cmd[0].endswith("/build-cuda/bin/llama-bench")
+        assert cmd[cmd.index("-ngl") + 1] == "99" and cmd[-4:] == ["-o", "json", "-oe", "md"]
+        assert "-fa" not in cmd and "--flash-attn" not in cmd  # llama-bench's default (auto)
+        tests.append(tuple(cmd[cmd.index(f) + 1] if f in cmd else None for f in ("-p", "-n", "-d")))
+    assert tests[:3] == [("512", "0", None), ("0", "32", "4096"), ("0", "32", "32768")]
+    assert "-v" in benches[0]  # its log says what flash attention "auto" became
+    assert len(_dry_run(tmp_path, GPU="cuda", MODE="setup")) == 3  # setup only: no benchmark
+
+
+def test_run_llamacpp_cpu_dry_run(tmp_path):
+    configure, build, _, *benches = _dry_run(tmp_path)
+    assert configure[4].endswith("/build") and _on(configure) == set() and "-DGGML_CUDA=OFF" in configure
+    for cmd in benches:
+        assert cmd[0].endswith("/build/bin/llama-bench") and "-ngl" not in cmd
+    assert [cmd[cmd.index("-t") + 2:-4] for cmd in benches] == [
+        ["-p", "512", "-n", "16", "-r", "2"],
+        ["-p", "4096", "-n", "0", "-r", "1", "--no-warmup"],
+        ["-p", "0", "-n", "16", "-d", "4096", "-r", "1", "--no-warmup"],
+    ]
+    batched = _dry_run(tmp_path, MODE="batched", GPU="cuda", CONTEXTS="512,32768")[3:]
+    assert [c[c.index("-npp") + 1] for c in batched] == ["512", "32768"] and all("-ngl" in c for c in batched)
+
+
+def test_run_llamacpp_rejects_other_gpus(tmp_path):
+    r = subprocess.run(["bash", str(LLAMACPP)], env=dict(os.environ, DRY_RUN="1", GPU="rocm"),
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "only cuda" in r.stderr
