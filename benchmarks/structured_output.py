@@ -12,13 +12,16 @@ of the tokens that keep the output valid; lily's sampler takes that bitmask
   a valid document, consuming each token after its mask;
 - the same along a strict tool's turn under tool_choice "auto" (lily.structured.tool_call_grammar:
   free text, then a call following the tool's schema), llguidance only;
+- lily's tokenizer index (lily.structured._index, the first constrained request's cost): from
+  the token bytes (what lily does for byte-level BPE) against from tokenizer.json (llguidance's
+  own import, what lily did before);
 - then lily's own loop on the demo model: milliseconds per decoded token with and without a
   schema (everything structured output adds per token).
 
 Tokenizers: the demo model's (4K tokens) and the Qwen3.5 / Qwen3.6 tokenizer (248K tokens,
 built by scripts/make_tokenizer.py), the one real checkpoints use.
 
-    PYTHONPATH=src python benchmarks/structured_output.py [--repeat 3] [--skip-libraries]
+    PYTHONPATH=src python benchmarks/structured_output.py [--repeat 3] [--skip-libraries | --only-index]
 """
 
 from __future__ import annotations
@@ -144,6 +147,33 @@ def tool_turn(repeat: int) -> None:
               f"{per_step.mean() * 1e6:.0f} us | {per_step.max() * 1e6:.0f} us | {len(per_step)} |")
 
 
+def lily_index(repeat: int) -> None:
+    """lily.structured._index on a freshly loaded Tokenizer (so Tokenizer.token_bytes is part of
+    it), against llguidance's import of the same tokenizer.json, best of ``repeat``."""
+    import llguidance
+    from make_tokenizer import ensure_tokenizer
+
+    from lily.model import demo_model_path
+    from lily.structured import _index
+    from lily.tokenizer import Tokenizer
+
+    print("\n| tokenizer | lily's llguidance index from | build (best) | runs |")
+    print("|---|---|---|---|")
+    for tname, path in {"demo (4K)": demo_model_path(), "Qwen3.5/3.6 (248K)": Path(ensure_tokenizer())}.items():
+        best = {"token bytes (lily now)": float("inf"), "tokenizer.json (lily before)": float("inf")}
+        for _ in range(repeat):
+            for how in best:
+                tok = Tokenizer.from_dir(path)
+                t0 = time.perf_counter()
+                if how.startswith("token bytes"):
+                    _index(tok, tok.eos_token_ids)
+                else:
+                    llguidance.LLTokenizer(tok.to_json(), n_vocab=tok.vocab_size, eos_token=tok.eos_token_ids)
+                best[how] = min(best[how], time.perf_counter() - t0)
+        for how, seconds in best.items():
+            print(f"| {tname} | {how} | {seconds * 1e3:.0f} ms | {repeat} |")
+
+
 def lily_per_token(repeat: int) -> None:
     """Time per generated token in lily's loop on the demo model (CPU backend), with and without
     a JSON Schema: the whole cost of structured output (mask, bitmask copy, masked sampling).
@@ -172,12 +202,15 @@ def lily_per_token(repeat: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=3, help="runs per library and tokenizer (best kept)")
-    ap.add_argument("--skip-libraries", action="store_true", help="only the lily loop measurement")
+    ap.add_argument("--skip-libraries", action="store_true", help="only lily's measurements (index, loop)")
+    ap.add_argument("--only-index", action="store_true", help="only lily's tokenizer index")
     args = ap.parse_args()
-    if not args.skip_libraries:
+    if not args.skip_libraries and not args.only_index:
         compare_libraries(args.repeat)
         tool_turn(args.repeat)
-    lily_per_token(args.repeat)
+    lily_index(args.repeat)
+    if not args.only_index:
+        lily_per_token(args.repeat)
 
 
 def compare_libraries(repeat: int) -> None:

@@ -92,8 +92,9 @@ template <int BITS, int GROUP>
 struct MicroscaledCodes {
   device const uchar* scales;
   uint groups, g0;
+  float mult;  // the matrix's microscale_mult
   float s;
-  void at(uint row, uint kt) { s = microscale_scale(scales[ulong(row) * groups + g0 + kt / GROUP], GROUP); }
+  void at(uint row, uint kt) { s = microscale_scale(scales[ulong(row) * groups + g0 + kt / GROUP], GROUP) * mult; }
   float value(uint q) const { return microscale_code<BITS>(q) * s; }
 };
 
@@ -151,12 +152,13 @@ inline void gemm_load_w<uchar>(threadgroup float* ws, device const uchar* w, dev
                                uint tid) {
   device const uint* wp = (device const uint*)w;
   const uint groups = m.in / m.group, g0 = k0 / m.group;
+  const float mult = microscale_mult(biases);
   if (m.bits == 8)
-    gemm_load_w_packed<8>(ws, wp, MicroscaledCodes<8, 32>{scales, groups, g0, 0.0f}, n0, m.out, m.in, k0, tid);
+    gemm_load_w_packed<8>(ws, wp, MicroscaledCodes<8, 32>{scales, groups, g0, mult, 0.0f}, n0, m.out, m.in, k0, tid);
   else if (m.group == 16)
-    gemm_load_w_packed<4>(ws, wp, MicroscaledCodes<4, 16>{scales, groups, g0, 0.0f}, n0, m.out, m.in, k0, tid);
+    gemm_load_w_packed<4>(ws, wp, MicroscaledCodes<4, 16>{scales, groups, g0, mult, 0.0f}, n0, m.out, m.in, k0, tid);
   else
-    gemm_load_w_packed<4>(ws, wp, MicroscaledCodes<4, 32>{scales, groups, g0, 0.0f}, n0, m.out, m.in, k0, tid);
+    gemm_load_w_packed<4>(ws, wp, MicroscaledCodes<4, 32>{scales, groups, g0, mult, 0.0f}, n0, m.out, m.in, k0, tid);
 }
 
 // acc += xs . ws over one BK step (xs [BM, BK], ws [BK, BN]), for this simdgroup's fragments.

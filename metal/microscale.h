@@ -9,6 +9,11 @@
 //
 // The decoders build the f32 bit pattern (no tables: no constant-memory arrays to place), and
 // code * scale is one rounding, as mlx.core.dequantize and the CPU backend compute it.
+//
+// Each matrix also has a float multiplier of its group scales (Linear::scale_mult): nvfp4's
+// global scale / (448 * 6) where mx.quantize was given one (mlx-lm's switch layers with
+// global_scale), else 1. A microscaled matrix has no biases, so the kernels read it from the
+// matrix's biases buffer (quant_args.h); (scale * mult) * code keeps mlx.core.dequantize's order.
 #pragma once
 #include <metal_stdlib>
 using namespace metal;
@@ -41,6 +46,9 @@ inline float e8m0_value(uint s) {
 inline float microscale_scale(uchar s, uint group) {
   return group == 16u ? e4m3_value(uint(s)) : e8m0_value(uint(s));
 }
+
+// The matrix's scale multiplier, from where an affine matrix's biases are.
+inline float microscale_mult(device const uchar* biases) { return *(device const float*)biases; }
 
 // A BITS-wide code: e4m3 (mxfp8) or e2m1 (mxfp4, nvfp4).
 template <int BITS>

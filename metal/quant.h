@@ -35,14 +35,16 @@ struct AffineWords {
   float combine(float qx, float sx, uint g) const { return float(scales[g]) * qx + float(biases[g]) * sx; }
 };
 
-//   microscaled: scale[g] * sum_j code_j x_j (microscale.h)
+//   microscaled: (scale[g] * mult) * sum_j code_j x_j (microscale.h; mult: the matrix's
+//   microscale_mult)
 template <int BITS>
 struct MicroscaledWords {
   device const uchar* scales;  // this row's
   uint group;
-  MicroscaledWords row(uint r, uint groups) const { return {scales + r * groups, group}; }
+  float mult;
+  MicroscaledWords row(uint r, uint groups) const { return {scales + r * groups, group, mult}; }
   static float code(uint q) { return microscale_code<BITS>(q); }
-  float combine(float qx, float, uint g) const { return microscale_scale(scales[g], group) * qx; }
+  float combine(float qx, float, uint g) const { return microscale_scale(scales[g], group) * mult * qx; }
 };
 
 // The lane partials of up to LILY_GEMV_ROWS_PER_SIMDGROUP consecutive rows of one matrix
@@ -119,9 +121,10 @@ inline RowParts rows_partial<uchar>(device const uchar* w, device const uchar* s
   const uint groups = m.in / m.group, stride = m.in * m.bits / 32;
   device const uint* wr = (device const uint*)w + ulong(row0) * stride;
   device const uchar* sr = scales + ulong(row0) * groups;
+  const float mult = microscale_mult(biases);
   return m.bits == 8
-             ? packed_rows_partial<8>(wr, stride, MicroscaledWords<8>{sr, m.group}, groups, rows, x, m.in, m.group, lane)
-             : packed_rows_partial<4>(wr, stride, MicroscaledWords<4>{sr, m.group}, groups, rows, x, m.in, m.group, lane);
+             ? packed_rows_partial<8>(wr, stride, MicroscaledWords<8>{sr, m.group, mult}, groups, rows, x, m.in, m.group, lane)
+             : packed_rows_partial<4>(wr, stride, MicroscaledWords<4>{sr, m.group, mult}, groups, rows, x, m.in, m.group, lane);
 }
 
 // Element j of row `row`, dequantized (embedding gather).
@@ -141,6 +144,6 @@ inline float dequantize_element<uchar>(device const uchar* w, device const uchar
                                        device const uchar* biases, constant QuantMatrix& m, uint row, uint j) {
   const ulong bit = (ulong(row) * m.in + j) * m.bits;
   const uint q = (((device const uint*)w)[bit / 32] >> uint(bit % 32)) & ((1u << m.bits) - 1u);
-  const float s = microscale_scale(scales[ulong(row) * (m.in / m.group) + j / m.group], m.group);
+  const float s = microscale_scale(scales[ulong(row) * (m.in / m.group) + j / m.group], m.group) * microscale_mult(biases);
   return (m.bits == 8 ? microscale_code<8>(q) : microscale_code<4>(q)) * s;
 }

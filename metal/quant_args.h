@@ -5,8 +5,9 @@
 // A weight matrix W [out, in] as the kernels read it. bits == 0: dense, elements of the
 // kernel's type; else MLX affine: [out, in*bits/32] uint32 words, scales and biases of the
 // kernel's type [out, in/group]. The *_uchar kernels read MLX's microscaled modes
-// (metal/microscale.h): the same words, byte scales [out, in/group], no biases; (bits, group)
-// is the mode: (4, 32) mxfp4, (8, 32) mxfp8, (4, 16) nvfp4.
+// (metal/microscale.h): the same words, byte scales [out, in/group], no biases (their buffer
+// holds one float instead, the multiplier of every group scale: nvfp4's global scale); (bits,
+// group) is the mode: (4, 32) mxfp4, (8, 32) mxfp8, (4, 16) nvfp4.
 struct QuantMatrix {
   uint32_t in, out;
   uint32_t bits;

@@ -3,6 +3,7 @@ libraries and compared with those libraries:
 
 - re-saved derivatives nesting the vision tower and MTP layer under the language model;
 - MLX mixed quantization whose config.json lost the per-module entries (mlx-lm infers them);
+- MLX's mxfp4 / mxfp8 / nvfp4 modes, nvfp4 also with mlx-lm's per-expert global scales;
 - Qwen's FP8 layout (float8_e4m3fn weights, 128x128 `weight_scale_inv` blocks) written with torch;
 - RoPE: the 0.25 partial_rotary_factor default, YaRN `rope_scaling`, tie_word_embeddings from the
   text config.
@@ -290,37 +291,49 @@ def test_tie_word_embeddings_read_from_the_text_config(store, lily):
 MODES = ["mxfp4", "mxfp8", "nvfp4"]
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode,global_scale", [(m, False) for m in MODES] + [("nvfp4", True)])
 @pytest.mark.parametrize("rows,cols", [(3, 64), (17, 160), (5, 512)])
-def test_microscaled_dequantize_matches_mlx(lily, mode, rows, cols):
+def test_microscaled_dequantize_matches_mlx(lily, mode, global_scale, rows, cols):
     """The CPU backend's decoding of mxfp4 / mxfp8 / nvfp4 bytes, bit for bit against
-    mlx.core.dequantize on the same bytes (NaN-free random weights at several magnitudes)."""
+    mlx.core.dequantize on the same bytes (NaN-free random weights at several magnitudes); nvfp4
+    also with a global scale (mx.quantize(..., global_scale=max|w|), as mlx-lm computes it)."""
     import mlx.core as mx
 
     rng = np.random.default_rng(rows * cols)
     w = mx.array((rng.standard_normal((rows, cols)) * 10.0 ** rng.integers(-3, 3, (rows, 1))).astype(np.float32))
-    packed, scales = mx.quantize(w, mode=mode)[:2]
-    want = np.array(mx.dequantize(packed, scales, mode=mode, dtype=mx.float32))
-    got = lily._core.dequantize_microscaled(np.array(packed), np.array(scales), mode)
+    gs = mx.max(mx.abs(w)).astype(mx.float32) if global_scale else None
+    packed, scales = mx.quantize(w, mode=mode, global_scale=gs)[:2]
+    want = np.array(mx.dequantize(packed, scales, mode=mode, global_scale=gs, dtype=mx.float32))
+    got = lily._core.dequantize_microscaled(np.array(packed), np.array(scales), mode,
+                                            global_scale=None if gs is None else gs.item())
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.fixture(scope="module", params=MODES)
-def microscaled(request, store):
-    """mlx-lm's quantization of the tiny MoE in `mode` (its quant_predicate keeps the routers at
-    affine 8-bit: one checkpoint, two modes), as mlx_lm.convert --q-mode writes it."""
+def _mlx_lm_quantized(store, variant: str) -> Path:
+    """mlx-lm's quantization of the tiny MoE in mode `variant` (its quant_predicate keeps the
+    routers at affine 8-bit: one checkpoint, two modes), as mlx_lm.convert --q-mode writes it;
+    "nvfp4-global-scale": quantize_model(..., global_scale=True), one float32 scale per expert of
+    each switch layer (mlx_lm.convert has no flag for it; its Python API does)."""
     from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
-    out = store.root / f"mode-{request.param}"
+    out = store.root / f"mode-{variant}"
     if not out.exists():
         model, config = load_model(store.hf("qwen3_5_moe", "fused"), lazy=True)
-        model, config = quantize_model(model, config, None, None, mode=request.param)
+        model, config = quantize_model(model, config, None, None, mode=variant.removesuffix("-global-scale"),
+                                       global_scale=variant.endswith("-global-scale"))
         save_model(out, model, donate_model=True)
         save_config(config, config_path=out / "config.json")
-    return request.param, out
+    return out
+
+
+@pytest.fixture(scope="module", params=MODES + ["nvfp4-global-scale"])
+def microscaled(request, store):
+    return request.param.removesuffix("-global-scale"), _mlx_lm_quantized(store, request.param)
 
 
 def test_microscaled_checkpoint_matches_mlx_lm(microscaled, lily):
+    """mlx-lm's logits on its own checkpoint (a global-scaled switch layer through
+    mlx.core.dequantize on the CPU, where mlx's gather_qmm takes no global scale)."""
     mode, d = microscaled
     cfg = json.loads((d / "config.json").read_text())["quantization"]
     assert cfg["mode"] == mode and any(isinstance(v, dict) for v in cfg.values())  # routers: affine entries
@@ -353,6 +366,35 @@ def test_microscaled_modes_run_in_the_metal_kernels(microscaled, lily):
     assert rel_err(got, ref_cpu) <= cases.TOL_MLX
     assert rel_err(got, want) <= cases.TOL_MLX
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_global_scale_and_config_disagreeing_are_named(store, lily):
+    """config.json's entry and the tensors must agree on a global scale, as mlx-lm (which builds
+    a listed module from its entry, then loads strictly) requires: the tensor named either way."""
+    from mlx_lm.utils import load_model
+
+    global_scaled = _mlx_lm_quantized(store, "nvfp4-global-scale")
+    module = "language_model.model.layers.0.mlp.switch_mlp.up_proj"
+    tensors = _load_all(global_scaled)
+
+    d = store.copy(global_scaled, "gs-dropped")  # the entry says global_scale, the tensor is gone
+    _save(d, {k: v for k, v in tensors.items() if k != module + ".global_scale"})
+    with pytest.raises(lily.CheckpointError, match=f"'{module}.global_scale'"):
+        lily.Model.load(d)
+    with pytest.raises(ValueError, match=f"Missing 1 parameters: \n{module}.global_scale"):
+        load_model(d)
+
+    d = store.copy(global_scaled, "gs-unlisted")  # the tensor is there, the entry does not say so
+    _edit_config(d, lambda c: [c[k][module].pop("global_scale") for k in ("quantization", "quantization_config")])
+    with pytest.raises(lily.CheckpointError, match=f"'{module}.global_scale'.*without \"global_scale\": true"):
+        lily.Model.load(d)
+    with pytest.raises(ValueError, match=f"1 parameters not in model: \n{module}.global_scale"):
+        load_model(d)
+
+    d = store.copy(global_scaled, "gs-wrong-shape")  # one scale for the stack, not one per expert
+    _save(d, {**tensors, module + ".global_scale": tensors[module + ".global_scale"][:1]})
+    with pytest.raises(lily.CheckpointError, match=r"global_scale' is F32 \[1\]; a global scale is float32 \[experts\]"):
+        lily.Model.load(d)
 
 
 def test_unknown_quantization_mode_is_refused_by_name(store, lily):

@@ -1,5 +1,6 @@
-"""The device scripts of issue 17 (scripts/h200/), dry-run on msl-cpu with a tiny checkpoint, so
-a device session does not spend its minutes finding a broken script.
+"""The device scripts of issue 17 (scripts/h200/) and benchmarks/host_loop.py (issue 20), dry-run
+on msl-cpu with a tiny checkpoint or the demo model, so a device session does not spend its
+minutes finding a broken script.
 
 long_context.py fills a GPU state and a CPU state with the same synthetic KV cache and DeltaNet
 state (State.import_tensors) past attention's split threshold, decodes on both and compares
@@ -102,3 +103,17 @@ def test_run_llamacpp_rejects_other_gpus(tmp_path):
     r = subprocess.run(["bash", str(LLAMACPP)], env=dict(os.environ, DRY_RUN="1", GPU="rocm"),
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "only cuda" in r.stderr
+
+
+def test_host_loop_dry_run(tmp_path):
+    """benchmarks/host_loop.py (the GPU host-loop cost, for the H200 on msl-cuda) on msl-cpu: the
+    device loop ran for (a), (a) and (b) gave the same tokens (the script checks both), and the
+    report has the three requests."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import host_loop
+
+    out = tmp_path / "host_loop.json"
+    assert host_loop.main(["--backend", "msl-cpu", "--tokens", "4", "--repeat", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["mode"] for r in report["rows"]] == ["a", "b", "c"]
+    assert all(r["ms_per_token_median"] > 0 and r["tokens"] >= 2 for r in report["rows"])

@@ -49,14 +49,21 @@ def quantize(w: np.ndarray, bits: int, group: int, scale_dtype: str):
 MSL_TYPE = {"float32": "float", "float16": "half", "bfloat16": "bfloat"}
 
 #: MLX's microscaled modes: (bits, group size) each fixes; the kernels read them as S = uchar.
-MICROSCALED = {"mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16)}
+#: "nvfp4-global-scale": nvfp4 with a global scale (mx.quantize(..., global_scale=max|w|), as
+#: mlx-lm's switch layers quantize each expert).
+MICROSCALED = {"mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16), "nvfp4-global-scale": (4, 16)}
 
 
-def quantize_microscaled(w: np.ndarray, mode: str):
-    """mlx's mxfp4 / mxfp8 / nvfp4 quantization; returns packed, uint8 scales (NumPy) and
-    mlx's dequantized f32 matrix, the reference weights."""
-    wq, s = mx.quantize(mx.array(w), mode=mode)[:2]
-    return np.array(wq), np.array(s), np.array(mx.dequantize(wq, s, mode=mode, dtype=mx.float32))
+def quantize_microscaled(w: np.ndarray, variant: str):
+    """mlx's mxfp4 / mxfp8 / nvfp4 quantization (a MICROSCALED key); returns packed, uint8
+    scales, the float32 [1] the kernels read in the biases slot (the group scales' multiplier:
+    global_scale / (448 * 6) as mlx.core.dequantize computes it, else 1) (NumPy) and mlx's
+    dequantized f32 matrix, the reference weights."""
+    mode = variant.removesuffix("-global-scale")
+    gs = mx.max(mx.abs(mx.array(w))).astype(mx.float32) if variant != mode else None
+    wq, s = mx.quantize(mx.array(w), mode=mode, global_scale=gs)[:2]
+    mult = np.array([1.0 if gs is None else np.float32(gs.item()) / np.float32(448 * 6)], np.float32)
+    return np.array(wq), np.array(s), mult, np.array(mx.dequantize(wq, s, mode=mode, global_scale=gs, dtype=mx.float32))
 
 
 def dense(w: np.ndarray, dtype: str):
@@ -101,11 +108,11 @@ def test_gemv_affine(out, in_, bits, group, sdt, T):
 @pytest.mark.parametrize("out,in_,T", [(512, 2048, 1), (37, 192, 3)])
 def test_gemv_microscaled(mode, out, in_, T):
     dev = msl_cpu.device(interleavings=2 if out < 64 else 0)
-    wq, s, deq = quantize_microscaled(RNG.standard_normal((out, in_), dtype=np.float32), mode)
+    wq, s, mult, deq = quantize_microscaled(RNG.standard_normal((out, in_), dtype=np.float32), mode)
     x = RNG.standard_normal((T, in_), dtype=np.float32)
     y = dev.buffer_empty(4 * T * out)
     dispatch(dev, kernels(dev, "quant.metal").pipeline("gemv_uchar"), (-(-out // A.GEMV_ROWS), T), (A.GEMV_THREADS,),
-             {"w": dev.buffer(wq), "scales": dev.buffer(s), "biases": dev.buffer_empty(16), "x": dev.buffer(x),
+             {"w": dev.buffer(wq), "scales": dev.buffer(s), "biases": dev.buffer(mult), "x": dev.buffer(x),
               "y": y, "args": A.GemvArgs(w=qm(in_, out, *MICROSCALED[mode]), ldx=in_, ldy=out)})
     want = x.astype(np.float64) @ deq.T.astype(np.float64)
     np.testing.assert_allclose(read(y, np.float32, (T, out)), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
@@ -116,11 +123,11 @@ def test_embed_gather_microscaled(mode):
     # the gather dequantizes each element exactly as mlx.core.dequantize: bit for bit
     vocab, hidden = 503, 192
     dev = msl_cpu.device()
-    wq, s, deq = quantize_microscaled(RNG.standard_normal((vocab, hidden), dtype=np.float32), mode)
+    wq, s, mult, deq = quantize_microscaled(RNG.standard_normal((vocab, hidden), dtype=np.float32), mode)
     tokens = np.array([0, 502, 17, 17, 250], dtype=np.int32)
     x = dev.buffer_empty(4 * len(tokens) * hidden)
     dispatch(dev, kernels(dev, "quant.metal").pipeline("embed_uchar"), ((hidden + 255) // 256, len(tokens)), (256,),
-             {"w": dev.buffer(wq), "scales": dev.buffer(s), "biases": dev.buffer_empty(16),
+             {"w": dev.buffer(wq), "scales": dev.buffer(s), "biases": dev.buffer(mult),
               "tokens": dev.buffer(tokens), "x": x,
               "args": A.EmbedArgs(w=qm(hidden, vocab, *MICROSCALED[mode]), vocab=vocab)})
     np.testing.assert_array_equal(read(x, np.float32, (len(tokens), hidden)), deq[tokens])

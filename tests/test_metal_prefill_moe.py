@@ -64,8 +64,7 @@ def check_gemm_affine(dev, family, out, in_, bits, group, sdt, T, bm):
     microscaled mode: the `_uchar` kernel on that mode's weights."""
     w = RNG.standard_normal((out, in_), dtype=np.float32)
     if sdt in MICROSCALED:
-        wq, s, deq = quantize_microscaled(w, sdt)
-        b = np.zeros(4, np.float32)  # no biases: a dummy binding
+        wq, s, b, deq = quantize_microscaled(w, sdt)  # b: the scale multiplier, in the biases slot
     else:
         wq, s, b, deq = quantize(w, bits, group, sdt)
     ldx = in_ + 3  # rows of x strided, as the host passes views of wider activations

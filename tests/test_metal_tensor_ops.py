@@ -28,7 +28,7 @@ import lily
 from fixtures import cases
 from msl_cpu_harness import kernel_args as A
 from msl_cpu_harness import kernels, library, msl_cpu, read, run
-from test_metal_kernels import qm
+from test_metal_kernels import MICROSCALED, qm
 from test_metal_prefill_moe import (
     _close,
     _logits_for,
@@ -175,10 +175,9 @@ def test_gemm_tensor_affine(dev4, out, in_, bits, group, sdt, T, bm):
     check_gemm_affine(dev, "gemm_tensor", out, in_, bits, group, sdt, T, bm)
 
 
-@pytest.mark.parametrize("mode", ["mxfp4", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("mode", list(MICROSCALED))
 def test_gemm_tensor_microscaled(mode):
-    bits, group = {"mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16)}[mode]
-    check_gemm_affine(msl_cpu.device(metal4=True, interleavings=2), "gemm_tensor", 37, 192, bits, group, mode, 5, 8)
+    check_gemm_affine(msl_cpu.device(metal4=True, interleavings=2), "gemm_tensor", 37, 192, *MICROSCALED[mode], mode, 5, 8)
 
 
 def test_gemm_tensor_dense_odd_k():

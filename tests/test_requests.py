@@ -647,7 +647,9 @@ def test_n_choices_are_independent_generations_from_one_prefill(loop, app, model
     assert resp["usage"]["completion_tokens"] == sum(w.completion_tokens for w in want)
 
 
-def test_n_choices_stream_with_their_index(loop, app):
+def test_n_choices_stream_with_their_index(loop, app, model):
+    """The server's SSE for n = 2: chunks carry their choice's index; each choice's deltas
+    concatenate to the non-streamed choice and to the Python API's streamed n."""
     body = {"messages": HI, "max_tokens": 10, "temperature": 1.0, "seed": 9, "n": 2,
             "stream_options": {"include_usage": True}}
     status, resp = _post(loop, app, CHAT, body)
@@ -665,6 +667,8 @@ def test_n_choices_stream_with_their_index(loop, app):
                 finishes[c["index"]] = c["finish_reason"]
     assert [text[i] for i in (0, 1)] == [c["message"]["content"] for c in resp["choices"]]
     assert finishes == {i: c["finish_reason"] for i, c in enumerate(resp["choices"])}
+    python = model.generate(HI, n=2, max_tokens=10, temperature=1.0, seed=9, stream=True)
+    assert [text[i] for i in (0, 1)] == [t for _i, t in sorted(_by_choice(python)[0].items())]
     usage = events[-1]["usage"]
     assert usage.pop("prompt_tokens_details")["cached_tokens"] > 0  # the same prompt again: reused
     assert usage == {k: v for k, v in resp["usage"].items() if k != "prompt_tokens_details"}
@@ -728,11 +732,75 @@ def test_python_n_choices_with_a_prompt_cache_and_structured_output(model):
 
 @pytest.mark.parametrize("n,stream,message", [(0, False, "n must be at least 1"), (2.0, False, "n must be an integer"),
                                               (True, False, "n must be an integer"),
-                                              (2, True, "n cannot be combined with stream=True")])
+                                              (0, True, "n must be at least 1")])
 def test_python_n_refusals(model, n, stream, message):
     with pytest.raises(lily.RequestError, match=message):
         model.generate("Hi", n=n, stream=stream, max_tokens=1)
     assert model.generate("Hi", max_tokens=1).finish_reason == "length"  # the model is free again
+
+
+def _by_choice(stream) -> tuple[dict[int, str], dict[int, list[int]], dict[int, str]]:
+    """A streamed n's text, tokens and finish reason per choice index."""
+    text: dict[int, str] = {}
+    tokens: dict[int, list[int]] = {}
+    finish: dict[int, str] = {}
+    for c in stream:
+        text[c.index] = text.get(c.index, "") + c.text
+        tokens.setdefault(c.index, []).extend([] if c.token is None else [c.token])
+        if c.finish_reason is not None:
+            assert c.index not in finish  # one last chunk per choice
+            finish[c.index] = c.finish_reason
+    return text, tokens, finish
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, seed=5)])
+def test_python_n_choices_stream_with_their_index(model, sampling):
+    """generate(n=3, stream=True): chunks tagged with their choice (OpenAI's choices[].index), each
+    choice's concatenated text and tokens those of the non-streamed n=3 with the same seed, its
+    results the same results; a chat prompt's content split out as for the list."""
+    messages = [{"role": "user", "content": "Tell me a story about a fox and a crow."}]
+    want = model.generate(messages, n=3, max_tokens=12, logprobs=2, **sampling)
+    stream = model.generate(messages, n=3, max_tokens=12, logprobs=2, stream=True, **sampling)
+    assert isinstance(stream, lily.batching.BatchStream)
+    text, tokens, finish = _by_choice(stream)
+    assert [text[i] for i in range(3)] == [w.text for w in want]
+    assert [tokens[i] for i in range(3)] == [w.tokens for w in want]
+    assert finish == {i: w.finish_reason for i, w in enumerate(want)}
+    for got, w in zip(stream.results, want, strict=True):
+        assert (got.text, got.content, got.logprobs, got.cached_tokens) == (w.text, w.content, w.logprobs,
+                                                                           w.cached_tokens)
+    if sampling["temperature"]:
+        assert len({w.text for w in want}) > 1  # the seeds do differ
+    assert model._generation.held == 0  # the stream's end freed the model
+    one = model.generate(messages, n=1, max_tokens=12, stream=True, **sampling)  # n given: a BatchStream, even of one
+    assert _by_choice(one)[0] == {0: want[0].text}
+
+
+def test_python_n_stream_closed_or_dropped_frees_the_model():
+    """A streamed n stopped early: close() (and leaving a with block) ends the running choice
+    ("cancelled", its text so far kept), starts no later one and returns with the model free;
+    a stream dropped after break is garbage-collected and frees it too. On a model of one
+    generation slot, a later generate would wait forever otherwise."""
+    import gc
+    import time
+
+    model = lily.Model.load(max_batch=1)
+    prompt = "Once upon a time"
+    with model.generate(prompt, n=3, max_tokens=200, temperature=1.0, seed=1, stream=True) as stream:
+        first = next(stream)
+    assert first.index == 0
+    assert stream.results[0].finish_reason == "cancelled" and stream.results[0].text.startswith(first.text)
+    assert stream.results[1:] == [None, None]
+    assert model._generation.held == 0
+    for _chunk in model.generate(prompt, n=3, max_tokens=200, temperature=1.0, seed=1, stream=True):
+        break
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while model._generation.held and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert model._generation.held == 0
+    solo = model.generate(prompt, max_tokens=4, temperature=1.0, seed=2)
+    assert solo.finish_reason == "length"
 
 
 # -- hostile schemas ---------------------------------------------------------------------------------

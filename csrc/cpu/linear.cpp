@@ -82,7 +82,8 @@ void convert_row(const uint8_t* p, DType t, int n, float* out) {
 
 // ---- MLX microscaled modes (mxfp4, mxfp8, nvfp4) ------------------------------------------------
 // The codes are small floats read through tables; each group's scale is e8m0 (mx: 2^(s - 127),
-// 255 = NaN) or e4m3 (nv). value * scale is one rounding, as mlx.core.dequantize computes it.
+// 255 = NaN) or e4m3 (nv), times the matrix's scale_mult (nvfp4's global scale; 1, exact,
+// otherwise). (scale * mult) * value, two roundings in that order, is mlx.core.dequantize's.
 
 // e2m1 (1 sign, 2 exponent, 1 mantissa bit), by 4-bit code.
 constexpr float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
@@ -108,7 +109,7 @@ inline float e8m0(uint8_t s) {
 
 void dequantize_microscaled_row(const Linear& W, const uint8_t* wrow, const uint8_t* srow, float* out) {
   for (int g = 0; g < W.in / W.group; ++g) {
-    const float s = W.microscale == Microscale::Nvfp4 ? kE4m3.v[srow[g]] : e8m0(srow[g]);
+    const float s = (W.microscale == Microscale::Nvfp4 ? kE4m3.v[srow[g]] : e8m0(srow[g])) * W.scale_mult;
     float* o = out + size_t(g) * W.group;
     const int j0 = g * W.group;
     if (W.microscale == Microscale::Mxfp8) {

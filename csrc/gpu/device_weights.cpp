@@ -84,12 +84,20 @@ BufferRange DeviceWeights::find(const uint8_t* p, const char* what) const {
   throw Error(std::string("[gpu] ") + what + " does not lie in a mapped weights file");
 }
 
-LinearBuffers DeviceWeights::linear(const Linear& W, const char* what) const {
+LinearBuffers DeviceWeights::linear(const Linear& W, const char* what) {
   LinearBuffers L;
   L.m = quant_matrix(W, what);
   L.w = find(W.w, what);
   L.scales = has_scales(W) ? find(W.scales, what) : BufferRange{dummy_, 0};
-  L.biases = W.quantized() ? find(W.biases, what) : BufferRange{dummy_, 0};
+  if (W.quantized()) {
+    L.biases = find(W.biases, what);
+  } else if (W.microscaled()) {
+    auto& b = scale_mults_[&W];
+    if (!b) b = new_floats({W.scale_mult});
+    L.biases = {b, 0};
+  } else {
+    L.biases = {dummy_, 0};
+  }
   L.dtype = W.dtype;
   L.nbytes = W.nbytes();
   return L;
@@ -104,8 +112,15 @@ std::shared_ptr<Buffer> DeviceWeights::vector(const std::vector<float>& v) {
   return b;
 }
 
+std::shared_ptr<Buffer> DeviceWeights::new_floats(const std::vector<float>& v) {
+  auto b = device_.new_buffer(v.size() * 4);
+  b->write(0, v.data(), v.size() * 4);
+  return b;
+}
+
 // The buffers of expert 0's matrix and a table of every expert's offsets into them (all must
-// live in the same files: one binding per part).
+// live in the same files: one binding per part). Microscaled experts have no biases: their third
+// part is a buffer of each expert's scale_mult, expert e's at 4 * e.
 ExpertMatrix DeviceWeights::expert_matrix(const std::vector<const Linear*>& list, const char* what) {
   ExpertMatrix mt;
   const Linear& L0 = *list[0];
@@ -115,7 +130,9 @@ ExpertMatrix DeviceWeights::expert_matrix(const std::vector<const Linear*>& list
   mt.experts = int(list.size());
   BufferRange w0 = find(L0.w, what);
   BufferRange s0 = has_scales(L0) ? find(L0.scales, what) : w0;
-  BufferRange b0 = L0.quantized() ? find(L0.biases, what) : w0;
+  std::vector<float> mults;
+  for (const Linear* L : list) mults.push_back(L->scale_mult);
+  BufferRange b0 = L0.quantized() ? find(L0.biases, what) : L0.microscaled() ? BufferRange{new_floats(mults), 0} : w0;
   mt.w = {w0.buf, 0};
   mt.s = {s0.buf, 0};
   mt.b = {b0.buf, 0};
@@ -126,7 +143,7 @@ ExpertMatrix DeviceWeights::expert_matrix(const std::vector<const Linear*>& list
         L.dtype != L0.dtype || L.in != L0.in || L.out != L0.out)
       throw ConfigError(std::string("[gpu] ") + what + ": experts differ in format or shape");
     BufferRange rw = find(L.w, what), rs = has_scales(L) ? find(L.scales, what) : rw,
-                rb = L.quantized() ? find(L.biases, what) : rw;
+                rb = L.quantized() ? find(L.biases, what) : L.microscaled() ? BufferRange{b0.buf, 4 * e} : rw;
     if (rw.buf != w0.buf || rs.buf != s0.buf || rb.buf != b0.buf)
       throw ConfigError(std::string("[gpu] ") + what + ": experts of one layer span several files");
     t[3 * e + 0] = rw.off;

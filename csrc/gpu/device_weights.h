@@ -35,7 +35,9 @@ class DeviceWeights {
 
   // The buffer and offset holding p; throws naming `what` if no region holds it.
   BufferRange find(const uint8_t* p, const char* what) const;
-  LinearBuffers linear(const Linear& W, const char* what) const;
+  // W's buffers; a microscaled W's third one (biases for affine) holds its scale_mult
+  // (metal/quant_args.h), copied to the device on first use.
+  LinearBuffers linear(const Linear& W, const char* what);
   // A device copy of a per-channel vector (made once, kept by its address).
   std::shared_ptr<Buffer> vector(const std::vector<float>& v);
   // The expert tables of a MoE block, or of a dense MLP as one expert (built once).
@@ -45,12 +47,14 @@ class DeviceWeights {
 
  private:
   ExpertMatrix expert_matrix(const std::vector<const Linear*>& list, const char* what);
+  std::shared_ptr<Buffer> new_floats(const std::vector<float>& v);
 
   Device& device_;
   std::shared_ptr<Buffer> dummy_;
   std::vector<std::pair<Region, std::shared_ptr<Buffer>>> regions_;
   uint64_t bytes_ = 0;
   std::map<const float*, std::shared_ptr<Buffer>> vectors_;
+  std::map<const Linear*, std::shared_ptr<Buffer>> scale_mults_;  // linear()'s, by matrix
   std::map<const void*, std::unique_ptr<ExpertTables>> tables_;
 };
 

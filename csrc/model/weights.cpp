@@ -294,7 +294,7 @@ void WeightsBuilder::set_affine(const std::string& slot, const TensorSlice& ws, 
 }
 
 void WeightsBuilder::set_microscaled(const std::string& slot, const TensorSlice& ws, const TensorSlice& ss,
-                                     const std::string& mode) {
+                                     const std::string& mode, std::optional<float> global_scale) {
   const Expect x = resolve_matrix(slot);
   auto fail = [&](const std::string& what) -> void {
     throw CheckpointError("[weights] " + slot + " <- '" + ws.name + "': " + what);
@@ -327,7 +327,13 @@ void WeightsBuilder::set_microscaled(const std::string& slot, const TensorSlice&
     throw CheckpointError("[weights] " + slot + " <- '" + ss.name + "': shape [" + std::to_string(sr) + ", " +
                           std::to_string(sc) + "], expected [" + std::to_string(x.out) + ", " +
                           std::to_string(x.in / group) + "] for " + microscale_name(m));
+  if (global_scale && m != Microscale::Nvfp4)
+    fail(std::string("a global scale is an nvfp4 feature (mlx.core.quantize takes one only there), but this matrix is ") +
+         microscale_name(m));
+  if (global_scale && !std::isfinite(*global_scale))
+    fail("its global scale is " + std::to_string(*global_scale) + ", not a finite number");
   Linear& L = bind_linear(slot, x, Linear::Format::Microscaled, DType::U8);
+  if (global_scale) L.scale_mult = nvfp4_scale_mult(*global_scale);
   L.microscale = m;
   L.bits = bits;
   L.group = group;

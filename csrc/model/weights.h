@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,9 @@ const char* microscale_name(Microscale m);
 bool microscale_from_name(const std::string& s, Microscale* out);
 inline int microscale_bits(Microscale m) { return m == Microscale::Mxfp8 ? 8 : 4; }
 inline int microscale_group(Microscale m) { return m == Microscale::Nvfp4 ? 16 : 32; }
+// Linear::scale_mult of an nvfp4 matrix with this global scale: global_scale / (448 * 6) (the e4m3
+// and e2m1 maxima) in float32, as mlx.core.dequantize computes it.
+inline float nvfp4_scale_mult(float global_scale) { return global_scale / (448.0f * 6.0f); }
 
 // y[t, o] = sum_i x[t, i] * W[o, i]: a weight matrix W [out, in], row-major.
 struct Linear {
@@ -48,6 +52,10 @@ struct Linear {
   const uint8_t* w = nullptr;       // Dense: [out, in] elements. Affine, Microscaled: [out, in*bits/32] uint32
   const uint8_t* scales = nullptr;  // Affine: [out, in/group] (dtype). Microscaled: [out, in/group] bytes
   const uint8_t* biases = nullptr;  // Affine: [out, in/group]
+  // Microscaled: every group's scale is multiplied by this before the codes are. An nvfp4 matrix
+  // quantized with a global (per-tensor; per-expert in mlx-lm's switch layers) scale stores its
+  // group scales relative to it (nvfp4_scale_mult). 1 (exact, a no-op) for every other matrix.
+  float scale_mult = 1.0f;
 
   bool present() const { return format != Format::None; }
   // Affine-quantized (codes, scales and biases): what the fused, int8 and GPU kernels read.
@@ -148,9 +156,10 @@ class WeightsBuilder {
   void set_affine(const std::string& slot, const TensorSlice& w, const TensorSlice& scales,
                   const TensorSlice& biases, int bits, int group);
   // An MLX mxfp4 / mxfp8 / nvfp4 matrix (no biases); mode "" = inferred from the shapes, as
-  // mlx-lm's infer_quant_config does (each mode allows one bits / group pair).
+  // mlx-lm's infer_quant_config does (each mode allows one bits / group pair). global_scale: the
+  // matrix's nvfp4 global scale (mx.quantize(..., global_scale=)); only nvfp4 has one.
   void set_microscaled(const std::string& slot, const TensorSlice& w, const TensorSlice& scales,
-                       const std::string& mode);
+                       const std::string& mode, std::optional<float> global_scale = std::nullopt);
   void set_vector(const std::string& slot, std::vector<float> values);
 
   // Checks that every slot the config needs is filled; hands the weights over.

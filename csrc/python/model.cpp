@@ -1,5 +1,6 @@
 // Bindings for checkpoints, weights and the engine: what lily/model.py drives.
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -360,12 +361,14 @@ void init_model(nb::module_& m) {
       .def(
           "set_microscaled",
           [](WeightsBuilder& b, const std::string& slot, int file, const std::string& name, int sfile,
-             const std::string& sname, const std::string& mode, int index, int row_begin, int row_end) {
+             const std::string& sname, const std::string& mode, int index, int row_begin, int row_end,
+             std::optional<float> global_scale) {
             b.set_microscaled(slot, slice(file, name, index, row_begin, row_end),
-                              slice(sfile, sname, index, row_begin, row_end), mode);
+                              slice(sfile, sname, index, row_begin, row_end), mode, global_scale);
           },
           nb::arg("slot"), nb::arg("file"), nb::arg("name"), nb::arg("scales_file"), nb::arg("scales_name"),
-          nb::arg("mode"), nb::arg("index") = -1, nb::arg("row_begin") = 0, nb::arg("row_end") = -1)
+          nb::arg("mode"), nb::arg("index") = -1, nb::arg("row_begin") = 0, nb::arg("row_end") = -1,
+          nb::arg("global_scale") = nb::none())
       .def("set_vector",
            [](WeightsBuilder& b, const std::string& slot, nb::ndarray<const float, nb::ndim<1>, nb::c_contig> v) {
              b.set_vector(slot, std::vector<float>(v.data(), v.data() + v.shape(0)));
@@ -695,7 +698,8 @@ void init_model(nb::module_& m) {
 
   m.def(
       "dequantize_microscaled",
-      [](PackedArray packed, nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig> scales, const std::string& mode) {
+      [](PackedArray packed, nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig> scales, const std::string& mode,
+         std::optional<float> global_scale) {
         Linear W;
         W.format = Linear::Format::Microscaled;
         if (!microscale_from_name(mode, &W.microscale))
@@ -709,13 +713,18 @@ void init_model(nb::module_& m) {
           throw Error("[dequantize_microscaled] packed and scales shapes disagree");
         W.w = reinterpret_cast<const uint8_t*>(packed.data());
         W.scales = scales.data();
+        if (global_scale) {
+          if (W.microscale != Microscale::Nvfp4) throw Error("[dequantize_microscaled] only nvfp4 takes a global_scale");
+          W.scale_mult = nvfp4_scale_mult(*global_scale);
+        }
         float* p;
         F32Array out = new_f32({size_t(W.out), size_t(W.in)}, &p);
         for (int r = 0; r < W.out; ++r) cpu::dequantize_row(W, r, p + size_t(r) * W.in);
         return out;
       },
-      nb::arg("packed"), nb::arg("scales"), nb::arg("mode"),
-      "An MLX mxfp4 / mxfp8 / nvfp4 matrix (packed uint32, uint8 scales) as float32, by the CPU backend (tests).");
+      nb::arg("packed"), nb::arg("scales"), nb::arg("mode"), nb::arg("global_scale") = nb::none(),
+      "An MLX mxfp4 / mxfp8 / nvfp4 matrix (packed uint32, uint8 scales; nvfp4's optional float32 global "
+      "scale) as float32, by the CPU backend (tests).");
 
   m.def(
       "quantized_matmul",

@@ -39,7 +39,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,53 +205,45 @@ def is_prompt_batch(prompt: Any) -> bool:
             and isinstance(prompt[0], (str, list, tuple, np.ndarray)))
 
 
-class BatchStream:
-    """``Model.generate([prompt, ...], stream=True)``: the chunks of every prompt as they are
-    generated, each tagged with its prompt's position in the list (``chunk.index``).
+class _Workers:
+    """A BatchStream's worker threads and the queue they fill. The threads hold this, not the
+    BatchStream, so a stream nobody references any more is garbage-collected, which stops them."""
 
-    Up to the model's ``max_batch`` prompts run at once, each in a worker thread of its own
-    whose generation shares the engine passes with the others (so the order of chunks between
-    prompts varies; each prompt's own chunks are in order and its tokens are those it gets
-    alone). ``results[i]`` is prompt i's GenerationResult once it ended. A failed prompt raises
-    its error from the iteration and ends the rest. ``close()`` (or leaving a ``with`` block, or
-    garbage collection) stops every prompt within a step; so does a consumer that takes no chunk
-    for ``stall_timeout_s`` (the workers then stop rather than generate into a buffer nobody reads).
-    """
-
-    def __init__(self, model, prompts: Sequence[Any], options: dict[str, Any], *, buffer_chunks: int = 256,
-                 stall_timeout_s: float = 60.0):
-        self.results: list[Any] = [None] * len(prompts)
-        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=buffer_chunks)
-        self._cancel = threading.Event()
+    def __init__(self, start: Callable[[int], Any], count: int, workers: int, on_end: Callable[[], None] | None,
+                 buffer_chunks: int, stall_timeout_s: float):
+        self.results: list[Any] = [None] * count
+        self.queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=buffer_chunks)
+        self.cancel = threading.Event()
+        self.abandoned = False  # the BatchStream was garbage-collected: nobody will read the queue
+        self._start = start
+        self._on_end = on_end
         self._stall_timeout_s = stall_timeout_s
-        self._todo = iter(range(len(prompts)))
-        self._todo_lock = threading.Lock()
-        workers = min(len(prompts), model.max_batch)
-        self._running = workers
-        self._threads = [threading.Thread(target=self._work, args=(model, prompts, options), daemon=True,
-                                          name=f"lily-batch-{i}") for i in range(workers)]
-        for t in self._threads:
-            t.start()
+        self._todo = iter(range(count))
+        self._lock = threading.Lock()
+        self.count = max(1, min(count, workers))
+        self._working = self.count  # workers not yet ended (the last one runs on_end)
+        for i in range(self.count):
+            threading.Thread(target=self._work, daemon=True, name=f"lily-batch-{i}").start()
 
     def _next_index(self) -> int | None:
-        with self._todo_lock:
+        with self._lock:
             return next(self._todo, None)
 
     def _put(self, item: tuple[str, Any]) -> bool:
         deadline = time.monotonic() + self._stall_timeout_s
-        while not self._cancel.is_set():
+        while not self.cancel.is_set():
             try:
-                self._queue.put(item, timeout=0.05)
+                self.queue.put(item, timeout=0.05)
                 return True
             except queue.Full:
                 if time.monotonic() > deadline:
-                    self._cancel.set()  # nobody reads: stop generating
+                    self.cancel.set()  # nobody reads: stop generating
         return False
 
-    def _work(self, model, prompts, options) -> None:
+    def _work(self) -> None:
         try:
-            while not self._cancel.is_set() and (i := self._next_index()) is not None:
-                stream = model.generate(prompts[i], stream=True, **options)
+            while not self.cancel.is_set() and (i := self._next_index()) is not None:
+                stream = self._start(i)
                 with stream:
                     for chunk in stream:
                         chunk.index = i
@@ -259,17 +251,71 @@ class BatchStream:
                             break
                 self.results[i] = stream.result
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            self._cancel.set()
-            self._queue.put(("error", e))
+            self.cancel.set()
+            self._put_always(("error", e))
         finally:
-            self._queue.put(("end", None))
+            with self._lock:
+                self._working -= 1
+                last = self._working == 0
+            try:
+                if last and self._on_end is not None:
+                    self._on_end()
+            finally:
+                self._put_always(("end", None))
+
+    def _put_always(self, item: tuple[str, Any]) -> None:
+        """Puts ``item`` even after a cancel (close() reads until every worker's end), unless
+        the stream was garbage-collected (then nobody ever reads, and the worker just ends)."""
+        while not self.abandoned:
+            try:
+                self.queue.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                pass
+
+
+class BatchStream:
+    """The chunks of several generations as they are generated, each tagged with its
+    generation's position (``chunk.index``): ``Model.generate([prompt, ...], stream=True)`` (the
+    prompt's position in the list) and ``Model.generate(prompt, n=N, stream=True)`` (the choice,
+    OpenAI's ``choices[].index``).
+
+    Worker threads run the generations: for a list of prompts up to the model's ``max_batch``
+    at once, each in a thread of its own whose generation shares the engine passes with the
+    others (so the order of chunks between prompts varies; each prompt's own chunks are in order
+    and its tokens are those it gets alone); for ``n`` choices one thread runs them one after
+    another from the prompt's prefilled state (lily.generation.choice_loops), as the server does.
+    ``results[i]`` is generation i's GenerationResult once it ended. A failed generation raises
+    its error from the iteration and ends the rest. ``close()`` (or leaving a ``with`` block)
+    stops every generation within a step and returns once the model is free; garbage collection
+    (no reference left, e.g. after ``break``) stops them too, within a step; so does a consumer
+    that takes no chunk for ``stall_timeout_s`` (the workers then stop rather than generate into
+    a buffer nobody reads).
+    """
+
+    def __init__(self, start: Callable[[int], Any], count: int, workers: int, *,
+                 on_end: Callable[[], None] | None = None, buffer_chunks: int = 256, stall_timeout_s: float = 60.0):
+        """``start(i)``: generation i's GenerationStream, called in a worker thread (a worker
+        takes the next index when its generation ends, so a single worker takes them in order).
+        ``on_end()`` runs once, in the last worker to end, before the stream reports its end."""
+        self._w = _Workers(start, count, workers, on_end, buffer_chunks, stall_timeout_s)
+        self._running = self._w.count  # workers whose end this side has not seen
+
+    @classmethod
+    def of_prompts(cls, model, prompts: Sequence[Any], options: dict[str, Any]) -> BatchStream:
+        """``Model.generate([prompt, ...], stream=True)``."""
+        return cls(lambda i: model.generate(prompts[i], stream=True, **options), len(prompts), model.max_batch)
+
+    @property
+    def results(self) -> list[Any]:
+        return self._w.results
 
     def __iter__(self) -> BatchStream:
         return self
 
     def __next__(self):
         while self._running:
-            kind, item = self._queue.get()
+            kind, item = self._w.queue.get()
             if kind == "chunk":
                 return item
             if kind == "error":
@@ -279,11 +325,11 @@ class BatchStream:
         raise StopIteration
 
     def close(self) -> None:
-        """Stops every prompt (each within a step); ``results`` keeps what ended."""
-        self._cancel.set()
+        """Stops every generation (each within a step); ``results`` keeps what ended."""
+        self._w.cancel.set()
         while self._running:  # let blocked workers finish their put and see the flag
             try:
-                kind, _ = self._queue.get(timeout=1.0)
+                kind, _ = self._w.queue.get(timeout=1.0)
             except queue.Empty:
                 continue
             if kind == "end":
@@ -296,12 +342,15 @@ class BatchStream:
         self.close()
 
     def __del__(self) -> None:
-        self._cancel.set()
+        w = getattr(self, "_w", None)
+        if w is not None:
+            w.abandoned = True
+            w.cancel.set()
 
 
 def generate_batch(model, prompts: Sequence[Any], options: dict[str, Any]) -> list[Any]:
     """``Model.generate([prompt, ...])``: one result per prompt, in order (see BatchStream)."""
-    stream = BatchStream(model, prompts, options)
+    stream = BatchStream.of_prompts(model, prompts, options)
     with stream:
         for _ in stream:
             pass

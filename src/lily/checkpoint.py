@@ -127,6 +127,7 @@ class _Loader:
             k.endswith(".scales") for k in self.tensors
         )
         self.quant = cfg.quantization or {}
+        self._global_scales: dict[str, np.ndarray] = {}  # by module key: read once for all its experts
 
     def _check_layers(self) -> None:
         """config.json's layer count against the tensors, before anything is made per layer: a
@@ -194,7 +195,8 @@ class _Loader:
             bits, group, mode = self._quant_params(w.name[: -len(".weight")], w)
             # mxfp4 / mxfp8 / nvfp4 keep uint8 scales and no biases (mlx-lm tells them apart so)
             if mode not in (None, "affine") or (mode is None and s.dtype == "U8"):
-                self.builder.set_microscaled(slot, w.file, w.name, s.file, s.name, mode or "", index, rows[0], rows[1])
+                self.builder.set_microscaled(slot, w.file, w.name, s.file, s.name, mode or "", index, rows[0], rows[1],
+                                             self._global_scale(key, w, index))
                 return
             b = self.get(key + ".biases")
             self.builder.set_affine(
@@ -202,6 +204,33 @@ class _Loader:
             )
         else:
             self.builder.set_dense(slot, w.file, w.name, index, rows[0], rows[1])
+
+    def _global_scale(self, key: str, w: _Tensor, index: int) -> float | None:
+        """nvfp4's optional global scale of expert `index` of the stacked weight `w`:
+        mlx-lm's quantize_model(..., global_scale=True) gives each switch layer a float32
+        `<module>.global_scale` [E], one per expert, and lists the module with "global_scale": true.
+        A listed module must agree with the tensors, as mlx-lm rebuilds it from that entry and then
+        loads strictly; the native builder refuses one on any mode but nvfp4."""
+        module = w.name[: -len(".weight")]
+        entry = self.quant.get(module)
+        listed = isinstance(entry, dict) and entry.get("global_scale") is True
+        if not self.has(key + ".global_scale"):
+            if listed:
+                raise CheckpointError(f"[checkpoint] config.json 'quantization' gives '{module}' a global_scale, "
+                                      f"but there is no tensor '{module}.global_scale'")
+            return None
+        t = self.get(key + ".global_scale")
+        if isinstance(entry, dict) and not listed:
+            raise CheckpointError(f"[checkpoint] tensor '{t.name}': config.json 'quantization' lists '{module}' "
+                                  f"without \"global_scale\": true")
+        if index < 0 or t.dtype != "F32" or t.shape != (w.shape[0],):
+            raise CheckpointError(
+                f"[checkpoint] tensor '{t.name}' is {t.dtype} {list(t.shape)}; a global scale is float32 [experts] "
+                f"beside a stacked expert weight (mlx-lm's switch layers), here {list(w.shape)}"
+            )
+        if key not in self._global_scales:
+            self._global_scales[key] = self.builder.read_f32(t.file, t.name)
+        return float(self._global_scales[key][index])
 
     def raw(self, slot: str, key: str, *, index: int = -1, rows: tuple[int, int] = (0, -1)) -> None:
         """A dense matrix stored under its own name (fused HF experts)."""

@@ -465,6 +465,10 @@ class Model:
                  **options: Unpack[GenerateOptions]) -> list[GenerationResult]: ...
 
     @overload
+    def generate(self, prompt: Prompt, *, n: int, stream: Literal[True],
+                 **options: Unpack[GenerateOptions]) -> BatchStream: ...
+
+    @overload
     def generate(self, prompt: Prompt, *, stream: Literal[False] = ...,
                  **options: Unpack[GenerateOptions]) -> GenerationResult: ...
 
@@ -534,10 +538,11 @@ class Model:
         engine passes, each getting the tokens it gets alone. Threads calling ``generate`` on
         one model at once are batched the same way.
         ``n``: that many choices, returned as a list of results (a list whenever ``n`` is
-        given, as OpenAI's ``choices``; not with ``stream=True``). The prompt is prefilled once
-        and each choice continues from its state; choice i samples with seed ``seed + i`` (as
-        the server's ``n``), so it equals ``generate(..., seed=seed + i)``; later choices count
-        the prompt but its last token as ``cached_tokens``.
+        given, as OpenAI's ``choices``; with ``stream=True`` a :class:`lily.batching.BatchStream`
+        of chunks tagged with their choice's ``index``, the choices streamed one after another).
+        The prompt is prefilled once and each choice continues from its state; choice i samples
+        with seed ``seed + i`` (as the server's ``n``), so it equals ``generate(..., seed=seed + i)``;
+        later choices count the prompt but its last token as ``cached_tokens``.
         """
         if is_prompt_batch(prompt):  # several prompts, run as one batch (lily.batching)
             options = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -550,14 +555,12 @@ class Model:
             if n is not None:
                 raise RequestError("[generate] n cannot be combined with a list of prompts (repeat the prompt "
                                    "in the list instead)")
-            return BatchStream(self, list(prompt), options) if stream else generate_batch(self, list(prompt), options)
+            return BatchStream.of_prompts(self, list(prompt), options) if stream else generate_batch(self, list(prompt),
+                                                                                                    options)
         if n is not None:
             check_type("generate", "n", n, (int, np.integer), "an integer")
             if n < 1:
                 raise RequestError(f"[generate] n must be at least 1, got {n}")
-            if stream:
-                raise RequestError("[generate] n cannot be combined with stream=True (stream each seed's "
-                                   "generate instead)")
         ids, rendered = self._encode(prompt, tools=tools, enable_thinking=enable_thinking,
                                      chat_template_kwargs=chat_template_kwargs)
         max_tokens = self._max_tokens(max_tokens)
@@ -618,11 +621,19 @@ class Model:
             raise
         if n is None:
             return stream_obj if stream else stream_obj.drain()
-        try:  # n choices, the lock held across them
+
+        def end_choices() -> None:  # n choices hold the lock across them
+            try:
+                choices.close()
+            finally:
+                self._generation.release()
+
+        if stream:  # one worker runs the choices in order, its chunks tagged with their choice
+            return BatchStream(lambda _i: stream_of(*next(choices), None), int(n), 1, on_end=end_choices)
+        try:
             return [stream_of(stats, chunks, None).drain() for stats, chunks in choices]
         finally:
-            choices.close()
-            self._generation.release()
+            end_choices()
 
     def _token_rules(self, options: dict[str, Any], *, thinking: bool, where: str = "generate"):
         """(logit bias pairs, end-of-sequence ids, structured-output constraint or None) from the

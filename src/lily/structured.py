@@ -11,8 +11,9 @@ document is complete the mask allows only the end-of-sequence tokens, so generat
 A thinking prompt (one that opens ``<think>``) is left free until the model closes the block:
 the constraint applies to the answer, not to the reasoning.
 
-The library's tokenizer index is built once per tokenizer (seconds for a 248K vocabulary,
-lazily, on the first constrained request) and kept on the :class:`lily.tokenizer.Tokenizer`.
+The library's tokenizer index is built once per tokenizer (about a second and a half for a 248K
+vocabulary, lazily, on the first constrained request) and kept on the
+:class:`lily.tokenizer.Tokenizer`.
 """
 
 from __future__ import annotations
@@ -43,15 +44,42 @@ def _llguidance():
     return llguidance
 
 
+class _Tokens:
+    """What llguidance's TokenizerWrapper reads: every token's bytes, the special ids, and an
+    encoder (lily's tokenizer, str in, ids out)."""
+
+    bos_token_id = None
+
+    def __init__(self, tokenizer, tokens: list[bytes], eos: int):
+        self.tokens = tokens
+        self.eos_token_id = eos
+        # Every added token, special or not (<tool_call>, <think>), is a token of its own that no
+        # text matches, as in llguidance's import of tokenizer.json: grammars name them <[id]>.
+        self.special_token_ids = list(tokenizer.added_tokens.values())
+        self._encode = tokenizer.encode
+
+    def __call__(self, text: str) -> list[int]:
+        return self._encode(text)
+
+
 def _index(tokenizer, eos_ids: Sequence[int]):
     """llguidance's tokenizer index for ``tokenizer`` (cached on it, per set of EOS ids: callers
-    pass the model's, so there is one per model)."""
+    pass the model's, so there is one per model). A byte-level BPE tokenizer's is built from
+    its token bytes (Tokenizer.token_bytes): 1.3-1.7 s for Qwen's 248K tokens where indexing
+    tokenizer.json takes 2.5-3.3 s (llguidance parses and builds the whole tokenizer a second
+    time), with the same masks (tests/test_tokenizer.py; benchmarks/structured_output.py);
+    other tokenizers index tokenizer.json."""
     llg = _llguidance()
     key = tuple(sorted(eos_ids))
     with _INDEX_LOCK:
         cache = tokenizer.__dict__.setdefault("_llguidance_index", {})
         if key not in cache:
-            cache[key] = llg.LLTokenizer(tokenizer.to_json(), n_vocab=tokenizer.vocab_size, eos_token=list(key))
+            tokens = tokenizer.token_bytes()
+            if tokens is not None and key:
+                source = llg.TokenizerWrapper(_Tokens(tokenizer, tokens, key[0]))
+            else:
+                source = tokenizer.to_json()
+            cache[key] = llg.LLTokenizer(source, n_vocab=tokenizer.vocab_size, eos_token=list(key))
         return cache[key]
 
 

@@ -181,6 +181,29 @@ class Tokenizer:
         """The tokenizer as ``tokenizer.json`` text (what constrained-decoding libraries index)."""
         return self._tok.to_str()
 
+    def token_bytes(self) -> list[bytes] | None:
+        """Each id's bytes, for a byte-level BPE tokenizer (Qwen's, GPT-2's): a vocabulary token
+        spells its bytes one character each through GPT-2's byte-to-character table; an added
+        token is its text. None for any other kind (or ids without a token): callers then index
+        ``to_json()``. Computed once (a second for 248K tokens)."""
+        if not hasattr(self, "_token_bytes"):
+            self._token_bytes = self._byte_level_tokens()
+        return self._token_bytes
+
+    def _byte_level_tokens(self) -> list[bytes] | None:
+        from tokenizers import decoders, models
+
+        if not isinstance(self._tok.model, models.BPE) or not isinstance(self._tok.decoder, decoders.ByteLevel):
+            return None
+        added = self._tok.get_added_tokens_decoder()
+        out: list[bytes | None] = [None] * self.vocab_size
+        try:
+            for text, i in self._tok.get_vocab(with_added_tokens=True).items():
+                out[i] = text.encode("utf-8") if i in added else text.translate(_BYTE_OF_CHAR).encode("latin-1")
+        except UnicodeEncodeError:  # a character outside the byte table: not a byte-level vocabulary after all
+            return None
+        return None if any(t is None for t in out) else out  # type: ignore[return-value]
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
@@ -301,6 +324,23 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos={self.eos_token!r}, eos_token_ids={self.eos_token_ids})"
+
+
+def _byte_of_char() -> dict[int, str]:
+    """str.translate's table undoing GPT-2's byte-to-character map of byte-level BPE (the
+    `tokenizers` ByteLevel pre-tokenizer's): printable Latin-1 bytes stand for themselves, the
+    other 68 for the characters from U+0100 on, in byte order. Each character becomes the
+    Latin-1 character of its byte; the characters below U+0144 that spell no byte become one that
+    Latin-1 cannot encode (characters above it are left, and cannot either)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in kept]
+    table = {c: "\U0010ffff" for c in range(256 + len(others))}
+    table.update({b: chr(b) for b in kept})
+    table.update({256 + n: chr(b) for n, b in enumerate(others)})
+    return table
+
+
+_BYTE_OF_CHAR = _byte_of_char()
 
 
 def _max_token_bytes(desc: dict) -> int | None:
