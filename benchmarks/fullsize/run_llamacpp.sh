@@ -17,6 +17,9 @@
 #   options at llama.cpp's defaults (CUDA graphs on, FlashAttention kernels for the K/V types
 #   f16, q4_0, q8_0, bf16, fatbin compression "size"), the CPU flags as above (the CPU backend
 #   still does the token-embedding lookup), in its own build dir $WORK/build-cuda at -j$JOBS (16).
+#   Where the toolkit lacks cuBLAS or the driver stub (one assembled from pip wheels), the
+#   configure is repeated with the nvidia-cublas wheel's library and headers (the one PyTorch
+#   brings, of nvcc's major version) and the driver's libcuda.so.1 (LIBCUDA overrides it).
 #   MODE=bench runs llama-bench -ngl 99 (all layers and the output on the GPU) with flash
 #   attention at llama-bench's default, auto (on where the backend supports it; the verbose
 #   first run's log says what it chose): prefill 512 (-p 512 -n 0 -r 5), decode of 32 tokens at
@@ -96,6 +99,21 @@ template="$TEMPLATE"
 # shellcheck disable=SC2206  # GGUF_ARGS is split into words on purpose
 make_gguf=("$PY" benchmarks/fullsize/make_gguf.py "$template" "$GGUF" --workers 8 ${GGUF_ARGS:-})
 
+cuda_fallback() {  # cmake arguments, one a line: cuBLAS of nvcc's major version from the pip wheels, libcuda
+  local major dirs d lib lt inc drv
+  major=$("$CUDACXX" --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
+  mapfile -t dirs < <("$PY" -c "import nvidia; print(*nvidia.__path__, sep=chr(10))" 2>/dev/null)
+  for d in "${dirs[@]}"; do
+    lib=$(ls "$d"/*/lib/libcublas.so."$major" 2>/dev/null | head -1)
+    [ -n "$lib" ] || continue
+    lt="$(dirname "$lib")/libcublasLt.so.$major" inc="$(dirname "$(dirname "$lib")")/include"
+    echo "-DCUDA_cublas_LIBRARY=$lib"; echo "-DCUDA_cublasLt_LIBRARY=$lt"; echo "-DCMAKE_CUDA_FLAGS=-I$inc"
+    break
+  done
+  drv=${LIBCUDA:-$(ldconfig -p 2>/dev/null | sed -n 's/.*libcuda\.so\.1 .*=> \(.*\)/\1/p' | head -1)}
+  [ -n "$drv" ] && echo "-DCUDA_cuda_driver_LIBRARY=$drv"
+}
+
 if [ "$DRY_RUN" = 1 ]; then
   echo "# source: $LLAMA_SRC -> $src; template: $TEMPLATE"
   show "${configure[@]}"
@@ -118,7 +136,15 @@ echo "simd: ${simd[*]}" >>"$OUT/${tag}_build.log"
 (
   t=$(date +%s)
   echo "+ ${configure[*]}"
-  "${configure[@]}" &&
+  if ! "${configure[@]}"; then
+    # A CUDA toolkit put together from pip wheels may lack cuBLAS and the driver stub: give CMake
+    # the nvidia-cublas wheel (PyTorch's) and the driver's libcuda.so.1, then configure again.
+    extra=()
+    [ -n "$GPU" ] && mapfile -t extra < <(cuda_fallback)
+    [ ${#extra[@]} -gt 0 ] || exit 1
+    echo "+ configure again with ${extra[*]}"
+    "${configure[@]}" "${extra[@]}" || exit 1
+  fi
   timeout "$(limit)" "${compile[@]}"
   rc=$?
   echo "build_s=$(( $(date +%s) - t )) rc=$rc"
