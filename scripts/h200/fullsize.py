@@ -92,6 +92,8 @@ def main(argv=None) -> int:
     ap.add_argument("--f32-max", type=int, default=4096, help="the f32 CPU mode up to this context")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--timing-prefill", type=int, default=512, help="0: no timing pass")
+    ap.add_argument("--warmup", type=int, default=256,
+                    help="an untimed prefill of this many tokens and 2 decode steps first (0: none)")
     ap.add_argument("--copy-gbs", type=float, help="the GPU's measured copy bandwidth (scripts/h200/copy_bw.cu)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
@@ -114,6 +116,10 @@ def main(argv=None) -> int:
         return cpu_models[mode]
 
     rng = np.random.default_rng(0)
+    if a.warmup:
+        # The first use of each kernel pays the driver's PTX -> SASS compile (seconds): without
+        # this, that lands in the first context's figures (phase D's 512 row: 30 tok/s prefill).
+        run_session(gpu, np.arange(a.warmup, dtype=np.int32) % vocab, 2)
     for c in contexts:
         ids = rng.integers(0, vocab, c).astype(np.int32)
         g = run_session(gpu, ids, a.decode)
