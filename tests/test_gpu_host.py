@@ -26,6 +26,7 @@ import pytest
 from fixtures import cases
 from lily._core import msl_cpu
 from msl_cpu_harness import library, u32
+from test_gpu_alignment import gpu_weight_bytes
 from test_metal_decode import _check
 
 MODEL = ("qwen3_5_moe", 4, 64, "bfloat16")  # head_dim 96, float KV: attn_decode_float_d96
@@ -81,7 +82,8 @@ def _sizes(path):
     conv_channels = 2 * hk * dk + hv * dv
     fixed = gdn * 2 * 4 * ((t["linear_conv_kernel_dim"] - 1) * conv_channels + hv * dk * dv)  # two copies
     page = os.sysconf("SC_PAGESIZE")
-    weights = sum(-(-f.stat().st_size // page) * page for f in path.glob("*.safetensors"))
+    # Aligned files wrapped whole, misaligned ones (mlx's unpadded header) copied: test_gpu_alignment.py.
+    weights = sum(gpu_weight_bytes(f, page) for f in path.glob("*.safetensors"))
     return weights, per_token, fixed
 
 

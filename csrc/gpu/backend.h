@@ -170,6 +170,8 @@ class GpuBackend : public Backend {
   // layers, K and V) and both copies of the DeltaNet state and conv window of every layer.
   uint64_t state_bytes(int64_t max_context) const;
   uint64_t weight_bytes() const { return weights_gpu_.bytes(); }
+  // Of those, the bytes copied at load because a file's tensors were misaligned (0: zero-copy).
+  uint64_t weight_copied_bytes() const { return weights_gpu_.copied_bytes(); }
 
   Device& device() { return ctx_.device(); }
 

@@ -66,10 +66,38 @@ DeviceWeights::DeviceWeights(Device& device, const ModelWeights& weights, std::v
   // A file's mapping covers whole pages, so the wrapped length is rounded up to the page size
   // (Metal's newBufferWithBytesNoCopy wants a page-aligned pointer and length).
   const size_t page = size_t(sysconf(_SC_PAGESIZE));
-  if (regions.empty())
-    for (const auto& f : weights.files)
-      regions.push_back({static_cast<const uint8_t*>(f->mapping()), (size_t(f->file_size()) + page - 1) / page * page});
   std::vector<std::shared_ptr<Buffer>> buffers;
+  // A copy of [p, p + n) in a new device buffer (at its offset 0: device buffers start aligned).
+  auto copy = [&](const uint8_t* p, size_t n) {
+    auto buf = device_.new_buffer(std::max<size_t>(n, 1));
+    buf->write(0, p, n);
+    buffers.push_back(buf);
+    copied_bytes_ += n;
+    bytes_ += n;
+    return buf;
+  };
+  if (regions.empty()) {
+    for (const auto& f : weights.files) {
+      const auto* base = static_cast<const uint8_t*>(f->mapping());
+      const uint64_t data = f->data_offset();
+      bool aligned = true;
+      for (const TensorInfo& t : f->tensors())
+        if ((data + t.begin) % weight_alignment(t.dtype) != 0) aligned = false;
+      if (aligned) {  // the mapping is page-aligned: zero-copy
+        regions.push_back({base, (size_t(f->file_size()) + page - 1) / page * page});
+        continue;
+      }
+      // Misaligned (an unpadded header): the data section copied to an aligned buffer, where a
+      // tensor's offset is its data_offsets begin (a multiple of its element size in files that
+      // mlx and safetensors write); any tensor still misaligned there gets a buffer of its own,
+      // found first (regions_ is searched in order).
+      for (const TensorInfo& t : f->tensors())
+        if (t.begin % weight_alignment(t.dtype) != 0)
+          regions_.push_back({Region{f->data(t), size_t(t.nbytes)}, copy(f->data(t), size_t(t.nbytes))});
+      const Region r{base + data, size_t(f->data_size())};
+      regions_.push_back({r, copy(r.base, r.size)});
+    }
+  }
   for (const Region& r : regions) {
     regions_.push_back({r, device_.wrap_buffer(const_cast<uint8_t*>(r.base), r.size)});
     buffers.push_back(regions_.back().second);
@@ -77,6 +105,8 @@ DeviceWeights::DeviceWeights(Device& device, const ModelWeights& weights, std::v
   }
   device_.make_resident(buffers);
 }
+
+size_t weight_alignment(DType t) { return std::max<size_t>(4, dtype_size(t)); }
 
 BufferRange DeviceWeights::find(const uint8_t* p, const char* what) const {
   for (const auto& [r, buf] : regions_)

@@ -1,5 +1,6 @@
 // The checkpoint as the GPU sees it: each mapped (or resident) weights file wrapped once as a
-// zero-copy device buffer, so a Linear is (file buffer, byte offset) and nothing is copied;
+// zero-copy device buffer, so a Linear is (file buffer, byte offset) and nothing is copied
+// (unless the file's tensors are misaligned: see kWeightAlign);
 // the small per-channel vectors (norm gains, conv taps, ...) copied once into device buffers;
 // the MoE blocks' per-expert offset tables. The wrapped files are asked to stay resident
 // (Device::make_resident: a Metal residency set where the OS has one).
@@ -21,6 +22,11 @@ void check_matrices(const ModelWeights& weights);
 // W's shape and format as the kernels read it (dense, MLX affine 2/4/8-bit, mxfp4 / mxfp8 /
 // nvfp4); throws ConfigError naming `what` for a bit width or group size the kernels do not take.
 QuantMatrix quant_matrix(const Linear& W, const char* what);
+
+// The alignment every weight tensor's address must have for the kernels (a bound device buffer's
+// offset, msl_cpu/encoder.cpp checks it): 4, as the quant kernels read `uchar` weight buffers as
+// 32-bit words, or the tensor's element size if larger.
+size_t weight_alignment(DType t);
 
 class DeviceWeights {
  public:
@@ -44,6 +50,12 @@ class DeviceWeights {
   const ExpertTables& tables(const MoeWeights* moe, const MlpWeights* mlp);
   // Bytes of the wrapped regions: what the GPU must hold of the checkpoint.
   uint64_t bytes() const { return bytes_; }
+  // Bytes copied at load instead of wrapped: files whose tensors are not all aligned
+  // (weight_alignment: mlx's writer does not pad the safetensors header, so the data section, and
+  // with it every tensor, may start at any byte) have their data section copied into a device
+  // buffer of their own (one memcpy of the data section; tensors still misaligned in it, e.g.
+  // after an odd-sized U8 tensor, one buffer each). 0 where every file is zero-copy.
+  uint64_t copied_bytes() const { return copied_bytes_; }
 
  private:
   ExpertMatrix expert_matrix(const std::vector<const Linear*>& list, const char* what);
@@ -52,7 +64,7 @@ class DeviceWeights {
   Device& device_;
   std::shared_ptr<Buffer> dummy_;
   std::vector<std::pair<Region, std::shared_ptr<Buffer>>> regions_;
-  uint64_t bytes_ = 0;
+  uint64_t bytes_ = 0, copied_bytes_ = 0;
   std::map<const float*, std::shared_ptr<Buffer>> vectors_;
   std::map<const Linear*, std::shared_ptr<Buffer>> scale_mults_;  // linear()'s, by matrix
   std::map<const void*, std::unique_ptr<ExpertTables>> tables_;

@@ -57,6 +57,10 @@ class SafetensorsFile {
   // The whole file's bytes, page-aligned and read-only (GPU backends wrap it as one zero-copy
   // buffer).
   const void* mapping() const { return base_; }
+  // Where the data section starts in mapping() (8 + the header's length: unpadded headers, as
+  // mlx's writer leaves them, put it at any byte) and its length.
+  uint64_t data_offset() const { return uint64_t(data_ - base_); }
+  uint64_t data_size() const { return data_size_; }
   Residency residency() const { return residency_; }
 
   // Mapped files: throws CheckpointError if the file on disk is no longer the one that was

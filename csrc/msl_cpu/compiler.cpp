@@ -384,16 +384,16 @@ std::string generate_unit(const std::string& original, const SourceInfo& info,
       const auto& p = k.params[i];
       const std::string P = "param_t<F, " + std::to_string(i) + ">";
       if (absent(p))
-        u << "      {LILY_MSL_PARAM_ABSENT, " << p.index << ", 0, \"" << p.name << "\"},\n";
+        u << "      {LILY_MSL_PARAM_ABSENT, " << p.index << ", 0, \"" << p.name << "\", 0},\n";
       else if (p.attribute == "buffer")
         u << "      {buffer_kind<" << P << ">(), " << p.index << ", bound_size<" << P << ">(), \""
-          << p.name << "\"},\n";
+          << p.name << "\", buffer_align<" << P << ">()},\n";
       else if (p.attribute == "threadgroup")
-        u << "      {LILY_MSL_PARAM_THREADGROUP, " << p.index << ", 0, \"" << p.name << "\"},\n";
+        u << "      {LILY_MSL_PARAM_THREADGROUP, " << p.index << ", 0, \"" << p.name << "\", 0},\n";
       else
-        u << "      {LILY_MSL_PARAM_BUILTIN, 0, 0, \"" << p.name << "\"},\n";
+        u << "      {LILY_MSL_PARAM_BUILTIN, 0, 0, \"" << p.name << "\", 0},\n";
     }
-    u << "      {LILY_MSL_PARAM_END, 0, 0, nullptr}};\n    return p;\n  }\n};\n";
+    u << "      {LILY_MSL_PARAM_END, 0, 0, nullptr, 0}};\n    return p;\n  }\n};\n";
   }
   // Metal's language level from here on (the prelude above may use what it needs): MSL 3.x is
   // C++14, MSL 4.0 C++17 (the unit is compiled as C++17, or C++20 for MSL 4.0).

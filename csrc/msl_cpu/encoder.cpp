@@ -1,6 +1,7 @@
 // The recording compute encoder shared by the MSL runtimes; see encoder.h.
 #include "msl_cpu/encoder.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "model/error.h"
@@ -102,6 +103,21 @@ void RecordingEncoder::dispatch_threadgroups(gpu::Size3 grid, gpu::Size3 threads
     if (q->kind == LILY_MSL_PARAM_BUFFER || q->kind == LILY_MSL_PARAM_BUFFER_REF) {
       const Binding& b = state_.buffers[q->index];
       if (!b.bound) fail(where + "buffer(" + std::to_string(q->index) + ") " + arg + " is not bound");
+      if (b.buffer) {
+        // Metal's setBuffer:offset: wants a device buffer's offset aligned to the data type the
+        // kernel consumes; lily's kernels also read `uchar` weight buffers as 32-bit words
+        // (metal/quant.h), so every device buffer is bound at a multiple of 4 at least. CUDA
+        // faults on a misaligned load ("misaligned address"); x86 does not, so this check is
+        // what catches it off the GPU (an unpadded safetensors header put every tensor at 2 mod 4).
+        const uint64_t need = std::max<uint64_t>(4, q->align);
+        const uintptr_t at = reinterpret_cast<uintptr_t>(b.buffer->contents()) + b.offset;
+        if (at % need != 0)
+          fail(where + "buffer(" + std::to_string(q->index) + ") " + arg + " is bound at offset " +
+               std::to_string(b.offset) + " (address " + std::to_string(at % need) + " mod " +
+               std::to_string(need) + "): misaligned, it needs " + std::to_string(need) + "-byte alignment" +
+               (q->align > 4 ? " (alignof its element type)" : " (32-bit reads)") +
+               "; Metal requires aligned buffer offsets and CUDA faults on misaligned loads");
+      }
       size_t have = b.buffer ? b.buffer->length() - b.offset : b.bytes.size();
       if (q->kind == LILY_MSL_PARAM_BUFFER_REF && have < q->size)
         fail(where + "buffer(" + std::to_string(q->index) + ") " + arg + " has " +

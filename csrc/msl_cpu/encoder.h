@@ -3,8 +3,9 @@
 // dispatches, set_bytes copied at encode time, and every check Metal's validation layer would
 // make at encode time, against Apple's limits (1024 threads per threadgroup or the kernel's
 // [[max_total_threads_per_threadgroup]], 32 KB of threadgroup memory, lengths a multiple of 16,
-// every [[buffer(i)]] bound, a bound `constant T&` at least sizeof(T) bytes, set_bytes at most
-// 4 KB, more than 256 threads only where the kernel declares its maximum). The encoder only
+// every [[buffer(i)]] bound, a bound `constant T&` at least sizeof(T) bytes, a device buffer's
+// bound address a multiple of max(4, alignof its element type), set_bytes at most 4 KB, more
+// than 256 threads only where the kernel declares its maximum). The encoder only
 // records; a runtime's command buffer executes the commands, naming the encoder's label (and the
 // last debug signpost) when one fails.
 #pragma once

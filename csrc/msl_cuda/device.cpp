@@ -156,7 +156,7 @@ class CudaPipeline final : public msl_cpu::KernelPipeline {
     for (const auto& p : decl.params) names_.push_back(p.name);
     for (size_t i = 0; i < decl.params.size(); ++i) {
       const auto& p = decl.params[i];
-      lily_msl_param q{LILY_MSL_PARAM_BUILTIN, 0, 0, names_[i].c_str()};
+      lily_msl_param q{LILY_MSL_PARAM_BUILTIN, 0, 0, names_[i].c_str(), 0};
       if (!msl_cpu::parameter_present(info, p, constants, file_name)) {
         q.kind = LILY_MSL_PARAM_ABSENT;
         q.index = p.index;
@@ -170,7 +170,7 @@ class CudaPipeline final : public msl_cpu::KernelPipeline {
       }
       params_.push_back(q);
     }
-    params_.push_back({LILY_MSL_PARAM_END, 0, 0, nullptr});
+    params_.push_back({LILY_MSL_PARAM_END, 0, 0, nullptr, 0});
     const Context& c = *module_->c;
     c.check(c.d.cuModuleGetFunction(&fn_, module_->mod, name_.c_str()), "cuModuleGetFunction '" + name_ + "'");
     auto attr = [&](int a) {

@@ -820,6 +820,26 @@ constexpr unsigned long long bound_size() {
   else
     return 0;
 }
+// The alignment a [[buffer(i)]] parameter's bound address needs: alignof the pointee of a
+// pointer (1 for void), of the referenced type for `constant T&`.
+template <class T> struct pointee_ { using type = T; };
+template <class T> struct pointee_<T*> { using type = T; };
+template <class T> struct pointee_<T* const> { using type = T; };
+template <class T>
+constexpr unsigned long long align_of_element() {
+  using E = remove_cv_t<T>;
+  if constexpr (is_same_v<E, void>)
+    return 1;
+  else
+    return alignof(E);
+}
+template <class P>
+constexpr unsigned long long buffer_align() {
+  if constexpr (is_reference_v<P>)
+    return align_of_element<remove_reference_t<P>>();
+  else
+    return align_of_element<typename pointee_<remove_cv_t<P>>::type>();
+}
 template <class P>
 constexpr int buffer_kind() {
   return is_reference_v<P> ? LILY_MSL_PARAM_BUFFER_REF : LILY_MSL_PARAM_BUFFER;

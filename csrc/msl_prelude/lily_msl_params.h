@@ -23,6 +23,9 @@ typedef struct lily_msl_param {
   uint32_t index;
   uint64_t size;
   const char* name;
+  /* [[buffer(i)]]: alignof the element (pointer) or referenced type, the alignment Metal's
+   * setBuffer:offset: asks of a device buffer's offset; 0 where unknown (msl_cuda's tables). */
+  uint64_t align;
 } lily_msl_param;
 
 #endif

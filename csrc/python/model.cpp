@@ -475,6 +475,12 @@ void init_model(nb::module_& m) {
         const gpu::GpuStats& s = g->stats();
         return std::make_tuple(s.dispatches, s.barriers, s.command_buffers, s.waits, s.max_in_flight);
       }, "(dispatches, barriers, command buffers, CPU waits, most greedy steps in flight) so far")
+      .def_prop_ro("gpu_weight_bytes", [](Engine& e) {
+        auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
+        if (!g) throw Error("[engine] gpu_weight_bytes: the backend is not a GPU backend");
+        return std::make_tuple(g->weight_bytes(), g->weight_copied_bytes());
+      }, "(bytes of the checkpoint the GPU holds, bytes of them copied at load): files whose tensors are "
+         "misaligned (an unpadded safetensors header, as mlx writes) are copied, aligned ones wrapped zero-copy.")
       .def("gpu_records", [](Engine& e, bool recording) {
         auto* g = dynamic_cast<gpu::GpuBackend*>(&e.backend());
         if (!g) throw Error("[engine] gpu_records: the backend is not a GPU backend");

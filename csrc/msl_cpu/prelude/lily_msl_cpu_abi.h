@@ -17,7 +17,7 @@
 
 #include "../../msl_prelude/lily_msl_params.h"
 
-#define LILY_MSL_ABI_VERSION 2
+#define LILY_MSL_ABI_VERSION 3
 #define LILY_MSL_SIMD_WIDTH 32       /* Apple GPUs: 32 threads per simdgroup */
 #define LILY_MSL_SIMD_SLOT 64        /* bytes per lane in a simdgroup exchange */
 
