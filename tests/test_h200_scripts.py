@@ -117,3 +117,14 @@ def test_host_loop_dry_run(tmp_path):
     report = json.loads(out.read_text())
     assert [r["mode"] for r in report["rows"]] == ["a", "b", "c"]
     assert all(r["ms_per_token_median"] > 0 and r["tokens"] >= 2 for r in report["rows"])
+
+
+def test_demo_on_gpu_dry_run(tmp_path):
+    """scripts/h200/demo_on_gpu.py (the mlx-written demo on msl-cuda against the CPU backend) on
+    msl-cpu: the demo's weights are copied to an aligned buffer and it matches the CPU backend."""
+    import demo_on_gpu
+
+    out = tmp_path / "demo.json"
+    assert demo_on_gpu.main(["--backend", "msl-cpu", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["copied_at_load"] > 0 and report["greedy_equal"]

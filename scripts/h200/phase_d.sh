@@ -47,6 +47,7 @@ if [ "${1:-}" = rerun ]; then
     timeout 240 python3 scripts/h200/fullsize.py /tmp/ckpt_full --contexts 512,4096 --check-max 0 --decode 32 \
       --threads 16 --timing-prefill 0 --out "$OUT" 2>&1 | tail -4
   fi
+  timeout 120 python3 scripts/h200/demo_on_gpu.py --out "$OUT/demo_on_gpu.json" 2>&1 | tail -3
   timeout 150 python3 benchmarks/host_loop.py --backend msl-cuda --json "$OUT/host_loop.json" 2>&1 | tail -12
   exit 0
 fi
