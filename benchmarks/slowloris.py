@@ -129,18 +129,23 @@ def closed_by_server(s: socket.socket) -> bool:
         return True
 
 
-def run_slow_clients(port: int, wait: float, early: float = 0.5) -> tuple[int, int, int]:
+def run_slow_clients(port: int, wait: float, early: float = 0.5, pace: float = 0.0) -> tuple[int, int, int]:
     """32 slow-header and 16 slow-body clients: (connections of the 48 open after `early`
-    seconds, slow-header ones still open after `wait` seconds, slow-body ones still open)."""
+    seconds, slow-header ones still open after `wait` seconds, slow-body ones still open).
+    `pace`: seconds between two connects. 0 opens all 48 at once, a burst past a small listen
+    backlog: the kernel's accept queue then overflows and some connections die before the server
+    ever sees them (a test of the deadlines, not of bursts, paces them)."""
     heads, bodies = [], []
     for _ in range(32):
         s = socket.create_connection(("127.0.0.1", port), timeout=5)
         s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\n")
         heads.append(s)
+        time.sleep(pace)
     for _ in range(16):
         s = socket.create_connection(("127.0.0.1", port), timeout=5)
         s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
         bodies.append(s)
+        time.sleep(pace)
     stop = threading.Event()
 
     def trickle():

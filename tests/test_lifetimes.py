@@ -9,7 +9,9 @@ A chat turn that does not finish is rolled back (docs/api-generation.md). Tests 
 full-slots rules run the model with ``max_batch = 1`` (the ``serial`` fixture).
 
 References: a full greedy generation of the same prompt (a cancelled stream's tokens are its
-prefix), the tokenizer's own decode, and from-scratch generation of the rendered history.
+prefix), the tokenizer's own decode, and from-scratch generation of the rendered history. The
+long generations ban the end-of-sequence tokens (logit_bias -100), so they run to max_tokens
+whatever the demo model's habits (the third demo ends "Errors" after one token).
 """
 
 from __future__ import annotations
@@ -48,8 +50,12 @@ def _generate_in_thread(model, timeout: float = 30.0):
     return out[0] if out else None
 
 
+def _no_eos(model) -> dict[int, float]:
+    return {int(t): -100.0 for t in model.eos_token_ids}
+
+
 def _partial_stream(model, n: int, prompt: str = "Errors"):
-    stream = model.generate(prompt, max_tokens=200, temperature=0, stream=True)
+    stream = model.generate(prompt, max_tokens=200, temperature=0, logit_bias=_no_eos(model), stream=True)
     chunks = []
     for c in stream:
         chunks.append(c)
@@ -60,9 +66,9 @@ def _partial_stream(model, n: int, prompt: str = "Errors"):
 
 def test_a_stream_broken_out_of_continues_beside_the_next_generate(model):
     """Slots free: the next generate runs beside the open stream, which later goes on as if alone."""
-    full = model.generate("Errors", max_tokens=200, temperature=0)
+    full = model.generate("Errors", max_tokens=200, temperature=0, logit_bias=_no_eos(model))
     stream, chunks = _partial_stream(model, 4)
-    again = model.generate("Errors", max_tokens=200, temperature=0)
+    again = model.generate("Errors", max_tokens=200, temperature=0, logit_bias=_no_eos(model))
     assert again.tokens == full.tokens
     rest = [c.token for c in stream if c.token is not None]
     assert [c.token for c in chunks] + rest == full.tokens
@@ -71,10 +77,10 @@ def test_a_stream_broken_out_of_continues_beside_the_next_generate(model):
 
 def test_the_next_generate_ends_a_stream_broken_out_of(serial):
     model = serial
-    full = model.generate("Errors", max_tokens=200, temperature=0)
+    full = model.generate("Errors", max_tokens=200, temperature=0, logit_bias=_no_eos(model))
     stream, chunks = _partial_stream(model, 4)
     # Same thread, stream still referenced and unfinished: the next generate ends it and runs.
-    again = model.generate("Errors", max_tokens=200, temperature=0)
+    again = model.generate("Errors", max_tokens=200, temperature=0, logit_bias=_no_eos(model))
     assert again.tokens == full.tokens
     r = stream.result
     assert r is not None and r.finish_reason == "cancelled"
@@ -85,7 +91,7 @@ def test_the_next_generate_ends_a_stream_broken_out_of(serial):
 
 
 def test_close_ends_the_generation_and_keeps_the_partial_result(model):
-    full = model.generate("Errors", max_tokens=200, temperature=0)
+    full = model.generate("Errors", max_tokens=200, temperature=0, logit_bias=_no_eos(model))
     stream, _ = _partial_stream(model, 3)
     stream.close()
     assert stream.result.finish_reason == "cancelled"

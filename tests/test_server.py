@@ -58,6 +58,13 @@ def _request(base: str, method: str, path: str, body: bytes | None = None, heade
         conn.close()
 
 
+def demo_no_eos_bias() -> dict[str, float]:
+    """OpenAI ``logit_bias`` banning the demo model's end-of-sequence tokens: a request then runs
+    to its max_tokens whatever the demo's habits (the long requests of the disconnect tests)."""
+    config = json.loads((lily.model.demo_model_path() / "generation_config.json").read_text())
+    return {str(t): -100.0 for t in config["eos_token_id"]}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -350,7 +357,7 @@ def test_disconnect_of_a_non_streamed_request_frees_the_engine(server, client):
     the request ran to its end; now the client's http.disconnect cancels it at once."""
     before = _health(server)
     conn = _open(server, "/v1/completions", {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
-                                             "max_tokens": 3000, "temperature": 0})
+                                             "max_tokens": 3000, "temperature": 0, "logit_bias": demo_no_eos_bias()})
     t0 = time.perf_counter()
     while not _health(server)["running"]:
         assert time.perf_counter() - t0 < 30, "the job never started"
