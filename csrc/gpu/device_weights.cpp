@@ -135,15 +135,12 @@ LinearBuffers DeviceWeights::linear(const Linear& W, const char* what) {
 
 std::shared_ptr<Buffer> DeviceWeights::vector(const std::vector<float>& v) {
   auto& b = vectors_[v.data()];
-  if (!b) {
-    b = device_.new_buffer(std::max<size_t>(v.size(), 1) * 4);
-    b->write(0, v.data(), v.size() * 4);
-  }
+  if (!b) b = new_floats(v);
   return b;
 }
 
 std::shared_ptr<Buffer> DeviceWeights::new_floats(const std::vector<float>& v) {
-  auto b = device_.new_buffer(v.size() * 4);
+  auto b = device_.new_buffer(std::max<size_t>(v.size(), 1) * 4);
   b->write(0, v.data(), v.size() * 4);
   return b;
 }

@@ -11,12 +11,11 @@ set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 OUT=${OUT:-$root/.carry/out}
-SITE=${SITE:-/tmp/site}  # where the carried mlx wheels go (phase_d.sh keeps the demo training's apart)
 mkdir -p "$OUT"
 { nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 --version
   python3 -c "import sysconfig, os; h = sysconfig.get_paths()['include']; print('Python.h:', os.path.exists(h + '/Python.h'), h)"
 } > "$OUT/env.txt" 2>&1
-python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .carry/whl/*.whl >> "$OUT/env.txt" 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/whl/*.whl >> "$OUT/env.txt" 2>&1
 # The image's g++ links libstdc++ into lily._core statically; torch (imported first by the tests)
 # brings the shared one, and std::regex in the kernel scanner then crashed inside the static copy
 # (seen 2026-12-01). One libstdc++ for the process: the shared one, loaded before everything.
@@ -27,10 +26,10 @@ if ! bash scripts/dev_build.sh > "$OUT/build.log" 2>&1; then
   exit 1
 fi
 echo "build: $(( $(date +%s) - start )) s" >> "$OUT/env.txt"
-export PYTHONPATH="$root/src:$root/tests:$SITE" LILY_SOURCE_DIR="$root" \
+export PYTHONPATH="$root/src:$root/tests:/tmp/site" LILY_SOURCE_DIR="$root" \
   LILY_MSL_CUDA_CACHE="$root/.carry/ptx" LILY_TEST_MSL_RUNTIME=cuda PYTHONUNBUFFERED=1
 python3 -c "from lily._core import msl_cuda; print(msl_cuda.device().name)" >> "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 source scripts/h200/selection.sh
-timeout 420 python3 -m pytest -q -p no:cacheprovider "${KERNEL_TESTS[@]}" -k "$KERNEL_TESTS_K" ${PYTEST_ARGS:-} \
+timeout 420 python3 -m pytest -q -p no:cacheprovider "${KERNEL_TESTS[@]}" -k "$KERNEL_TESTS_K" \
   --junitxml="$OUT/kernel_tests.xml" 2>&1 | tee "$OUT/kernel_tests.log" | tail -60
