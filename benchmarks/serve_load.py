@@ -396,8 +396,9 @@ def markdown(rows: list[dict], info: dict) -> str:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", default="medium", choices=("tiny", "medium"),
-                    help="benchmarks/checkpoints.py size (tiny has no GGUF: lily only)")
+    ap.add_argument("--size", default="medium", choices=("tiny", "medium", "full"),
+                    help="benchmarks/checkpoints.py size (tiny has no GGUF: lily only); full: the "
+                         "Qwen3.6-35B-A3B shape, laid out under ROOT/full by scripts/h200/phase_e.sh")
     ap.add_argument("--root", type=Path, default=ROOT / "build" / "bench",
                     help="where benchmarks/checkpoints.py made the checkpoints (SIZE/mlx4, SIZE/hf, SIZE/gguf)")
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of: lily, llama-server")

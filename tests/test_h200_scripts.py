@@ -61,8 +61,17 @@ def _on(configure: list[str]) -> set[str]:
 
 
 def test_llamacpp_scripts_parse():
-    for script in (LLAMACPP, ROOT / "scripts" / "h200" / "prepare_llamacpp.sh"):
+    for script in (LLAMACPP, ROOT / "scripts" / "h200" / "prepare_llamacpp.sh", ROOT / "scripts" / "h200" / "phase_e.sh"):
         subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+def test_run_llamacpp_server_dry_run(tmp_path):
+    """SERVER=1 (phase E's full-size server table): llama-server is configured and built too."""
+    configure, build, *_ = _dry_run(tmp_path, SERVER="1", MODE="setup")
+    assert "-DLLAMA_BUILD_SERVER=ON" in configure and "-DLLAMA_BUILD_UI=OFF" in configure
+    assert build[build.index("--target") + 1:] == ["llama-bench", "llama-batched-bench", "llama-server"]
+    configure, build, *_ = _dry_run(tmp_path, MODE="setup")
+    assert "-DLLAMA_BUILD_SERVER=OFF" in configure and "llama-server" not in build
 
 
 def test_run_llamacpp_cuda_dry_run(tmp_path):

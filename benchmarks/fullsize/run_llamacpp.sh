@@ -26,6 +26,8 @@
 #   depth 4096 and 32768 (-p 0 -n 32 -d D -r 2: llama-bench prefills the depth once and restores
 #   the state for the second repetition), then, as time allows, prefill 4096 and 32768.
 # MODE=setup: steps 1-2 only (a first device call: the CUDA build takes minutes).
+# SERVER=1: build llama-server too (-DLLAMA_BUILD_SERVER=ON, no web UI), for the full-size server
+#   table of benchmarks/serve_load.py (scripts/h200/phase_e.sh); the binary is $WORK/build/bin/llama-server.
 # Steps 1-2 are skipped when their outputs already exist in $WORK / $GGUF (a second call: a build
 # cut short by the budget resumes where ninja stopped; a GGUF counts once its writer finished).
 # TEMPLATE may be xz-compressed (template.gguf.xz, as scripts/h200/prepare_llamacpp.sh writes it);
@@ -47,6 +49,7 @@ OUT=${OUT:-/tmp/fullsize-out}
 THREADS=${THREADS:-16}
 BUDGET_S=${BUDGET_S:-380}
 GPU=${GPU:-}
+SERVER=${SERVER:-0}
 DRY_RUN=${DRY_RUN:-0}
 # The carried copies from scripts/h200/prepare_llamacpp.sh when this checkout has them.
 carried=.carry/llama
@@ -90,9 +93,11 @@ batched="$build/bin/llama-batched-bench"
 configure=(cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF
   -DGGML_NATIVE=OFF "${simd[@]}" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
   -DGGML_METAL=OFF "${gpu_flags[@]}" -DGGML_VULKAN=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
-  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "-DLLAMA_BUILD_SERVER=$([ "$SERVER" = 1 ] && echo ON || echo OFF)"
   -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF)
-compile=(cmake --build "$build" -j "$jobs" --target llama-bench llama-batched-bench)
+targets=(llama-bench llama-batched-bench)
+[ "$SERVER" = 1 ] && targets+=(llama-server)
+compile=(cmake --build "$build" -j "$jobs" --target "${targets[@]}")
 template="$TEMPLATE"
 [ "${TEMPLATE%.xz}" != "$TEMPLATE" ] && template="$WORK/template.gguf"
 # GGUF_ARGS: e.g. "--layers 4 --experts 8" for a small model of the same layout (a local check).
@@ -127,7 +132,7 @@ if [ -n "$GPU" ]; then
   cat "$OUT/${tag}_gpu.txt"
 fi
 # Setup, skipped when an earlier call on this machine left the binaries and the GGUF.
-if [ ! -x "$batched" ] || [ ! -f "$GGUF.done" ]; then
+if [ ! -x "$build/bin/${targets[-1]}" ] || [ ! -f "$GGUF.done" ]; then
 [ -d "$src" ] || tar -xJf "$LLAMA_SRC" -C "$WORK"
 # The tarball carries no .git; prepare_llamacpp.sh's LILY_SOURCE names the commit for build info.
 commit=$(sed -n 's/^commit \([0-9a-f]\{7\}\).*/\1/p' "$src/LILY_SOURCE" 2>/dev/null)

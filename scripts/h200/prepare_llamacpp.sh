@@ -4,12 +4,16 @@
 # by git; the device tool carries it with carry=[".carry"]):
 #   llama.cpp-src.tar.xz  the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp (the source of our
 #                         CPU peer figures), trimmed: no models/ vocab files, docs, tests,
-#                         examples, web UI/server, converters, and no GPU backend but CUDA:
+#                         examples, web UI sources, converters, and no GPU backend but CUDA:
 #                         ggml/src/ggml-cuda stays whole (with its template-instances/ and
 #                         vendors/), as do src/models/, gguf-py/ (make_gguf.py writes the GGUF
-#                         with it) and every tools/ subdirectory tools/CMakeLists.txt adds with
-#                         the server off; plus llama.cpp/LILY_SOURCE (the sdist's sha256, the
-#                         commit). Deterministic: sorted names, fixed mtime and owner, xz -9.
+#                         with it) and every tools/ subdirectory tools/CMakeLists.txt adds, the
+#                         server's too (llama-server for the full-size server table, issue 19:
+#                         tools/server, tools/cli, tools/ui's CMake files without the UI's
+#                         sources, and scripts/ui-assets.cmake, which writes the empty UI of a
+#                         -DLLAMA_BUILD_UI=OFF build); plus llama.cpp/LILY_SOURCE (the sdist's
+#                         sha256, the commit). Deterministic: sorted names, fixed mtime and
+#                         owner, xz -9.
 #   template.gguf.xz      metadata of a GGUF the sdist's own convert_hf_to_gguf.py wrote for a
 #                         tiny qwen3_5_moe checkpoint with vocab 248320 and the
 #                         scripts/make_tokenizer.py tokenizer, `make_gguf.py --strip`-ed
@@ -42,11 +46,11 @@ src=$("$PY" -c "import sys; sys.path.insert(0, 'benchmarks'); import llamacpp; p
 echo "source: $src"
 
 # 1. The trimmed source. Paths relative to llama.cpp/; each one is off in the build flags
-#    benchmarks/fullsize/run_llamacpp.sh uses (tests, examples, server, app, UI, other backends).
+#    benchmarks/fullsize/run_llamacpp.sh uses (tests, examples, app, UI sources, other backends).
 drop=(
   models docs tests examples pocs benches media ci app skills scripts requirements
   conversion .git .devops .github .gemini .pi
-  tools/ui tools/server tools/cli tools/rpc tools/tuning
+  tools/ui/src tools/ui/static tools/ui/tests tools/server/tests tools/server/bench tools/rpc tools/tuning
   ggml/src/ggml-cann ggml/src/ggml-et ggml/src/ggml-hexagon ggml/src/ggml-hip
   ggml/src/ggml-metal ggml/src/ggml-musa ggml/src/ggml-opencl ggml/src/ggml-openvino
   ggml/src/ggml-sycl ggml/src/ggml-virtgpu ggml/src/ggml-vulkan ggml/src/ggml-webgpu
@@ -65,9 +69,15 @@ mkdir -p "$work/extra/llama.cpp"
 { echo "llama-cpp-python 0.3.36 sdist, vendor/llama.cpp, trimmed by scripts/h200/prepare_llamacpp.sh"
   [ -f "$sdist" ] && echo "sdist sha256 $(sha256sum "$sdist" | cut -d' ' -f1)"
   echo "commit $commit"; } > "$work/extra/llama.cpp/LILY_SOURCE"
+# The one file of scripts/ a server build runs (tools/ui/CMakeLists.txt), the rest of scripts/ dropped.
+mkdir -p "$work/extra/llama.cpp/scripts"
+cp "$src/scripts/ui-assets.cmake" "$work/extra/llama.cpp/scripts/"
 cat "$work/extra/llama.cpp/LILY_SOURCE"
 tar --sort=name --mtime=@1700000000 --owner=0 --group=0 --numeric-owner --format=gnu -cf "$work/src.tar" \
-  -C "$(dirname "$src")" "${excl[@]}" llama.cpp -C "$work/extra" llama.cpp/LILY_SOURCE
+  -C "$(dirname "$src")" "${excl[@]}" llama.cpp
+# Appended without the excludes (they would drop llama.cpp/scripts/ui-assets.cmake again).
+tar --sort=name --mtime=@1700000000 --owner=0 --group=0 --numeric-owner --format=gnu -rf "$work/src.tar" \
+  -C "$work/extra" llama.cpp/LILY_SOURCE llama.cpp/scripts
 xz -9 -T1 -c "$work/src.tar" > "$DEST/llama.cpp-src.tar.xz"
 mkdir "$work/untar"
 tar -xJf "$DEST/llama.cpp-src.tar.xz" -C "$work/untar"
@@ -83,7 +93,8 @@ if ! diff <(cuda_files "$src") <(cuda_files "$u") >/dev/null; then
 fi
 need=(ggml/include/ggml-cuda.h ggml/cmake/common.cmake ggml/src/ggml-common.h ggml/src/ggml-impl.h
       ggml/src/ggml-backend-impl.h src/models gguf-py/gguf/__init__.py tools/llama-bench/llama-bench.cpp
-      tools/batched-bench/batched-bench.cpp)
+      tools/batched-bench/batched-bench.cpp tools/server/server.cpp tools/ui/sources.cmake
+      scripts/ui-assets.cmake)
 for f in "${need[@]}"; do [ -e "$u/$f" ] || { echo "missing from the tarball: $f"; exit 1; }; done
 # Headers the CUDA sources include from outside their folder must exist (the musa one is only
 # under GGML_USE_MUSA).
@@ -134,6 +145,16 @@ if [ "$CHECK_BUILD" = 1 ]; then
     { tail -30 "$work/cpu-build.log"; exit 1; }
   "$work/build/bin/llama-bench" --help >/dev/null
   echo "CPU build from the tarball: ok ($(( $(date +%s) - t )) s)"
+fi
+if [ "${CHECK_SERVER:-1}" = 1 ]; then
+  # llama-server's configure and its UI step (the rest of its build is the sources above).
+  cmake -S "$u" -B "$work/build-server" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+    -DGGML_NATIVE=OFF -DGGML_CUDA=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF >"$work/server-configure.log" 2>&1 &&
+    cmake --build "$work/build-server" --target llama-ui >"$work/server-ui.log" 2>&1 ||
+    { tail -30 "$work/server-configure.log" "$work/server-ui.log"; exit 1; }
+  echo "server configure and UI step from the tarball: ok"
 fi
 ls -l "$DEST"
 sha256sum "$DEST"/llama.cpp-src.tar.xz "$DEST"/template.gguf.xz "$work/template.gguf"
