@@ -9,8 +9,8 @@ template re-renders history differently from what was generated (Qwen3.5 drops e
 turns' reasoning, for example), the state is restored from the latest snapshot before the
 first differing token and only the rest is prefilled.
 
-The prefix matching and snapshots live in :class:`lily.prefix_cache.CachedSequence`, shared
-with the server's cross-request prompt cache.
+The prefix matching and snapshots live in :class:`lily.Session` (``rewind``, ``take_snapshot``),
+shared with the server's cross-request prompt cache.
 
 Memory: a snapshot holds every DeltaNet layer's state and conv window — for Qwen3.6-35B-A3B
 30 x 32 x 128 x 128 x 4 B + conv = about 64 MiB — and no KV (cut back in place). At most
@@ -32,7 +32,6 @@ from lily.generation import (
     choice_loops,
     sampling_params,
 )
-from lily.prefix_cache import CachedSequence
 from lily.tool_calls import ParsedOutput, opens_reasoning
 
 if TYPE_CHECKING:
@@ -78,10 +77,16 @@ class Chat:
         self._prompt_cache = prompt_cache
         self._seq = self._new_sequence()
 
-    def _new_sequence(self) -> CachedSequence:
+    def _new_sequence(self) -> Session:
         if self._prompt_cache is None:
-            return CachedSequence(self.model, max_snapshots=self.max_snapshots)
-        return CachedSequence.from_session(self._prompt_cache.fork(), max_snapshots=self.max_snapshots)
+            return self.model.session(max_snapshots=self.max_snapshots)
+        # A copy of the cached start, with a snapshot at its end: a first turn that diverges
+        # after it still reuses it.
+        seq = self._prompt_cache.fork()
+        seq.max_snapshots = self.max_snapshots
+        if seq.position:
+            seq.take_snapshot()
+        return seq
 
     # -- conversation editing --------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from lily.structured import TokenConstraint
 from lily.tool_calls import parse_output
 
 if TYPE_CHECKING:
-    from lily.prefix_cache import CachedSequence
+    from lily.model import Session
 
 #: Tokens of recent context the repetition penalties look at (prompt tail + completion), as in
 #: llama.cpp's default ``repeat_last_n``.
@@ -402,7 +402,7 @@ def token_loop(
 
 
 def choice_loops(
-    seq: CachedSequence,
+    seq: Session,
     prompt_ids: np.ndarray,
     reused: int,
     n: int,
