@@ -20,19 +20,15 @@ from lily.generation import (
     DeviceLoop,
     GenerationResult,
     GenerationSlots,
-    GenerationStats,
     GenerationStream,
-    check_stop,
     check_type,
-    choice_loops,
-    device_loop_allowed,
     logit_bias_pairs,
-    sampling_params,
     stop_token_list,
 )
 from lily.generation_config import GenerationDefaults, load_generation_config
 from lily.hub import resolve_model_path
 from lily.prefix_cache import reusable_prefix
+from lily.request import Generation, GenerationRequest
 from lily.structured import compile_constraint, grammar_for
 from lily.tokenizer import Tokenizer
 from lily.tool_calls import opens_reasoning
@@ -649,32 +645,20 @@ class Model:
                                    "in the list instead)")
             return BatchStream.of_prompts(self, list(prompt), options) if stream else generate_batch(self, list(prompt),
                                                                                                     options)
-        if n is not None:
-            check_type("generate", "n", n, (int, np.integer), "an integer")
-            if n < 1:
-                raise RequestError(f"[generate] n must be at least 1, got {n}")
         ids, rendered = self._encode(prompt, tools=tools, enable_thinking=enable_thinking,
                                      chat_template_kwargs=chat_template_kwargs)
-        max_tokens = self._max_tokens(max_tokens)
-        check_stop(stop)
-        if ids.size >= self.max_context:
-            raise RequestError(
-                f"[generate] the prompt has {ids.size} tokens; the context holds {self.max_context}"
-            )
-        params = sampling_params(
-            self.generation_defaults.sampling_kwargs(),
-            dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                 frequency_penalty=frequency_penalty, seed=seed),
-            logprobs,
-        )
-        bias, eos_ids, constraint = self._token_rules(
-            dict(logit_bias=logit_bias, stop_token_ids=stop_token_ids, json_schema=json_schema, regex=regex,
-                 grammar=grammar), thinking=rendered is not None and opens_reasoning(rendered))
-        max_tokens = min(max_tokens, self.max_context - int(ids.size))
-        cached: list[int] = []
+        thinking = rendered is not None and opens_reasoning(rendered)
+        request = GenerationRequest.build(
+            self, ids, max_tokens=max_tokens, stop=stop, logprobs=logprobs, n=n, context=self.max_context,
+            sampling=dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                          repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                          frequency_penalty=frequency_penalty, seed=seed),
+            rules=dict(logit_bias=logit_bias, stop_token_ids=stop_token_ids, json_schema=json_schema, regex=regex,
+                       grammar=grammar),
+            thinking=thinking, chat=rendered is not None, tools=tools)
         if prompt_cache is None:
-            session = self.session(int(ids.size) + max_tokens)
+            def sequence() -> tuple[Session, int]:
+                return self.session(int(ids.size) + request.max_tokens), 0
         else:
             cached = _cached_prefix(prompt_cache, ids)
             if prompt_cache._model is not self:
@@ -682,66 +666,39 @@ class Model:
             if ids.size >= prompt_cache.max_context:
                 raise RequestError(f"[generate] the prompt has {ids.size} tokens; the prompt cache's context holds "
                                    f"{prompt_cache.max_context}")
-            session = prompt_cache.fork()
-            max_tokens = min(max_tokens, session.max_context - int(ids.size))
-        # The sequence the choices run on; its only snapshot is the one n > 1 takes before the
-        # prompt's last token (choice_loops).
-        seq = session
-        want_lp = bool(logprobs)
-        reasoning_started = rendered is not None and opens_reasoning(rendered)
-        self._generation.acquire()
-        try:
-            # GPU backends choose each token on the device and feed it to the next step there, unless
-            # the request needs the logits on the host (penalties, logprobs, logit_bias, structured output).
-            on_device = device_loop_allowed(params, want_lp)
-            choices = choice_loops(
-                seq, ids, len(cached), n or 1, prefill=seq.prefill, decode=seq.decode, params=params,
-                detokenizer=lambda: self.tokenizer.detokenizer(skip_special_tokens=True) if self.tokenizer else None,
-                constraint=constraint, on_prefill_progress=on_prefill_progress, chunk=self._engine.prefill_chunk,
-                max_tokens=max_tokens, eos_ids=eos_ids, stop=stop, want_logprobs=want_lp,
-                device_loop=session.device_loop if on_device else None, logit_bias=bias)
+            request.max_tokens = min(request.max_tokens, prompt_cache.max_context - int(ids.size))
 
-            def stream_of(stats: GenerationStats, chunks, lock: GenerationSlots | None) -> GenerationStream:
-                # A chat prompt: reasoning and tool calls are split out of the answer.
-                return GenerationStream(chunks, stats, lock, want_logprobs=want_lp, token_text=self._token_text,
-                                        chat=rendered is not None, tools=tools, reasoning_started=reasoning_started)
+            def sequence() -> tuple[Session, int]:
+                # A copy: the cache is left as it was, to serve the next prompt. Its only
+                # snapshot is the one n > 1 takes before the prompt's last token (choice_loops).
+                return prompt_cache.fork(), len(cached)
 
-            if n is None:
-                stream_obj = stream_of(*next(choices), self._generation)  # takes over the lock
-        except BaseException:
-            self._generation.release()
-            raise
+        run = Generation(self, request, sequence, on_prefill_progress=on_prefill_progress)
         if n is None:
+            stream_obj = run.stream(own_slot=True)  # the stream frees the slot when it ends
             return stream_obj if stream else stream_obj.drain()
-
-        def end_choices() -> None:  # n choices hold the lock across them
-            try:
-                choices.close()
-            finally:
-                self._generation.release()
-
         if stream:  # one worker runs the choices in order, its chunks tagged with their choice
-            return BatchStream(lambda _i: stream_of(*next(choices), None), int(n), 1, on_end=end_choices)
+            return BatchStream(lambda _i: run.stream(), int(n), 1, on_end=run.close)
         try:
-            return [stream_of(stats, chunks, None).drain() for stats, chunks in choices]
+            return [s.drain() for s in run.streams()]
         finally:
-            end_choices()
+            run.close()
 
     def _token_rules(self, options: dict[str, Any], *, thinking: bool, where: str = "generate"):
-        """(logit bias pairs, end-of-sequence ids, structured-output constraint or None) from the
+        """(logit bias pairs, stop token ids, structured-output constraint or None) from the
         request options ``logit_bias``, ``stop_token_ids``, ``json_schema``, ``regex``,
         ``grammar`` (checked here; see :meth:`generate`). ``thinking``: the prompt opens a
         ``<think>`` block, which the constraint leaves free."""
         vocab = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
         bias = logit_bias_pairs(options.get("logit_bias"), vocab, where)
-        eos_ids = self.eos_token_ids + tuple(stop_token_list(options.get("stop_token_ids"), vocab, where))
+        stop_ids = stop_token_list(options.get("stop_token_ids"), vocab, where)
         rules = grammar_for(json_schema=options.get("json_schema"), regex=options.get("regex"),
                             grammar=options.get("grammar"), where=where)
         # The grammar ends on the model's own EOS ids (stop_token_ids stop only where it allows
         # them), so the tokenizer index, built once per model, is shared by every request.
         constraint = None if rules is None else compile_constraint(self.tokenizer, rules, self.eos_token_ids,
                                                                    thinking=thinking, where=where)
-        return bias, eos_ids, constraint
+        return bias, stop_ids, constraint
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else ""

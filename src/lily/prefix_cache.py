@@ -40,8 +40,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from lily import session_file
 from lily._core import CheckpointError, ConfigError, RequestError
 
