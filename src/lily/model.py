@@ -152,9 +152,12 @@ class Session:
 
     def device_loop(self, token: int, max_steps: int, sampler) -> DeviceLoop | None:
         """A decode loop from ``token`` whose tokens are chosen on the device (GPU backends), or
-        None where the backend has none (see :class:`lily.generation.DeviceLoop`)."""
+        None where the backend has none (see :class:`lily.generation.DeviceLoop`). The session
+        records each token the loop feeds to the state, so its ``tokens`` stay its state's (after
+        ``close()``: every token the loop returned but the last)."""
         self._sync()
-        return DeviceLoop.start(self._model._engine, self._state, self._model._lock, token, max_steps, sampler)
+        return DeviceLoop.start(self._model._engine, self._state, self._model._lock, token, max_steps, sampler,
+                                self._tokens.append)
 
     def __repr__(self) -> str:
         return f"<lily.Session position={self.position} max_context={self.max_context}>"

@@ -39,7 +39,7 @@ from lily.generation import (
 from lily.structured import TokenConstraint
 
 if TYPE_CHECKING:
-    from lily.generation import GenerationResult
+    from lily.generation import DeviceLoop, GenerationResult
     from lily.model import Model, Session
 
 
@@ -98,10 +98,14 @@ class Generation:
     choice's :class:`GenerationStream`. The slot is held until :meth:`close`, or by the stream
     that takes it over (``own_slot``, a single choice: the stream frees it when it ends).
 
+    Every entry point gets the device decode loop where the backend has one and the request
+    allows it (``device_loop_allowed``; logit_bias and structured output need the host too).
+
     Hooks (the server's): ``step(fn, arg)`` runs each engine call ``fn(arg)`` (prefill chunks,
-    decode steps, device-loop steps); ``on_prefilled(seq)`` after each choice's prefill;
-    ``on_decoded(seq, decoded)`` after each host decode step, ``decoded`` tokens past the
-    prompt; ``on_close(seq)`` when the flow ends, before the slot is freed (the prefix cache
+    decode steps, the device loop's start and steps); ``on_prefilled(seq)`` after each choice's
+    prefill; ``on_decoded(seq, decoded)`` after each host decode step, ``decoded`` tokens past
+    the prompt (the device loop's steps have no such point: the state is on the device
+    between them); ``on_close(seq)`` when the flow ends, before the slot is freed (the prefix cache
     takes the sequence back before another generation can ask for it); ``snapshot_prompt``: a
     snapshot before every prompt's last token (``choice_loops``).
     """
@@ -112,7 +116,7 @@ class Generation:
                  on_decoded: Callable[[Session, int], None] | None = None,
                  on_prefill_progress: Callable[[int, int], None] | None = None,
                  on_close: Callable[[Session], None] | None = None,
-                 snapshot_prompt: bool = False, device_loop: bool = True):
+                 snapshot_prompt: bool = False):
         self.model = model
         self._on_close = on_close
         self.request = request
@@ -121,13 +125,12 @@ class Generation:
         self._held = True
         try:
             self.seq, self.reused = sequence()
-            self._choices = self._loops(step, on_prefilled, on_decoded, on_prefill_progress, snapshot_prompt,
-                                        device_loop)
+            self._choices = self._loops(step, on_prefilled, on_decoded, on_prefill_progress, snapshot_prompt)
         except BaseException:
             self.close()
             raise
 
-    def _loops(self, step, on_prefilled, on_decoded, on_prefill_progress, snapshot_prompt, device_loop):
+    def _loops(self, step, on_prefilled, on_decoded, on_prefill_progress, snapshot_prompt):
         model, req, seq = self.model, self.request, self.seq
         run = step or (lambda fn, arg: fn(arg))
         prompt_end = int(req.ids.size)
@@ -138,9 +141,15 @@ class Generation:
                 on_decoded(seq, seq.position - prompt_end)
             return out
 
+        def device_loop(tok: int, max_steps: int, sampler) -> _SteppedLoop | None:
+            # The session records the tokens the loop feeds it (Session.device_loop), so rewind,
+            # the prefix cache and the next turn see them as after host decoding.
+            loop = run(lambda _arg: seq.device_loop(tok, max_steps, sampler), None)
+            return None if loop is None else _SteppedLoop(loop, run)
+
         # GPU backends choose each token on the device and feed it to the next step there, unless
         # the request needs the logits on the host (penalties, logprobs, logit_bias, structured output).
-        on_device = device_loop and device_loop_allowed(req.params, req.want_logprobs)
+        on_device = device_loop_allowed(req.params, req.want_logprobs)
         tokenizer = model.tokenizer
         return choice_loops(
             seq, req.ids, self.reused, req.n, prefill=lambda chunk: run(seq.prefill, chunk), decode=decode,
@@ -149,7 +158,7 @@ class Generation:
             on_prefill_progress=on_prefill_progress, chunk=model._engine.prefill_chunk, max_tokens=req.max_tokens,
             eos_ids=model.eos_token_ids + tuple(req.stop_token_ids), stop=req.stop, want_logprobs=req.want_logprobs,
             on_prefilled=None if on_prefilled is None else lambda: on_prefilled(seq), logit_bias=req.logit_bias,
-            device_loop=seq.device_loop if on_device else None)
+            device_loop=device_loop if on_device else None)
 
     def stream(self, *, own_slot: bool = False,
                on_finish: Callable[[GenerationResult], None] | None = None) -> GenerationStream:
@@ -187,3 +196,16 @@ class Generation:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _SteppedLoop:
+    """A :class:`lily.generation.DeviceLoop` whose steps go through the flow's ``step`` hook."""
+
+    def __init__(self, loop: DeviceLoop, run: Callable[[Callable[[Any], Any], Any], Any]):
+        self._loop, self._run = loop, run
+
+    def next(self) -> int:
+        return self._run(lambda _arg: self._loop.next(), None)
+
+    def close(self) -> None:
+        self._loop.close()

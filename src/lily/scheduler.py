@@ -277,8 +277,7 @@ class Scheduler:
 
         try:
             with Generation(self.model, job, sequence, step=step, on_prefilled=lambda seq: seq.take_snapshot(),
-                            on_decoded=on_decoded, on_close=self.cache.release, snapshot_prompt=True,
-                            device_loop=False) as run:
+                            on_decoded=on_decoded, on_close=self.cache.release, snapshot_prompt=True) as run:
                 first = True
                 for choice, stream in enumerate(run.streams()):
                     try:
