@@ -117,14 +117,14 @@ def test_prefix_cache_hit_and_rewind(reference, mode):
 
     seq, reused = cache.acquire(PROMPT)  # continues everything cached
     assert reused == 190
-    got = seq.session.prefill(np.asarray(PROMPT[190:], dtype=np.int32), all_logits=True)
+    got = seq.prefill(np.asarray(PROMPT[190:], dtype=np.int32), all_logits=True)
     _assert_same(got, want[190:], f"{mode}: prefix-cache hit after 190 tokens")
     cache.release(seq)
 
     branch = a + [7, 8, 9] + PROMPT[183:]  # differs right after the snapshot: rewound to it
     seq, reused = cache.acquire(branch)
     assert reused == 180 and seq.position == 180
-    got = seq.session.prefill(np.asarray(branch[180:], dtype=np.int32), all_logits=True)
+    got = seq.prefill(np.asarray(branch[180:], dtype=np.int32), all_logits=True)
     fresh = model.logits(branch)
     _assert_same(got, fresh[180:], f"{mode}: branch rewound to the snapshot at 180")
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import lily
-from lily.prefix_cache import CachedSequence, PrefixCache
+from lily.prefix_cache import PrefixCache
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +17,7 @@ def model():
     return lily.Model.load()
 
 
-def _fill(seq: CachedSequence, ids: list[int], reused: int) -> np.ndarray:
+def _fill(seq: lily.Session, ids: list[int], reused: int) -> np.ndarray:
     out = seq.prefill(np.asarray(ids[reused:], dtype=np.int32))
     seq.take_snapshot()
     return out
@@ -50,7 +50,7 @@ def test_extend_and_branch_equal_fresh_logits(model):
 
 
 def test_lru_eviction_keeps_the_budget(model):
-    probe = CachedSequence(model)
+    probe = model.session()
     probe.prefill(np.arange(10, 50, dtype=np.int32))
     probe.take_snapshot()
     one = probe.nbytes

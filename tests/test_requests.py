@@ -627,13 +627,11 @@ def _sse_events(raw: bytes) -> list[dict]:
 def test_n_choices_are_independent_generations_from_one_prefill(loop, app, model, monkeypatch):
     """Choice i = the Python API's generation with seed + i from a fresh state; the prompt is
     prefilled once (later choices prefill only its last token, for its logits)."""
-    from lily.prefix_cache import CachedSequence
-
     messages = [{"role": "user", "content": "Tell me a story about a fox and a crow."}]
     want = [model.generate(messages, max_tokens=12, temperature=1.0, seed=5 + i) for i in range(3)]
     prefilled = []
-    real_prefill = CachedSequence.prefill
-    monkeypatch.setattr(CachedSequence, "prefill", lambda self, chunk: prefilled.append(len(chunk))
+    real_prefill = lily.Session.prefill
+    monkeypatch.setattr(lily.Session, "prefill", lambda self, chunk: prefilled.append(len(chunk))
                         or real_prefill(self, chunk))
     app.state.server.scheduler.cache.clear()
     status, resp = _post(loop, app, CHAT, {"messages": messages, "max_tokens": 12, "temperature": 1.0, "seed": 5,

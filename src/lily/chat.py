@@ -9,8 +9,8 @@ template re-renders history differently from what was generated (Qwen3.5 drops e
 turns' reasoning, for example), the state is restored from the latest snapshot before the
 first differing token and only the rest is prefilled.
 
-The prefix matching and snapshots live in :class:`lily.prefix_cache.CachedSequence`, shared
-with the server's cross-request prompt cache.
+The prefix matching and snapshots live in :class:`lily.Session` (``rewind``, ``take_snapshot``),
+shared with the server's cross-request prompt cache.
 
 Memory: a snapshot holds every DeltaNet layer's state and conv window — for Qwen3.6-35B-A3B
 30 x 32 x 128 x 128 x 4 B + conv = about 64 MiB — and no KV (cut back in place). At most
@@ -25,18 +25,13 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import numpy as np
 
 from lily._core import RequestError
-from lily.generation import (
-    GenerationResult,
-    GenerationStream,
-    check_stop,
-    choice_loops,
-    sampling_params,
-)
-from lily.prefix_cache import CachedSequence
+from lily.generation import GenerationResult, GenerationStream
+from lily.model import Session
+from lily.request import Generation, GenerationRequest
 from lily.tool_calls import ParsedOutput, opens_reasoning
 
 if TYPE_CHECKING:
-    from lily.model import Model, Session
+    from lily.model import Model
 
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "seed")
@@ -78,10 +73,16 @@ class Chat:
         self._prompt_cache = prompt_cache
         self._seq = self._new_sequence()
 
-    def _new_sequence(self) -> CachedSequence:
+    def _new_sequence(self) -> Session:
         if self._prompt_cache is None:
-            return CachedSequence(self.model, max_snapshots=self.max_snapshots)
-        return CachedSequence.from_session(self._prompt_cache.fork(), max_snapshots=self.max_snapshots)
+            return self.model.session(max_snapshots=self.max_snapshots)
+        # A copy of the cached start, with a snapshot at its end: a first turn that diverges
+        # after it still reuses it.
+        seq = self._prompt_cache.fork()
+        seq.max_snapshots = self.max_snapshots
+        if seq.position:
+            seq.take_snapshot()
+        return seq
 
     # -- conversation editing --------------------------------------------------------------
 
@@ -163,39 +164,18 @@ class Chat:
         """One assistant turn; ``messages[turn_start:]`` are dropped if it does not finish."""
         model = self.model
         opts = {**self.sampling, **sampling}
-        max_tokens = model._max_tokens(opts.pop("max_tokens", None))
-        stop = opts.pop("stop", None)
-        check_stop(stop)
-        logprobs = opts.pop("logprobs", None)
-        rules = {k: opts.pop(k) for k in _RULE_KEYS if k in opts}
-        unknown = set(opts) - set(_SAMPLING_KEYS)
+        unknown = set(opts) - set(_SAMPLING_KEYS) - set(_RULE_KEYS) - {"max_tokens", "stop", "logprobs"}
         if unknown:
             raise RequestError(f"[chat] unknown sampling argument(s): {', '.join(sorted(unknown))}")
-        params = sampling_params(model.generation_defaults.sampling_kwargs(), opts, logprobs)
-
         text = model.render_chat(self.messages, tools=self.tools, enable_thinking=self.enable_thinking,
                                  chat_template_kwargs=self.chat_template_kwargs)
-        ids = model._need_tokenizer("chat").encode(text)
+        ids = np.asarray(model._need_tokenizer("chat").encode(text), dtype=np.int32)
         seq = self._seq
-        if len(ids) >= seq.max_context:
-            raise RequestError(f"[chat] the conversation has {len(ids)} tokens; the context holds "
-                               f"{seq.max_context}")
-        max_tokens = min(max_tokens, seq.max_context - len(ids))
-        bias, eos_ids, constraint = model._token_rules(rules, thinking=opens_reasoning(text), where="chat")
-
-        model._generation.acquire()
-        try:
-            reused = seq.rewind(ids)
-        except BaseException:
-            model._generation.release()
-            raise
-        want_lp = bool(logprobs)
-        # One choice, through the generation flow generate() and the server share.
-        stats, chunks = next(choice_loops(
-            seq, np.asarray(ids, dtype=np.int32), reused, 1, prefill=seq.prefill, decode=seq.decode, params=params,
-            detokenizer=lambda: model.tokenizer.detokenizer(skip_special_tokens=True), constraint=constraint,
-            chunk=model._engine.prefill_chunk, max_tokens=max_tokens, eos_ids=eos_ids, logit_bias=bias, stop=stop,
-            want_logprobs=want_lp, on_prefilled=seq.take_snapshot))
+        request = GenerationRequest.build(
+            model, ids, max_tokens=opts.get("max_tokens"), stop=opts.get("stop"), logprobs=opts.get("logprobs"),
+            sampling={k: opts[k] for k in _SAMPLING_KEYS if k in opts}, rules={k: opts[k] for k in _RULE_KEYS if k in opts},
+            context=seq.max_context, thinking=opens_reasoning(text), chat=True, tools=self.tools, where="chat",
+            what="the conversation")
 
         def finish(result: GenerationResult) -> None:
             if result.finish_reason == "cancelled":
@@ -204,9 +184,10 @@ class Chat:
                 self.messages.append(ParsedOutput(result.content or "", result.reasoning,
                                                   result.tool_calls).to_message())
 
-        stream_obj = GenerationStream(chunks, stats, model._generation, want_logprobs=want_lp,
-                                      token_text=model._token_text, chat=True, tools=self.tools,
-                                      reasoning_started=opens_reasoning(text), on_finish=finish)
+        # One choice on the conversation's session, rewound to what it can keep of this prompt
+        # (after the slot is taken), with a snapshot after the prompt: the next turn starts there.
+        run = Generation(model, request, lambda: (seq, seq.rewind(ids)), on_prefilled=Session.take_snapshot)
+        stream_obj = run.stream(own_slot=True, on_finish=finish)
         return stream_obj if stream else stream_obj.drain()
 
     def __repr__(self) -> str:

@@ -36,7 +36,7 @@ from lily.structured import TokenConstraint
 from lily.tool_calls import parse_output
 
 if TYPE_CHECKING:
-    from lily.prefix_cache import CachedSequence
+    from lily.model import Session
 
 #: Tokens of recent context the repetition penalties look at (prompt tail + completion), as in
 #: llama.cpp's default ``repeat_last_n``.
@@ -402,7 +402,7 @@ def token_loop(
 
 
 def choice_loops(
-    seq: CachedSequence,
+    seq: Session,
     prompt_ids: np.ndarray,
     reused: int,
     n: int,
@@ -457,23 +457,34 @@ class DeviceLoop:
 
     ``next()`` commits the following step before it waits for the oldest one's token, so the
     device never waits for Python; ``close()`` undoes the step still in flight, leaving the state
-    as host decoding of every returned token but the last would.
+    as host decoding of every returned token but the last would. ``on_fed(token)`` (a Session's
+    record of its tokens) hears of each token the state keeps: the start token, then each
+    returned one but the last, each reported before the engine call that follows it (so a
+    recorded list runs ahead of the state's position, never behind, and matches it after
+    ``close()``).
     """
 
-    def __init__(self, engine, state, lock: threading.Lock):
+    def __init__(self, engine, state, lock: threading.Lock, token: int = 0,
+                 on_fed: Callable[[int], None] | None = None):
         self._engine, self._state, self._lock = engine, state, lock
         self._open = True
+        self._pending = int(token)  # in the state once the next step's token is read
+        self._on_fed = on_fed
 
     @classmethod
-    def start(cls, engine, state, lock, token: int, max_steps: int, sampler) -> DeviceLoop | None:
+    def start(cls, engine, state, lock, token: int, max_steps: int, sampler,
+              on_fed: Callable[[int], None] | None = None) -> DeviceLoop | None:
         with lock:
             if not engine.begin_device_decode(state, int(token), int(max_steps), sampler):
                 return None
-        return cls(engine, state, lock)
+        return cls(engine, state, lock, token, on_fed)
 
     def next(self) -> int:
+        if self._on_fed is not None:
+            self._on_fed(self._pending)
         with self._lock:
-            return self._engine.next_device_token(self._state)
+            self._pending = self._engine.next_device_token(self._state)
+        return self._pending
 
     def close(self) -> None:
         if self._open:

@@ -20,19 +20,15 @@ from lily.generation import (
     DeviceLoop,
     GenerationResult,
     GenerationSlots,
-    GenerationStats,
     GenerationStream,
-    check_stop,
     check_type,
-    choice_loops,
-    device_loop_allowed,
     logit_bias_pairs,
-    sampling_params,
     stop_token_list,
 )
 from lily.generation_config import GenerationDefaults, load_generation_config
 from lily.hub import resolve_model_path
-from lily.prefix_cache import CachedSequence
+from lily.prefix_cache import reusable_prefix
+from lily.request import Generation, GenerationRequest
 from lily.structured import compile_constraint, grammar_for
 from lily.tokenizer import Tokenizer
 from lily.tool_calls import opens_reasoning
@@ -92,20 +88,32 @@ def _token_array(tokens: Sequence[int] | np.ndarray, what: str = "token_ids") ->
 
 
 class Session:
-    """One sequence's state (KV cache, DeltaNet and conv state) on a model.
+    """One sequence on a model: its state (KV cache, DeltaNet and conv state), the token ids it
+    has processed, and snapshots of its recurrent state to go back to.
 
     ``prefill`` appends tokens and returns logits; ``decode`` appends one token. Sessions of one
     model share its weights and engine; calls from several threads at once share engine passes
     (lily.batching), which changes no logits. ``save``
     writes the state and its tokens to a file that :meth:`Model.load_session` reads back.
+
+    Prefix reuse (``Chat``, the server's prompt cache, ``generate(n=...)``): ``take_snapshot``
+    keeps the recurrent state at the current position (at most ``max_snapshots``, oldest dropped
+    first); ``rewind(ids)`` brings the session to the longest prefix of ``ids`` it can keep
+    (attention KV is cut back in place; DeltaNet and conv state come back from the latest
+    snapshot at or before the first differing token, lily.prefix_cache). ``nbytes`` counts the
+    state and the snapshots (recurrent state only, no KV).
     """
 
-    def __init__(self, model: Model, max_context: int | None = None):
+    def __init__(self, model: Model, max_context: int | None = None, max_snapshots: int = 16):
         self._model = model
         self._state = model._engine.new_state(max_context or model.max_context)
-        # The ids processed, in order (save() writes them). A device loop advances the state
-        # without them; save() then refuses rather than write tokens that do not match.
+        # The ids processed, in order (save() and rewind() read them). They are recorded before
+        # the engine call: Ctrl-C can raise between any two Python steps, and a state that moved
+        # on without its tokens could not be matched again. They may thus run ahead of the
+        # state, never behind; _sync() trims them back.
         self._tokens: list[int] = []
+        self.max_snapshots = max_snapshots
+        self.snapshots: list = []  # native Snapshots, ascending position
         self.metadata: dict[str, str] = {}  # strings saved with the session (Session.save)
 
     @property
@@ -117,26 +125,39 @@ class Session:
     def max_context(self) -> int:
         return self._state.max_context
 
+    @property
+    def snapshot_bytes(self) -> int:
+        return sum(s.nbytes for s in self.snapshots)
+
+    @property
+    def nbytes(self) -> int:
+        """The state's memory (KV cache as allocated plus recurrent state) and its snapshots'."""
+        return self._state.nbytes + self.snapshot_bytes
+
     def prefill(self, token_ids: Sequence[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Appends ``token_ids``; returns logits [vocab] of the last (or [T, vocab] of every) token."""
         ids = _token_array(token_ids)
         if ids.size == 0:
             raise RequestError("[prefill] no tokens given")
-        logits = self._model._batcher.run(self._state, ids, all_logits)
+        self._sync()
         self._tokens.extend(ids.tolist())
-        return logits
+        return self._model._batcher.run(self._state, ids, all_logits)
 
     def decode(self, token_id: int) -> np.ndarray:
         """Appends one token; returns its logits [vocab]."""
         check_type("decode", "token_id", token_id, (int, np.integer), "an integer")
-        logits = self._model._batcher.run(self._state, np.array([token_id], dtype=np.int32))
+        self._sync()
         self._tokens.append(int(token_id))
-        return logits
+        return self._model._batcher.run(self._state, np.array([token_id], dtype=np.int32))
 
     def device_loop(self, token: int, max_steps: int, sampler) -> DeviceLoop | None:
         """A decode loop from ``token`` whose tokens are chosen on the device (GPU backends), or
-        None where the backend has none (see :class:`lily.generation.DeviceLoop`)."""
-        return DeviceLoop.start(self._model._engine, self._state, self._model._lock, token, max_steps, sampler)
+        None where the backend has none (see :class:`lily.generation.DeviceLoop`). The session
+        records each token the loop feeds to the state, so its ``tokens`` stay its state's (after
+        ``close()``: every token the loop returned but the last)."""
+        self._sync()
+        return DeviceLoop.start(self._model._engine, self._state, self._model._lock, token, max_steps, sampler,
+                                self._tokens.append)
 
     def __repr__(self) -> str:
         return f"<lily.Session position={self.position} max_context={self.max_context}>"
@@ -147,20 +168,65 @@ class Session:
         self._check_tokens("tokens")
         return list(self._tokens)
 
+    def _sync(self) -> None:
+        """Drops recorded tokens the state never processed (an interrupted or failed step)."""
+        del self._tokens[self.position :]
+
     def _check_tokens(self, what: str) -> None:
+        self._sync()
         if len(self._tokens) != self.position:
             raise RequestError(f"[session] {what}: this session's state moved on without its token ids (a device "
                                "decode loop), so they are unknown")
 
     def fork(self) -> Session:
-        """An independent copy of this session's state (a snapshot to branch from)."""
+        """An independent copy of this session's state (a snapshot to branch from); the copy
+        starts with no snapshots of its own."""
         twin = object.__new__(Session)
         twin._model = self._model
+        self._sync()
         with self._model._lock:
             twin._state = self._state.clone()
         twin._tokens = list(self._tokens)
+        twin.max_snapshots = self.max_snapshots
+        twin.snapshots = []
         twin.metadata = dict(self.metadata)
         return twin
+
+    def take_snapshot(self) -> None:
+        """Keeps the recurrent state at the current position (for ``rewind``); the oldest
+        snapshot is dropped beyond ``max_snapshots``."""
+        if self.snapshots and self.snapshots[-1].position == self.position:
+            return
+        self.snapshots.append(self._state.snapshot())
+        if len(self.snapshots) > self.max_snapshots:
+            self.snapshots.pop(0)
+
+    def reusable(self, ids: Sequence[int]) -> int:
+        """Tokens of prompt ``ids`` that ``rewind(ids)`` would keep (no state change)."""
+        self._check_tokens("reusable")
+        return reusable_prefix(self._tokens, [s.position for s in self.snapshots], ids)
+
+    def rewind(self, ids: Sequence[int]) -> int:
+        """Brings the session to the longest reusable prefix of ``ids``; returns its length. At
+        least one token of ``ids`` is always left to prefill (its logits start a generation)."""
+        keep = self.reusable(ids)
+        if keep == len(self._tokens):
+            return keep
+        # The state holds tokens past the reusable prefix: go back to the snapshot there.
+        while self.snapshots and self.snapshots[-1].position > keep:
+            self.snapshots.pop()
+        if self.snapshots:
+            snap = self.snapshots[-1]
+            self._state.restore(snap)
+            del self._tokens[snap.position :]
+            return snap.position
+        self.reset()
+        return 0
+
+    def reset(self) -> None:
+        """Starts over: an empty state, no tokens, no snapshots."""
+        self._state = self._model._engine.new_state(self.max_context)
+        self._tokens, self.snapshots = [], []
 
     def save(self, path: str | os.PathLike, *, metadata: dict[str, str] | None = None) -> int:
         """Writes the token ids, KV cache and DeltaNet/conv state to ``path``: one safetensors
@@ -175,6 +241,21 @@ class Session:
             tensors = self._state.export_tensors()
         saved = session_file.SavedState(np.asarray(self._tokens, np.int32), tensors, extra=extra)
         return session_file.write(path, self._model, saved)
+
+    def saved_state(self) -> session_file.SavedState:
+        """The session as lily.session_file writes it with its snapshots (the server's disk
+        tier): tokens, state, and each snapshot's recurrent state."""
+        self._check_tokens("save")
+        state = self._state
+        with self._model._lock:
+            tensors = state.export_tensors()
+            snapshots = {}
+            for snap in self.snapshots:
+                try:
+                    snapshots[snap.position] = state.export_tensors(snap, with_kv=False)
+                except RequestError:
+                    continue  # stale (the session was rolled back past it): rewind() never uses it either
+        return session_file.SavedState(np.asarray(self._tokens, np.int32), tensors, snapshots)
 
 
 class Model:
@@ -365,9 +446,9 @@ class Model:
 
     # -- low level -------------------------------------------------------------------------
 
-    def session(self, max_context: int | None = None) -> Session:
-        """A fresh sequence state."""
-        return Session(self, max_context)
+    def session(self, max_context: int | None = None, max_snapshots: int = 16) -> Session:
+        """A fresh sequence state (``max_snapshots``: see :meth:`Session.take_snapshot`)."""
+        return Session(self, max_context, max_snapshots)
 
     def load_session(self, path: str | os.PathLike, max_context: int | None = None) -> Session:
         """A session continuing from a file :meth:`Session.save` wrote with this model: the next
@@ -377,8 +458,10 @@ class Model:
         when it is not a session file, truncated or corrupted."""
         return self._session_from(session_file.read(path, self), max_context, str(path))
 
-    def _session_from(self, saved, max_context: int | None, source: str) -> Session:
-        """A session holding a SavedState (lily.session_file) read for this model."""
+    def _session_from(self, saved, max_context: int | None, source: str, max_snapshots: int | None = None) -> Session:
+        """A session holding a SavedState (lily.session_file) read for this model. With
+        ``max_snapshots`` (the server's disk tier) it keeps the saved snapshots and one at its end,
+        so a later prompt that diverges after it still reuses it."""
         session = self.session(max_context)
         if saved.position > session.max_context:
             raise RequestError(f"[session] {source} holds {saved.position} tokens; the context holds "
@@ -387,6 +470,14 @@ class Model:
             session._state.import_tensors(saved.position, saved.tensors)
         session._tokens = saved.tokens.tolist()
         session.metadata = saved.extra
+        if max_snapshots is not None:
+            session.max_snapshots = max_snapshots
+            with self._lock:
+                session.snapshots = [session._state.snapshot_from_tensors(p, saved.snapshots[p])
+                                     for p in sorted(saved.snapshots) if p < saved.position]
+            if saved.position:
+                session.snapshots.append(session._state.snapshot())
+            session.snapshots = session.snapshots[-max_snapshots:]
         return session
 
     def logits(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -557,32 +648,20 @@ class Model:
                                    "in the list instead)")
             return BatchStream.of_prompts(self, list(prompt), options) if stream else generate_batch(self, list(prompt),
                                                                                                     options)
-        if n is not None:
-            check_type("generate", "n", n, (int, np.integer), "an integer")
-            if n < 1:
-                raise RequestError(f"[generate] n must be at least 1, got {n}")
         ids, rendered = self._encode(prompt, tools=tools, enable_thinking=enable_thinking,
                                      chat_template_kwargs=chat_template_kwargs)
-        max_tokens = self._max_tokens(max_tokens)
-        check_stop(stop)
-        if ids.size >= self.max_context:
-            raise RequestError(
-                f"[generate] the prompt has {ids.size} tokens; the context holds {self.max_context}"
-            )
-        params = sampling_params(
-            self.generation_defaults.sampling_kwargs(),
-            dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                 frequency_penalty=frequency_penalty, seed=seed),
-            logprobs,
-        )
-        bias, eos_ids, constraint = self._token_rules(
-            dict(logit_bias=logit_bias, stop_token_ids=stop_token_ids, json_schema=json_schema, regex=regex,
-                 grammar=grammar), thinking=rendered is not None and opens_reasoning(rendered))
-        max_tokens = min(max_tokens, self.max_context - int(ids.size))
-        cached: list[int] = []
+        thinking = rendered is not None and opens_reasoning(rendered)
+        request = GenerationRequest.build(
+            self, ids, max_tokens=max_tokens, stop=stop, logprobs=logprobs, n=n, context=self.max_context,
+            sampling=dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                          repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                          frequency_penalty=frequency_penalty, seed=seed),
+            rules=dict(logit_bias=logit_bias, stop_token_ids=stop_token_ids, json_schema=json_schema, regex=regex,
+                       grammar=grammar),
+            thinking=thinking, chat=rendered is not None, tools=tools)
         if prompt_cache is None:
-            session = self.session(int(ids.size) + max_tokens)
+            def sequence() -> tuple[Session, int]:
+                return self.session(int(ids.size) + request.max_tokens), 0
         else:
             cached = _cached_prefix(prompt_cache, ids)
             if prompt_cache._model is not self:
@@ -590,66 +669,39 @@ class Model:
             if ids.size >= prompt_cache.max_context:
                 raise RequestError(f"[generate] the prompt has {ids.size} tokens; the prompt cache's context holds "
                                    f"{prompt_cache.max_context}")
-            session = prompt_cache.fork()
-            max_tokens = min(max_tokens, session.max_context - int(ids.size))
-        # The sequence the choices run on; its only snapshot is the one n > 1 takes before the
-        # prompt's last token (choice_loops).
-        seq = CachedSequence.from_session(session, snapshot=False)
-        want_lp = bool(logprobs)
-        reasoning_started = rendered is not None and opens_reasoning(rendered)
-        self._generation.acquire()
-        try:
-            # GPU backends choose each token on the device and feed it to the next step there, unless
-            # the request needs the logits on the host (penalties, logprobs, logit_bias, structured output).
-            on_device = device_loop_allowed(params, want_lp)
-            choices = choice_loops(
-                seq, ids, len(cached), n or 1, prefill=seq.prefill, decode=seq.decode, params=params,
-                detokenizer=lambda: self.tokenizer.detokenizer(skip_special_tokens=True) if self.tokenizer else None,
-                constraint=constraint, on_prefill_progress=on_prefill_progress, chunk=self._engine.prefill_chunk,
-                max_tokens=max_tokens, eos_ids=eos_ids, stop=stop, want_logprobs=want_lp,
-                device_loop=session.device_loop if on_device else None, logit_bias=bias)
+            request.max_tokens = min(request.max_tokens, prompt_cache.max_context - int(ids.size))
 
-            def stream_of(stats: GenerationStats, chunks, lock: GenerationSlots | None) -> GenerationStream:
-                # A chat prompt: reasoning and tool calls are split out of the answer.
-                return GenerationStream(chunks, stats, lock, want_logprobs=want_lp, token_text=self._token_text,
-                                        chat=rendered is not None, tools=tools, reasoning_started=reasoning_started)
+            def sequence() -> tuple[Session, int]:
+                # A copy: the cache is left as it was, to serve the next prompt. Its only
+                # snapshot is the one n > 1 takes before the prompt's last token (choice_loops).
+                return prompt_cache.fork(), len(cached)
 
-            if n is None:
-                stream_obj = stream_of(*next(choices), self._generation)  # takes over the lock
-        except BaseException:
-            self._generation.release()
-            raise
+        run = Generation(self, request, sequence, on_prefill_progress=on_prefill_progress)
         if n is None:
+            stream_obj = run.stream(own_slot=True)  # the stream frees the slot when it ends
             return stream_obj if stream else stream_obj.drain()
-
-        def end_choices() -> None:  # n choices hold the lock across them
-            try:
-                choices.close()
-            finally:
-                self._generation.release()
-
         if stream:  # one worker runs the choices in order, its chunks tagged with their choice
-            return BatchStream(lambda _i: stream_of(*next(choices), None), int(n), 1, on_end=end_choices)
+            return BatchStream(lambda _i: run.stream(), int(n), 1, on_end=run.close)
         try:
-            return [stream_of(stats, chunks, None).drain() for stats, chunks in choices]
+            return [s.drain() for s in run.streams()]
         finally:
-            end_choices()
+            run.close()
 
     def _token_rules(self, options: dict[str, Any], *, thinking: bool, where: str = "generate"):
-        """(logit bias pairs, end-of-sequence ids, structured-output constraint or None) from the
+        """(logit bias pairs, stop token ids, structured-output constraint or None) from the
         request options ``logit_bias``, ``stop_token_ids``, ``json_schema``, ``regex``,
         ``grammar`` (checked here; see :meth:`generate`). ``thinking``: the prompt opens a
         ``<think>`` block, which the constraint leaves free."""
         vocab = self.tokenizer.vocab_size if self.tokenizer is not None else self.config.vocab_size
         bias = logit_bias_pairs(options.get("logit_bias"), vocab, where)
-        eos_ids = self.eos_token_ids + tuple(stop_token_list(options.get("stop_token_ids"), vocab, where))
+        stop_ids = stop_token_list(options.get("stop_token_ids"), vocab, where)
         rules = grammar_for(json_schema=options.get("json_schema"), regex=options.get("regex"),
                             grammar=options.get("grammar"), where=where)
         # The grammar ends on the model's own EOS ids (stop_token_ids stop only where it allows
         # them), so the tokenizer index, built once per model, is shared by every request.
         constraint = None if rules is None else compile_constraint(self.tokenizer, rules, self.eos_token_ids,
                                                                    thinking=thinking, where=where)
-        return bias, eos_ids, constraint
+        return bias, stop_ids, constraint
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else ""

@@ -1,8 +1,9 @@
 """Prompt-prefix reuse: sequences that remember what they have processed.
 
-A ``CachedSequence`` is one sequence state (KV cache, DeltaNet and conv state) together with
+A :class:`lily.Session` is one sequence state (KV cache, DeltaNet and conv state) together with
 the token ids it has processed and snapshots of its recurrent state. Given a new prompt it
-keeps the longest usable common prefix and prefills only the rest:
+keeps the longest usable common prefix (``Session.rewind``, by ``reusable_prefix`` here) and
+prefills only the rest:
 
 - attention KV can be cut back to any position, but Gated DeltaNet and conv state cannot be
   rewound, so a prefix is usable only up to the latest snapshot at or before the first
@@ -11,10 +12,10 @@ keeps the longest usable common prefix and prefills only the rest:
   same conversation shares at least that much) and bounded by ``max_snapshots`` (oldest
   dropped first).
 
-``Chat`` owns one sequence; the server owns a ``PrefixCache``: several sequences under a byte
+``Chat`` owns one session; the server owns a ``PrefixCache``: several sequences under a byte
 budget, the best-matching one reused per request, least recently used evicted first.
 
-Memory: a sequence's ``nbytes`` counts its native state (KV cache as allocated plus recurrent
+Memory: a session's ``nbytes`` counts its native state (KV cache as allocated plus recurrent
 state) and its snapshots (recurrent state only, no KV).
 
 Disk (``lily serve --prompt-cache-dir``): a ``DiskCache`` under the ``PrefixCache`` keeps the
@@ -39,8 +40,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from lily import session_file
 from lily._core import CheckpointError, ConfigError, RequestError
 
@@ -63,126 +62,6 @@ def reusable_prefix(tokens: Sequence[int], snapshot_positions: Sequence[int], id
     if common == len(tokens):
         return common
     return max((p for p in snapshot_positions if p <= common), default=0)
-
-
-class CachedSequence:
-    """One sequence state plus the tokens it holds and snapshots to go back to."""
-
-    def __init__(self, model: Model, max_context: int | None = None, max_snapshots: int = 16):
-        self.model = model
-        self.max_snapshots = max_snapshots
-        self.session: Session = model.session(max_context)
-        self.tokens: list[int] = []  # tokens the state has processed, in order
-        self.snapshots: list = []  # native Snapshots, ascending position
-
-    @classmethod
-    def from_session(cls, session: Session, max_snapshots: int = 16, *, snapshot: bool = True) -> CachedSequence:
-        """A sequence continuing ``session`` (which it takes over), with a snapshot at its end
-        so a later prompt that diverges after it still reuses it (unless ``snapshot`` is False:
-        a one-off generation never goes back there)."""
-        seq = cls.__new__(cls)
-        seq.model, seq.max_snapshots, seq.session = session._model, max_snapshots, session
-        seq.tokens, seq.snapshots = session.tokens, []
-        if seq.tokens and snapshot:
-            seq.take_snapshot()
-        return seq
-
-    @property
-    def max_context(self) -> int:
-        return self.session.max_context
-
-    @property
-    def position(self) -> int:
-        return self.session.position
-
-    @property
-    def snapshot_bytes(self) -> int:
-        return sum(s.nbytes for s in self.snapshots)
-
-    @property
-    def nbytes(self) -> int:
-        return self.session._state.nbytes + self.snapshot_bytes
-
-    # -- state changes (the token loop calls these) ----------------------------------------
-
-    # The tokens are recorded before the engine call: Ctrl-C can raise between any two Python
-    # steps, and a state that moved on without its tokens recorded could not be matched again.
-    # ``tokens`` may thus run ahead of the state, never behind; ``_sync`` trims it back.
-
-    def prefill(self, chunk: np.ndarray) -> np.ndarray:
-        self.tokens.extend(int(t) for t in chunk)
-        return self.session.prefill(chunk)
-
-    def decode(self, tok: int) -> np.ndarray:
-        self.tokens.append(int(tok))
-        return self.session.decode(tok)
-
-    def _sync(self) -> None:
-        """Drops recorded tokens the state never processed (an interrupted or failed step)."""
-        del self.tokens[self.position :]
-
-    def take_snapshot(self) -> None:
-        if self.snapshots and self.snapshots[-1].position == self.position:
-            return
-        self.snapshots.append(self.session._state.snapshot())
-        if len(self.snapshots) > self.max_snapshots:
-            self.snapshots.pop(0)
-
-    # -- prefix matching -------------------------------------------------------------------
-
-    def reusable(self, ids: Sequence[int]) -> int:
-        """Prompt tokens ``rewind(ids)`` would keep (no state change)."""
-        self._sync()
-        return reusable_prefix(self.tokens, [s.position for s in self.snapshots], ids)
-
-    def rewind(self, ids: Sequence[int]) -> int:
-        """Brings the state to the longest reusable prefix of ``ids``; returns its length."""
-        keep = self.reusable(ids)
-        if keep == len(self.tokens):
-            return keep
-        # The state holds tokens past the reusable prefix: go back to the snapshot there.
-        while self.snapshots and self.snapshots[-1].position > keep:
-            self.snapshots.pop()
-        if self.snapshots:
-            snap = self.snapshots[-1]
-            self.session._state.restore(snap)
-            del self.tokens[snap.position :]
-            del self.session._tokens[snap.position :]  # the session's own record (Session.save)
-            return snap.position
-        self.reset()
-        return 0
-
-    def reset(self) -> None:
-        self.session = self.model.session(self.session.max_context)
-        self.tokens, self.snapshots = [], []
-
-    # -- files (the server's disk tier) --------------------------------------------------------
-
-    def saved_state(self) -> session_file.SavedState:
-        """The sequence as lily.session_file writes it: tokens, state, each snapshot's recurrent state."""
-        self._sync()
-        state = self.session._state
-        with self.model._lock:
-            tensors = state.export_tensors()
-            snapshots = {}
-            for snap in self.snapshots:
-                try:
-                    snapshots[snap.position] = state.export_tensors(snap, with_kv=False)
-                except RequestError:
-                    continue  # stale (the sequence was rolled back past it): rewind() never uses it either
-        return session_file.SavedState(np.asarray(self.tokens, np.int32), tensors, snapshots)
-
-    @classmethod
-    def from_saved(cls, model: Model, saved: session_file.SavedState, max_context: int | None,
-                   max_snapshots: int, source: str) -> CachedSequence:
-        """The sequence a ``saved_state()`` came from, snapshots included."""
-        seq = cls.from_session(model._session_from(saved, max_context, source), max_snapshots)
-        state = seq.session._state
-        with model._lock:
-            earlier = [state.snapshot_from_tensors(p, saved.snapshots[p]) for p in sorted(saved.snapshots)
-                       if p < saved.position]
-        seq.snapshots = (earlier + seq.snapshots)[-max_snapshots:]
-        return seq
 
 
 @dataclass
@@ -241,13 +120,13 @@ class DiskCache:
                 best, best_len = path, n
         return best, best_len
 
-    def take(self, path: Path, max_context: int | None, max_snapshots: int) -> CachedSequence | None:
+    def take(self, path: Path, max_context: int | None, max_snapshots: int) -> Session | None:
         """The sequence in ``path``, which leaves the disk tier; None (with a warning) if the file
         fails the checks (checksum included) or no longer fits this model's context."""
         self._index.pop(path, None)
         try:
             saved = session_file.read(path, self.model)
-            seq = CachedSequence.from_saved(self.model, saved, max_context, max_snapshots, str(path))
+            seq = self.model._session_from(saved, max_context, str(path), max_snapshots)
         except (CheckpointError, ConfigError, RequestError) as e:
             self._skip(path, e)
             return None
@@ -255,7 +134,7 @@ class DiskCache:
         self.loads += 1
         return seq
 
-    def put(self, seq: CachedSequence) -> None:
+    def put(self, seq: Session) -> None:
         """Writes ``seq`` (not in use by any request) as the most recently used file."""
         saved = seq.saved_state()
         if not saved.position:
@@ -297,7 +176,7 @@ class PrefixCache:
         self.max_context = max_context or model.max_context
         self.max_snapshots = max_snapshots
         self.min_reuse = min_reuse
-        self._entries: list[CachedSequence] = []  # least recently used first
+        self._entries: list[Session] = []  # least recently used first
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -310,7 +189,7 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def acquire(self, ids: Sequence[int]) -> tuple[CachedSequence, int]:
+    def acquire(self, ids: Sequence[int]) -> tuple[Session, int]:
         """A sequence for prompt ``ids`` and how many of its tokens are already processed."""
         with self._lock:
             best, best_len = None, 0
@@ -330,12 +209,12 @@ class PrefixCache:
                 self.hits += 1
                 return best, best.rewind(ids)
             self.misses += 1
-        return CachedSequence(self.model, self.max_context, self.max_snapshots), 0
+        return self.model.session(self.max_context, self.max_snapshots), 0
 
-    def release(self, seq: CachedSequence) -> None:
+    def release(self, seq: Session) -> None:
         """Keeps ``seq`` as the most recently used; evicts until within budget."""
         with self._lock:
-            if self.budget_bytes <= 0 or not seq.tokens:
+            if self.budget_bytes <= 0 or not seq.position:
                 return
             self._entries.append(seq)
             while self._entries and self.nbytes > self.budget_bytes:

@@ -51,31 +51,25 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from lily._core import RequestError
-from lily.generation import GenerationStats, choice_loops, result_from
 from lily.prefix_cache import PrefixCache
-from lily.structured import TokenConstraint
+from lily.request import Generation, GenerationRequest
 
 
 class Cancelled(Exception):
     """Raised inside the token loop when the job's client went away."""
 
 
-@dataclass(eq=False)  # identity: the running set holds jobs
-class Job:
-    """One generation request, ready to run: token ids and native sampling parameters."""
+@dataclass(eq=False, kw_only=True)  # identity: the running set holds jobs
+class Job(GenerationRequest):
+    """One generation request, ready to run (a :class:`lily.request.GenerationRequest`, checked
+    by the server), with the server's own state: where its events go, its cancel flag, its
+    output buffer."""
 
-    ids: np.ndarray
-    params: Any  # lily._core.SamplingParams
-    max_tokens: int
-    stop: Sequence[str] | None
-    want_logprobs: bool
     emit: Callable[[str, Any], None]  # ("chunk", GenerationChunk) | ("done", result) | ("error", exc)
     buffer_chunks: int = 64  # chunks emitted but not yet taken (took_chunk) before the worker waits
     stall_timeout_s: float = 30.0  # how long the worker waits for room before dropping the job
@@ -84,10 +78,6 @@ class Job:
     cancel_reason: str | None = None
     enqueued: float = field(default_factory=time.perf_counter)
     started: float | None = None  # when the worker took it (perf_counter)
-    logit_bias: Sequence[tuple[int, float]] = ()  # (token id, bias) pairs
-    stop_token_ids: Sequence[int] = ()  # end generation as EOS does
-    constraint: TokenConstraint | None = None  # structured output (lily.structured)
-    n: int = 1  # choices, generated one after another from one prefill
 
     def __post_init__(self):
         self._room = threading.Semaphore(self.buffer_chunks)
@@ -255,83 +245,65 @@ class Scheduler:
                     self._lock.notify_all()
 
     def _generate(self, job: Job) -> None:
-        model = self.model
+        """Runs ``job`` through the generation flow (lily.request.Generation) with the server's
+        hooks: the prefix cache supplies the sequence and gets it back, the cancel flag is
+        checked before each engine call, snapshots are taken for later requests, metrics counted."""
         steps_after_cancel = 0
-        model._generation.acquire()
-        seq = None
-        stats = None
-        try:
+        stream = None
+
+        def sequence():
             seq, reused = self.cache.acquire(job.ids)
             job.started = time.perf_counter()
             self.metrics.started(int(job.ids.size), reused)
-            stats = GenerationStats(prompt_tokens=int(job.ids.size), cached_tokens=reused)
+            return seq, reused
 
-            def step(fn, arg):
-                # The flag is checked before every engine call; a step already running when
-                # the client leaves finishes (counted in steps_after_cancel), none starts after.
-                nonlocal steps_after_cancel
-                if job.cancelled.is_set():
-                    raise Cancelled
-                out = fn(arg)
-                if job.cancel_time is not None:
-                    steps_after_cancel += 1
-                return out
+        def step(fn, arg):
+            # The flag is checked before every engine call; a step already running when
+            # the client leaves finishes (counted in steps_after_cancel), none starts after.
+            nonlocal steps_after_cancel
+            if job.cancelled.is_set():
+                raise Cancelled
+            out = fn(arg)
+            if job.cancel_time is not None:
+                steps_after_cancel += 1
+            return out
 
-            def decode(tok: int) -> np.ndarray:
-                # Snapshots after 16, 32, 64, ... decoded tokens too: when the next turn's
-                # template re-renders this answer to slightly different tokens (a cut-off
-                # last word, say), the follow-up still reuses most of the answer.
-                out = step(seq.decode, tok)
-                decoded = seq.position - int(job.ids.size)
-                if decoded >= 16 and decoded & (decoded - 1) == 0:
-                    seq.take_snapshot()
-                return out
+        def on_decoded(seq, decoded: int) -> None:
+            # Snapshots after 16, 32, 64, ... decoded tokens too: when the next turn's
+            # template re-renders this answer to slightly different tokens (a cut-off
+            # last word, say), the follow-up still reuses most of the answer.
+            if decoded >= 16 and decoded & (decoded - 1) == 0:
+                seq.take_snapshot()
 
-            choices = choice_loops(
-                seq, job.ids, reused, job.n, prefill=lambda chunk: step(seq.prefill, chunk), decode=decode,
-                params=job.params, constraint=job.constraint, snapshot_prompt=True,
-                detokenizer=lambda: model.tokenizer.detokenizer(skip_special_tokens=True) if model.tokenizer else None,
-                chunk=model._engine.prefill_chunk, max_tokens=job.max_tokens,
-                eos_ids=model.eos_token_ids + tuple(job.stop_token_ids), stop=job.stop,
-                want_logprobs=job.want_logprobs, on_prefilled=seq.take_snapshot, logit_bias=job.logit_bias)
-            first = True
-            for choice, (stats, chunks) in enumerate(choices):
-                texts: list[str] = []
-                tokens: list[int] = []
-                lps: list[dict] = []
-                try:
-                    for c in chunks:
-                        texts.append(c.text)
-                        if c.token is not None:
-                            self.metrics.token()
-                            tokens.append(c.token)
-                            if job.want_logprobs:
-                                lps.append({"token": c.token, "logprob": c.logprob, "top_logprobs": c.top_logprobs})
-                        job.wait_for_room()
-                        if first:
-                            self.metrics.first_chunk(time.perf_counter() - job.enqueued)
-                            first = False
-                        job.emit("chunk", c)
-                finally:
-                    chunks.close()  # a job dropped between steps: close the token loop now
-                result = result_from(stats, "".join(texts), tokens, lps if job.want_logprobs else None)
-                if choice == job.n - 1:  # counted before the client can see its answer (and scrape)
-                    self._finish(job, "completed")
-                job.emit("done", result)
+        try:
+            with Generation(self.model, job, sequence, step=step, on_prefilled=lambda seq: seq.take_snapshot(),
+                            on_decoded=on_decoded, on_close=self.cache.release, snapshot_prompt=True) as run:
+                first = True
+                for choice, stream in enumerate(run.streams()):
+                    try:
+                        for c in stream:
+                            if c.token is not None:
+                                self.metrics.token()
+                            job.wait_for_room()
+                            if first:
+                                self.metrics.first_chunk(time.perf_counter() - job.enqueued)
+                                first = False
+                            job.emit("chunk", c)
+                    finally:
+                        stream.close()  # a job dropped between steps: close the token loop now
+                    if choice == job.n - 1:  # counted before the client can see its answer (and scrape)
+                        self._finish(job, "completed")
+                    job.emit("done", stream.result)
         except Cancelled:
             self._finish(job, "cancelled")
             self.stats.last_cancel_reason = job.cancel_reason
-            self.stats.last_cancel_tokens = stats.completion_tokens if stats is not None else 0
+            self.stats.last_cancel_tokens = stream.result.completion_tokens if stream is not None else 0
             self.stats.last_cancel_steps = steps_after_cancel
             self.stats.last_cancel_release_s = (time.perf_counter() - job.cancel_time
                                                 if job.cancel_time is not None else None)
         except Exception as e:  # a bad request that got past validation; keep serving
             self._finish(job, "failed")
             job.emit("error", e)
-        finally:
-            if seq is not None:
-                self.cache.release(seq)
-            model._generation.release()
 
 
 def default_kv_budget() -> int:

@@ -266,6 +266,12 @@ def _check_schema(schema: Any, where: str) -> None:
         raise APIError(400, f"'{where}' is nested too deeply", param=where, code="invalid_value") from None
 
 
+def _logprob_entry(chunk) -> dict:
+    """A streamed chunk's logprobs as an entry of GenerationResult.logprobs (their one format)."""
+    return {"token": chunk.token, "logprob": chunk.logprob,
+            "top_logprobs": [{"token": t, "logprob": p} for t, p in chunk.top_logprobs or ()]}
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the client has gone (after the body was read, the next ASGI message is
     http.disconnect, which uvicorn sends when the connection closes)."""
@@ -826,10 +832,11 @@ class Server:
         return {"token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8"))}
 
     def _chat_logprobs(self, lps) -> list[dict]:
+        """OpenAI's chat logprobs from entries as GenerationResult.logprobs holds them."""
         out = []
         for e in lps or []:
             d = self._token_entry(e["token"], e["logprob"])
-            d["top_logprobs"] = [self._token_entry(t, p) for t, p in (e["top_logprobs"] or [])]
+            d["top_logprobs"] = [self._token_entry(t["token"], t["logprob"]) for t in e["top_logprobs"] or ()]
             out.append(d)
         return out
 
@@ -840,7 +847,7 @@ class Server:
             s = self.model.tokenizer.decode([e["token"]])
             tokens.append(s)
             token_lps.append(float(e["logprob"]))
-            tops.append({self.model.tokenizer.decode([t]): float(p) for t, p in (e["top_logprobs"] or [])})
+            tops.append({self.model.tokenizer.decode([t["token"]]): float(t["logprob"]) for t in e["top_logprobs"] or ()})
             offsets.append(pos)
             pos += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -904,8 +911,7 @@ class Server:
                 if kind == "chunk":
                     lp = None
                     if job.want_logprobs and value.token is not None:
-                        lp = {"content": self._chat_logprobs([{"token": value.token, "logprob": value.logprob,
-                                                               "top_logprobs": value.top_logprobs}])}
+                        lp = {"content": self._chat_logprobs([_logprob_entry(value)])}
                     deltas = splitter.feed(value.text)
                     for d in deltas:
                         yield chunk(d, logprobs=lp)
@@ -946,8 +952,7 @@ class Server:
                 if kind == "chunk":
                     lp = None
                     if want_lp and value.token is not None:
-                        lp = self._completion_logprobs([{"token": value.token, "logprob": value.logprob,
-                                                         "top_logprobs": value.top_logprobs}])
+                        lp = self._completion_logprobs([_logprob_entry(value)])
                     if value.finish_reason is None:
                         if value.text or lp:
                             yield chunk(value.text, logprobs=lp)
