@@ -86,6 +86,45 @@ def minimum_bytes(c: _core.ModelConfig, context: int, kv_bytes: int = 4) -> dict
     }
 
 
+def gemv_loads(c: _core.ModelConfig) -> list[dict]:
+    """The decode GEMVs' reads per matrix kind of the shape (issue 16): serial load steps a
+    simdgroup makes for its 4 rows, with 16-byte loads per lane (QuantMatrix.vec, where the host's
+    rule kernel_args.vector_rows allows it; moe_down's jobs on teams of kernel_args.moe_down_lanes
+    lanes) against the 32-bit words of one lane team per job, one job after another (before).
+    Threadgroups per dispatch are the same either way (8 rows each)."""
+    A = _core.kernel_args
+    H, V = c.hidden, c.gdn_v_heads * c.gdn_v_dim
+
+    def matrix(inp, bits, vec):
+        m = A.QuantMatrix(in_=inp, out=8, bits=bits, group=GROUP)
+        m.vec = int(vec and A.vector_rows(m, [0]))
+        return m
+
+    def loads(m):  # per row, as metal/quant.h reads it
+        return m.in_ * m.bits // (128 if m.vec else 32)
+
+    def down_steps(m, lanes, jobs):  # the busiest team's steps (job j on team j % teams)
+        teams = 32 // lanes
+        return max(sum(-(-loads(m) // lanes) for _ in range(p, jobs, teams)) for p in range(teams))
+
+    rows = []
+    for kind, inp, bits in (("gemv: projections of h, lm_head, moe_gate_up", H, BITS), ("gemv: router", H, GATE_BITS),
+                            ("gemv: o_proj", c.n_heads * c.head_dim, BITS), ("gemv: out_proj (DeltaNet)", V, BITS)):
+        before, after = matrix(inp, bits, False), matrix(inp, bits, True)
+        rows.append({"kind": kind, "in": inp, "bits": bits, "row_bytes": inp * bits // 8,
+                     "before": {"load_bytes": 4, "lanes": 32, "steps": -(-loads(before) // 32)},
+                     "after": {"load_bytes": 16 if after.vec else 4, "lanes": 32, "steps": -(-loads(after) // 32)}})
+    jobs = c.top_k + 1
+    before, after = matrix(c.moe_intermediate, BITS, False), matrix(c.moe_intermediate, BITS, True)
+    lanes = A.moe_down_lanes(after, after, c.top_k)
+    rows.append({"kind": f"moe_down: {c.top_k} experts + shared", "in": c.moe_intermediate, "bits": BITS,
+                 "row_bytes": c.moe_intermediate * BITS // 8,
+                 "before": {"load_bytes": 4, "lanes": 32, "steps": down_steps(before, 32, jobs)},
+                 "after": {"load_bytes": 16 if after.vec else 4, "lanes": lanes,
+                           "steps": down_steps(after, lanes, jobs)}})
+    return rows
+
+
 # Parameters of the decode estimate. Assumptions, not measurements: M1 Max's published 32 GPU
 # cores and 400 GB/s; an M5 Max-like part taken as 40 cores and 614 GB/s. `efficiency` is the
 # fraction of peak bandwidth a streaming kernel reaches with the GPU full, `threadgroups_per_core`
@@ -210,6 +249,7 @@ def json_report(c, contexts: list[int], prompts: list[int], chunk: int) -> dict:
         "estimate_note": "ESTIMATE from benchmarks/metal_plan.py estimate_decode (bandwidth-bound dispatches, "
                          "threadgroup-count-limited occupancy); unverified on Apple hardware",
         "estimate_parameters": {"gpus": GPU_MODELS, **ESTIMATE_DEFAULTS},
+        "gemv_loads": gemv_loads(c),
     }
 
 
@@ -258,6 +298,15 @@ def main() -> None:
     for name, n in sorted(p0["kernels"].items(), key=lambda kv: -p0["by_kernel"][kv[0]]):
         print(f"| {name} | {n} | {p0['by_kernel'][name] / GB:.4f} |")
 
+    print()
+    print("Decode GEMV reads (serial load steps of a simdgroup for its 4 rows; threadgroups unchanged):")
+    print()
+    print("| matrix | in | row bytes | before: bytes per lane load, lanes per job, steps | after |")
+    print("|---|---:|---:|---|---|")
+    for r in gemv_loads(c):
+        b, a = r["before"], r["after"]
+        print(f"| {r['kind']} ({r['bits']}-bit) | {r['in']} | {r['row_bytes']} | "
+              f"{b['load_bytes']} B, {b['lanes']}, {b['steps']} | {a['load_bytes']} B, {a['lanes']}, {a['steps']} |")
     print()
     print(f"Prefill in chunks of {args.chunk} (the last chunk of each prompt; it is a full chunk here):")
     print()

@@ -8,7 +8,9 @@
 //                 in registers, act written once.        grid (ceil(I / 8), k, T), 64 threads
 //   moe_down      fused down-projection of every job + weighted combine + sigmoid-gated shared
 //                 expert: each output row sums all experts' partial dots before one
-//                 simd_sum, so y is written once and never re-read.  grid (ceil(H / 8), T), 64
+//                 simd_sum, so y is written once and never re-read. The jobs run on teams of
+//                 args.lanes lanes side by side (a 256-byte row: 16 lanes x 16 bytes, two
+//                 experts at once), not one after another.   grid (ceil(H / 8), T), 64
 //
 // Prefill (one chunk, no CPU read-back: every size below is bounded by T*k on the host):
 //   moe_route         as above: ids, weights [T, k]
@@ -99,9 +101,9 @@ kernel void moe_gate_up(constant MoeGateUpArgs& args [[buffer(0)]],
   if (row0 >= I) return;  // uniform across the simdgroup (no barrier below)
   const uint rows = min(uint(LILY_GEMV_ROWS_PER_SIMDGROUP), I - row0);
   const RowParts pg = rows_partial<S>(at(gate_w, gate_table, e, 0), at(gate_s, gate_table, e, 1),
-                                      at(gate_b, gate_table, e, 2), args.gate, row0, rows, x, lane);
+                                      at(gate_b, gate_table, e, 2), args.gate, row0, rows, x, lane, 32);
   const RowParts pu = rows_partial<S>(at(up_w, up_table, e, 0), at(up_s, up_table, e, 1),
-                                      at(up_b, up_table, e, 2), args.up, row0, rows, x, lane);
+                                      at(up_b, up_table, e, 2), args.up, row0, rows, x, lane, 32);
   LILY_UNROLL for (int r = 0; r < LILY_GEMV_ROWS_PER_SIMDGROUP; ++r) {
     if (uint(r) < rows) {  // uniform across the simdgroup
       const float g = simd_sum(pg.v[r]), u = simd_sum(pu.v[r]);
@@ -138,23 +140,27 @@ kernel void moe_down(constant MoeDownArgs& args [[buffer(0)]],
   const uint row0 = (tg.x * LILY_GEMV_SIMDGROUPS + simd_id) * LILY_GEMV_ROWS_PER_SIMDGROUP;
   if (row0 >= H) return;  // uniform across the simdgroup (no barrier below)
   const uint rows = min(uint(LILY_GEMV_ROWS_PER_SIMDGROUP), H - row0);
-  // Each row's lane partial sums the jobs in order, then the shared expert: per job, the rows
-  // share one read of that job's activations.
+  // Teams of args.lanes lanes side by side (moe_args.h): team p walks jobs p, p + teams, ...
+  // (job k: the shared expert), each row's lane partial summing its jobs in that order; per job
+  // the rows share one read of its activations. simd_sum then adds the teams' partials.
+  const uint lanes = args.lanes, teams = 32 / lanes, team = lane / lanes, tl = lane % lanes;
+  const uint jobs = args.k + (args.has_shared ? 1u : 0u);
   float part[LILY_GEMV_ROWS_PER_SIMDGROUP] = {};
-  for (uint j = 0; j < args.k; ++j) {
-    const uint e = ids[ulong(t) * args.k + j];
-    const float wt = args.weighted ? weights[ulong(t) * args.k + j] : 1.0f;
-    const RowParts p = rows_partial<S>(at(down_w, down_table, e, 0), at(down_s, down_table, e, 1),
-                                       at(down_b, down_table, e, 2), args.down, row0, rows,
-                                       act + (ulong(t) * args.k + j) * I, lane);
+  for (uint j = team; j < jobs; j += teams) {  // teams diverge here only; rejoined before simd_sum
+    RowParts p;
+    float wt;
+    if (j < args.k) {
+      const uint e = ids[ulong(t) * args.k + j];
+      wt = args.weighted ? weights[ulong(t) * args.k + j] : 1.0f;
+      p = rows_partial<S>(at(down_w, down_table, e, 0), at(down_s, down_table, e, 1), at(down_b, down_table, e, 2),
+                          args.down, row0, rows, act + (ulong(t) * args.k + j) * I, tl, lanes);
+    } else {
+      wt = sigmoid_f(shared_gate[t]);
+      p = rows_partial<S>(at(shared_w, shared_table, 0, 0), at(shared_s, shared_table, 0, 1),
+                          at(shared_b, shared_table, 0, 2), args.shared_down, row0, rows,
+                          shared_act + ulong(t) * args.shared_down.in, tl, lanes);
+    }
     LILY_UNROLL for (int r = 0; r < LILY_GEMV_ROWS_PER_SIMDGROUP; ++r) part[r] += wt * p.v[r];
-  }
-  if (args.has_shared) {
-    const float gate = sigmoid_f(shared_gate[t]);
-    const RowParts p = rows_partial<S>(at(shared_w, shared_table, 0, 0), at(shared_s, shared_table, 0, 1),
-                                       at(shared_b, shared_table, 0, 2), args.shared_down, row0, rows,
-                                       shared_act + ulong(t) * args.shared_down.in, lane);
-    LILY_UNROLL for (int r = 0; r < LILY_GEMV_ROWS_PER_SIMDGROUP; ++r) part[r] += gate * p.v[r];
   }
   LILY_UNROLL for (int r = 0; r < LILY_GEMV_ROWS_PER_SIMDGROUP; ++r) {
     if (uint(r) < rows) {  // uniform across the simdgroup

@@ -22,17 +22,22 @@ struct MoeGateUpArgs {
   QuantMatrix gate, up;  // [I, H] each
   uint32_t k;            // jobs per token (routed experts; 1 for the shared expert / dense MLP)
 };
-static_assert(sizeof(MoeGateUpArgs) == 36, "MoeGateUpArgs: 2 QuantMatrix and 1 field of 4 bytes");
+static_assert(sizeof(MoeGateUpArgs) == 44, "MoeGateUpArgs: 2 QuantMatrix and 1 field of 4 bytes");
 
 // y[t, r] = sum_j w[t, j] * down_e[r] . act[t, j]  (+ sigmoid(sg[t]) * shared_down[r] . act_s[t])
+// The jobs (k routed experts, then the shared one as job k) are spread over teams of `lanes`
+// lanes, 32 / lanes teams side by side in a simdgroup: team p takes jobs p, p + 32 / lanes, ...
+// (moe_down_lanes on the host picks lanes by the rows' length; it depends on shapes and k only,
+// never on T, so a row's order of summation is the same in every batch).
 struct MoeDownArgs {
   QuantMatrix down;         // [H, I]
   QuantMatrix shared_down;  // [H, Is]
   uint32_t k;
   uint32_t weighted;    // 0: every job has weight 1 (dense MLP)
   uint32_t has_shared;  // add the sigmoid-gated shared expert
+  uint32_t lanes;       // lanes per job: 4, 8, 16 or 32
 };
-static_assert(sizeof(MoeDownArgs) == 44, "MoeDownArgs: 2 QuantMatrix and 3 fields of 4 bytes");
+static_assert(sizeof(MoeDownArgs) == 56, "MoeDownArgs: 2 QuantMatrix and 4 fields of 4 bytes");
 
 // ---- prefill: routing on the GPU and grouped expert GEMMs ----------------------------------------
 //
@@ -65,7 +70,7 @@ struct MoeGemmArgs {
   uint32_t routed;
   uint32_t n;        // rows (routed: T*k; else T)
 };
-static_assert(sizeof(MoeGemmArgs) == 44, "MoeGemmArgs: 2 QuantMatrix and 3 fields of 4 bytes");
+static_assert(sizeof(MoeGemmArgs) == 52, "MoeGemmArgs: 2 QuantMatrix and 3 fields of 4 bytes");
 
 // y[t, :] = sum_j yr[t*k + j, :] (+ sigmoid(sg[t]) * ys[t, :])
 struct MoeCombineArgs {

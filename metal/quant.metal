@@ -18,8 +18,9 @@
 using namespace metal;
 
 // Each simdgroup owns LILY_GEMV_ROWS_PER_SIMDGROUP rows and walks them together (quant.h
-// rows_partial: each x value read once for all of them), so a threadgroup covers 8 consecutive
-// rows; f32 partials per lane, one simd_sum per row.
+// rows_partial: 16 bytes of each row per lane per step where args.w.vec, each x value read once
+// for all of them), so a threadgroup covers 8 consecutive rows; f32 partials per lane, one
+// simd_sum per row.
 template <typename S>
 kernel void gemv(constant GemvArgs& args [[buffer(0)]],
                  device const uchar* w [[buffer(1)]],       // packed or dense W
@@ -35,7 +36,7 @@ kernel void gemv(constant GemvArgs& args [[buffer(0)]],
   const uint row0 = (tg.x * LILY_GEMV_SIMDGROUPS + simd_id) * LILY_GEMV_ROWS_PER_SIMDGROUP;
   if (row0 >= args.w.out) return;  // uniform across the simdgroup (no barrier below)
   const uint rows = min(uint(LILY_GEMV_ROWS_PER_SIMDGROUP), args.w.out - row0);
-  const RowParts p = rows_partial<S>(w, scales, biases, args.w, row0, rows, xt, lane);
+  const RowParts p = rows_partial<S>(w, scales, biases, args.w, row0, rows, xt, lane, 32);
   LILY_UNROLL for (int r = 0; r < LILY_GEMV_ROWS_PER_SIMDGROUP; ++r) {
     if (uint(r) < rows) {  // uniform across the simdgroup
       const float dot = simd_sum(p.v[r]);

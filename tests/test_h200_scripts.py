@@ -22,9 +22,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts" / "h200"))
 import long_context  # noqa: E402
+
+import fullsize  # noqa: E402
 
 
 def test_long_context_dry_run(store, tmp_path):
@@ -58,6 +62,23 @@ def _dry_run(tmp_path, **env) -> list[list[str]]:
 
 def _on(configure: list[str]) -> set[str]:
     return {b for b in GPU_BACKENDS if f"-DGGML_{b}=ON" in configure}
+
+
+def test_fullsize_backend_options_dry_run(store, tmp_path):
+    """fullsize.py --backend-options (the before/after switch of a kernel change, e.g. the decode
+    GEMVs' gemv_words) reaches the GPU load: a bad option name fails the load; a good one runs,
+    checked against the CPU backend, and is recorded in the report."""
+    path = store.mlx("qwen3_5_moe", 4, 64, "bfloat16")
+    args = [str(path), "--backend", "msl-cpu", "--contexts", "6", "--decode", "2", "--check-max", "6",
+            "--warmup", "0", "--timing-prefill", "0"]
+    with pytest.raises(TypeError):
+        fullsize.main([*args, "--out", str(tmp_path / "bad"), "--backend-options", '{"gemv_wordz": true}'])
+    rc = fullsize.main([*args, "--out", str(tmp_path), "--backend-options", '{"gemv_words": true}'])
+    report = json.loads((tmp_path / "fullsize.json").read_text())
+    assert rc == 0 and report["backend_options"] == {"gemv_words": True}
+    (row,) = report["contexts"]
+    assert row["top1_same"] and row["greedy_same"] and row["max_abs_diff"] < 1e-2 * row["logit_scale"]
+    assert '(backend_options {"gemv_words": true})' in (tmp_path / "fullsize.md").read_text()
 
 
 def test_llamacpp_scripts_parse():

@@ -266,6 +266,27 @@ def test_qwen3_5_moe_dependency_check(store, lily):
     _check(s.decode(cases.PROMPT[2]), store.mlx_reference(path).prompt[2], "checked decode step vs mlx-lm")
 
 
+def test_gemv_word_loads_match_vector_loads(store, lily):
+    """backend_options gemv_words=True (the decode GEMVs read 32-bit words, the earlier kernels'
+    reads: the A/B knob of scripts/h200/fullsize.py) against the default 16-byte loads: both
+    match the CPU backend, and the two differ only by the order of float sums."""
+    path = store.mlx("qwen3_5_moe", 4, 64, "bfloat16")
+    cpu = lily.Model.load(path, backend="cpu", cpu_matmul="f32").session()
+    runs = {}
+    for words in (False, True):
+        model = lily.Model.load(path, backend="msl-cpu", backend_options=dict(gemv_words=words, **cases.F32_KV))
+        s = model.session()
+        s.prefill(cases.PROMPT[:3])
+        runs[words] = np.asarray(s.decode(cases.PROMPT[3]))
+    cpu.prefill(cases.PROMPT[:3])
+    want = np.asarray(cpu.decode(cases.PROMPT[3]))
+    for words, got in runs.items():
+        _check(got, want, f"decode step vs cpu backend (gemv_words={words})")
+    assert rel_err(runs[True], runs[False]) < 1e-5
+    # ... and the default did take the 16-byte path (its sums run in another order: not bit-equal)
+    assert not np.array_equal(runs[True], runs[False])
+
+
 def test_decode_under_address_sanitizer(store, lily):
     """Every kernel of a prefill (its 4 tokens on the GEMM route: gemm_min_rows = 3) and of
     decode steps on both attention routes, built with

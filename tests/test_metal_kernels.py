@@ -89,33 +89,79 @@ GEMV_AFFINE = [
 ]
 
 
+def qm_vec(in_, out, bits, group, vec):
+    """A QuantMatrix read with 16-byte loads (vec=1) or 32-bit words (vec=0); vec=1 only where the
+    host would set it (buffers of these tests start 16-byte aligned)."""
+    m = qm(in_, out, bits, group)
+    assert not vec or A.vector_rows(m, [0]), "the host never sets vec for this shape"
+    m.vec = vec
+    return m
+
+
+def run_gemv(dev, kernel, m, w, scales, biases, x):
+    """y = x . W^T through gemv_<S> (x [T, in]); returns y [T, out]."""
+    T, out = x.shape[0], m.out
+    y = dev.buffer_empty(4 * T * out)
+    dispatch(dev, kernels(dev, "quant.metal").pipeline(kernel), (-(-out // A.GEMV_ROWS), T), (A.GEMV_THREADS,),
+             {"w": dev.buffer(w), "scales": dev.buffer(scales), "biases": dev.buffer(biases), "x": dev.buffer(x),
+              "y": y, "args": A.GemvArgs(w=m, ldx=m.in_, ldy=out)})
+    return read(y, np.float32, (T, out))
+
+
+@pytest.mark.parametrize("vec", [1, 0], ids=["uint4", "word"])
 @pytest.mark.parametrize("out,in_,bits,group,sdt,T", GEMV_AFFINE)
-def test_gemv_affine(out, in_, bits, group, sdt, T):
+def test_gemv_affine(out, in_, bits, group, sdt, T, vec):
     dev = msl_cpu.device(interleavings=2 if out < 64 else 0)
     w = RNG.standard_normal((out, in_), dtype=np.float32)
     wq, s, b, deq = quantize(w, bits, group, sdt)
     x = RNG.standard_normal((T, in_), dtype=np.float32)
-    y = dev.buffer_empty(4 * T * out)
-    lib = kernels(dev, "quant.metal")
-    dispatch(dev, lib.pipeline(f"gemv_{MSL_TYPE[sdt]}"), (-(-out // A.GEMV_ROWS), T), (A.GEMV_THREADS,),
-             {"w": dev.buffer(wq), "scales": dev.buffer(s), "biases": dev.buffer(b), "x": dev.buffer(x), "y": y,
-              "args": A.GemvArgs(w=qm(in_, out, bits, group), ldx=in_, ldy=out)})
+    m = qm_vec(in_, out, bits, group, vec)
+    got = run_gemv(dev, f"gemv_{MSL_TYPE[sdt]}", m, wq, s, b, x)
     want = x.astype(np.float64) @ deq.T.astype(np.float64)
-    np.testing.assert_allclose(read(y, np.float32, (T, out)), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    if T > 1:  # a row of a batch sums in the same order as the row alone: bit for bit
+        for t in range(T):
+            np.testing.assert_array_equal(run_gemv(dev, f"gemv_{MSL_TYPE[sdt]}", m, wq, s, b, x[t:t + 1])[0], got[t])
 
 
+@pytest.mark.parametrize("vec", [1, 0], ids=["uint4", "word"])
 @pytest.mark.parametrize("mode", list(MICROSCALED))
 @pytest.mark.parametrize("out,in_,T", [(512, 2048, 1), (37, 192, 3)])
-def test_gemv_microscaled(mode, out, in_, T):
+def test_gemv_microscaled(mode, out, in_, T, vec):
     dev = msl_cpu.device(interleavings=2 if out < 64 else 0)
     wq, s, mult, deq = quantize_microscaled(RNG.standard_normal((out, in_), dtype=np.float32), mode)
     x = RNG.standard_normal((T, in_), dtype=np.float32)
-    y = dev.buffer_empty(4 * T * out)
-    dispatch(dev, kernels(dev, "quant.metal").pipeline("gemv_uchar"), (-(-out // A.GEMV_ROWS), T), (A.GEMV_THREADS,),
-             {"w": dev.buffer(wq), "scales": dev.buffer(s), "biases": dev.buffer(mult), "x": dev.buffer(x),
-              "y": y, "args": A.GemvArgs(w=qm(in_, out, *MICROSCALED[mode]), ldx=in_, ldy=out)})
+    got = run_gemv(dev, "gemv_uchar", qm_vec(in_, out, *MICROSCALED[mode], vec), wq, s, mult, x)
     want = x.astype(np.float64) @ deq.T.astype(np.float64)
-    np.testing.assert_allclose(read(y, np.float32, (T, out)), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_vector_rows_rule():
+    """The host's rule for QuantMatrix.vec: packed rows of whole 16-byte runs, every start (one
+    per expert) 16-byte aligned; dense matrices never."""
+    assert A.vector_rows(qm(2048, 512, 4, 64), [0, 16 * 4096])
+    assert not A.vector_rows(qm(2048, 512, 4, 64), [0, 4])       # a misaligned expert
+    assert not A.vector_rows(qm(2048, 512, 4, 64), [8])
+    assert not A.vector_rows(qm(96, 8, 2, 32), [0])              # a row of 24 bytes
+    assert not A.vector_rows(qm(160, 8, 2, 32), [0])             # 40 bytes
+    assert A.vector_rows(qm(64, 8, 2, 32), [0])                  # 16 bytes
+    assert not A.vector_rows(qm(2048, 512, 0, 0), [0])
+
+
+@pytest.mark.parametrize("in_,sdt", [(96, "float32"), (160, "bfloat16")])
+def test_gemv_odd_stride_reads_words(in_, sdt):
+    """Rows that are not whole 16-byte runs (2-bit, group 32: 24 and 40 bytes; every other width
+    mlx quantizes has whole 16-byte rows): the host keeps them on the 32-bit word path, which
+    matches the reference."""
+    out, T = 37, 2
+    dev = msl_cpu.device(interleavings=2)
+    wq, s, b, deq = quantize(RNG.standard_normal((out, in_), dtype=np.float32), 2, 32, sdt)
+    m = qm(in_, out, 2, 32)
+    assert wq.nbytes // out % 16 != 0 and not A.vector_rows(m, [0])
+    x = RNG.standard_normal((T, in_), dtype=np.float32)
+    want = x.astype(np.float64) @ deq.T.astype(np.float64)
+    got = run_gemv(dev, f"gemv_{MSL_TYPE[sdt]}", m, wq, s, b, x)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("mode", list(MICROSCALED))
@@ -398,50 +444,81 @@ def _silu(x):
     return x / (1 + np.exp(-x))
 
 
-@pytest.mark.parametrize("E,k,H,I,Is,T,bits", [(12, 8, 2048, 512, 512, 1, 4), (5, 2, 192, 64, 128, 3, 8)])
-def test_moe_experts(E, k, H, I, Is, T, bits):
+MOE_EXPERTS = [
+    # (E, k, H, I, Is, T, bits, lanes, pad): lanes None = the host's choice (moe_down_lanes); pad:
+    # bytes between stacked experts' weights (4: every expert but the first misaligned for uint4)
+    (12, 8, 2048, 512, 512, 1, 4, None, 0),  # the 35B's shape: 16 lanes per expert, two at once
+    (5, 2, 192, 64, 128, 3, 8, None, 0),
+    (5, 3, 192, 64, 128, 2, 4, 8, 0),
+    (5, 3, 192, 64, 128, 2, 4, 4, 0),
+    (5, 2, 192, 64, 128, 2, 4, 32, 4),
+    (5, 2, 192, 96, 96, 2, 2, None, 0),  # 2-bit, group 32: 24-byte rows of down (word path)
+]
+
+
+@pytest.mark.parametrize("E,k,H,I,Is,T,bits,lanes,pad", MOE_EXPERTS)
+def test_moe_experts(E, k, H, I, Is, T, bits, lanes, pad):
     """Gather-GEMV gate+up with SwiGLU, then down + weighted combine + sigmoid-gated shared
     expert, against NumPy on mlx-dequantized weights. Experts live in one stacked tensor per
-    matrix (MLX switch_mlp), addressed through offset tables as the host builds them."""
+    matrix (MLX switch_mlp), addressed through offset tables as the host builds them; 16-byte
+    loads where the host's rule allows them (A.vector_rows), moe_down's jobs on teams of `lanes`
+    lanes. A batch's rows equal the rows run alone, bit for bit."""
     dev = msl_cpu.device(interleavings=2 if H < 1000 else 0)
     lib = kernels(dev, "moe.metal")
-    sdt, group = "bfloat16", 64
+    sdt, group = "bfloat16", 64 if I % 64 == Is % 64 == 0 else 32
 
     def stacked(n, rows, cols):
         parts = [quantize(RNG.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(cols), bits, group, sdt)
                  for _ in range(n)]
-        w, s, b = (np.stack([p[i] for p in parts]) for i in range(3))
-        table = np.array([[e * w[0].nbytes, e * s[0].nbytes, e * b[0].nbytes] for e in range(n)], np.uint64)
-        return [dev.buffer(w), dev.buffer(s), dev.buffer(b), dev.buffer(table)], [p[3] for p in parts]
+        w = b"".join(p[0].tobytes() + bytes(pad) for p in parts)
+        s, b = (np.stack([p[i] for p in parts]) for i in (1, 2))
+        step = parts[0][0].nbytes + pad
+        table = np.array([[e * step, e * s[0].nbytes, e * b[0].nbytes] for e in range(n)], np.uint64)
+        m = qm(cols, rows, bits, group)
+        m.vec = int(A.vector_rows(m, [int(o) for o in table[:, 0]]))
+        buffers = [dev.buffer(np.frombuffer(w, np.uint8).copy()), dev.buffer(s), dev.buffer(b), dev.buffer(table)]
+        return buffers, [p[3] for p in parts], m
 
     def matrix(prefix, m):  # an expert matrix bound as its four parameters (weights, scales, biases, table)
         return dict(zip((f"{prefix}_w", f"{prefix}_s", f"{prefix}_b", f"{prefix}_table"), m, strict=True))
 
-    gate, gate_f = stacked(E, I, H)
-    up, up_f = stacked(E, I, H)
-    down, down_f = stacked(E, H, I)
-    sgate, sgate_f = stacked(1, Is, H)
-    sup, sup_f = stacked(1, Is, H)
-    sdown, sdown_f = stacked(1, H, Is)
+    gate, gate_f, gate_m = stacked(E, I, H)
+    up, up_f, up_m = stacked(E, I, H)
+    down, down_f, down_m = stacked(E, H, I)
+    sgate, sgate_f, sgate_m = stacked(1, Is, H)
+    sup, sup_f, sup_m = stacked(1, Is, H)
+    sdown, sdown_f, sdown_m = stacked(1, H, Is)
+    assert down_m.vec == (pad == 0 and I * bits % 128 == 0) and sdown_m.vec == (Is * bits % 128 == 0)
+    if lanes is None:
+        lanes = A.moe_down_lanes(down_m, sdown_m, k)
+        if (k, I, bits) == (8, 512, 4):
+            assert lanes == 16
     h = RNG.standard_normal((T, H), dtype=np.float32)
     ids = np.stack([RNG.choice(E, k, replace=False) for _ in range(T)]).astype(np.uint32)
     wts = RNG.uniform(0.05, 1, (T, k)).astype(np.float32)
     sg = RNG.standard_normal(T, dtype=np.float32)
-    hb, act, act_s, y = dev.buffer(h), dev.buffer_empty(4 * T * k * I), dev.buffer_empty(4 * T * Is), dev.buffer_empty(4 * T * H)
+    hb, act, act_s = dev.buffer(h), dev.buffer_empty(4 * T * k * I), dev.buffer_empty(4 * T * Is)
     zeros = dev.buffer(np.zeros(T, np.uint32))
 
-    def gate_up(g, u, idb, kk, inter, out):
+    def gate_up(g, u, gm, um, idb, kk, inter, out):
         dispatch(dev, lib.pipeline("moe_gate_up_bfloat"), (-(-inter // A.GEMV_ROWS), kk, T), (A.GEMV_THREADS,),
                  {**matrix("gate", g), **matrix("up", u), "ids": idb, "h": hb, "act": out,
-                  "args": A.MoeGateUpArgs(gate=qm(H, inter, bits, group), up=qm(H, inter, bits, group), k=kk)})
+                  "args": A.MoeGateUpArgs(gate=gm, up=um, k=kk)})
 
-    gate_up(gate, up, dev.buffer(ids), k, I, act)
-    gate_up(sgate, sup, zeros, 1, Is, act_s)
-    dispatch(dev, lib.pipeline("moe_down_bfloat"), (-(-H // A.GEMV_ROWS), T), (A.GEMV_THREADS,),
-             {**matrix("down", down), "ids": dev.buffer(ids), "weights": dev.buffer(wts), "act": act,
-              **matrix("shared", sdown), "shared_act": act_s, "shared_gate": dev.buffer(sg), "y": y,
-              "args": A.MoeDownArgs(down=qm(I, H, bits, group), shared_down=qm(Is, H, bits, group), k=k, weighted=1,
-                                    has_shared=1)})
+    def run_down(rows):  # y [len(rows), H] of those token rows
+        n, a, a_s = len(rows), read(act, np.float32, (T, k, I))[rows], read(act_s, np.float32, (T, Is))[rows]
+        y = dev.buffer_empty(4 * n * H)
+        dispatch(dev, lib.pipeline("moe_down_bfloat"), (-(-H // A.GEMV_ROWS), n), (A.GEMV_THREADS,),
+                 {**matrix("down", down), "ids": dev.buffer(ids[rows]), "weights": dev.buffer(wts[rows]),
+                  "act": dev.buffer(a), **matrix("shared", sdown), "shared_act": dev.buffer(a_s),
+                  "shared_gate": dev.buffer(sg[rows]), "y": y,
+                  "args": A.MoeDownArgs(down=down_m, shared_down=sdown_m, k=k, weighted=1, has_shared=1,
+                                        lanes=lanes)})
+        return read(y, np.float32, (n, H))
+
+    gate_up(gate, up, gate_m, up_m, dev.buffer(ids), k, I, act)
+    gate_up(sgate, sup, sgate_m, sup_m, zeros, 1, Is, act_s)
+    y = run_down(list(range(T)))
 
     h64 = h.astype(np.float64)
     want_act = np.stack([np.stack([_silu(h64[t] @ gate_f[e].T) * (h64[t] @ up_f[e].T) for e in ids[t]])
@@ -450,7 +527,20 @@ def test_moe_experts(E, k, H, I, Is, T, bits):
     want_s = _silu(h64 @ sgate_f[0].T) * (h64 @ sup_f[0].T)
     want = np.stack([sum(wts[t, j] * (want_act[t, j] @ down_f[e].T) for j, e in enumerate(ids[t]))
                      + (want_s[t] @ sdown_f[0].T) / (1 + np.exp(-sg[t])) for t in range(T)])
-    np.testing.assert_allclose(read(y, np.float32, (T, H)), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    for t in range(T if T > 1 else 0):
+        np.testing.assert_array_equal(run_down([t])[0], y[t])
+
+
+def test_moe_down_lanes():
+    """The host's team width for moe_down: the busiest team's loads, fewest first, ties wide."""
+    m = qm(512, 2048, 4, 64)
+    m.vec = 1
+    assert A.moe_down_lanes(m, m, 8) == 16   # 9 jobs of 16 uint4 loads: 2 teams x 5 jobs
+    assert A.moe_down_lanes(m, None, 1) == 32  # one job of 16 loads: a step on 16 or 32, ties wide
+    m.vec = 0
+    assert A.moe_down_lanes(m, m, 8) == 32   # 64 words a row: 9 x 2 steps on 32 lanes
+    assert A.moe_down_lanes(qm(64, 32, 4, 64), None, 8) == 8  # 8 words: 8 jobs on 4 teams of 8
 
 
 # sampling.metal: tests/test_metal_sampling.py

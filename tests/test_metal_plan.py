@@ -165,3 +165,18 @@ def test_head_sizes_without_kernels_are_refused(field, value, message):
         c.rotary_dim = 20
     with pytest.raises(lily.ConfigError, match=message):
         _core.gpu_plan(c, 64, 4, 64, 8)
+
+
+def test_gemv_loads_at_the_35b_shape():
+    """The decode GEMVs read 16 bytes per lane per step at the 35B shape (every row a whole number
+    of 16-byte runs): 4x fewer serial load steps per simdgroup; moe_down runs its 9 jobs on two
+    16-lane teams (256-byte rows) instead of one after another on 32 lanes: 5 steps, not 18."""
+    mod = _plan_module()
+    rows = mod.gemv_loads(mod.config_35b())
+    *gemvs, down = rows
+    for r in rows:
+        assert r["after"]["load_bytes"] == 16 and r["before"]["load_bytes"] == 4
+    for r in gemvs:
+        assert r["after"]["steps"] * 4 == r["before"]["steps"]
+    assert down["kind"].startswith("moe_down") and down["row_bytes"] == 256
+    assert (down["after"]["lanes"], down["after"]["steps"], down["before"]["steps"]) == (16, 5, 18)

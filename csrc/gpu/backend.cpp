@@ -161,7 +161,7 @@ GpuBackend::GpuBackend(std::shared_ptr<const ModelWeights> weights, std::shared_
       name_(std::move(name)),
       options_(options),
       ctx_(std::move(device)),
-      weights_gpu_(ctx_.device(), *weights_, std::move(regions), ctx_.dummy()),
+      weights_gpu_(ctx_.device(), *weights_, std::move(regions), ctx_.dummy(), options.gemv_vector_loads),
       acts_(ctx_.device(), c_, options.max_splits) {
   const bool has_attn = std::count(c_.mixers.begin(), c_.mixers.end(), Mixer::Attention) > 0;
   const bool has_gdn = std::count(c_.mixers.begin(), c_.mixers.end(), Mixer::GatedDeltaNet) > 0;

@@ -79,6 +79,10 @@ struct GpuOptions {
   // accelerates them (Apple10, M5 and later) and only if the tensor libraries compile (a probe
   // at load), else simdgroup. Chosen at load time.
   std::string gemm = "auto";
+  // The decode GEMVs (gemv, moe_gate_up, moe_down) read packed rows 16 bytes per lane per step
+  // wherever the rows are 16-byte aligned (QuantMatrix::vec, metal/quant.h); false: 32-bit words
+  // everywhere, the earlier kernels' reads (an A/B knob for timing: scripts/h200/fullsize.py).
+  bool gemv_vector_loads = true;
 };
 
 // The Apple GPU family from which "auto" takes the Metal 4 tensor-op GEMMs (M5: tensor units

@@ -61,8 +61,8 @@ void check_matrices(const ModelWeights& w) {
 }
 
 DeviceWeights::DeviceWeights(Device& device, const ModelWeights& weights, std::vector<Region> regions,
-                             std::shared_ptr<Buffer> dummy)
-    : device_(device), dummy_(std::move(dummy)) {
+                             std::shared_ptr<Buffer> dummy, bool vector_loads)
+    : device_(device), dummy_(std::move(dummy)), vector_loads_(vector_loads) {
   // A file's mapping covers whole pages, so the wrapped length is rounded up to the page size
   // (Metal's newBufferWithBytesNoCopy wants a page-aligned pointer and length).
   const size_t page = size_t(sysconf(_SC_PAGESIZE));
@@ -128,6 +128,7 @@ LinearBuffers DeviceWeights::linear(const Linear& W, const char* what) {
   } else {
     L.biases = {dummy_, 0};
   }
+  L.m.vec = vector_loads_ && vector_rows(L.m, {device_address(L.w)}) ? 1u : 0u;
   L.dtype = W.dtype;
   L.nbytes = W.nbytes();
   return L;
@@ -164,6 +165,7 @@ ExpertMatrix DeviceWeights::expert_matrix(const std::vector<const Linear*>& list
   mt.s = {s0.buf, 0};
   mt.b = {b0.buf, 0};
   std::vector<uint64_t> t(list.size() * 3);  // per expert: weight, scales, biases offsets
+  std::vector<uint64_t> starts;              // device addresses of the experts' weights
   for (size_t e = 0; e < list.size(); ++e) {
     const Linear& L = *list[e];
     if (L.format != L0.format || L.microscale != L0.microscale || L.bits != L0.bits || L.group != L0.group ||
@@ -174,9 +176,11 @@ ExpertMatrix DeviceWeights::expert_matrix(const std::vector<const Linear*>& list
     if (rw.buf != w0.buf || rs.buf != s0.buf || rb.buf != b0.buf)
       throw ConfigError(std::string("[gpu] ") + what + ": experts of one layer span several files");
     t[3 * e + 0] = rw.off;
+    starts.push_back(device_address(rw));
     t[3 * e + 1] = rs.off;
     t[3 * e + 2] = rb.off;
   }
+  mt.m.vec = vector_loads_ && vector_rows(mt.m, starts) ? 1u : 0u;
   mt.table = device_.new_buffer(t.size() * 8);
   mt.table->write(0, t.data(), t.size() * 8);
   return mt;

@@ -36,8 +36,10 @@ class DeviceWeights {
     size_t size = 0;
   };
   // regions: where the weight pointers live; empty = the weights' files (page-rounded).
+  // vector_loads: mark matrices whose rows are 16-byte aligned for the GEMVs' 16-byte loads
+  // (QuantMatrix::vec; GpuOptions::gemv_vector_loads).
   DeviceWeights(Device& device, const ModelWeights& weights, std::vector<Region> regions,
-                std::shared_ptr<Buffer> dummy);
+                std::shared_ptr<Buffer> dummy, bool vector_loads = true);
 
   // The buffer and offset holding p; throws naming `what` if no region holds it.
   BufferRange find(const uint8_t* p, const char* what) const;
@@ -63,6 +65,7 @@ class DeviceWeights {
 
   Device& device_;
   std::shared_ptr<Buffer> dummy_;
+  bool vector_loads_ = true;
   std::vector<std::pair<Region, std::shared_ptr<Buffer>>> regions_;
   uint64_t bytes_ = 0, copied_bytes_ = 0;
   std::map<const float*, std::shared_ptr<Buffer>> vectors_;

@@ -68,6 +68,13 @@ void check_instantiated(int value, const std::vector<int>& sizes, const std::str
 // Whether the GEMM tiles (metal/gemm.h) read matrix m: affine widths must be whole K steps
 // (every MLX group size is a multiple of 32); dense ones any width.
 bool tiles_fit(const QuantMatrix& m);
+// Whether the GEMVs may read m's packed rows 16 bytes per lane per step (QuantMatrix::vec): every
+// row starts 16-byte aligned, as rows are whole 16-byte runs (in * bits % 128 == 0) and each
+// matrix start (one per expert) is at a 16-byte aligned device address. Dense m: false.
+bool vector_rows(const QuantMatrix& m, const std::vector<uint64_t>& starts);
+// The device address of a bound range as far as the host sees it: the buffer's CPU view plus the
+// offset, or the offset alone for a buffer without one (device allocations start page-aligned).
+uint64_t device_address(const BufferRange& r);
 // The GEMM block height for tiles that hold `rows` rows on average (8 or 32).
 int gemm_block_rows(uint64_t rows);
 // Kernel <family>[_tensor]_<S>_bm<BM> and the library it is in (<base>.metal or <base>_tensor.metal).
@@ -175,6 +182,10 @@ struct MoeDownInputs {
 };
 void encode_moe_down(EncoderContext& ctx, const ExpertMatrix& down, const MoeDownInputs& in, int k, int T, int H,
                      const BufferRange& y);
+// Lanes per job of moe_down (MoeDownArgs::lanes: 32, 16, 8 or 4): the team width whose busiest
+// team makes the fewest loads over the k jobs and the shared expert (`shared`, or none), ties to
+// the wider team. A shape-only choice: the same for every T.
+uint32_t moe_down_lanes(const QuantMatrix& down, const QuantMatrix* shared, int k);
 // Prefill: ids -> sorted slots and the block map (moe_plan; one threadgroup).
 void encode_moe_plan(EncoderContext& ctx, const MoePlanArgs& args, uint32_t max_blocks, const BufferRange& ids,
                      const BufferRange& rows, const BufferRange& blocks, const BufferRange& header);

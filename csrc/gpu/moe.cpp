@@ -60,7 +60,8 @@ void encode_moe_down(EncoderContext& ctx, const ExpertMatrix& down, const MoeDow
   const uint32_t I = down.m.in;
   const size_t f = size_t(T) * 4;
   const ExpertMatrix& sd = in.shared ? *in.shared : down;
-  MoeDownArgs args{down.m, sd.m, uint32_t(k), in.weights ? 1u : 0u, in.shared ? 1u : 0u};
+  MoeDownArgs args{down.m, sd.m, uint32_t(k), in.weights ? 1u : 0u, in.shared ? 1u : 0u,
+                   moe_down_lanes(down.m, in.shared ? &sd.m : nullptr, k)};
   Dispatch d(ctx, "moe.metal", std::string("moe_down_") + scalar_name(down.dtype));
   d.args(args);
   experts(d, "down", down).read("ids", in.ids, f * k);
@@ -73,6 +74,28 @@ void encode_moe_down(EncoderContext& ctx, const ExpertMatrix& down, const MoeDow
   d.write("y", y, f * H)
       .weight_bytes(uint64_t(std::min(T * k, down.experts)) * down.nbytes + (in.shared ? sd.nbytes : 0));
   d.run({div_up(H, kGemvRows), uint32_t(T), 1}, {kGemvThreads, 1, 1});
+}
+
+uint32_t moe_down_lanes(const QuantMatrix& down, const QuantMatrix* shared, int k) {
+  // Loads per row: 16-byte runs (vec), 32-bit words, or dense elements (quant.h).
+  auto loads = [](const QuantMatrix& m) { return m.bits == 0 ? m.in : m.in * m.bits / (m.vec ? 128 : 32); };
+  const int jobs = k + (shared ? 1 : 0);
+  uint32_t best = 32;
+  uint64_t best_steps = UINT64_MAX;
+  for (uint32_t lanes = 32; lanes >= 4; lanes /= 2) {
+    const uint32_t teams = 32 / lanes;
+    uint64_t steps = 0;  // of the busiest team: job j runs on team j % teams
+    for (uint32_t p = 0; p < teams; ++p) {
+      uint64_t s = 0;
+      for (int j = int(p); j < jobs; j += int(teams)) s += div_up(loads(j < k ? down : *shared), lanes);
+      steps = std::max(steps, s);
+    }
+    if (steps < best_steps) {
+      best = lanes;
+      best_steps = steps;
+    }
+  }
+  return best;
 }
 
 void encode_moe_plan(EncoderContext& ctx, const MoePlanArgs& args, uint32_t max_blocks, const BufferRange& ids,

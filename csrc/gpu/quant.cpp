@@ -5,6 +5,7 @@
 // Shapes: x [T, ldx], y [T, ldy] (row views of wider activations), W [out, in] (MLX affine:
 // [out, in*bits/32] uint32 words + scales / biases [out, in/group]; MLX mxfp4 / mxfp8 / nvfp4:
 // the same words + byte scales [out, in/group], run by the *_uchar kernels; dense: [out, in]).
+#include <algorithm>
 #include <string>
 
 #include "gpu/encode.h"
@@ -43,6 +44,15 @@ void check_instantiated(int value, const std::vector<int>& sizes, const std::str
 
 bool tiles_fit(const QuantMatrix& m) { return m.bits == 0 || m.in % LILY_GEMM_BK == 0; }
 
+bool vector_rows(const QuantMatrix& m, const std::vector<uint64_t>& starts) {
+  if (m.bits == 0 || uint64_t(m.in) * m.bits % 128 != 0) return false;
+  return std::all_of(starts.begin(), starts.end(), [](uint64_t a) { return a % 16 == 0; });
+}
+
+uint64_t device_address(const BufferRange& r) {
+  return uint64_t(reinterpret_cast<uintptr_t>(r.buf->contents())) + r.off;
+}
+
 int gemm_block_rows(uint64_t rows) { return rows >= 32 ? 32 : 8; }
 
 std::string gemm_kernel(const char* family, bool tensor, DType t, int bm) {
@@ -70,6 +80,8 @@ void encode_embed(EncoderContext& ctx, const LinearBuffers& E, uint32_t vocab, c
 
 void encode_gemv(EncoderContext& ctx, const LinearBuffers& W, const BufferRange& x, int ldx, const BufferRange& y,
                  int ldy, int T) {
+  if (W.m.vec && !vector_rows(W.m, {device_address(W.w)}))
+    throw Error("[gpu] gemv: a matrix marked for 16-byte loads is not 16-byte aligned");
   GemvArgs args{};
   args.w = W.m;
   args.ldx = uint32_t(ldx);

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "gpu/encode.h"
 #include "metal/attention_args.h"
 #include "metal/attention_prefill_args.h"
 #include "metal/gdn_args.h"
@@ -53,7 +54,8 @@ void init_kernel_args(nb::module_& parent) {
       .def_rw("in_", &QuantMatrix::in)
       .LILY_FIELD(QuantMatrix, out)
       .LILY_FIELD(QuantMatrix, bits)
-      .LILY_FIELD(QuantMatrix, group);
+      .LILY_FIELD(QuantMatrix, group)
+      .LILY_FIELD(QuantMatrix, vec);
   args_struct<GemvArgs>(m, "GemvArgs", "gemv_<S>").LILY_FIELD(GemvArgs, w).LILY_FIELD(GemvArgs, ldx).LILY_FIELD(GemvArgs, ldy);
   args_struct<EmbedArgs>(m, "EmbedArgs", "embed_<S>").LILY_FIELD(EmbedArgs, w).LILY_FIELD(EmbedArgs, vocab);
   args_struct<GemmArgs>(m, "GemmArgs", "gemm_<S>_bm<BM>")
@@ -111,7 +113,8 @@ void init_kernel_args(nb::module_& parent) {
       .LILY_FIELD(MoeDownArgs, shared_down)
       .LILY_FIELD(MoeDownArgs, k)
       .LILY_FIELD(MoeDownArgs, weighted)
-      .LILY_FIELD(MoeDownArgs, has_shared);
+      .LILY_FIELD(MoeDownArgs, has_shared)
+      .LILY_FIELD(MoeDownArgs, lanes);
   args_struct<MoePlanArgs>(m, "MoePlanArgs", "moe_plan")
       .LILY_FIELD(MoePlanArgs, n)
       .LILY_FIELD(MoePlanArgs, E)
@@ -136,6 +139,14 @@ void init_kernel_args(nb::module_& parent) {
       .LILY_FIELD(SampleArgs, use_min_p)
       .LILY_FIELD(SampleArgs, inv_t)
       .LILY_FIELD(SampleArgs, min_p_offset);
+
+  // The host's choices the tests make as it does (csrc/gpu/encode.h).
+  m.def("vector_rows", &gpu::vector_rows, nb::arg("m"), nb::arg("starts"),
+        "whether QuantMatrix.vec may be set: rows of whole 16-byte runs, every start 16-byte aligned");
+  m.def(
+      "moe_down_lanes",
+      [](const QuantMatrix& down, const QuantMatrix* shared, int k) { return gpu::moe_down_lanes(down, shared, k); },
+      nb::arg("down"), nb::arg("shared").none(), nb::arg("k"), "MoeDownArgs.lanes as encode_moe_down picks it");
 
   // The compile-time constants grids are sized by.
   m.attr("GEMV_ROWS") = LILY_GEMV_SIMDGROUPS * LILY_GEMV_ROWS_PER_SIMDGROUP;  // rows per gemv threadgroup

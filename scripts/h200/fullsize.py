@@ -15,6 +15,16 @@ GPU milliseconds per kernel of one prefill of --timing-prefill tokens and of one
 
 These are H200 figures of kernels written for Apple GPUs: they show that the kernels run at the
 real shape and long contexts and where the GPU time goes, not how fast a Mac is.
+
+--backend-options JSON is passed to the GPU model loads (Model.load backend_options), so two runs
+of one build time a kernel change before and after; the decode GEMVs' 16-byte loads (issue 16):
+
+    python3 scripts/h200/fullsize.py CKPT --contexts 512,4096 --check-max 0 --out DIR/after
+    python3 scripts/h200/fullsize.py CKPT --contexts 512,4096 --check-max 0 --out DIR/before \
+        --backend-options '{"gemv_words": true}'
+
+(gemv_words: 32-bit word reads, as before; the timing pass's decode table then shows the gemv,
+moe_gate_up and moe_down milliseconds of each.)
 Writes DIR/fullsize.json and DIR/fullsize.md; prints the table.
 """
 
@@ -95,6 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=256,
                     help="an untimed prefill of this many tokens and 2 decode steps first (0: none)")
     ap.add_argument("--copy-gbs", type=float, help="the GPU's measured copy bandwidth (scripts/h200/copy_bw.cu)")
+    ap.add_argument("--backend-options", type=json.loads, default={},
+                    help='JSON for the GPU loads\' backend_options, e.g. \'{"gemv_words": true}\'')
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -102,8 +114,9 @@ def main(argv=None) -> int:
     top = max(contexts) + a.decode + 1
 
     t = time.perf_counter()
-    gpu = lily.Model.load(a.ckpt, backend=a.backend, max_context=top)
-    report: dict = {"backend": a.backend, "load_s": time.perf_counter() - t, "contexts": []}
+    gpu = lily.Model.load(a.ckpt, backend=a.backend, max_context=top, backend_options=a.backend_options or None)
+    report: dict = {"backend": a.backend, "backend_options": a.backend_options, "load_s": time.perf_counter() - t,
+                    "contexts": []}
     config = json.loads((a.ckpt / "config.json").read_text())
     vocab = config.get("text_config", config)["vocab_size"]
     cpu_models: dict[str, lily.Model] = {}
@@ -143,7 +156,7 @@ def main(argv=None) -> int:
     # Timing pass: the same backend with an event pair around every dispatch.
     del gpu
     timed = lily.Model.load(a.ckpt, backend=a.backend, max_context=a.timing_prefill + 4,
-                            backend_options={"timing": True}) if a.backend == "msl-cuda" and a.timing_prefill else None
+                            backend_options={**a.backend_options, "timing": True}) if a.backend == "msl-cuda" and a.timing_prefill else None
     if timed is not None:
         s = timed.session(a.timing_prefill + 4)
         timed._engine.gpu_timings()  # drop the load's
@@ -154,7 +167,8 @@ def main(argv=None) -> int:
         report["decode_kernels"] = kernel_table(timed._engine.gpu_records(False), timed._engine.gpu_timings())
 
     (a.out / "fullsize.json").write_text(json.dumps(report, indent=1))
-    md = [f"backend {a.backend}; load {report['load_s']:.1f} s", "",
+    opts = f" (backend_options {json.dumps(a.backend_options)})" if a.backend_options else ""
+    md = [f"backend {a.backend}{opts}; load {report['load_s']:.1f} s", "",
           "| context | GPU prefill tok/s | GPU decode tok/s | reference | max abs diff (logit scale) | top-1 | greedy |",
           "|---:|---:|---:|---|---:|---|---|"]
     for r in report["contexts"]:
