@@ -515,6 +515,9 @@ void init_model(nb::module_& m) {
         return std::string(g && g->options().kv_half ? "float16" : "float32");
       }, "The KV cache's element type: 'float32' or 'float16' (a GPU backend's kv_dtype option).")
       .def_prop_ro("prefill_chunk", &Engine::prefill_chunk)
+      .def_prop_ro(
+          "batch_rows", [](Engine& e) { return e.backend().batch_rows(); },
+          "The most rows one pass of several sequences holds (Engine.step splits a larger step into passes).")
       .def("new_state", &Engine::new_state, nb::arg("max_context"))
       .def("kv_bytes", &Engine::kv_bytes, nb::arg("positions"),
            "Bytes of KV cache (all attention layers) for `positions` tokens.")
