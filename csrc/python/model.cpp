@@ -516,6 +516,9 @@ void init_model(nb::module_& m) {
       }, "The KV cache's element type: 'float32' or 'float16' (a GPU backend's kv_dtype option).")
       .def_prop_ro("prefill_chunk", &Engine::prefill_chunk)
       .def_prop_ro(
+          "batches", [](Engine& e) { return e.backend().batches(); },
+          "Whether one pass may hold rows of several sequences (Engine.step; every backend today).")
+      .def_prop_ro(
           "batch_rows", [](Engine& e) { return e.backend().batch_rows(); },
           "The most rows one pass of several sequences holds (Engine.step splits a larger step into passes).")
       .def("new_state", &Engine::new_state, nb::arg("max_context"))

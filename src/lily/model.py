@@ -75,6 +75,15 @@ if TYPE_CHECKING:
 # medium model, 2 cores (docs/server.md, "Measured"; benchmarks/README.md, "Batched decode").
 DEFAULT_MAX_BATCH = 8
 
+
+def default_max_batch(engine) -> int:
+    """DEFAULT_MAX_BATCH, or on a GPU backend the rows of one pass (``engine.batch_rows``, 7):
+    every running generation's decode row then shares one pass, which reads the weights once
+    (benchmarks/metal_plan.py --batch), and an 8th would only wait for a pass of its own. Such
+    generations run on the host loop (the device loop is single-sequence); ``max_batch=1``
+    gives a lone generation the device loop back (docs/metal.md)."""
+    return min(DEFAULT_MAX_BATCH, int(engine.batch_rows))
+
 # "msl-cpu" runs the Metal backend's dispatch sequence on the MSL-on-CPU runtime (tests; slow);
 # "msl-cuda" the same kernels and dispatch sequence on an NVIDIA GPU (docs/msl-on-cuda.md).
 BACKENDS = ("cpu", "metal", "msl-cpu", "msl-cuda")
@@ -207,15 +216,15 @@ class Model:
         self.max_context = max_context
         self._lock = threading.Lock()  # one engine call at a time (shared scratch)
         # Engine passes shared by every thread's calls (lily.batching); generations at once:
-        # max_batch on a backend that batches (the CPU), else one at a time.
+        # max_batch on a backend that batches (all of them today), else one at a time.
         self._batcher = Batcher(engine, self._lock, prefill_rows=engine.prefill_chunk)
         self._generation = GenerationSlots(1)
-        self.max_batch = DEFAULT_MAX_BATCH
+        self.max_batch = default_max_batch(engine)
 
     @property
     def batches(self) -> bool:
-        """Whether generations running at once share engine passes (the CPU backend: continuous
-        batching, lily.batching); elsewhere they take turns."""
+        """Whether generations running at once share engine passes (continuous batching,
+        lily.batching: every backend today); elsewhere they take turns."""
         return self._batcher.batches
 
     @property
@@ -288,8 +297,9 @@ class Model:
         into memory on the CPU backend when the files take at most 3/4 of the available
         memory, mapped otherwise.
         max_batch: how many generations run at once, sharing engine passes (continuous
-        batching; default 8); more wait their turn. On backends that do not batch (the GPU
-        backends today) generations always take turns.
+        batching; default 8, 7 on the GPU backends: the rows of one pass there); more wait
+        their turn. On a GPU backend, generations run on the host loop when max_batch > 1
+        and on the device loop (tokens chosen on the GPU) when it is 1.
         """
         for name, value, types, what in (
                 ("path_or_repo_id", path_or_repo_id, (str, os.PathLike, type(None)), "a path or repo id"),
@@ -601,7 +611,8 @@ class Model:
         try:
             # GPU backends choose each token on the device and feed it to the next step there, unless
             # the request needs the logits on the host (penalties, logprobs, logit_bias, structured output).
-            on_device = device_loop_allowed(params, want_lp)
+            # The device loop is single-sequence: a model that batches generations uses the host loop.
+            on_device = device_loop_allowed(params, want_lp) and self.max_batch == 1
             choices = choice_loops(
                 seq, ids, len(cached), n or 1, prefill=seq.prefill, decode=seq.decode, params=params,
                 detokenizer=lambda: self.tokenizer.detokenizer(skip_special_tokens=True) if self.tokenizer else None,
