@@ -17,8 +17,8 @@ GPU backends batch too (msl-cpu: the Metal kernels on the CPU; reference: the sa
 alone on msl-cpu, bit for bit): 2-4 sequences at different positions (one past the split-K
 threshold) decode in ONE command buffer that reads the weights once; a prefill chunk inside
 the decode pass of others; a step over GpuBackend's batch_rows (below the GEMM route's 8 rows)
-split into passes that still equal solo; a pass that fails while encoded (msl-cpu's fault
-injection) leaves every sequence where it was.
+split into passes that still equal solo; the same under msl-cpu's dependency check; a pass
+that fails while encoded (msl-cpu's fault injection) leaves every sequence where it was.
 """
 
 from __future__ import annotations
@@ -208,6 +208,21 @@ def test_msl_cpu_batched_decode_is_bit_identical_to_solo(msl_path, dense_path, k
         assert not once and not any(weight_bytes[k] for k in set(weight_bytes) - set(solo_bytes)), once
         assert all(solo_bytes[k] <= weight_bytes[k] <= B * solo_bytes[k] for k in per_row)
         tokens = [int(t) for t in got.argmax(-1)]
+
+
+def test_msl_cpu_batched_pass_declares_its_dependencies(msl_path):
+    """msl-cpu's dependency check runs each group of dispatches the hazard tracker deemed
+    independent in reverse: the per-segment mixer dispatches (on offsets of shared activation
+    and split-K scratch buffers) must declare every edge, or a batched step (decode rows at
+    positions 3, 7 and 40, and a 3-token chunk) would differ from solo."""
+    model = lily.Model.load(msl_path, backend="msl-cpu", backend_options=dict(check_dependencies=True))
+    engine = model._engine
+    batch, solo = _prefilled(model, [PROMPTS[1], PROMPTS[2][:7], PROMPTS[2]])
+    fresh, twin = engine.new_state(64), engine.new_state(64)
+    chunk = np.asarray(PROMPTS[3][:3], np.int32)
+    got = engine.step([*batch, fresh], [np.asarray([t], np.int32) for t in (1, 2, 3)] + [chunk])
+    _assert_same(got[:3], _solo(model, solo, [1, 2, 3]), "checked batched decode rows")
+    _assert_same(got[3], engine.prefill(twin, chunk, False), "checked chunk beside them")
 
 
 def test_msl_cpu_prefill_chunk_inside_decode_passes(msl_path):
