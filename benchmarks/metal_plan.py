@@ -156,7 +156,7 @@ def batch_plan(c, context: int, batch: int) -> dict:
     p = plan(c, context, True, batch)
     per_token = {k: p[k] / batch for k in ("weights", "state", "activations")}
     return {"batch": batch, "context": context, "kv_cache": "f16", "passes": p["command buffers"],
-            "dispatches": p["dispatches"], "totals": totals(p),
+            "dispatches": p["dispatches"], "stages": p["stages"], "totals": totals(p),
             "per_token": {"weight_bytes": per_token["weights"], "state_bytes": per_token["state"],
                           "other_bytes": per_token["activations"], "total_bytes": sum(per_token.values())}}
 
@@ -286,15 +286,15 @@ def main() -> None:
         print(f"Continuous batching: one decode step of B sequences at {ctx0:,} (f16 KV), per generated token "
               "(experts: an upper bound, every row's distinct):")
         print()
-        print("| batch | passes | kernels | weights GB / token | state GB / token | activations GB / token | "
+        print("| batch | passes | kernels | stages | weights GB / token | state GB / token | activations GB / token | "
               "total GB / token | vs batch 1 |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         base = None
         for b in args.batches:
             bp = batch_plan(c, ctx0, b)
             t = bp["per_token"]
             base = base or t["total_bytes"]
-            print(f"| {b} | {bp['passes']} | {bp['dispatches']} | {t['weight_bytes'] / GB:.3f} | "
+            print(f"| {b} | {bp['passes']} | {bp['dispatches']} | {bp['stages']} | {t['weight_bytes'] / GB:.3f} | "
                   f"{t['state_bytes'] / GB:.4f} | {t['other_bytes'] / GB:.4f} | {t['total_bytes'] / GB:.3f} | "
                   f"{t['total_bytes'] / base:.3f} |")
     if not args.prompts:

@@ -12,7 +12,8 @@
 - A decode step of B sequences (continuous batching) is the dispatch sequence msl-cpu runs for
   decode_batch; at the 35B shape B <= 7 sequences are one pass that reads the dense weights
   once (each row adds its embedding row and its experts, min(B*k, E) per layer, and its own
-  state), 8 are two passes (7 + 1: passes of several sequences stay below the GEMM route).
+  state) in as many dependency stages as one sequence's step, 8 are two passes (7 + 1: passes
+  of several sequences stay below the GEMM route).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def test_batched_decode_plan_at_35b_shape():
         bp = mp.batch_plan(c, 4096, B)
         assert bp["passes"] == passes
         if passes == 1:
+            assert bp["stages"] == one["stages"]  # the segments' mixer dispatches share stages
             want = m["dense weights"] + (B - 1) * mp.qbytes(1, H) + mp.LAYERS * min(B * k, E) * expert
             assert bp["totals"]["weight_bytes"] == want
         assert bp["totals"]["state_bytes"] == B * one["state"]

@@ -327,6 +327,10 @@ void GpuBackend::embed(Segments segs, const int32_t* tokens) {
     ctx_.finish();
     for (const PassSegment& p : pass_) reserve_kv(*p.state, p.pos0 + p.n);  // may throw: nothing changed yet
     acts_.size_for(T);
+    // Split-K partials: a slice per segment (attention()), so the segments' decodes run at once.
+    const size_t n = pass_.size(), Hq = c_.n_heads, splits = options_.max_splits;
+    acts_.grow(acts_.part_o, n * Hq * splits * c_.head_dim * 4);
+    acts_.grow(acts_.part_ml, n * Hq * splits * 2 * 4);
     acts_.tokens->write(0, tokens, f);
     token_src = {acts_.tokens, 0};
   } else if (tokens) {  // the first device-loop step: a prompt's last chunk, from the host
@@ -365,30 +369,49 @@ void GpuBackend::attention(Segments, int layer, const AttentionWeights& w) {
   project(w.k_proj, "k_proj", {acts_.h, 0}, H, {acts_.k, 0}, Hkv * D, T);
   project(w.v_proj, "v_proj", {acts_.h, 0}, H, {acts_.v, 0}, Hkv * D, T);
 
-  // Each segment against its own cache and position, on its rows of qg, k, v and o.
+  // Each segment against its own cache and position, on its rows of qg, k, v and o (and its own
+  // slice of the split-K partials); each step encoded for every segment before the next, so the
+  // segments share stages.
   const float scale = 1.0f / std::sqrt(float(D));
   const int group = Hq / Hkv;
+  const size_t part_o = size_t(Hq) * options_.max_splits * D * 4, part_ml = size_t(Hq) * options_.max_splits * 2 * 4;
+  struct AttnSegment {
+    KvCacheView kv;
+    BufferRange qg, o;
+    uint32_t cap;
+  };
+  std::vector<AttnSegment> segs;
   for (const PassSegment& p : pass_) {
     GpuState& st = *p.state;
     const size_t r = size_t(p.first) * 4;
-    const BufferRange qg{acts_.qg, r * Hq * 2 * D}, o{acts_.o, r * Hq * D};
-    const KvCacheView kv = kv_view(st, layer);
-    const uint32_t cap = uint32_t(st.block_len ? st.block_len : st.capacity);  // blocks: positions per block
-    AttnPrepareArgs pa{uint32_t(D), uint32_t(c_.rotary_dim), uint32_t(Hq), uint32_t(Hkv), uint32_t(p.pos0), cap,
+    AttnSegment s{kv_view(st, layer), {acts_.qg, r * Hq * 2 * D}, {acts_.o, r * Hq * D},
+           uint32_t(st.block_len ? st.block_len : st.capacity)};  // blocks: positions per block
+    AttnPrepareArgs pa{uint32_t(D), uint32_t(c_.rotary_dim), uint32_t(Hq), uint32_t(Hkv), uint32_t(p.pos0), s.cap,
                        c_.rms_eps};
     encode_attn_prepare(ctx_, pa, p.n, {acts_.k, r * Hkv * D}, {acts_.v, r * Hkv * D}, weights_gpu_.vector(w.q_norm),
-                        weights_gpu_.vector(w.k_norm), inv_freq_, kv, qg);
+                        weights_gpu_.vector(w.k_norm), inv_freq_, s.kv, s.qg);
+    segs.push_back(std::move(s));
+  }
+  std::vector<AttnArgs> decode(pass_.size());
+  for (size_t i = 0; i < pass_.size(); ++i) {
+    const PassSegment& p = pass_[i];
+    const AttnSegment& s = segs[i];
     if (p.n > 1 && attn_prefill_fits(D, group)) {  // a chunk: flash attention over query tiles
       const uint32_t tile = std::max(1, LILY_ATTN_PF_ROWS / group);
-      AttnPrefillArgs a{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), cap, uint32_t(p.pos0), uint32_t(p.n), tile, scale};
-      encode_attn_prefill(ctx_, a, qg, kv, o);
-    } else {
-      AttnArgs a{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), cap, uint32_t(p.pos0), 1, 0, scale};
-      attn_decode_splits(a, p.pos0 + p.n, p.n, options_.split_threshold, options_.split_len, options_.max_splits,
-                         st.block_len);
-      encode_attn_decode(ctx_, a, p.n, qg, kv, o, {acts_.part_o, 0}, {acts_.part_ml, 0});
+      AttnPrefillArgs a{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), s.cap, uint32_t(p.pos0), uint32_t(p.n), tile, scale};
+      encode_attn_prefill(ctx_, a, s.qg, s.kv, s.o);
+      continue;
     }
+    AttnArgs& a = decode[i];
+    a = AttnArgs{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), s.cap, uint32_t(p.pos0), 1, 0, scale};
+    attn_decode_splits(a, p.pos0 + p.n, p.n, options_.split_threshold, options_.split_len, options_.max_splits,
+                       p.state->block_len);
+    encode_attn_decode(ctx_, a, p.n, s.qg, s.kv, s.o, {acts_.part_o, i * part_o}, {acts_.part_ml, i * part_ml});
   }
+  for (size_t i = 0; i < pass_.size(); ++i)  // (n_splits is 0 for a prefill segment: nothing to combine)
+    if (decode[i].n_splits > 1)
+      encode_attn_combine(ctx_, decode[i], segs[i].qg, segs[i].o, {acts_.part_o, i * part_o},
+                          {acts_.part_ml, i * part_ml});
   project(w.o_proj, "o_proj", {acts_.o, 0}, Hq * D, {acts_.y, 0}, H, T);
 }
 
@@ -414,24 +437,41 @@ void GpuBackend::gated_deltanet(Segments, int layer, const GdnWeights& w) {
   }
   const GdnLayerBuffers L{weights_gpu_.vector(w.conv1d), weights_gpu_.vector(w.a_neg), weights_gpu_.vector(w.dt_bias),
                           weights_gpu_.vector(w.norm)};
-  // Each segment against its own conv window and state, on its rows of the activations.
+  // Each segment against its own conv window and state, on its rows of the activations; each
+  // step encoded for every segment before the next, so the segments share stages.
+  struct GdnSegment {
+    GdnArgs args;
+    BufferRange qkv, z, b, a, conv_out, gates, go;
+    GdnStateView sv;
+    bool chunk;  // the prefill route (gdn_prepare + gdn_scan)
+  };
+  std::vector<GdnSegment> segs;
   for (const PassSegment& p : pass_) {
     GpuState& st = *p.state;
     const size_t r = size_t(p.first) * 4;
-    GdnArgs sa = args;
-    sa.T = uint32_t(p.n);
-    const BufferRange sqkv{acts_.qkv, r * C}, sz{acts_.z, r * vdim}, sb{acts_.b, r * Hv}, sa_{acts_.a, r * Hv},
-        conv_out{acts_.conv_out, r * C}, go{acts_.go, r * vdim};
-    const GdnStateView sv{st.conv[p.in][layer], st.conv[p.in ^ 1][layer], st.S[p.in][layer], st.S[p.in ^ 1][layer]};
-    if (p.n > 1 && gdn_prefill_fits(c_.gdn_k_dim, c_.gdn_v_dim)) {  // a chunk: conv + norms for all tokens, one scan
-      const BufferRange gates{acts_.gdn_gates, r * Hv * 2};
-      encode_gdn_prepare(ctx_, sa, sqkv, sb, sa_, L, sv, conv_out, gates);
-      encode_gdn_scan(ctx_, sa, conv_out, gates, sz, L, sv, go);
-    } else {
-      encode_gdn_conv(ctx_, sa, sqkv, L, sv, conv_out);
-      encode_gdn_recurrence(ctx_, sa, conv_out, sb, sa_, sz, L, sv, go);
-    }
+    GdnSegment s{args,
+           {acts_.qkv, r * C},
+           {acts_.z, r * vdim},
+           {acts_.b, r * Hv},
+           {acts_.a, r * Hv},
+           {acts_.conv_out, r * C},
+           {acts_.gdn_gates, r * Hv * 2},
+           {acts_.go, r * vdim},
+           {st.conv[p.in][layer], st.conv[p.in ^ 1][layer], st.S[p.in][layer], st.S[p.in ^ 1][layer]},
+           p.n > 1 && gdn_prefill_fits(c_.gdn_k_dim, c_.gdn_v_dim)};
+    s.args.T = uint32_t(p.n);
+    segs.push_back(std::move(s));
   }
+  for (const GdnSegment& s : segs) {
+    if (s.chunk) encode_gdn_prepare(ctx_, s.args, s.qkv, s.b, s.a, L, s.sv, s.conv_out, s.gates);
+    else encode_gdn_conv(ctx_, s.args, s.qkv, L, s.sv, s.conv_out);
+  }
+  for (const GdnSegment& s : segs) {
+    if (s.chunk) encode_gdn_scan(ctx_, s.args, s.conv_out, s.gates, s.z, L, s.sv, s.go);
+    else encode_gdn_recurrence(ctx_, s.args, s.conv_out, s.b, s.a, L, s.sv, s.go);
+  }
+  for (const GdnSegment& s : segs)
+    if (!s.chunk) encode_gdn_gated_norm(ctx_, s.args, s.z, L, s.go);
   project(w.out_proj, "out_proj", {acts_.go, 0}, vdim, {acts_.y, 0}, H, T);
 }
 
