@@ -470,8 +470,18 @@ void GpuBackend::gated_deltanet(Segments, int layer, const GdnWeights& w) {
     if (s.chunk) encode_gdn_scan(ctx_, s.args, s.conv_out, s.gates, s.z, L, s.sv, s.go);
     else encode_gdn_recurrence(ctx_, s.args, s.conv_out, s.b, s.a, L, s.sv, s.go);
   }
-  for (const GdnSegment& s : segs)
-    if (!s.chunk) encode_gdn_gated_norm(ctx_, s.args, s.z, L, s.go);
+  // The gated norm is row-wise: one dispatch per run of consecutive decode-route segments.
+  for (size_t i = 0; i < segs.size();) {
+    if (segs[i].chunk) {
+      ++i;
+      continue;
+    }
+    GdnArgs run = segs[i].args;
+    size_t j = i + 1;
+    for (; j < segs.size() && !segs[j].chunk; ++j) run.T += segs[j].args.T;
+    encode_gdn_gated_norm(ctx_, run, segs[i].z, L, segs[i].go);
+    i = j;
+  }
   project(w.out_proj, "out_proj", {acts_.go, 0}, vdim, {acts_.y, 0}, H, T);
 }
 
