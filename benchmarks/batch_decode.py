@@ -7,7 +7,12 @@ run per sequence. Each sequence holds a context of about --context tokens: a sha
 differ (and route to different experts) from the first step on. Each step feeds every sequence
 its greedy token. Reported: the median wall time of --steps steps after --warmup, and B / that.
 
+--backend msl-cuda / metal / msl-cpu: the GPU backends batch too (a pass of several sequences
+holds at most engine.batch_rows = 7 rows there; 8 sequences are passes of 7 and 1). --check
+first compares one batched step with each sequence decoded alone (clones), bit for bit.
+
     python benchmarks/batch_decode.py --model build/bench/medium/mlx4 --threads 2 --batch 1,2,4,8,16
+    python benchmarks/batch_decode.py --model demo --backend msl-cuda --batch 1,2,4,7,8 --check
     python benchmarks/batch_decode.py --json out.json
 """
 
@@ -27,7 +32,17 @@ ROOT = Path(__file__).resolve().parents[1]
 OWN_TOKENS = 10  # distinct tokens per sequence after the shared prefix
 
 
-def measure(model: lily.Model, batch: int, context: int, steps: int, warmup: int, seed: int) -> dict:
+def same_as_solo(engine, states, tokens) -> bool:
+    """One batched step of `states` equals each sequence's step alone (on clones), bit for bit;
+    leaves the states one step on."""
+    solo = [s.clone() for s in states]
+    got = engine.decode_batch(states, tokens)
+    want = np.stack([engine.decode(s, int(t)) for s, t in zip(solo, tokens, strict=True)])
+    return bool(np.array_equal(got.view(np.uint32), want.view(np.uint32)))
+
+
+def measure(model: lily.Model, batch: int, context: int, steps: int, warmup: int, seed: int,
+            check: bool = False) -> dict:
     engine = model._engine
     rng = np.random.default_rng(seed)
     vocab = model.config.vocab_size
@@ -39,6 +54,7 @@ def measure(model: lily.Model, batch: int, context: int, steps: int, warmup: int
         logits = engine.prefill(s, rng.integers(0, vocab, size=OWN_TOKENS).astype(np.int32), False)
         states.append(s)
     tokens = np.full(batch, int(logits.argmax()), dtype=np.int32)
+    identical = same_as_solo(engine, states, tokens) if check else None
     times = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
@@ -49,12 +65,15 @@ def measure(model: lily.Model, batch: int, context: int, steps: int, warmup: int
         tokens = logits.argmax(-1).astype(np.int32)
     step_s = statistics.median(times)
     return {"batch": batch, "context": states[0].position - warmup - steps, "step_ms": step_s * 1e3,
-            "tokens_per_s": batch / step_s, "steps": steps}
+            "tokens_per_s": batch / step_s, "steps": steps, "bit_identical_to_solo": identical}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(ROOT / "build" / "bench" / "medium" / "mlx4"))
+    ap.add_argument("--model", default=str(ROOT / "build" / "bench" / "medium" / "mlx4"),
+                    help="a checkpoint, or 'demo' (the embedded demo model)")
+    ap.add_argument("--backend", default="cpu", choices=["cpu", "metal", "msl-cpu", "msl-cuda"])
+    ap.add_argument("--check", action="store_true", help="first compare a batched step with solo steps")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cpu-matmul", default="auto", choices=["auto", "int8", "f32"])
     ap.add_argument("--batch", default="1,2,4,8,16", help="comma-separated batch sizes")
@@ -66,16 +85,23 @@ def main() -> None:
     args = ap.parse_args()
     if args.context <= OWN_TOKENS:
         ap.error(f"--context must exceed {OWN_TOKENS}")
-    model = lily.Model.load(args.model, threads=args.threads, cpu_matmul=args.cpu_matmul)
-    rows = [measure(model, int(b), args.context, args.steps, args.warmup, args.seed) for b in args.batch.split(",")]
+    path = None if args.model == "demo" else args.model
+    if args.backend == "cpu":
+        model = lily.Model.load(path, threads=args.threads, cpu_matmul=args.cpu_matmul)
+    else:
+        model = lily.Model.load(path, backend=args.backend)
+    rows = [measure(model, int(b), args.context, args.steps, args.warmup, args.seed, args.check)
+            for b in args.batch.split(",")]
     base = rows[0]["tokens_per_s"] / rows[0]["batch"]
     print(f"{model!r}\ncontext ~{args.context} tokens, median of {args.steps} steps after {args.warmup}\n")
-    print("| B | ms / step | tokens/s (all sequences) | vs B=1 per token |")
-    print("|---:|---:|---:|---:|")
+    print("| B | ms / step | tokens/s (all sequences) | vs B=1 per token | bit-identical to solo |")
+    print("|---:|---:|---:|---:|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f}x |")
+        same = {None: "-", True: "yes", False: "NO"}[r["bit_identical_to_solo"]]
+        print(f"| {r['batch']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f}x | {same} |")
     if args.json:
-        out = {"model": args.model, "engine": repr(model), "threads": args.threads, "cpu_matmul": model._engine.cpu_matmul,
+        out = {"model": args.model, "engine": repr(model), "backend": args.backend, "threads": args.threads,
+               "cpu_matmul": model._engine.cpu_matmul,
                "rows": rows}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 

@@ -23,6 +23,14 @@ weights + every expert a chunk of that size can touch, min(T*k, E) per layer), K
 attention dispatches read, and the device memory the backend holds besides the weights
 (sequence state, and scratch: activations for one chunk, tables).
 
+Continuous batching (--batches, default 1 4 8; issue 19): one decode step of B sequences at the
+first context (f16 KV, the GPU default), in the passes Engine.step makes (a pass of several
+sequences holds at most GpuBackend::batch_rows() = 7 rows, so 8 sequences are passes of 7 and
+1), and the bytes per generated token: dense weights are read once per pass, the embedding
+row, the routed experts, the KV cache and the DeltaNet state per sequence. The plan counts
+min(B*k, E) experts per MoE layer for a pass of B rows (every row's experts distinct: an upper
+bound; real routing overlaps).
+
 With --json the same runs are printed as one JSON object instead of tables: per decode context
 (and KV cache type) and per prompt's last prefill chunk, one object per dispatch (kernel,
 stage, threadgroups, threads_per_threadgroup, weight_bytes, state_bytes, other_bytes) and the
@@ -32,6 +40,7 @@ parameters, nothing there was measured on Apple hardware).
 
     PYTHONPATH=src python benchmarks/metal_plan.py [--contexts 4096 32768 131072] [--prompts 512 4096 32768]
     PYTHONPATH=src python benchmarks/metal_plan.py --json > plan.json
+    PYTHONPATH=src python benchmarks/metal_plan.py --contexts 4096 --prompts --batches 1 4 8
 """
 
 from __future__ import annotations
@@ -160,9 +169,9 @@ def estimate_decode(dispatches: list[dict], cores: int, bandwidth_gbs: float, ef
     return {"step_ms": seconds * 1e3, "tokens_per_s": 1.0 / seconds}
 
 
-def plan(c, context, kv_half=False):
+def plan(c, context, kv_half=False, batch=1):
     rows, (dispatches, barriers, cbs, waits), _scratch = _core.gpu_plan(
-        c, context, BITS, GROUP, GATE_BITS, kv_half=kv_half)
+        c, context, BITS, GROUP, GATE_BITS, kv_half=kv_half, batch=batch)
     kernels = Counter(r[0] for r in rows)
     by_kernel = defaultdict(int)
     for name, _stage, wb, sb, ob, _tgs, _threads in rows:
@@ -179,6 +188,16 @@ def plan(c, context, kv_half=False):
         "kernels": kernels,
         "by_kernel": by_kernel,
     }
+
+
+def batch_plan(c, context: int, batch: int) -> dict:
+    """One decode step of `batch` sequences at `context` (f16 KV), per generated token."""
+    p = plan(c, context, True, batch)
+    per_token = {k: p[k] / batch for k in ("weights", "state", "activations")}
+    return {"batch": batch, "context": context, "kv_cache": "f16", "passes": p["command buffers"],
+            "dispatches": p["dispatches"], "stages": p["stages"], "totals": totals(p),
+            "per_token": {"weight_bytes": per_token["weights"], "state_bytes": per_token["state"],
+                          "other_bytes": per_token["activations"], "total_bytes": sum(per_token.values())}}
 
 
 def minimum_chunk_weight_bytes(c: _core.ModelConfig, T: int) -> int:
@@ -227,7 +246,8 @@ def totals(p: dict) -> dict:
     }
 
 
-def json_report(c, contexts: list[int], prompts: list[int], chunk: int) -> dict:
+def json_report(c, contexts: list[int], prompts: list[int], chunk: int,
+                batches: tuple[int, ...] = (1, 4, 8)) -> dict:
     decode = []
     for kv in ("f32", "f16"):
         for ctx in contexts:
@@ -246,6 +266,7 @@ def json_report(c, contexts: list[int], prompts: list[int], chunk: int) -> dict:
         "model": "Qwen3.6-35B-A3B shape, MLX affine 4-bit group 64 (router and shared-expert gate 8-bit)",
         "decode": decode,
         "prefill_last_chunk": prefill,
+        "decode_batches": [batch_plan(c, contexts[0], b) for b in batches],
         "estimate_note": "ESTIMATE from benchmarks/metal_plan.py estimate_decode (bandwidth-bound dispatches, "
                          "threadgroup-count-limited occupancy); unverified on Apple hardware",
         "estimate_parameters": {"gpus": GPU_MODELS, **ESTIMATE_DEFAULTS},
@@ -256,14 +277,16 @@ def json_report(c, contexts: list[int], prompts: list[int], chunk: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
-    ap.add_argument("--prompts", type=int, nargs="+", default=[512, 4096, 32768])
+    ap.add_argument("--prompts", type=int, nargs="*", default=[512, 4096, 32768])
     ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 4, 8],
+                    help="decode batch sizes for the bytes-per-generated-token table")
     ap.add_argument("--markdown", action="store_true", help="print markdown tables (docs/metal.md)")
     ap.add_argument("--json", action="store_true", help="one JSON object: every dispatch, totals, estimates")
     args = ap.parse_args()
     c = config_35b()
     if args.json:
-        print(json.dumps(json_report(c, args.contexts, args.prompts, args.chunk), indent=1))
+        print(json.dumps(json_report(c, args.contexts, args.prompts, args.chunk, args.batches), indent=1))
         return
     GB = 1e9
     results = {(ctx, kv): (plan(c, ctx, kv == "f16"), minimum_bytes(c, ctx, 2 if kv == "f16" else 4))
@@ -298,6 +321,24 @@ def main() -> None:
     for name, n in sorted(p0["kernels"].items(), key=lambda kv: -p0["by_kernel"][kv[0]]):
         print(f"| {name} | {n} | {p0['by_kernel'][name] / GB:.4f} |")
 
+    if args.batches:
+        print()
+        print(f"Continuous batching: one decode step of B sequences at {ctx0:,} (f16 KV), per generated token "
+              "(experts: an upper bound, every row's distinct):")
+        print()
+        print("| batch | passes | kernels | stages | weights GB / token | state GB / token | activations GB / token | "
+              "total GB / token | vs batch 1 |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        base = None
+        for b in args.batches:
+            bp = batch_plan(c, ctx0, b)
+            t = bp["per_token"]
+            base = base or t["total_bytes"]
+            print(f"| {b} | {bp['passes']} | {bp['dispatches']} | {bp['stages']} | {t['weight_bytes'] / GB:.3f} | "
+                  f"{t['state_bytes'] / GB:.4f} | {t['other_bytes'] / GB:.4f} | {t['total_bytes'] / GB:.3f} | "
+                  f"{t['total_bytes'] / base:.3f} |")
+    if not args.prompts:
+        return
     print()
     print("Decode GEMV reads (serial load steps of a simdgroup for its 4 rows; threadgroups unchanged):")
     print()

@@ -13,11 +13,17 @@ sequences share its pass, in both CPU matmul modes and at any thread count:
 - a prompt prefilled in chunks inside the decode passes of other sequences (Engine.step);
 - refused batches (a state of another engine, a state twice, a full context, a bad token, a
   device decode loop running) raise a RequestError naming the problem and change no state.
-GPU backends run a batch as one pass per sequence: on msl-cpu (the Metal kernels on the CPU)
-decode_batch and a mixed step equal solo decodes and prefills.
+GPU backends batch too (msl-cpu: the Metal kernels on the CPU; reference: the same sequence
+alone on msl-cpu, bit for bit): 2-4 sequences at different positions (one past the split-K
+threshold) decode in ONE command buffer that reads the weights once; a prefill chunk inside
+the decode pass of others; a step over GpuBackend's batch_rows (below the GEMM route's 8 rows)
+split into passes that still equal solo; the same under msl-cpu's dependency check; a pass
+that fails while encoded (msl-cpu's fault injection) leaves every sequence where it was.
 """
 
 from __future__ import annotations
+
+import collections
 
 import numpy as np
 import pytest
@@ -165,21 +171,121 @@ def msl_path(store):
     return store.mlx("qwen3_5_moe", 4, 64, "bfloat16")
 
 
-def test_msl_cpu_runs_a_batch_one_sequence_at_a_time(msl_path):
+def _gpu_pass(engine, run, *args):
+    """run(*args)'s result, the command buffers it took and the weight bytes its dispatches read per
+    kernel."""
+    engine.gpu_records(True)
+    cb0 = engine.gpu_stats[2]
+    out = run(*args)
+    cb = engine.gpu_stats[2] - cb0
+    weights = collections.Counter()
+    for r in engine.gpu_records(False):
+        weights[r[0]] += r[2]
+    return out, cb, weights
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+@pytest.mark.parametrize("B", [2, 3, 4])
+def test_msl_cpu_batched_decode_is_bit_identical_to_solo(msl_path, dense_path, kind, B):
+    """B sequences at positions 3, 7, 40 (past split-K's 32) and 1 decode in one pass: one
+    command buffer reading every dense matrix once (a solo step's bytes), logits bit-identical
+    to solo."""
+    model = lily.Model.load(msl_path if kind == "moe" else dense_path, backend="msl-cpu")
+    engine = model._engine
+    assert engine.batch_rows == 7
+    batch, solo = _prefilled(model, [PROMPTS[1], PROMPTS[2][:7], PROMPTS[2], PROMPTS[0][:1]][:B])
+    tokens = [11, 12, 13, 14][:B]
+    for step in range(3):
+        want, _, solo_bytes = _gpu_pass(engine, engine.decode, solo[0], tokens[0])
+        want = np.stack([want] + [engine.decode(s, t) for s, t in zip(solo[1:], tokens[1:], strict=True)])
+        got, cbs, weight_bytes = _gpu_pass(engine, engine.decode_batch, batch, np.asarray(tokens, np.int32))
+        _assert_same(got, want, f"msl-cpu decode_batch of {B}, step {step}")
+        assert cbs == 1
+        # Dense matrices read once for all rows; the embedding rows and routed experts that
+        # the rows choose (their union) are per row.
+        per_row = [k for k in solo_bytes if k.startswith(("embed", "moe_gate_up", "moe_down"))]
+        once = {k: (weight_bytes[k], n) for k, n in solo_bytes.items() if k not in per_row and weight_bytes[k] != n}
+        assert not once and not any(weight_bytes[k] for k in set(weight_bytes) - set(solo_bytes)), once
+        assert all(solo_bytes[k] <= weight_bytes[k] <= B * solo_bytes[k] for k in per_row)
+        tokens = [int(t) for t in got.argmax(-1)]
+
+
+def test_msl_cpu_batched_pass_declares_its_dependencies(msl_path):
+    """msl-cpu's dependency check runs each group of dispatches the hazard tracker deemed
+    independent in reverse: the per-segment mixer dispatches (on offsets of shared activation
+    and split-K scratch buffers) must declare every edge, or a batched step (decode rows at
+    positions 3, 7 and 40, and a 3-token chunk) would differ from solo."""
+    model = lily.Model.load(msl_path, backend="msl-cpu", backend_options=dict(check_dependencies=True))
+    engine = model._engine
+    batch, solo = _prefilled(model, [PROMPTS[1], PROMPTS[2][:7], PROMPTS[2]])
+    fresh, twin = engine.new_state(64), engine.new_state(64)
+    chunk = np.asarray(PROMPTS[3][:3], np.int32)
+    got = engine.step([*batch, fresh], [np.asarray([t], np.int32) for t in (1, 2, 3)] + [chunk])
+    _assert_same(got[:3], _solo(model, solo, [1, 2, 3]), "checked batched decode rows")
+    _assert_same(got[3], engine.prefill(twin, chunk, False), "checked chunk beside them")
+
+
+def test_msl_cpu_prefill_chunk_inside_decode_passes(msl_path):
+    """A 12-token prompt in chunks of 4 inside two sequences' decode passes (6 rows: one pass),
+    first, between or after them, against the same chunks prefilled alone; then a step of 8
+    decode rows and one with a 9-token chunk, over batch_rows: split into passes, still
+    bit-identical to solo."""
     model = lily.Model.load(msl_path, backend="msl-cpu")
     engine = model._engine
-    prompts = [PROMPTS[1], PROMPTS[2][:7]]
-    batch, solo = _prefilled(model, prompts)
-    tokens = [11, 12]
-    for step in range(2):
-        got = engine.decode_batch(batch, np.asarray(tokens, dtype=np.int32))
-        _assert_same(got, _solo(model, solo, tokens), f"msl-cpu decode_batch step {step}")
-        tokens = [int(t) for t in got.argmax(-1)]
-    # A mixed step: a 3-token chunk beside a decode row.
+    batch, solo = _prefilled(model, [PROMPTS[1], PROMPTS[2]])
+    prompt = PROMPTS[4][:12]
     fresh, twin = engine.new_state(64), engine.new_state(64)
-    got = engine.step([batch[0], fresh], [np.asarray([tokens[0]], np.int32), np.asarray([1, 2, 3], np.int32)])
-    _assert_same(got[0], engine.decode(solo[0], tokens[0]), "msl-cpu step: the decode row")
-    _assert_same(got[1], engine.prefill(twin, np.asarray([1, 2, 3], np.int32), False), "msl-cpu step: the chunk")
+    tok = [5, 6]
+    for i, at in enumerate(range(0, len(prompt), 4)):
+        chunk = np.asarray(prompt[at:at + 4], np.int32)
+        states, tokens = [batch[0], batch[1]], [np.asarray([t], np.int32) for t in tok]
+        states.insert(i % 3, fresh)
+        tokens.insert(i % 3, chunk)
+        got, cbs, _ = _gpu_pass(engine, engine.step, states, tokens)
+        others = np.delete(got, i % 3, axis=0)
+        _assert_same(others, _solo(model, solo, tok), f"decode rows beside prefill chunk {i}")
+        _assert_same(got[i % 3], engine.prefill(twin, chunk, False), f"prefill chunk {i}'s last row")
+        assert cbs == 1
+        tok = [int(t) for t in others.argmax(-1)]
+    # 8 decode rows: passes of 7 and 1.
+    more, more_solo = _prefilled(model, [PROMPTS[3][:n] for n in (2, 3, 4, 5, 6)])
+    states, twins = [fresh, *batch, *more], [twin, *solo, *more_solo]
+    tokens = list(range(20, 28))
+    got, cbs, _ = _gpu_pass(engine, engine.decode_batch, states, np.asarray(tokens, np.int32))
+    _assert_same(got, _solo(model, twins, tokens), "8 decode rows (two passes)")
+    assert cbs == 2
+    # A 9-token chunk (the GEMM route: a pass of its own) beside two decode rows.
+    chunk, alone = engine.new_state(64), engine.new_state(64)
+    got, cbs, _ = _gpu_pass(engine, engine.step, [batch[0], chunk, batch[1]],
+                            [np.asarray([3], np.int32), np.asarray(prompt[:9], np.int32), np.asarray([4], np.int32)])
+    _assert_same(np.delete(got, 1, axis=0), _solo(model, solo[:2], [3, 4]), "decode rows beside a 9-token chunk")
+    _assert_same(got[1], engine.prefill(alone, np.asarray(prompt[:9], np.int32), False), "the 9-token chunk")
+    assert cbs == 2
+
+
+def test_msl_cpu_failed_batched_pass_leaves_every_sequence_usable(msl_path):
+    """Attention's decode kernel fails on its first dispatch (segment 0 of the pass), after
+    every segment's DeltaNet layers were encoded: the step raises, no position moves, and the
+    next steps equal solo decodes (abandon_pass put every segment's state copies back)."""
+    model = lily.Model.load(msl_path, backend="msl-cpu",
+                            backend_options=dict(fail_dispatch="attn_decode_float_d96", kv_dtype="float32"))
+    engine = model._engine
+    batch, solo = _prefilled(model, [PROMPTS[1], PROMPTS[2][:7], PROMPTS[2]])
+    with pytest.raises(lily.LilyError, match=r"attn_decode_float_d96': injected failure"):
+        engine.decode_batch(batch, np.asarray([7, 8, 9], np.int32))
+    assert [s.position for s in batch] == [s.position for s in solo]
+    tokens = [7, 8, 9]
+    for step in range(2):
+        got = engine.decode_batch(batch, np.asarray(tokens, np.int32))
+        _assert_same(got, _solo(model, solo, tokens), f"decode_batch {step} after the failed pass")
+        tokens = [int(t) for t in got.argmax(-1)]
+
+
+def test_msl_cpu_refuses_a_batch_during_a_device_loop(msl_path):
+    model = lily.Model.load(msl_path, backend="msl-cpu")
+    engine = model._engine
+    batch, _ = _prefilled(model, [PROMPTS[1], PROMPTS[2][:7]])
+    twin = engine.new_state(64)
     # No batch while a device decode loop runs on the engine (its passes would interleave).
     assert engine.begin_device_decode(twin, 4, 2)
     try:

@@ -215,13 +215,26 @@ def test_kv_budget_admission(model):
         sched.shutdown()
 
 
-def test_gpu_backends_take_turns(store):
-    """On a backend that does not batch (the GPU host, here on msl-cpu) max_batch stays 1 and
-    threads still get their solo answers, one after another."""
-    path = store.mlx("qwen3_5_moe", 4)
-    gpu = lily.Model.load(path, backend="msl-cpu", max_batch=8)
-    assert not gpu.batches and gpu.max_batch == 1
-    prompts = [[5, 6, 7], [9, 10, 11, 12]]
-    solo = [gpu.generate(p, max_tokens=3, temperature=0).tokens for p in prompts]
-    assert _in_threads(lambda i: gpu.generate(prompts[i], max_tokens=3, temperature=0).tokens, 2) == solo
-    assert gpu._batcher.stats.max_sequences == 1
+@pytest.fixture(scope="module")
+def gpu(store):
+    return lily.Model.load(store.mlx("qwen3_5_moe", 4), backend="msl-cpu")
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.8, top_p=0.9)])
+def test_gpu_threads_get_their_solo_answers_in_shared_passes(gpu, sampling):
+    """A GPU backend (msl-cpu) batches too: a Model there defaults to max_batch 1 (a lone
+    generation keeps the device loop) and `lily serve` to the rows of one pass (7); with 7,
+    threads calling generate share passes (host loop) and each gets the tokens it gets alone,
+    among them a prompt of 9 tokens, more than a pass of several sequences holds (it prefills
+    alone)."""
+    from lily.model import default_max_batch
+
+    assert gpu.batches and gpu.max_batch == 1
+    assert default_max_batch(gpu._engine, serving=True) == gpu._engine.batch_rows == 7
+    gpu.max_batch = 7
+    prompts = [[5, 6, 7], [9, 10, 11, 12], [3], list(range(20, 29))]
+    kw = [dict(max_tokens=6, seed=5 + i, **sampling) for i in range(len(prompts))]
+    solo = [gpu.generate(p, **k).tokens for p, k in zip(prompts, kw, strict=True)]
+    gpu._batcher.stats.max_sequences = 0
+    assert _in_threads(lambda i: gpu.generate(prompts[i], **kw[i]).tokens, len(prompts)) == solo
+    assert gpu._batcher.stats.max_sequences > 1, "no pass held two sequences: nothing was batched"

@@ -9,12 +9,18 @@
 - Every decode dispatch that moves over 1 MB at the 35B shape has at least 64 threadgroups (an
   M-series GPU has 10-40 cores: fewer cannot stream at full bandwidth), at 1K to 128K.
 - --json reports every dispatch and the step totals, and labels its tokens/s as an estimate.
+- A decode step of B sequences (continuous batching) is the dispatch sequence msl-cpu runs for
+  decode_batch; at the 35B shape B <= 7 sequences are one pass that reads the dense weights
+  once (each row adds its embedding row and its experts, min(B*k, E) per layer, and its own
+  state) in as many dependency stages as one sequence's step, 8 are two passes (7 + 1: passes
+  of several sequences stay below the GEMM route).
 """
 
 from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import pytest
 
 from fixtures import cases
@@ -46,6 +52,43 @@ def test_plan_matches_executed_dispatches(store, lily, threshold):
     assert (cbs, waits) == (1, 1)
     assert len(rows) == dispatches
     assert ("attn_combine" in {r[0] for r in rows}) == (threshold < 7)
+
+
+def test_batched_plan_matches_executed_dispatches(store, lily):
+    """Three sequences at position 6 decode in one pass: the plan's dispatches and barriers are
+    the msl-cpu run's."""
+    from lily import _core
+
+    model = lily.Model.load(store.mlx("qwen3_5_moe", 4), backend="msl-cpu")
+    engine = model._engine
+    states = [engine.new_state(16) for _ in range(3)]
+    for i, st in enumerate(states):
+        engine.prefill(st, np.asarray(cases.PROMPT[i:i + 6], np.int32), False)
+    d0, b0, c0 = engine.gpu_stats[:3]
+    engine.decode_batch(states, np.asarray(cases.PROMPT[6:9], np.int32))
+    d1, b1, c1 = engine.gpu_stats[:3]
+    rows, (dispatches, barriers, cbs, waits), _ = _core.gpu_plan(model.config.to_native(), 7, 4, 64, 8, batch=3)
+    assert (dispatches, barriers, cbs) == (d1 - d0, b1 - b0, c1 - c0) == (len(rows), barriers, 1)
+
+
+def test_batched_decode_plan_at_35b_shape():
+    mp = _plan_module()
+    c = mp.config_35b()
+    H, k, E = c.hidden, c.top_k, c.n_experts
+    expert = 2 * mp.qbytes(c.moe_intermediate, H) + mp.qbytes(H, c.moe_intermediate)
+    m = mp.minimum_bytes(c, 4096)
+    one = mp.plan(c, 4096, True)
+    per_token = {}
+    for B, passes in ((1, 1), (4, 1), (7, 1), (8, 2)):
+        bp = mp.batch_plan(c, 4096, B)
+        assert bp["passes"] == passes
+        if passes == 1:
+            assert bp["stages"] == one["stages"]  # the segments' mixer dispatches share stages
+            want = m["dense weights"] + (B - 1) * mp.qbytes(1, H) + mp.LAYERS * min(B * k, E) * expert
+            assert bp["totals"]["weight_bytes"] == want
+        assert bp["totals"]["state_bytes"] == B * one["state"]
+        per_token[B] = bp["per_token"]["total_bytes"]
+    assert per_token[7] < per_token[4] < 0.6 * per_token[1]
 
 
 def test_plan_bytes_at_35b_shape():
@@ -99,6 +142,7 @@ def test_json_report():
         tps = {k: d["estimate"][name]["tokens_per_s"] for k, d in decode.items()}
         assert tps[(32768, "f32")] < tps[(32768, "f16")] < tps[(1024, "f16")]
     assert report["prefill_last_chunk"][0]["last_chunk_tokens"] == 512
+    assert [(b["batch"], b["passes"]) for b in report["decode_batches"]] == [(1, 1), (4, 1), (8, 2)]
 
 
 def test_decode_estimate_model():

@@ -854,7 +854,7 @@ def test_gpu_backend_samples_biased_and_constrained_requests_on_the_host(monkeyp
     first token = NumPy's argmax of the prompt's logits + bias) and the mask (re.fullmatch)."""
     from lily.generation import DeviceLoop
 
-    gpu = lily.Model.load(backend="msl-cpu")
+    gpu = lily.Model.load(backend="msl-cpu", max_batch=1)  # a model that batches generations uses the host loop
     starts = []
     real_start = DeviceLoop.start.__func__
     monkeypatch.setattr(DeviceLoop, "start", classmethod(lambda cls, *a: starts.append(1) or real_start(cls, *a)))

@@ -171,23 +171,30 @@ void Engine::step(const std::vector<StepRows>& seqs, float* logits) {
   for (int multi : {1, 0})
     for (size_t i = 0; i < seqs.size(); ++i)
       if ((seqs[i].n > 1) == bool(multi)) step_order_.push_back(int(i));
-  step_segs_.clear();
-  step_tokens_.clear();
   bool in_order = true;
-  for (size_t k = 0; k < step_order_.size(); ++k) {
-    const StepRows& q = seqs[step_order_[k]];
-    step_segs_.push_back({q.state, int(step_tokens_.size()), q.n});
-    step_tokens_.insert(step_tokens_.end(), q.tokens, q.tokens + q.n);
-    in_order = in_order && step_order_[k] == int(k);
-  }
-  const Segments segs{step_segs_.data(), int(step_segs_.size())};
+  for (size_t k = 0; k < step_order_.size(); ++k) in_order = in_order && step_order_[k] == int(k);
   float* out = logits;
   if (logits && !in_order) {
     step_logits_.resize(seqs.size() * size_t(vocab));
     out = step_logits_.data();
   }
-  forward(segs, step_tokens_.data(), logits ? LogitRows::Last : LogitRows::None, out);
-  for (const SeqRows& seg : step_segs_) seg.state->position_ += seg.n;
+  // Passes of at most batch_rows() rows (one pass on the CPU backend), in that order.
+  const int cap = backend_->batch_rows();
+  for (size_t k = 0; k < step_order_.size();) {
+    step_segs_.clear();
+    step_tokens_.clear();
+    size_t end = k;
+    for (; end < step_order_.size(); ++end) {
+      const StepRows& q = seqs[step_order_[end]];
+      if (end > k && int64_t(step_tokens_.size()) + q.n > cap) break;
+      step_segs_.push_back({q.state, int(step_tokens_.size()), q.n});
+      step_tokens_.insert(step_tokens_.end(), q.tokens, q.tokens + q.n);
+    }
+    const Segments segs{step_segs_.data(), int(step_segs_.size())};
+    forward(segs, step_tokens_.data(), logits ? LogitRows::Last : LogitRows::None, out ? out + k * vocab : nullptr);
+    for (const SeqRows& seg : step_segs_) seg.state->position_ += seg.n;
+    k = end;
+  }
   if (out != logits)
     for (size_t k = 0; k < step_order_.size(); ++k)
       std::copy_n(out + k * vocab, vocab, logits + size_t(step_order_[k]) * vocab);

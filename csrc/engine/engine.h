@@ -48,13 +48,16 @@ class Engine {
   // state was made by this engine, appears once, and has room in its context; the tokens are
   // in the vocabulary; the KV caches the step grows fit in the memory left, all together; the
   // checkpoint files are unchanged (as prefill / decode check them); no device loop is running.
-  // On a backend that batches (Backend::batches(): the CPU) the step is ONE pass: every weight
-  // matrix is read once for all rows, and each sequence's logits are bit-identical to running
-  // it alone; a pass that throws is abandoned as a single sequence's is (abandon_pass), and no
-  // position moves (the CPU backend's one failure point, KV growth, comes before any state
-  // changes). Elsewhere (the GPU backends: their kernels take one sequence per pass) the
-  // sequences run one pass each, in order, with the same results as decode / prefill calls; a
-  // pass that throws there leaves the sequences before it advanced.
+  // On a backend that batches (Backend::batches(): the CPU and GPU backends) the step is ONE
+  // pass when its rows fit Backend::batch_rows() (always on the CPU backend; below
+  // GpuOptions::gemm_min_rows on a GPU one): every weight matrix is read once for all rows, and
+  // each sequence's logits are bit-identical to running it alone; a pass that throws is
+  // abandoned as a single sequence's is (abandon_pass), and no position moves (the CPU
+  // backend's one failure point, KV growth, comes before any state changes). A step of more
+  // rows runs as several such passes, in order (the multi-row segments first; one of more than
+  // batch_rows() rows alone); a pass that throws there leaves the passes before it done.
+  // Elsewhere the sequences run one pass each, in order, with the same results as decode /
+  // prefill calls; a pass that throws there leaves the sequences before it advanced.
   struct StepRows {
     State* state = nullptr;
     const int32_t* tokens = nullptr;  // [n]

@@ -283,18 +283,21 @@ std::unique_ptr<State> GpuBackend::new_state(int max_context) {
   return st;
 }
 
-void GpuBackend::abandon_pass(Segments segs) noexcept {
+void GpuBackend::abandon_pass(Segments) noexcept {
   ctx_.discard();
-  State* state = segs.size() == 1 ? segs[0].state : nullptr;
-  // The pass flipped the state's parity at embed: its reads came from copy in_, which it never
-  // got to overwrite (nothing ran), so returning to it restores the state. The device loop's
-  // steps already committed stay in flight (end_device_decode waits for them).
-  if (state && pass_state_ == state) static_cast<GpuState&>(*state).parity = in_;
-  pass_state_ = nullptr;
+  // The pass flipped each segment's parity at embed: its reads came from copy `in`, which it
+  // never got to overwrite (nothing ran), so returning to it restores the state. The device
+  // loop's steps already committed stay in flight (end_device_decode waits for them).
+  if (pass_open_)
+    for (const PassSegment& p : pass_) p.state->parity = p.in;
+  pass_open_ = false;
 }
 
 void GpuBackend::begin_pass() {
-  ctx_.begin(std::string("lily pass: ") + std::to_string(T_) + " token(s) at position " + std::to_string(pos0_));
+  std::string label = "lily pass: " + std::to_string(T_) + " token(s)";
+  if (pass_.size() == 1) label += " at position " + std::to_string(pass_[0].pos0);
+  else label += " of " + std::to_string(pass_.size()) + " sequences";
+  ctx_.begin(label);
 }
 
 void GpuBackend::project(const Linear& W, const char* what, const BufferRange& x, int ldx, const BufferRange& y,
@@ -305,20 +308,29 @@ void GpuBackend::project(const Linear& W, const char* what, const BufferRange& x
 }
 
 void GpuBackend::embed(Segments segs, const int32_t* tokens) {
-  pass_state_ = nullptr;  // the previous pass was encoded completely
-  if (segs.size() != 1)
-    throw Error("[gpu] the " + name_ + " backend runs one sequence per pass, not " + std::to_string(segs.size()) +
-                " (Engine::step runs batched sequences one after another here)");
-  auto& st = static_cast<GpuState&>(*segs[0].state);
-  const int T = segs[0].n;
+  pass_open_ = false;  // the previous pass was encoded completely
+  if (segs.size() > 1 && greedy_)
+    throw Error("[gpu] the device decode loop runs one sequence, not " + std::to_string(segs.size()));
+  if (segs.size() > 1 && segs.rows() > batch_rows())
+    throw Error("[gpu] a pass of several sequences holds at most " + std::to_string(batch_rows()) + " rows, not " +
+                std::to_string(segs.rows()) + " (Engine::step splits larger steps)");
+  const int T = segs.rows();
   T_ = T;
-  pos0_ = st.position();
+  pass_.clear();
+  for (const SeqRows& s : segs) {
+    auto& st = static_cast<GpuState&>(*s.state);
+    pass_.push_back({&st, s.first, s.n, st.position(), st.parity});
+  }
   const size_t f = 4 * size_t(T);
   BufferRange token_src;
   if (!greedy_) {
     ctx_.finish();
-    reserve_kv(st, pos0_ + T);
+    for (const PassSegment& p : pass_) reserve_kv(*p.state, p.pos0 + p.n);  // may throw: nothing changed yet
     acts_.size_for(T);
+    // Split-K partials: a slice per segment (attention()), so the segments' decodes run at once.
+    const size_t n = pass_.size(), Hq = c_.n_heads, splits = options_.max_splits;
+    acts_.grow(acts_.part_o, n * Hq * splits * c_.head_dim * 4);
+    acts_.grow(acts_.part_ml, n * Hq * splits * 2 * 4);
     acts_.tokens->write(0, tokens, f);
     token_src = {acts_.tokens, 0};
   } else if (tokens) {  // the first device-loop step: a prompt's last chunk, from the host
@@ -332,9 +344,8 @@ void GpuBackend::embed(Segments segs, const int32_t* tokens) {
     token_src = {ring_, size_t((step_ + 1) % 2) * 4};
   }
   begin_pass();
-  in_ = st.parity;
-  st.parity ^= 1;
-  pass_state_ = &st;
+  for (const PassSegment& p : pass_) p.state->parity = p.in ^ 1;
+  pass_open_ = true;
   ctx_.signpost("embed");
   encode_embed(ctx_, weights_gpu_.linear(weights_->embed, "embed_tokens"), uint32_t(c_.vocab), token_src,
                {acts_.x, 0}, T);
@@ -350,8 +361,7 @@ void GpuBackend::add_rms_norm(const std::vector<float>& w) { norm(w, true); }
 
 // ---- attention ---------------------------------------------------------------------------------
 
-void GpuBackend::attention(Segments segs, int layer, const AttentionWeights& w) {
-  auto& st = static_cast<GpuState&>(*segs[0].state);  // the one segment (embed)
+void GpuBackend::attention(Segments, int layer, const AttentionWeights& w) {
   const int T = T_, H = c_.hidden, Hq = c_.n_heads, Hkv = c_.n_kv_heads, D = c_.head_dim;
   layer_ = layer;
   ctx_.signpost("layer " + std::to_string(layer) + " attention");
@@ -359,32 +369,55 @@ void GpuBackend::attention(Segments segs, int layer, const AttentionWeights& w) 
   project(w.k_proj, "k_proj", {acts_.h, 0}, H, {acts_.k, 0}, Hkv * D, T);
   project(w.v_proj, "v_proj", {acts_.h, 0}, H, {acts_.v, 0}, Hkv * D, T);
 
-  const KvCacheView kv = kv_view(st, layer);
-  const uint32_t cap = uint32_t(st.block_len ? st.block_len : st.capacity);  // blocks: positions per block
-  AttnPrepareArgs pa{uint32_t(D), uint32_t(c_.rotary_dim), uint32_t(Hq), uint32_t(Hkv), uint32_t(pos0_), cap,
-                     c_.rms_eps};
-  encode_attn_prepare(ctx_, pa, T, {acts_.k, 0}, {acts_.v, 0}, weights_gpu_.vector(w.q_norm),
-                      weights_gpu_.vector(w.k_norm), inv_freq_, kv, {acts_.qg, 0});
-
+  // Each segment against its own cache and position, on its rows of qg, k, v and o (and its own
+  // slice of the split-K partials); each step encoded for every segment before the next, so the
+  // segments share stages.
   const float scale = 1.0f / std::sqrt(float(D));
   const int group = Hq / Hkv;
-  if (T > 1 && attn_prefill_fits(D, group)) {  // a chunk: flash attention over query tiles
-    const uint32_t tile = std::max(1, LILY_ATTN_PF_ROWS / group);
-    AttnPrefillArgs a{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), cap, uint32_t(pos0_), uint32_t(T), tile, scale};
-    encode_attn_prefill(ctx_, a, {acts_.qg, 0}, kv, {acts_.o, 0});
-  } else {
-    AttnArgs a{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), cap, uint32_t(pos0_), 1, 0, scale};
-    attn_decode_splits(a, pos0_ + T, T, options_.split_threshold, options_.split_len, options_.max_splits,
-                       st.block_len);
-    encode_attn_decode(ctx_, a, T, {acts_.qg, 0}, kv, {acts_.o, 0}, {acts_.part_o, 0}, {acts_.part_ml, 0});
+  const size_t part_o = size_t(Hq) * options_.max_splits * D * 4, part_ml = size_t(Hq) * options_.max_splits * 2 * 4;
+  struct AttnSegment {
+    KvCacheView kv;
+    BufferRange qg, o;
+    uint32_t cap;
+  };
+  std::vector<AttnSegment> segs;
+  for (const PassSegment& p : pass_) {
+    GpuState& st = *p.state;
+    const size_t r = size_t(p.first) * 4;
+    AttnSegment s{kv_view(st, layer), {acts_.qg, r * Hq * 2 * D}, {acts_.o, r * Hq * D},
+           uint32_t(st.block_len ? st.block_len : st.capacity)};  // blocks: positions per block
+    AttnPrepareArgs pa{uint32_t(D), uint32_t(c_.rotary_dim), uint32_t(Hq), uint32_t(Hkv), uint32_t(p.pos0), s.cap,
+                       c_.rms_eps};
+    encode_attn_prepare(ctx_, pa, p.n, {acts_.k, r * Hkv * D}, {acts_.v, r * Hkv * D}, weights_gpu_.vector(w.q_norm),
+                        weights_gpu_.vector(w.k_norm), inv_freq_, s.kv, s.qg);
+    segs.push_back(std::move(s));
   }
+  std::vector<AttnArgs> decode(pass_.size());
+  for (size_t i = 0; i < pass_.size(); ++i) {
+    const PassSegment& p = pass_[i];
+    const AttnSegment& s = segs[i];
+    if (p.n > 1 && attn_prefill_fits(D, group)) {  // a chunk: flash attention over query tiles
+      const uint32_t tile = std::max(1, LILY_ATTN_PF_ROWS / group);
+      AttnPrefillArgs a{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), s.cap, uint32_t(p.pos0), uint32_t(p.n), tile, scale};
+      encode_attn_prefill(ctx_, a, s.qg, s.kv, s.o);
+      continue;
+    }
+    AttnArgs& a = decode[i];
+    a = AttnArgs{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), s.cap, uint32_t(p.pos0), 1, 0, scale};
+    attn_decode_splits(a, p.pos0 + p.n, p.n, options_.split_threshold, options_.split_len, options_.max_splits,
+                       p.state->block_len);
+    encode_attn_decode(ctx_, a, p.n, s.qg, s.kv, s.o, {acts_.part_o, i * part_o}, {acts_.part_ml, i * part_ml});
+  }
+  for (size_t i = 0; i < pass_.size(); ++i)  // (n_splits is 0 for a prefill segment: nothing to combine)
+    if (decode[i].n_splits > 1)
+      encode_attn_combine(ctx_, decode[i], segs[i].qg, segs[i].o, {acts_.part_o, i * part_o},
+                          {acts_.part_ml, i * part_ml});
   project(w.o_proj, "o_proj", {acts_.o, 0}, Hq * D, {acts_.y, 0}, H, T);
 }
 
 // ---- Gated DeltaNet ----------------------------------------------------------------------------
 
-void GpuBackend::gated_deltanet(Segments segs, int layer, const GdnWeights& w) {
-  auto& st = static_cast<GpuState&>(*segs[0].state);  // the one segment (embed)
+void GpuBackend::gated_deltanet(Segments, int layer, const GdnWeights& w) {
   const int T = T_, H = c_.hidden, C = c_.gdn_qkv_dim(), vdim = c_.gdn_value_dim(), Hv = c_.gdn_v_heads;
   layer_ = layer;
   ctx_.signpost("layer " + std::to_string(layer) + " gated deltanet");
@@ -402,16 +435,52 @@ void GpuBackend::gated_deltanet(Segments segs, int layer, const GdnWeights& w) {
     project(w.in_b, "in_proj_b", h, H, b, Hv, T);
     project(w.in_a, "in_proj_a", h, H, a, Hv, T);
   }
-  const int out = in_ ^ 1;
-  const GdnStateView sv{st.conv[in_][layer], st.conv[out][layer], st.S[in_][layer], st.S[out][layer]};
   const GdnLayerBuffers L{weights_gpu_.vector(w.conv1d), weights_gpu_.vector(w.a_neg), weights_gpu_.vector(w.dt_bias),
                           weights_gpu_.vector(w.norm)};
-  if (T > 1 && gdn_prefill_fits(c_.gdn_k_dim, c_.gdn_v_dim)) {  // a chunk: conv + norms for all tokens, one scan
-    encode_gdn_prepare(ctx_, args, qkv, b, a, L, sv, {acts_.conv_out, 0}, {acts_.gdn_gates, 0});
-    encode_gdn_scan(ctx_, args, {acts_.conv_out, 0}, {acts_.gdn_gates, 0}, z, L, sv, {acts_.go, 0});
-  } else {
-    encode_gdn_conv(ctx_, args, qkv, L, sv, {acts_.conv_out, 0});
-    encode_gdn_recurrence(ctx_, args, {acts_.conv_out, 0}, b, a, z, L, sv, {acts_.go, 0});
+  // Each segment against its own conv window and state, on its rows of the activations; each
+  // step encoded for every segment before the next, so the segments share stages.
+  struct GdnSegment {
+    GdnArgs args;
+    BufferRange qkv, z, b, a, conv_out, gates, go;
+    GdnStateView sv;
+    bool chunk;  // the prefill route (gdn_prepare + gdn_scan)
+  };
+  std::vector<GdnSegment> segs;
+  for (const PassSegment& p : pass_) {
+    GpuState& st = *p.state;
+    const size_t r = size_t(p.first) * 4;
+    GdnSegment s{args,
+           {acts_.qkv, r * C},
+           {acts_.z, r * vdim},
+           {acts_.b, r * Hv},
+           {acts_.a, r * Hv},
+           {acts_.conv_out, r * C},
+           {acts_.gdn_gates, r * Hv * 2},
+           {acts_.go, r * vdim},
+           {st.conv[p.in][layer], st.conv[p.in ^ 1][layer], st.S[p.in][layer], st.S[p.in ^ 1][layer]},
+           p.n > 1 && gdn_prefill_fits(c_.gdn_k_dim, c_.gdn_v_dim)};
+    s.args.T = uint32_t(p.n);
+    segs.push_back(std::move(s));
+  }
+  for (const GdnSegment& s : segs) {
+    if (s.chunk) encode_gdn_prepare(ctx_, s.args, s.qkv, s.b, s.a, L, s.sv, s.conv_out, s.gates);
+    else encode_gdn_conv(ctx_, s.args, s.qkv, L, s.sv, s.conv_out);
+  }
+  for (const GdnSegment& s : segs) {
+    if (s.chunk) encode_gdn_scan(ctx_, s.args, s.conv_out, s.gates, s.z, L, s.sv, s.go);
+    else encode_gdn_recurrence(ctx_, s.args, s.conv_out, s.b, s.a, L, s.sv, s.go);
+  }
+  // The gated norm is row-wise: one dispatch per run of consecutive decode-route segments.
+  for (size_t i = 0; i < segs.size();) {
+    if (segs[i].chunk) {
+      ++i;
+      continue;
+    }
+    GdnArgs run = segs[i].args;
+    size_t j = i + 1;
+    for (; j < segs.size() && !segs[j].chunk; ++j) run.T += segs[j].args.T;
+    encode_gdn_gated_norm(ctx_, run, segs[i].z, L, segs[i].go);
+    i = j;
   }
   project(w.out_proj, "out_proj", {acts_.go, 0}, vdim, {acts_.y, 0}, H, T);
 }
@@ -515,10 +584,13 @@ void GpuBackend::moe_prefill(const ExpertTables& tb) {
 void GpuBackend::lm_head(const Linear& head, int first, int n, float* logits) {
   const size_t bytes = size_t(n) * head.out * 4;
   ctx_.signpost("lm_head");
-  if (!greedy_) acts_.grow(acts_.logits, bytes);
+  if (!greedy_) {
+    acts_.grow(acts_.logits, bytes);
+    if (!ctx_.open()) begin_pass();  // a later run of the pass's last rows (model/schedule.cpp)
+  }
   project(head, "lm_head", {acts_.h, size_t(first) * c_.hidden * 4}, c_.hidden, {acts_.logits, 0}, head.out, n);
   if (!greedy_) {
-    pass_state_ = nullptr;  // complete: an error from here on is the execution's, not the encoding's
+    pass_open_ = false;  // complete: an error from here on is the execution's, not the encoding's
     ctx_.finish();
     if (logits) acts_.logits->read(0, logits, bytes);
     return;
@@ -526,7 +598,7 @@ void GpuBackend::lm_head(const Linear& head, int first, int n, float* logits) {
   // Device-loop step: the chosen token goes into this step's ring slot (the next step's input);
   // commit and return without waiting.
   sample_step();
-  pass_state_ = nullptr;
+  pass_open_ = false;
   inflight_.push_back(ctx_.commit());
   ctx_.stats().max_in_flight = std::max<uint64_t>(ctx_.stats().max_in_flight, inflight_.size());
   ++step_;

@@ -25,14 +25,24 @@
 //   the device's recommended working set: new_state refuses a context that does not, and
 //   max_fitting_context() tells the largest that does.
 // - Activations and state are f32 (the CPU backend's precision; KV optionally f16).
-// - One sequence per pass (batches() is false): the attention and DeltaNet kernels read one KV
-//   cache and one DeltaNet state, so a pass of several segments is refused at embed, and
-//   Engine::step / decode_batch run batched sequences one pass each here.
+// - A pass may hold several sequences (continuous batching: batches() is true). Embed, norms,
+//   projections, the MLP / MoE and the head run over all T rows at once (weights read once);
+//   the mixers (attention prepare + decode / prefill, DeltaNet conv + recurrence / prepare +
+//   scan) are encoded once per segment, on that segment's rows of the activations (a byte
+//   offset) and its own KV cache, DeltaNet state and position. The kernels take one sequence
+//   per dispatch, so a decode pass of B sequences has B mixer dispatches per layer (a kernel
+//   that walks a per-row table of caches and states would make that one; not done yet).
+//   Each segment's mixer dispatches are the ones its sequence alone would get, and the
+//   row-wise kernels compute a row the same way whatever T is, so batched logits are
+//   bit-identical to solo ones as long as the pass stays on the GEMV route: batch_rows() keeps
+//   passes of several sequences below gemm_min_rows (Engine::step splits larger steps).
+//   The device decode loop stays single-sequence.
 // - Decode is the target (T = 1). Chunks of at least GpuOptions::gemm_min_rows tokens take
 //   tiled GEMMs for projections and feed-forward (MoE routed on the GPU into grouped GEMMs);
 //   shorter ones run the decode kernels with T rows in the grid. Attention and DeltaNet cores
 //   of chunks of T > 1 take the prefill kernels (flash attention, DeltaNet prepare + scan).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -141,8 +151,9 @@ class GpuBackend : public Backend {
   int max_fitting_context() const override;
   void check_context(int max_context) const override;
   void abandon_pass(Segments segs) noexcept override;
+  bool batches() const override { return true; }
+  int batch_rows() const override { return std::max(1, options_.gemm_min_rows - 1); }
 
-  // Passes have one segment (see batches()).
   void embed(Segments segs, const int32_t* tokens) override;
   void rms_norm(const std::vector<float>& w) override;
   void add_rms_norm(const std::vector<float>& w) override;
@@ -212,9 +223,17 @@ class GpuBackend : public Backend {
   bool tensor_gemm_ = false;
   std::string gemm_path_;
 
-  int T_ = 0, pos0_ = 0;
-  int in_ = 0;                // the state copy this pass reads (GpuState::parity at embed)
-  GpuState* pass_state_ = nullptr;  // the state the open pass updates (abandon_pass undoes it)
+  // The pass being encoded: T_ rows, and per segment its state, rows [first, first + n), its
+  // position at embed and the DeltaNet state copy it reads (GpuState::parity before embed
+  // flipped it). pass_open_ while it is encoded incompletely: abandon_pass then returns every
+  // segment's state to copy `in`.
+  struct PassSegment {
+    GpuState* state = nullptr;
+    int first = 0, n = 0, pos0 = 0, in = 0;
+  };
+  int T_ = 0;
+  std::vector<PassSegment> pass_;
+  bool pass_open_ = false;
   int layer_ = 0;             // the layer being encoded (debug signposts)
   // Device decode loop: step i reads its token from ring slot (i+1)%2 and writes the token it
   // chooses (metal/sampling.metal) to slot i%2, with a status word per slot; the generator

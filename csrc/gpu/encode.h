@@ -116,11 +116,16 @@ void encode_attn_prepare(EncoderContext& ctx, const AttnPrepareArgs& args, int T
                          const BufferRange& v, const std::shared_ptr<Buffer>& q_norm,
                          const std::shared_ptr<Buffer>& k_norm, const std::shared_ptr<Buffer>& inv_freq,
                          const KvCacheView& kv, const BufferRange& qg);
-// Decode attention over the cache (attn_decode_[blocks_]<KV>_d<D>), single pass or split-K with
-// attn_combine (args.n_splits > 1): o [T, Hq, D]. part_o / part_ml: the splits' partials.
+// Decode attention over the cache (attn_decode_[blocks_]<KV>_d<D>): o [T, Hq, D] in a single
+// pass, or (args.n_splits > 1) the splits' partials part_o / part_ml, which
+// encode_attn_combine (attn_combine) then merges into o; it encodes nothing for one split.
+// Two calls, so a pass of several sequences encodes every sequence's decode before the
+// combines (one stage each, not one pair of stages per sequence).
 void encode_attn_decode(EncoderContext& ctx, const AttnArgs& args, int T, const BufferRange& qg,
                         const KvCacheView& kv, const BufferRange& o, const BufferRange& part_o,
                         const BufferRange& part_ml);
+void encode_attn_combine(EncoderContext& ctx, const AttnArgs& args, const BufferRange& qg, const BufferRange& o,
+                         const BufferRange& part_o, const BufferRange& part_ml);
 // The splits of decode attention over n_ctx positions (args.n_splits, args.split_len).
 void attn_decode_splits(AttnArgs& args, int n_ctx, int T, int split_threshold, int split_len, int max_splits,
                         int block_len);
@@ -146,13 +151,16 @@ struct GdnLayerBuffers {  // per-channel vectors of the layer (f32)
 // Qwen3-Next's grouped projections scattered into qkv, z, b, a (gdn_ungroup).
 void encode_gdn_ungroup(EncoderContext& ctx, const GdnArgs& args, const BufferRange& qkvz, const BufferRange& ba,
                         const BufferRange& qkv, const BufferRange& z, const BufferRange& b, const BufferRange& a);
-// Decode route: conv1d over [window ; chunk] + SiLU (gdn_conv), then the recurrence with the
-// gated RMSNorm (gdn_recurrence_dk<Dk>).
+// Decode route: conv1d over [window ; chunk] + SiLU (gdn_conv), the recurrence
+// (gdn_recurrence_dk<Dk>), then the gated RMSNorm of its output in place (gdn_gated_norm):
+// three calls, so a pass of several sequences encodes each step for all of them at once.
 void encode_gdn_conv(EncoderContext& ctx, const GdnArgs& args, const BufferRange& qkv, const GdnLayerBuffers& L,
                      const GdnStateView& st, const BufferRange& conv_out);
 void encode_gdn_recurrence(EncoderContext& ctx, const GdnArgs& args, const BufferRange& conv_out,
-                           const BufferRange& b, const BufferRange& a, const BufferRange& z,
-                           const GdnLayerBuffers& L, const GdnStateView& st, const BufferRange& o);
+                           const BufferRange& b, const BufferRange& a, const GdnLayerBuffers& L,
+                           const GdnStateView& st, const BufferRange& o);
+void encode_gdn_gated_norm(EncoderContext& ctx, const GdnArgs& args, const BufferRange& z, const GdnLayerBuffers& L,
+                           const BufferRange& o);
 // Prefill route (T > 1): gdn_prepare (conv, SiLU, norms, gates for every token at once), then
 // gdn_scan_dk<Dk> (the recurrence over the chunk, state in registers).
 bool gdn_prefill_fits(int Dk, int Dv);

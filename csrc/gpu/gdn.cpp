@@ -51,8 +51,8 @@ void encode_gdn_conv(EncoderContext& ctx, const GdnArgs& args, const BufferRange
 }
 
 void encode_gdn_recurrence(EncoderContext& ctx, const GdnArgs& args, const BufferRange& conv_out,
-                           const BufferRange& b, const BufferRange& a, const BufferRange& z,
-                           const GdnLayerBuffers& L, const GdnStateView& st, const BufferRange& o) {
+                           const BufferRange& b, const BufferRange& a, const GdnLayerBuffers& L,
+                           const GdnStateView& st, const BufferRange& o) {
   const size_t f = size_t(args.T) * 4, C = args.C, vdim = size_t(args.Hv) * args.Dv, Hv = args.Hv;
   {
     Dispatch d(ctx, "gdn.metal", "gdn_recurrence_dk" + std::to_string(args.Dk));
@@ -67,6 +67,11 @@ void encode_gdn_recurrence(EncoderContext& ctx, const GdnArgs& args, const Buffe
         .state("S_out", st.S_out, true, st.S_out->length());
     d.run({args.Hv, div_up(args.Dv, LILY_GDN_COLUMNS), 1}, {LILY_GDN_COLUMNS, 1, 1});
   }
+}
+
+void encode_gdn_gated_norm(EncoderContext& ctx, const GdnArgs& args, const BufferRange& z, const GdnLayerBuffers& L,
+                           const BufferRange& o) {
+  const size_t f = size_t(args.T) * 4, vdim = size_t(args.Hv) * args.Dv;
   Dispatch d(ctx, "gdn.metal", "gdn_gated_norm");
   d.args(args)
       .read("z", z, f * vdim)

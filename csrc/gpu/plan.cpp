@@ -1,5 +1,6 @@
 #include "gpu/plan.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -188,21 +189,37 @@ DecodePlan plan_decode_step(const ModelConfig& c, const PlanQuantization& q, con
 
 DecodePlan plan_chunk(const ModelConfig& c, const PlanQuantization& q, const GpuOptions& options,
                       int context, int tokens) {
+  return plan_batch(c, q, options, context, tokens, 1);
+}
+
+DecodePlan plan_batch(const ModelConfig& c, const PlanQuantization& q, const GpuOptions& options, int context,
+                      int tokens, int batch) {
   c.validate();
   if (tokens < 1 || context < tokens) throw Error("[plan] need 1 <= tokens <= context");
+  if (batch < 1) throw Error("[plan] need a batch of at least 1 sequence");
   Layout lay;
   auto w = synthetic_weights(c, q, lay);
   auto dev = std::make_shared<RecDevice>();
   GpuBackend be(w, dev, "plan", options, {GpuBackend::Region{lay.base, lay.used}});
-  auto st = be.new_state(context);
+  std::vector<std::unique_ptr<State>> states;
+  for (int b = 0; b < batch; ++b) {
+    states.push_back(be.new_state(context));
+    static_cast<GpuState&>(*states.back()).seek(context - tokens);
+  }
   const size_t allocated_before = dev->allocated;
-  auto& gs = static_cast<GpuState&>(*st);
-  gs.seek(context - tokens);
   const GpuStats before = be.stats();
   be.set_recording(true);
-  const std::vector<int32_t> ids(size_t(tokens), 0);
-  std::vector<float> logits_unused(size_t(c.vocab));
-  forward_chunk(be, *w, *st, ids.data(), tokens, LogitRows::Last, logits_unused.data());
+  // Passes as Engine::step makes them: at most batch_rows() rows in a pass of several sequences.
+  const int per_pass = std::max(1, be.batch_rows() / tokens);
+  const std::vector<int32_t> ids(size_t(tokens) * std::min(batch, per_pass), 0);
+  std::vector<float> logits_unused(size_t(c.vocab) * std::min(batch, per_pass));
+  std::vector<SeqRows> segs;
+  for (int b0 = 0; b0 < batch; b0 += per_pass) {
+    segs.clear();
+    for (int b = b0; b < std::min(batch, b0 + per_pass); ++b)
+      segs.push_back({states[b].get(), (b - b0) * tokens, tokens});
+    forward_pass(be, *w, Segments{segs.data(), int(segs.size())}, ids.data(), LogitRows::Last, logits_unused.data());
+  }
   DecodePlan plan;
   plan.dispatches = be.records();
   plan.scratch_bytes = dev->allocated - allocated_before;

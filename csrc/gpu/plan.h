@@ -37,6 +37,12 @@ DecodePlan plan_decode_step(const ModelConfig& c, const PlanQuantization& q, con
 DecodePlan plan_chunk(const ModelConfig& c, const PlanQuantization& q, const GpuOptions& options,
                       int context, int tokens);
 
+// `batch` sequences, each such a chunk (tokens = 1: a decode row) at the same context, in the
+// passes Engine::step runs them (continuous batching: at most GpuBackend::batch_rows() rows in
+// a pass of several sequences); dispatches and counts of all those passes.
+DecodePlan plan_batch(const ModelConfig& c, const PlanQuantization& q, const GpuOptions& options, int context,
+                      int tokens, int batch);
+
 // A whole prompt prefilled in chunks the way Engine::generate_greedy does it: every chunk but
 // the last as a prefill pass, the last as device greedy step 0 (its argmax stays on the device).
 struct PrefillPlan {

@@ -170,10 +170,15 @@ class Backend {
   // Throws ConfigError naming the sizes if a state of max_context positions does not fit (what
   // new_state would refuse), allocating nothing.
   virtual void check_context(int max_context) const {}
-  // Whether one pass may hold rows of several sequences (more than one segment). Backends that
-  // cannot (the GPU backends: their kernels read one KV cache and one DeltaNet state per pass)
-  // refuse such a pass at embed; Engine::step runs the sequences one pass each there.
+  // Whether one pass may hold rows of several sequences (more than one segment). A backend that
+  // cannot refuses such a pass at embed; Engine::step runs the sequences one pass each there.
   virtual bool batches() const { return false; }
+  // The most rows a pass of several segments may hold with every row's result still bit-identical
+  // to running its sequence alone; Engine::step splits a step of more rows into several passes
+  // (a segment of more rows runs alone). The GPU backends switch projections and the
+  // feed-forward to tiled GEMMs at GpuOptions::gemm_min_rows rows, whose summation order is not
+  // the GEMV's, so their passes of several sequences stay below it.
+  virtual int batch_rows() const { return std::numeric_limits<int>::max(); }
   // An exception escaped a pass (forward_pass) before it completed: drop whatever of it was
   // encoded (none of it runs) and return every segment's state to how it was before the pass,
   // so the next pass starts clean. The engine calls it, then rethrows.

@@ -520,6 +520,12 @@ void init_model(nb::module_& m) {
         return std::string(g && g->options().kv_half ? "float16" : "float32");
       }, "The KV cache's element type: 'float32' or 'float16' (a GPU backend's kv_dtype option).")
       .def_prop_ro("prefill_chunk", &Engine::prefill_chunk)
+      .def_prop_ro(
+          "batches", [](Engine& e) { return e.backend().batches(); },
+          "Whether one pass may hold rows of several sequences (Engine.step; every backend today).")
+      .def_prop_ro(
+          "batch_rows", [](Engine& e) { return e.backend().batch_rows(); },
+          "The most rows one pass of several sequences holds (Engine.step splits a larger step into passes).")
       .def("new_state", &Engine::new_state, nb::arg("max_context"))
       .def("kv_bytes", &Engine::kv_bytes, nb::arg("positions"),
            "Bytes of KV cache (all attention layers) for `positions` tokens.")
@@ -626,7 +632,7 @@ void init_model(nb::module_& m) {
   m.def(
       "gpu_plan",
       [](const ModelConfig& c, int context, int bits, int group, int gate_bits, int split_threshold,
-         int split_len, bool kv_half, int tokens, int gemm_min_rows, int block_threshold) {
+         int split_len, bool kv_half, int tokens, int gemm_min_rows, int block_threshold, int batch) {
         gpu::PlanQuantization q{bits, group, gate_bits};
         gpu::GpuOptions opt;
         opt.kv_half = kv_half;
@@ -634,7 +640,7 @@ void init_model(nb::module_& m) {
         if (split_threshold >= 0) opt.split_threshold = split_threshold;
         if (split_len > 0) opt.split_len = split_len;
         if (gemm_min_rows > 0) opt.gemm_min_rows = gemm_min_rows;
-        gpu::DecodePlan p = gpu::plan_chunk(c, q, opt, context, tokens);
+        gpu::DecodePlan p = gpu::plan_batch(c, q, opt, context, tokens, batch);
         return std::make_tuple(dispatch_rows(p.dispatches), std::make_tuple(p.stats.dispatches, p.stats.barriers,
                                                      p.stats.command_buffers, p.stats.waits),
                                p.scratch_bytes);
@@ -642,9 +648,9 @@ void init_model(nb::module_& m) {
       nb::arg("config"), nb::arg("context"), nb::arg("bits") = 4, nb::arg("group_size") = 64,
       nb::arg("gate_bits") = 8, nb::arg("split_threshold") = -1, nb::arg("split_len") = -1,
       nb::arg("kv_half") = false, nb::arg("tokens") = 1, nb::arg("gemm_min_rows") = -1,
-      nb::arg("block_threshold") = -1,
+      nb::arg("block_threshold") = -1, nb::arg("batch") = 1,
       "The GPU backend's dispatch sequence for one decode step (or a prefill chunk of `tokens` "
-      "tokens ending at `context`), recorded without running it: "
+      "tokens ending at `context`) of `batch` sequences (in the passes Engine.step makes), recorded without running it: "
       "([(kernel, stage, weight bytes, state bytes, other bytes, threadgroups, threads per threadgroup)], (dispatches, barriers, "
       "command buffers, CPU waits), scratch bytes allocated while encoding it).");
 

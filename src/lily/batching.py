@@ -18,18 +18,24 @@ Design choices:
   pass is back, at most ``max_wait_s``. A thread that does not come back (its generation ended,
   or its stream was abandoned) costs that wait once: it was not in the pass that followed, so
   nobody waits for it again.
-- Bit-identical results. On the CPU backend a sequence's logits do not depend on which other
-  rows share its pass (csrc/engine/engine.h, ``Engine::step``; tests/test_batching.py), so
-  batching changes no token. GPU backends run a pass's sequences one after another (their
-  kernels are single-sequence); their generations also take turns (``Model._generation``),
-  since the device decode loop keeps the engine between steps.
+- Bit-identical results. A sequence's logits do not depend on which other rows share its pass
+  (csrc/engine/engine.h, ``Engine::step``; tests/test_batching.py), so batching changes no
+  token: on the CPU backend in any pass, on the GPU backends in passes of at most
+  ``engine.batch_rows`` rows (7: from 8 rows projections take tiled GEMMs, whose sums run in
+  another order). On a GPU backend every pass stays within that, so a step is one pass there
+  too.
 - Rows per pass, oldest call first: every waiting decode row (as many as generations run at
-  once), and prefill chunks while they add up to at most the engine's ``prefill_chunk`` rows. A long prompt thus
-  prefills chunk by chunk inside the others' decode passes instead of stalling them.
+  once), and prefill chunks while they add up to at most the engine's ``prefill_chunk`` rows,
+  all within ``engine.batch_rows``; a call of more rows than that runs alone. A long prompt thus
+  prefills chunk by chunk inside the others' decode passes instead of stalling them (on a GPU
+  backend only its chunks of at most 7 rows share a pass: the engine's 512-token chunks run
+  alone, between the others' decode passes).
+- The device decode loop (``Engine.begin_device_decode``, GPU backends) is single-sequence and
+  holds the engine between its steps, so a model that batches generations on a GPU backend
+  (``max_batch`` > 1) runs them on the host loop; ``max_batch=1`` gives the device loop back.
 - A failed pass (a request error of one sequence, say) is retried one sequence at a time, so
   the error reaches the call that caused it and the others go on; the engine checks everything
-  before it computes, so the failed pass changed nothing (on the CPU backend, the only one
-  whose passes hold several sequences).
+  before it computes, so the failed pass changed nothing.
 - ``all_logits`` calls (``Session.prefill(all_logits=True)``, ``Model.logits``) and calls of
   more tokens than a pass prefills run alone (the engine chunks those itself).
 """
@@ -75,9 +81,11 @@ class Batcher:
 
     def __init__(self, engine, lock: threading.Lock, *, prefill_rows: int, max_wait_s: float = 0.005):
         self._engine = engine
-        # GPU backends run a step's sequences one pass after another, so a failing one would
-        # leave those before it advanced: there every call is a pass of its own.
-        self.batches = engine.backend == "cpu"
+        self.batches = bool(engine.batches)
+        # Rows in a pass of several calls: Engine.step would split more into passes, and a
+        # failing one would leave those before it advanced (the retry below relies on a failed
+        # pass changing nothing).
+        self.pass_rows = max(1, int(engine.batch_rows))
         self._lock = lock  # the model's engine lock: also taken by clone, save, device loops
         self.prefill_rows = max(1, int(prefill_rows))  # prefill tokens in one pass (the engine's chunk)
         self.max_wait_s = float(max_wait_s)
@@ -90,7 +98,8 @@ class Batcher:
     def run(self, state, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Appends ``tokens`` (int32, at least one) to ``state`` in a coming pass; returns the
         last token's logits [vocab] (every token's [n, vocab] with ``all_logits``)."""
-        call = _Call(state, tokens, all_logits or len(tokens) > self.prefill_rows, all_logits)
+        alone = all_logits or len(tokens) > min(self.prefill_rows, self.pass_rows)
+        call = _Call(state, tokens, alone, all_logits)
         with self._cv:
             self._waiting.append(call)
             self._cv.notify_all()  # a leader gathering a pass may be waiting for this thread
@@ -142,14 +151,17 @@ class Batcher:
         if first.alone or not self.batches:
             batch = [first]
         else:
-            batch, prefill = [], 0
+            batch, prefill, rows = [], 0, 0
             for c in self._waiting:
                 if c.alone or any(c.state is b.state for b in batch):
                     continue  # alone; or a second call on one sequence (a pass extends a state once)
+                if rows + len(c.tokens) > self.pass_rows:
+                    continue  # over the pass's rows: waits for a later pass
                 if len(c.tokens) > 1:
                     if prefill + len(c.tokens) > self.prefill_rows:
                         continue  # a prefill chunk that does not fit waits for a later pass
                     prefill += len(c.tokens)
+                rows += len(c.tokens)
                 batch.append(c)
         for c in batch:
             self._waiting.remove(c)

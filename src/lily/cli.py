@@ -617,7 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get HTTP 503")
     p.add_argument("--max-batch", type=int, default=None,
                    help="requests generating at once, sharing each engine pass (continuous batching; default 8 "
-                        "on the CPU backend; GPU backends run one at a time)")
+                        "on the CPU backend, 7 on GPU backends: the rows of one pass there)")
     p.add_argument("--kv-budget-mb", type=float, default=None, metavar="MIB",
                    help="KV cache and state the running requests may reserve; a request waits for room, and one "
                         "that could never fit is refused (default: half the memory available at start)")

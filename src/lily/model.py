@@ -71,6 +71,18 @@ if TYPE_CHECKING:
 # medium model, 2 cores (docs/server.md, "Measured"; benchmarks/README.md, "Batched decode").
 DEFAULT_MAX_BATCH = 8
 
+
+def default_max_batch(engine, *, serving: bool = False) -> int:
+    """Generations at once by default. The CPU backend: DEFAULT_MAX_BATCH. A GPU backend: 1 for a
+    Model, so a lone generation keeps the device loop (single-sequence; on the H200 it decodes
+    in 1.52 ms a token where the host loop takes 2.89, docs/api-generation.md), and for
+    ``lily serve`` (``serving``), where requests arrive together, the rows of one pass
+    (``engine.batch_rows``, 7): every running generation's decode row then shares one pass,
+    which reads the weights once (benchmarks/metal_plan.py --batches), on the host loop."""
+    if engine.backend == "cpu":
+        return DEFAULT_MAX_BATCH
+    return min(DEFAULT_MAX_BATCH, int(engine.batch_rows)) if serving else 1
+
 # "msl-cpu" runs the Metal backend's dispatch sequence on the MSL-on-CPU runtime (tests; slow);
 # "msl-cuda" the same kernels and dispatch sequence on an NVIDIA GPU (docs/msl-on-cuda.md).
 BACKENDS = ("cpu", "metal", "msl-cpu", "msl-cuda")
@@ -288,15 +300,15 @@ class Model:
         self.max_context = max_context
         self._lock = threading.Lock()  # one engine call at a time (shared scratch)
         # Engine passes shared by every thread's calls (lily.batching); generations at once:
-        # max_batch on a backend that batches (the CPU), else one at a time.
+        # max_batch on a backend that batches (all of them today), else one at a time.
         self._batcher = Batcher(engine, self._lock, prefill_rows=engine.prefill_chunk)
         self._generation = GenerationSlots(1)
-        self.max_batch = DEFAULT_MAX_BATCH
+        self.max_batch = default_max_batch(engine)
 
     @property
     def batches(self) -> bool:
-        """Whether generations running at once share engine passes (the CPU backend: continuous
-        batching, lily.batching); elsewhere they take turns."""
+        """Whether generations running at once share engine passes (continuous batching,
+        lily.batching: every backend today); elsewhere they take turns."""
         return self._batcher.batches
 
     @property
@@ -370,8 +382,10 @@ class Model:
         into memory on the CPU backend when the files take at most 3/4 of the available
         memory, mapped otherwise.
         max_batch: how many generations run at once, sharing engine passes (continuous
-        batching; default 8); more wait their turn. On backends that do not batch (the GPU
-        backends today) generations always take turns.
+        batching); more wait their turn. Default 8 on the CPU backend; 1 on the GPU backends,
+        where a lone generation then runs on the device loop (tokens chosen on the GPU, about
+        twice the host loop's rate) -- set it (up to 7, the rows of one pass there) to batch
+        threads and prompt lists instead, on the host loop (``lily serve`` does: 7).
         """
         for name, value, types, what in (
                 ("path_or_repo_id", path_or_repo_id, (str, os.PathLike, type(None)), "a path or repo id"),

@@ -6,9 +6,10 @@ Design choices:
   (HTTP 503) instead of piling up. The jobs running at once share every engine pass
   (continuous batching, lily.batching): each worker's token loop calls the engine for its own
   sequence and those calls are taken together into one pass, prefill chunks beside decode rows,
-  so a long prompt does not stall the others. On the CPU backend a job's tokens do not depend
-  on which others share its passes (bit-identical logits); on backends that do not batch, one
-  worker runs and jobs take turns.
+  so a long prompt does not stall the others. A job's tokens do not depend on which others
+  share its passes (bit-identical logits; on a GPU backend passes of several sequences stay
+  within engine.batch_rows for that); on backends that do not batch, one worker runs and jobs
+  take turns.
 - The workers take the model's generation slots (``Model._generation``) per job, so Python-API
   calls on the same model in the same process share the slots and passes with the server.
 - KV memory is admitted, not discovered: a job reserves the KV cache and recurrent state of its
