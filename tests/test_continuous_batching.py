@@ -229,9 +229,9 @@ def test_gpu_threads_get_their_solo_answers_in_shared_passes(gpu, sampling):
     alone)."""
     from lily.model import default_max_batch
 
-    assert gpu.batches and gpu.max_batch == 1
+    assert gpu.batches and default_max_batch(gpu._engine) == 1
     assert default_max_batch(gpu._engine, serving=True) == gpu._engine.batch_rows == 7
-    gpu.max_batch = 7
+    gpu.max_batch = 7  # (the module's model: every test here batches)
     prompts = [[5, 6, 7], [9, 10, 11, 12], [3], list(range(20, 29))]
     kw = [dict(max_tokens=6, seed=5 + i, **sampling) for i in range(len(prompts))]
     solo = [gpu.generate(p, **k).tokens for p, k in zip(prompts, kw, strict=True)]
