@@ -98,8 +98,9 @@ class Generation:
     choice's :class:`GenerationStream`. The slot is held until :meth:`close`, or by the stream
     that takes it over (``own_slot``, a single choice: the stream frees it when it ends).
 
-    Every entry point gets the device decode loop where the backend has one and the request
-    allows it (``device_loop_allowed``; logit_bias and structured output need the host too).
+    Every entry point gets the device decode loop where the backend has one, the request
+    allows it (``device_loop_allowed``; logit_bias and structured output need the host too) and
+    the model runs one generation at a time (``max_batch`` 1, the GPU default).
 
     Hooks (the server's): ``step(fn, arg)`` runs each engine call ``fn(arg)`` (prefill chunks,
     decode steps, the device loop's start and steps); ``on_prefilled(seq)`` after each choice's
@@ -148,8 +149,10 @@ class Generation:
             return None if loop is None else _SteppedLoop(loop, run)
 
         # GPU backends choose each token on the device and feed it to the next step there, unless
-        # the request needs the logits on the host (penalties, logprobs, logit_bias, structured output).
-        on_device = device_loop_allowed(req.params, req.want_logprobs)
+        # the request needs the logits on the host (penalties, logprobs, logit_bias, structured
+        # output). The device loop is single-sequence: a model that batches generations
+        # (max_batch > 1) runs them all on the host loop.
+        on_device = device_loop_allowed(req.params, req.want_logprobs) and model.max_batch == 1
         tokenizer = model.tokenizer
         return choice_loops(
             seq, req.ids, self.reused, req.n, prefill=lambda chunk: run(seq.prefill, chunk), decode=decode,

@@ -276,6 +276,7 @@ class Scheduler:
             if decoded >= 16 and decoded & (decoded - 1) == 0:
                 seq.take_snapshot()
 
+        last = None  # the last choice's result, sent once the flow has closed
         try:
             with Generation(self.model, job, sequence, step=step, on_prefilled=lambda seq: seq.take_snapshot(),
                             on_decoded=on_decoded, on_close=self.cache.release, snapshot_prompt=True) as run:
@@ -294,7 +295,13 @@ class Scheduler:
                         stream.close()  # a job dropped between steps: close the token loop now
                     if choice == job.n - 1:  # counted before the client can see its answer (and scrape)
                         self._finish(job, "completed")
-                    job.emit("done", stream.result)
+                        last = stream.result
+                    else:
+                        job.emit("done", stream.result)
+            # After the flow closed: the prefix cache has the sequence back, so a client that sends
+            # its next request the moment it has this answer finds the prompt cached (before, that
+            # request could race the release and prefill everything again).
+            job.emit("done", last)
         except Cancelled:
             self._finish(job, "cancelled")
             self.stats.last_cancel_reason = job.cancel_reason
