@@ -337,8 +337,6 @@ def main() -> None:
             print(f"| {b} | {bp['passes']} | {bp['dispatches']} | {bp['stages']} | {t['weight_bytes'] / GB:.3f} | "
                   f"{t['state_bytes'] / GB:.4f} | {t['other_bytes'] / GB:.4f} | {t['total_bytes'] / GB:.3f} | "
                   f"{t['total_bytes'] / base:.3f} |")
-    if not args.prompts:
-        return
     print()
     print("Decode GEMV reads (serial load steps of a simdgroup for its 4 rows; threadgroups unchanged):")
     print()
@@ -348,6 +346,8 @@ def main() -> None:
         b, a = r["before"], r["after"]
         print(f"| {r['kind']} ({r['bits']}-bit) | {r['in']} | {r['row_bytes']} | "
               f"{b['load_bytes']} B, {b['lanes']}, {b['steps']} | {a['load_bytes']} B, {a['lanes']}, {a['steps']} |")
+    if not args.prompts:
+        return
     print()
     print(f"Prefill in chunks of {args.chunk} (the last chunk of each prompt; it is a full chunk here):")
     print()

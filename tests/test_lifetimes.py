@@ -321,3 +321,20 @@ def test_mlx_lm_style_functions(model, capsys):
         generate(m, tok, "x", sampler=lambda x: x)
     with pytest.raises(lily.RequestError, match="tokenizer"):
         generate(m, object(), "x")
+
+
+def test_a_stream_that_cannot_start_gives_its_slot_back(serial, monkeypatch):
+    """A generation whose stream fails to start (here its detokenizer) frees the model's one slot:
+    the next generate runs at once instead of waiting for a slot nobody holds."""
+    def broken(**_kw):
+        raise RuntimeError("detokenizer broke")
+
+    with monkeypatch.context() as m:
+        m.setattr(serial.tokenizer, "detokenizer", broken)
+        with pytest.raises(RuntimeError, match="detokenizer broke"):
+            serial.generate("Errors", max_tokens=2, temperature=0)
+    done = []
+    t = threading.Thread(target=lambda: done.append(serial.generate("Errors", max_tokens=2, temperature=0)))
+    t.start()
+    t.join(timeout=30)
+    assert done, "the next generate still waited for the slot of the stream that never started"

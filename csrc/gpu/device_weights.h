@@ -1,6 +1,6 @@
 // The checkpoint as the GPU sees it: each mapped (or resident) weights file wrapped once as a
 // zero-copy device buffer, so a Linear is (file buffer, byte offset) and nothing is copied
-// (unless the file's tensors are misaligned: see kWeightAlign);
+// (unless the file's tensors are misaligned: see weight_alignment);
 // the small per-channel vectors (norm gains, conv taps, ...) copied once into device buffers;
 // the MoE blocks' per-expert offset tables. The wrapped files are asked to stay resident
 // (Device::make_resident: a Metal residency set where the OS has one).

@@ -54,19 +54,17 @@ void encode_gdn_recurrence(EncoderContext& ctx, const GdnArgs& args, const Buffe
                            const BufferRange& b, const BufferRange& a, const GdnLayerBuffers& L,
                            const GdnStateView& st, const BufferRange& o) {
   const size_t f = size_t(args.T) * 4, C = args.C, vdim = size_t(args.Hv) * args.Dv, Hv = args.Hv;
-  {
-    Dispatch d(ctx, "gdn.metal", "gdn_recurrence_dk" + std::to_string(args.Dk));
-    d.args(args)
-        .read("conv_out", conv_out, f * C)
-        .read("b", b, f * Hv)
-        .read("a", a, f * Hv)
-        .weight("a_neg", {L.a_neg, 0})
-        .weight("dt_bias", {L.dt_bias, 0})
-        .state("S", st.S_in, false, st.S_in->length())
-        .write("o", o, f * vdim)
-        .state("S_out", st.S_out, true, st.S_out->length());
-    d.run({args.Hv, div_up(args.Dv, LILY_GDN_COLUMNS), 1}, {LILY_GDN_COLUMNS, 1, 1});
-  }
+  Dispatch d(ctx, "gdn.metal", "gdn_recurrence_dk" + std::to_string(args.Dk));
+  d.args(args)
+      .read("conv_out", conv_out, f * C)
+      .read("b", b, f * Hv)
+      .read("a", a, f * Hv)
+      .weight("a_neg", {L.a_neg, 0})
+      .weight("dt_bias", {L.dt_bias, 0})
+      .state("S", st.S_in, false, st.S_in->length())
+      .write("o", o, f * vdim)
+      .state("S_out", st.S_out, true, st.S_out->length());
+  d.run({args.Hv, div_up(args.Dv, LILY_GDN_COLUMNS), 1}, {LILY_GDN_COLUMNS, 1, 1});
 }
 
 void encode_gdn_gated_norm(EncoderContext& ctx, const GdnArgs& args, const BufferRange& z, const GdnLayerBuffers& L,

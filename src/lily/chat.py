@@ -39,6 +39,13 @@ _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"
 _RULE_KEYS = ("logit_bias", "stop_token_ids", "json_schema", "regex", "grammar")
 
 
+def _check_options(options: Mapping[str, Any]) -> None:
+    """Refuses, by name, chat options that are not sampling, token-rule or length options."""
+    unknown = set(options) - set(_SAMPLING_KEYS) - set(_RULE_KEYS) - {"max_tokens", "stop", "logprobs"}
+    if unknown:
+        raise RequestError(f"[chat] unknown sampling argument(s): {', '.join(sorted(unknown))}")
+
+
 class Chat:
     """A multi-turn conversation on one model.
 
@@ -55,9 +62,7 @@ class Chat:
         renders it (``lily cache --chat``: the system prompt); each conversation, after
         :meth:`reset` too, starts from a copy of it, and a turn whose rendered tokens do not
         start with its tokens prefills from scratch (the prefix matching below)."""
-        unknown = set(sampling) - set(_SAMPLING_KEYS) - set(_RULE_KEYS) - {"max_tokens", "stop", "logprobs"}
-        if unknown:
-            raise RequestError(f"[chat] unknown sampling argument(s): {', '.join(sorted(unknown))}")
+        _check_options(sampling)
         if max_snapshots < 1:
             raise RequestError("[chat] max_snapshots must be at least 1")
         if prompt_cache is not None and getattr(prompt_cache, "_model", None) is not model:
@@ -164,9 +169,7 @@ class Chat:
         """One assistant turn; ``messages[turn_start:]`` are dropped if it does not finish."""
         model = self.model
         opts = {**self.sampling, **sampling}
-        unknown = set(opts) - set(_SAMPLING_KEYS) - set(_RULE_KEYS) - {"max_tokens", "stop", "logprobs"}
-        if unknown:
-            raise RequestError(f"[chat] unknown sampling argument(s): {', '.join(sorted(unknown))}")
+        _check_options(opts)
         text = model.render_chat(self.messages, tools=self.tools, enable_thinking=self.enable_thinking,
                                  chat_template_kwargs=self.chat_template_kwargs)
         ids = np.asarray(model._need_tokenizer("chat").encode(text), dtype=np.int32)

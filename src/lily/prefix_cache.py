@@ -212,16 +212,30 @@ class PrefixCache:
         return self.model.session(self.max_context, self.max_snapshots), 0
 
     def release(self, seq: Session) -> None:
-        """Keeps ``seq`` as the most recently used; evicts until within budget."""
+        """Keeps ``seq`` as the most recently used; evicts until within budget (to the disk
+        tier, if any)."""
+        self.store(self.keep(seq))
+
+    def keep(self, seq: Session) -> list[Session]:
+        """The in-memory half of :meth:`release`: keeps ``seq``, evicts until within budget and
+        returns the evicted sequences for :meth:`store` (the server answers its client between
+        the two, so the answer does not wait for a file to be written)."""
         with self._lock:
             if self.budget_bytes <= 0 or not seq.position:
-                return
+                return []
             self._entries.append(seq)
+            evicted = []
             while self._entries and self.nbytes > self.budget_bytes:
-                evicted = self._entries.pop(0)
+                evicted.append(self._entries.pop(0))
                 self.evictions += 1
-                if self.disk is not None:
-                    self.disk.put(evicted)
+            return evicted
+
+    def store(self, evicted: list[Session]) -> None:
+        """Writes sequences :meth:`keep` evicted to the disk tier (a no-op without one)."""
+        if self.disk is not None:
+            with self._lock:
+                for seq in evicted:
+                    self.disk.put(seq)
 
     def spill(self) -> None:
         """Writes every sequence in memory to the disk tier (at shutdown), most recent last."""

@@ -167,13 +167,21 @@ class Generation:
                on_finish: Callable[[GenerationResult], None] | None = None) -> GenerationStream:
         """The next choice's stream; ``own_slot``: it takes over the slot (the last choice)."""
         req = self.request
-        stats, chunks = next(self._choices)
         slot = None
-        if own_slot and self._held:
-            slot, self._held = self._slots, False
-        return GenerationStream(chunks, stats, slot, want_logprobs=req.want_logprobs,
-                                token_text=self.model._token_text, chat=req.chat, tools=req.tools,
-                                reasoning_started=req.reasoning_started, on_finish=on_finish)
+        try:
+            stats, chunks = next(self._choices)
+            if own_slot and self._held:
+                slot, self._held = self._slots, False
+            return GenerationStream(chunks, stats, slot, want_logprobs=req.want_logprobs,
+                                    token_text=self.model._token_text, chat=req.chat, tools=req.tools,
+                                    reasoning_started=req.reasoning_started, on_finish=on_finish)
+        except BaseException:
+            # Not started (Ctrl-C, a failing detokenizer): nothing else would free the slot of a
+            # caller that hands it to the stream (Model.generate, Chat).
+            if slot is not None:
+                self._held = True  # handed over, but no stream took it
+            self.close()
+            raise
 
     def streams(self) -> Iterator[GenerationStream]:
         """Each choice's stream in turn (the slot stays with this Generation)."""

@@ -277,9 +277,11 @@ class Scheduler:
                 seq.take_snapshot()
 
         last = None  # the last choice's result, sent once the flow has closed
+        evicted: list = []  # what the prefix cache evicted for this sequence, written after the answer
         try:
             with Generation(self.model, job, sequence, step=step, on_prefilled=lambda seq: seq.take_snapshot(),
-                            on_decoded=on_decoded, on_close=self.cache.release, snapshot_prompt=True) as run:
+                            on_decoded=on_decoded, on_close=lambda seq: evicted.extend(self.cache.keep(seq)),
+                            snapshot_prompt=True) as run:
                 first = True
                 for choice, stream in enumerate(run.streams()):
                     try:
@@ -300,7 +302,8 @@ class Scheduler:
                         job.emit("done", stream.result)
             # After the flow closed: the prefix cache has the sequence back, so a client that sends
             # its next request the moment it has this answer finds the prompt cached (before, that
-            # request could race the release and prefill everything again).
+            # request could race the release and prefill everything again). Sequences that made
+            # room for it go to the disk tier after the answer.
             job.emit("done", last)
         except Cancelled:
             self._finish(job, "cancelled")
@@ -312,6 +315,8 @@ class Scheduler:
         except Exception as e:  # a bad request that got past validation; keep serving
             self._finish(job, "failed")
             job.emit("error", e)
+        finally:
+            self.cache.store(evicted)
 
 
 def default_kv_budget() -> int:
