@@ -10,9 +10,14 @@ its greedy token. Reported: the median wall time of --steps steps after --warmup
 --backend msl-cuda / metal / msl-cpu: the GPU backends batch too (a pass of several sequences
 holds at most engine.batch_rows = 7 rows there; 8 sequences are passes of 7 and 1). --check
 first compares one batched step with each sequence decoded alone (clones), bit for bit.
+--device-loop (GPU backends, B <= 7): the steps run in the engine's device loop over the B
+sequences (Engine.begin_device_batch: each row's argmax chosen on the device and fed to the
+next step there, the next step committed before this one's tokens are read); --check then
+also compares the loop's tokens with the host loop's greedy tokens on clones, step by step.
 
     python benchmarks/batch_decode.py --model build/bench/medium/mlx4 --threads 2 --batch 1,2,4,8,16
     python benchmarks/batch_decode.py --model demo --backend msl-cuda --batch 1,2,4,7,8 --check
+    python benchmarks/batch_decode.py --model demo --backend msl-cuda --batch 1,2,4,7 --device-loop --check
     python benchmarks/batch_decode.py --json out.json
 """
 
@@ -41,8 +46,31 @@ def same_as_solo(engine, states, tokens) -> bool:
     return bool(np.array_equal(got.view(np.uint32), want.view(np.uint32)))
 
 
+def device_loop_steps(engine, states, tokens, n: int) -> tuple[list[float], list[list[int]]]:
+    """n steps of the device loop over `states` from `tokens`: each step's wall time (from the
+    call that commits the next step to its tokens) and tokens; the loop is ended after them."""
+    assert engine.begin_device_batch(states, [int(t) for t in tokens], n, [None] * len(states))
+    times, out = [], []
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            out.append(engine.next_device_tokens())
+            times.append(time.perf_counter() - t0)
+    finally:
+        engine.end_device_batch()
+    return times, out
+
+
+def host_greedy(engine, states, tokens, n: int) -> list[list[int]]:
+    out = []
+    for _ in range(n):
+        tokens = engine.decode_batch(states, np.asarray(tokens, np.int32)).argmax(-1).astype(np.int32)
+        out.append([int(t) for t in tokens])
+    return out
+
+
 def measure(model: lily.Model, batch: int, context: int, steps: int, warmup: int, seed: int,
-            check: bool = False) -> dict:
+            check: bool = False, device_loop: bool = False) -> dict:
     engine = model._engine
     rng = np.random.default_rng(seed)
     vocab = model.config.vocab_size
@@ -55,6 +83,15 @@ def measure(model: lily.Model, batch: int, context: int, steps: int, warmup: int
         states.append(s)
     tokens = np.full(batch, int(logits.argmax()), dtype=np.int32)
     identical = same_as_solo(engine, states, tokens) if check else None
+    if device_loop:
+        clones = [s.clone() for s in states] if check else None
+        times, got = device_loop_steps(engine, states, tokens, warmup + steps)
+        if check:
+            identical = identical and got == host_greedy(engine, clones, tokens, warmup + steps)
+        step_s = statistics.median(times[warmup:])
+        return {"batch": batch, "context": states[0].position - warmup - steps, "step_ms": step_s * 1e3,
+                "tokens_per_s": batch / step_s, "steps": steps, "bit_identical_to_solo": identical,
+                "device_loop": True}
     times = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
@@ -74,6 +111,7 @@ def main() -> None:
                     help="a checkpoint, or 'demo' (the embedded demo model)")
     ap.add_argument("--backend", default="cpu", choices=["cpu", "metal", "msl-cpu", "msl-cuda"])
     ap.add_argument("--check", action="store_true", help="first compare a batched step with solo steps")
+    ap.add_argument("--device-loop", action="store_true", help="run the steps in the engine's device loop (GPU)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cpu-matmul", default="auto", choices=["auto", "int8", "f32"])
     ap.add_argument("--batch", default="1,2,4,8,16", help="comma-separated batch sizes")
@@ -90,10 +128,11 @@ def main() -> None:
         model = lily.Model.load(path, threads=args.threads, cpu_matmul=args.cpu_matmul)
     else:
         model = lily.Model.load(path, backend=args.backend)
-    rows = [measure(model, int(b), args.context, args.steps, args.warmup, args.seed, args.check)
+    rows = [measure(model, int(b), args.context, args.steps, args.warmup, args.seed, args.check, args.device_loop)
             for b in args.batch.split(",")]
     base = rows[0]["tokens_per_s"] / rows[0]["batch"]
-    print(f"{model!r}\ncontext ~{args.context} tokens, median of {args.steps} steps after {args.warmup}\n")
+    loop = "device loop" if args.device_loop else "host loop"
+    print(f"{model!r}\n{loop}, context ~{args.context} tokens, median of {args.steps} steps after {args.warmup}\n")
     print("| B | ms / step | tokens/s (all sequences) | vs B=1 per token | bit-identical to solo |")
     print("|---:|---:|---:|---:|---|")
     for r in rows:
@@ -101,6 +140,7 @@ def main() -> None:
         print(f"| {r['batch']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f}x | {same} |")
     if args.json:
         out = {"model": args.model, "engine": repr(model), "backend": args.backend, "threads": args.threads,
+               "device_loop": args.device_loop,
                "cpu_matmul": model._engine.cpu_matmul,
                "rows": rows}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

@@ -48,7 +48,7 @@ def run(backend: str, tokens: int, repeat: int) -> dict:
     import lily
 
     t0 = time.perf_counter()
-    model = lily.Model.load(backend=backend, max_batch=1)  # one request at a time: the device loop is single-sequence
+    model = lily.Model.load(backend=backend, max_batch=1)  # one request at a time: no other rows in its passes
     load_s = time.perf_counter() - t0
     engine = model._engine
 

@@ -222,19 +222,17 @@ def gpu(store):
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.8, top_p=0.9)])
 def test_gpu_threads_get_their_solo_answers_in_shared_passes(gpu, sampling):
-    """A GPU backend (msl-cpu) batches too: a Model there defaults to max_batch 1 (a lone
-    generation keeps the device loop) and `lily serve` to the rows of one pass (7); with 7,
-    threads calling generate share passes (host loop) and each gets the tokens it gets alone,
-    among them a prompt of 9 tokens, more than a pass of several sequences holds (it prefills
-    alone)."""
+    """A GPU backend (msl-cpu) batches too: a Model there (and `lily serve`) defaults to the
+    rows of one pass (7); threads calling generate share the device loop's steps and each gets
+    the tokens it gets alone, among them a prompt of 9 tokens, more than a pass of several
+    sequences holds (it prefills alone, ending the loop)."""
     from lily.model import default_max_batch
 
-    assert gpu.batches and default_max_batch(gpu._engine) == 1
-    assert default_max_batch(gpu._engine, serving=True) == gpu._engine.batch_rows == 7
-    gpu.max_batch = 7  # (the module's model: every test here batches)
+    assert gpu.batches and default_max_batch(gpu._engine) == gpu._engine.batch_rows == gpu.max_batch == 7
     prompts = [[5, 6, 7], [9, 10, 11, 12], [3], list(range(20, 29))]
-    kw = [dict(max_tokens=6, seed=5 + i, **sampling) for i in range(len(prompts))]
+    kw = [dict(max_tokens=6, seed=5 + i, repetition_penalty=1, **sampling) for i in range(len(prompts))]
     solo = [gpu.generate(p, **k).tokens for p, k in zip(prompts, kw, strict=True)]
-    gpu._batcher.stats.max_sequences = 0
+    stats = gpu._batcher.stats
+    stats.max_sequences = stats.max_device_sequences = 0
     assert _in_threads(lambda i: gpu.generate(prompts[i], **kw[i]).tokens, len(prompts)) == solo
-    assert gpu._batcher.stats.max_sequences > 1, "no pass held two sequences: nothing was batched"
+    assert stats.max_device_sequences > 1, "no device-loop step held two sequences: nothing was batched there"

@@ -5,9 +5,9 @@ the next turn and the server's prefix cache work as after host decoding.
 
 Backend: msl-cpu (the Metal kernels on the CPU) with a float32 KV cache, on the demo model.
 Reference: the CPU backend (cpu_matmul="f32"), which has no device loop and decodes on the host;
-its tokens, and its sessions' token lists, must be equal. A spy on ``DeviceLoop.start`` checks
-that the msl-cpu runs really took the device loop (so a flow that silently fell back to the host
-loop fails), and that the CPU runs did not.
+its tokens, and its sessions' token lists, must be equal. A spy on ``Batcher.device_row`` and
+the batcher's count of device-loop steps check that the msl-cpu runs really took the device loop
+(so a flow that silently fell back to the host loop fails), and that the CPU runs did not.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import lily
-from lily.generation import DeviceLoop
+from lily.batching import Batcher
 
 # repetition_penalty=1: the demo's default penalty needs the logits on the host.
 GREEDY = dict(temperature=0, repetition_penalty=1)
@@ -34,16 +34,16 @@ def models():
 
 @pytest.fixture
 def device_loops(monkeypatch):
-    """(model is the msl-cpu one, a device loop started) for each DeviceLoop.start."""
+    """(model is the msl-cpu one, it got a device row) for each Batcher.device_row."""
     started = []
-    real = DeviceLoop.start.__func__
+    real = Batcher.device_row
 
-    def spy(cls, engine, *args, **kwargs):
-        loop = real(cls, engine, *args, **kwargs)
-        started.append((engine.backend != "cpu", loop is not None))
-        return loop
+    def spy(self, *args, **kwargs):
+        row = real(self, *args, **kwargs)
+        started.append((self._engine.backend != "cpu", row is not None))
+        return row
 
-    monkeypatch.setattr(DeviceLoop, "start", classmethod(spy))
+    monkeypatch.setattr(Batcher, "device_row", spy)
     return started
 
 

@@ -62,7 +62,7 @@ def test_failure_while_encoding_a_device_loop_step(store, lily):
     one (on a fresh and on the same session) gives the CPU backend's tokens."""
     path = store.mlx(*MODEL)
     gpu = lily.Model.load(path, backend="msl-cpu", backend_options=dict(fail_dispatch="sample", **F32_KV),
-                          max_batch=1)  # the device loop: a model that batches generations uses the host loop
+                          max_batch=1)  # one generation at a time: its own device loop
     cpu = lily.Model.load(path, backend="cpu", cpu_matmul="f32")
     with pytest.raises(lily.LilyError, match="kernel 'sample': injected failure"):
         gpu.generate(cases.GEN_PROMPT, max_tokens=4)

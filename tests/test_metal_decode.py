@@ -42,7 +42,7 @@ def _check(got, want, what, tol=TOL):
 @pytest.fixture(scope="module", params=[pytest.param(m, id=cases.case_id(m)) for m in MODELS])
 def case(request, store, lily):
     path = store.mlx(*request.param)
-    # max_batch=1: a lone generation takes the device loop (a batching model uses the host loop).
+    # max_batch=1: one generation at a time (batched generations: tests/test_device_batch.py).
     gpu = lily.Model.load(path, backend="msl-cpu", backend_options={**ROUTES, **cases.F32_KV}, max_batch=1)
     cpu = lily.Model.load(path, backend="cpu", cpu_matmul="f32")
     return gpu, cpu, store.mlx_reference(path)

@@ -106,7 +106,7 @@ def test_cpu_never_chooses_padding_ids(checkpoints, lily):
 
 def test_msl_cpu_device_loop_never_chooses_padding_ids(checkpoints, lily, monkeypatch):
     _, mlx = checkpoints
-    gpu = lily.Model.load(mlx, backend="msl-cpu", backend_options=cases.F32_KV, max_batch=1)  # max_batch=1: device loop
+    gpu = lily.Model.load(mlx, backend="msl-cpu", backend_options=cases.F32_KV, max_batch=1)  # one generation
     cpu = lily.Model.load(mlx, backend="cpu", cpu_matmul="f32")  # the reference mode: equal to the GPU kernels
     loops = []
     device_loop = lily.Session.device_loop

@@ -852,16 +852,18 @@ def test_gpu_backend_samples_biased_and_constrained_requests_on_the_host(monkeyp
     """On a GPU backend (the Metal kernels run on the CPU: msl-cpu) a plain greedy request takes
     the device loop, a biased or constrained one the host loop, which applies the bias (the
     first token = NumPy's argmax of the prompt's logits + bias) and the mask (re.fullmatch)."""
-    from lily.generation import DeviceLoop
+    from lily.batching import Batcher
 
-    gpu = lily.Model.load(backend="msl-cpu", max_batch=1)  # a model that batches generations uses the host loop
+    gpu = lily.Model.load(backend="msl-cpu")
     starts = []
-    real_start = DeviceLoop.start.__func__
-    monkeypatch.setattr(DeviceLoop, "start", classmethod(lambda cls, *a: starts.append(1) or real_start(cls, *a)))
+    real_row = Batcher.device_row
+    monkeypatch.setattr(Batcher, "device_row", lambda self, *a: starts.append(1) or real_row(self, *a))
     prompt = gpu.tokenizer.encode("The quick brown fox")
     # repetition_penalty=1: the demo's default penalty would need the host loop too
     plain = gpu.generate(prompt, max_tokens=4, temperature=0, repetition_penalty=1).tokens
     assert len(starts) == 1  # the device loop runs plain requests
+    device_steps = gpu._batcher.stats.device_steps
+    assert device_steps > 0
     first = gpu.logits(prompt)[-1].astype(np.float64)
     runner_up = int(np.argsort(-first, kind="stable")[1])
     bias = {runner_up: float(first.max() - first[runner_up]) + 0.5}
@@ -870,4 +872,4 @@ def test_gpu_backend_samples_biased_and_constrained_requests_on_the_host(monkeyp
     assert out[0] == int(np.argmax(first)) == runner_up != plain[0]
     r = gpu.generate("Phone:", regex=r"\(\d{3}\) \d{3}-\d{4}", max_tokens=20, temperature=1.0, seed=2)
     assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", r.text), r.text
-    assert len(starts) == 1  # neither of those took it
+    assert len(starts) == 1 and gpu._batcher.stats.device_steps == device_steps  # neither of those took it

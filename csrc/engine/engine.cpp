@@ -85,7 +85,7 @@ void Engine::check_tokens(const State& st, const int32_t* tokens, int n) const {
 
 // The backend is in device-loop mode until end_device_decode: no other pass may interleave.
 void Engine::check_no_device_loop() const {
-  if (loop_.state)
+  if (device_loop_running())
     throw RequestError("[engine] a device decode loop is running on this engine: end it before other calls");
 }
 
@@ -267,35 +267,32 @@ std::vector<int32_t> Engine::generate_greedy(State& st, const int32_t* prompt, i
   return out;
 }
 
-bool Engine::begin_device_decode(State& st, int32_t token, int max_steps, const Sampler* sampler) {
+bool Engine::begin_device_decode(State& st, int32_t token, int max_steps, Sampler* sampler) {
   return begin_device_decode(st, &token, 1, max_steps, sampler);
 }
 
-bool Engine::begin_device_decode(State& st, const int32_t* first, int n, int max_steps, const Sampler* sampler) {
-  if (loop_.state) throw RequestError("[engine] a device decode loop is already running on this engine");
-  if (max_steps <= 0) throw RequestError("[engine] a device decode loop needs at least one step");
-  if (n < 1) throw RequestError("[engine] a device decode loop starts from at least one token");
-  weights_->check_files_unchanged();
-  check_tokens(st, first, n);
-  if (int64_t(st.position()) + n - 1 + max_steps > st.max_context())
-    throw RequestError("[engine] " + std::to_string(st.position()) + " cached + " + std::to_string(n) +
-                       " tokens + " + std::to_string(max_steps) + " decode steps exceed the context of " +
-                       std::to_string(st.max_context()));
-  DeviceSampling ds;
-  if (sampler) {
-    // Greedy or not: the device argmax / draw would silently skip these.
-    const SamplingParams& p = sampler->params();
-    if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f ||
-        p.top_logprobs > 0)
-      throw RequestError("[engine] penalties and logprobs need the logits on the host: use the host loop");
-    // A per-step token mask is computed on the host from the tokens so far, which a device loop
-    // does not wait for: such a request decodes on the host (the caller's fallback). The GPU
-    // sampler has no logit bias either (a rare request option; the host sampler applies it).
-    if (sampler->has_allowed_tokens() || sampler->has_logit_bias()) return false;
-    ds.token_limit = sampler->token_limit();
-  }
-  if (sampler && sampler->draws()) {
-    const SamplingParams& p = sampler->params();
+bool Engine::begin_device_decode(State& st, const int32_t* first, int n, int max_steps, Sampler* sampler) {
+  return begin_device_decode({DeviceRow{&st, first, n, sampler}}, max_steps);
+}
+
+namespace {
+
+// What the device sampler takes from a host sampler (nullptr: argmax); false where the host must
+// choose the tokens (a token mask or a logit bias).
+bool device_sampling(const Sampler* sampler, DeviceSampling& ds) {
+  ds = DeviceSampling{};
+  if (!sampler) return true;
+  // Greedy or not: the device argmax / draw would silently skip these.
+  const SamplingParams& p = sampler->params();
+  if (p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f ||
+      p.top_logprobs > 0)
+    throw RequestError("[engine] penalties and logprobs need the logits on the host: use the host loop");
+  // A per-step token mask is computed on the host from the tokens so far, which a device loop
+  // does not wait for: such a request decodes on the host (the caller's fallback). The GPU
+  // sampler has no logit bias either (a rare request option; the host sampler applies it).
+  if (sampler->has_allowed_tokens() || sampler->has_logit_bias()) return false;
+  ds.token_limit = sampler->token_limit();
+  if (sampler->draws()) {
     ds.draw = true;
     ds.top_k = p.top_k;
     ds.top_p_fixed = sampler->top_p_fixed();
@@ -304,11 +301,57 @@ bool Engine::begin_device_decode(State& st, const int32_t* first, int n, int max
     ds.min_p_offset = sampler->min_p_offset();
     for (int i = 0; i < 4; ++i) ds.rng[i] = sampler->rng().state()[i];
   }
-  if (!backend_->begin_device_decode(st, n - 1 + max_steps, ds)) return false;
-  loop_ = {&st, max_steps, 0, 0};
+  return true;
+}
+
+}  // namespace
+
+bool Engine::begin_device_decode(const std::vector<DeviceRow>& rows, int max_steps) {
+  if (device_loop_running()) throw RequestError("[engine] a device decode loop is already running on this engine");
+  if (max_steps <= 0) throw RequestError("[engine] a device decode loop needs at least one step");
+  if (rows.empty()) throw RequestError("[engine] a device decode loop needs at least one sequence");
+  if (rows.size() > 1 && int(rows.size()) > backend_->batch_rows())
+    throw RequestError("[engine] a device decode loop holds at most " + std::to_string(backend_->batch_rows()) +
+                       " sequences, not " + std::to_string(rows.size()));
+  std::vector<StepRows> step_rows;
+  for (const DeviceRow& r : rows) {
+    if (r.n < 1) throw RequestError("[engine] a device decode loop starts from at least one token");
+    if (rows.size() > 1 && r.n != 1)
+      throw RequestError("[engine] a device decode loop of several sequences starts from one token each");
+    step_rows.push_back({r.state, r.first, r.n});
+  }
+  check_step(step_rows);  // states, tokens, memory and files, as a step's
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const State& st = *rows[i].state;
+    if (int64_t(st.position()) + rows[i].n - 1 + max_steps > st.max_context())
+      throw RequestError("[engine] " + std::to_string(st.position()) + " cached + " + std::to_string(rows[i].n) +
+                         " tokens + " + std::to_string(max_steps) + " decode steps exceed the context of " +
+                         std::to_string(st.max_context()) +
+                         (rows.size() > 1 ? " (sequence " + std::to_string(i) + " of the loop)" : ""));
+  }
+  std::vector<DeviceSampling> ds(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i)
+    if (!device_sampling(rows[i].sampler, ds[i])) return false;
+
+  // The first pass: every row's tokens from the host, back to back.
+  std::vector<SeqRows> first_segs;
+  std::vector<int32_t> tokens;
+  for (const DeviceRow& r : rows) {
+    first_segs.push_back({r.state, int(tokens.size()), r.n});
+    tokens.insert(tokens.end(), r.first, r.first + r.n);
+  }
+  const Segments first{first_segs.data(), int(first_segs.size())};
+  if (!backend_->begin_device_decode(first, rows[0].n - 1 + max_steps, ds.data())) return false;
+  loop_ = {};
+  for (size_t i = 0; i < rows.size(); ++i) {
+    loop_.states.push_back(rows[i].state);
+    loop_.samplers.push_back(ds[i].draw ? rows[i].sampler : nullptr);
+    loop_.segs.push_back({rows[i].state, int(i), 1});
+  }
+  loop_.max_steps = max_steps;
   try {  // step 0 brings its tokens from the host; the rest read theirs on the device
-    forward(st, first, n, LogitRows::Last, nullptr);
-    st.position_ += n;
+    forward(first, tokens.data(), LogitRows::Last, nullptr);
+    for (const DeviceRow& r : rows) r.state->position_ += r.n;
     ++loop_.committed;
   } catch (...) {
     loop_ = {};
@@ -318,31 +361,47 @@ bool Engine::begin_device_decode(State& st, const int32_t* first, int n, int max
   return true;
 }
 
-void Engine::device_step(State& st) {
-  forward(st, nullptr, 1, LogitRows::Last, nullptr);
-  st.position_ += 1;
+void Engine::device_step() {
+  const Segments segs{loop_.segs.data(), int(loop_.segs.size())};
+  forward(segs, nullptr, LogitRows::Last, nullptr);
+  for (State* st : loop_.states) st->position_ += 1;
   ++loop_.committed;
 }
 
-int32_t Engine::next_device_token(State& st) {
-  if (loop_.state != &st) throw RequestError("[engine] no device decode loop is running on this state");
+void Engine::next_device_tokens(int32_t* tokens) {
+  if (!device_loop_running()) throw RequestError("[engine] no device decode loop is running");
   if (loop_.read >= loop_.max_steps) throw RequestError("[engine] the device decode loop has no steps left");
-  // Depth 2: step read + 1 is committed before step read's token is waited for.
-  if (loop_.committed == loop_.read + 1 && loop_.committed < loop_.max_steps) device_step(st);
-  const int32_t token = backend_->wait_device_token();
+  // Depth 2: step read + 1 is committed before step read's tokens are waited for.
+  if (loop_.committed == loop_.read + 1 && loop_.committed < loop_.max_steps) device_step();
+  backend_->wait_device_tokens(tokens);
   ++loop_.read;
+  // The device drew each sampler's next value for this step: the host's copy follows.
+  for (Sampler* s : loop_.samplers)
+    if (s) s->skip_draw();
+}
+
+int32_t Engine::next_device_token(State& st) {
+  if (loop_.states.size() != 1 || loop_.states[0] != &st)
+    throw RequestError("[engine] no device decode loop of this one state is running");
+  int32_t token = 0;
+  next_device_tokens(&token);
   return token;
 }
 
-void Engine::end_device_decode(State& st) {
-  if (loop_.state != &st) return;
+void Engine::end_device_decode() {
+  if (!device_loop_running()) return;
   const bool unread = loop_.committed > loop_.read;
+  const std::vector<State*> states = std::move(loop_.states);
   loop_ = {};
   if (unread) {  // that step consumed a token past the end: undo it
-    backend_->discard_last_step(st);
-    st.position_ -= 1;
+    backend_->discard_last_step();
+    for (State* st : states) st->position_ -= 1;
   }
   backend_->end_device_decode();
+}
+
+void Engine::end_device_decode(State& st) {
+  if (loop_.states.size() == 1 && loop_.states[0] == &st) end_device_decode();
 }
 
 }  // namespace lily

@@ -81,19 +81,38 @@ class Engine {
   std::vector<int32_t> generate_greedy(State& st, const int32_t* prompt, int n, int max_tokens,
                                        const std::function<bool(int32_t)>& keep_going);
 
-  // A decode loop whose tokens stay on the device (GPU backends). begin feeds `token` (not yet
-  // in the state) and commits the first step, whose token is chosen on the device: the argmax,
-  // or `sampler`'s draw (its parameters and its generator state at this point; penalties and
-  // logprobs need the logits on the host, so such a sampler is refused). Each next_device_token
-  // commits the following step (at most max_steps in all) before it waits for the oldest and
-  // returns its token, so the device always has the next step queued (depth 2). end waits for
-  // the step still in flight, if any, and undoes it (recurrent state and position), so the
-  // state ends as decode() calls for every returned token but the last would leave it.
-  // begin returns false, changing nothing, when the backend has no device loop.
-  bool begin_device_decode(State& st, int32_t token, int max_steps, const Sampler* sampler);
-  // The same from n >= 1 tokens not yet in the state (a prompt's last chunk): the first step
-  // processes all of them and its token is the first one the loop returns.
-  bool begin_device_decode(State& st, const int32_t* first, int n, int max_steps, const Sampler* sampler);
+  // A decode loop whose tokens stay on the device (GPU backends), over one or several
+  // sequences. begin feeds each row's `first` tokens (not yet in its state) and commits the
+  // first step, in which each sequence's token is chosen on the device: the argmax, or its
+  // `sampler`'s draw (the sampler's parameters and its generator state at this point;
+  // penalties and logprobs need the logits on the host, so such a sampler is refused). Each
+  // next_device_tokens commits the following step (at most max_steps in all) before it waits
+  // for the oldest and returns its tokens, one per row, so the device always has the next step
+  // queued (depth 2); each token drawn advances its sampler's generator on the host too, so a
+  // later loop or host step continues the same random stream. end waits for the step still in
+  // flight, if any, and undoes it (recurrent states and positions), so every state ends as
+  // decode() calls for each of its returned tokens but the last would leave it.
+  // The rows' steps are one batched pass each (Engine::step's rules: every weight matrix is
+  // read once for all rows, and each sequence's tokens are the ones it gets alone). A loop of
+  // several sequences starts from one token each, holds at most Backend::batch_rows() of them
+  // and is checked as step() checks its rows.
+  // begin returns false, changing nothing, when the backend has no device loop, or when a
+  // sampler has a token mask or a logit bias (computed or applied on the host).
+  struct DeviceRow {
+    State* state = nullptr;
+    const int32_t* first = nullptr;  // [n]
+    int n = 0;
+    Sampler* sampler = nullptr;  // nullptr: argmax
+  };
+  bool begin_device_decode(const std::vector<DeviceRow>& rows, int max_steps);
+  void next_device_tokens(int32_t* tokens);  // [rows]
+  void end_device_decode();
+  bool device_loop_running() const { return !loop_.states.empty(); }
+  int device_loop_rows() const { return int(loop_.states.size()); }
+  // One sequence: the same from a token, or from n >= 1 tokens (a prompt's last chunk, whose
+  // first step processes all of them and whose token is the first one the loop returns).
+  bool begin_device_decode(State& st, int32_t token, int max_steps, Sampler* sampler);
+  bool begin_device_decode(State& st, const int32_t* first, int n, int max_steps, Sampler* sampler);
   int32_t next_device_token(State& st);
   void end_device_decode(State& st);
 
@@ -102,7 +121,7 @@ class Engine {
   void check_no_device_loop() const;
   void check_step(const std::vector<StepRows>& seqs) const;
 
-  void device_step(State& st);
+  void device_step();
   // forward_pass; if it throws, the backend abandons the pass (none of it runs, every state is
   // as before it), then the exception goes on.
   void forward(Segments segs, const int32_t* tokens, LogitRows rows, float* logits);
@@ -120,7 +139,9 @@ class Engine {
   std::vector<float> step_logits_;
   // The device loop in progress (begin_device_decode .. end_device_decode).
   struct DeviceLoop {
-    const State* state = nullptr;
+    std::vector<State*> states;      // the rows, in pass order
+    std::vector<Sampler*> samplers;  // each row's (nullptr: argmax), advanced as the device draws
+    std::vector<SeqRows> segs;       // one row per state: the passes after the first
     int max_steps = 0, committed = 0, read = 0;
   } loop_;
 };

@@ -112,6 +112,9 @@ class Sampler {
   float min_p_offset() const { return min_p_offset_; }
   uint64_t top_p_fixed() const { return top_p_fixed_; }
   const Rng& rng() const { return rng_; }
+  // A device loop drew this sampler's next value on the GPU (one per drawn token): the host's
+  // generator follows, so whatever samples next (the host, another loop) continues the stream.
+  void skip_draw() { rng_.next(); }
 
  private:
   struct Candidate {

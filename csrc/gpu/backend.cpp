@@ -293,6 +293,14 @@ void GpuBackend::abandon_pass(Segments) noexcept {
   pass_open_ = false;
 }
 
+void GpuBackend::size_pass(int T, int segments) {
+  acts_.size_for(T);
+  // Split-K partials: a slice per segment (attention()), so the segments' decodes run at once.
+  const size_t n = size_t(segments), Hq = c_.n_heads, splits = options_.max_splits;
+  acts_.grow(acts_.part_o, n * Hq * splits * c_.head_dim * 4);
+  acts_.grow(acts_.part_ml, n * Hq * splits * 2 * 4);
+}
+
 void GpuBackend::begin_pass() {
   std::string label = "lily pass: " + std::to_string(T_) + " token(s)";
   if (pass_.size() == 1) label += " at position " + std::to_string(pass_[0].pos0);
@@ -309,39 +317,34 @@ void GpuBackend::project(const Linear& W, const char* what, const BufferRange& x
 
 void GpuBackend::embed(Segments segs, const int32_t* tokens) {
   pass_open_ = false;  // the previous pass was encoded completely
-  if (segs.size() > 1 && greedy_)
-    throw Error("[gpu] the device decode loop runs one sequence, not " + std::to_string(segs.size()));
   if (segs.size() > 1 && segs.rows() > batch_rows())
     throw Error("[gpu] a pass of several sequences holds at most " + std::to_string(batch_rows()) + " rows, not " +
                 std::to_string(segs.rows()) + " (Engine::step splits larger steps)");
   const int T = segs.rows();
+  if (greedy_ && int(segs.size()) != int(loop_.size()))
+    throw Error("[gpu] the device decode loop runs " + std::to_string(loop_.size()) + " sequence(s), not " +
+                std::to_string(segs.size()));
   T_ = T;
   pass_.clear();
   for (const SeqRows& s : segs) {
     auto& st = static_cast<GpuState&>(*s.state);
     pass_.push_back({&st, s.first, s.n, st.position(), st.parity});
   }
-  const size_t f = 4 * size_t(T);
   BufferRange token_src;
-  if (!greedy_) {
-    ctx_.finish();
-    for (const PassSegment& p : pass_) reserve_kv(*p.state, p.pos0 + p.n);  // may throw: nothing changed yet
-    acts_.size_for(T);
-    // Split-K partials: a slice per segment (attention()), so the segments' decodes run at once.
-    const size_t n = pass_.size(), Hq = c_.n_heads, splits = options_.max_splits;
-    acts_.grow(acts_.part_o, n * Hq * splits * c_.head_dim * 4);
-    acts_.grow(acts_.part_ml, n * Hq * splits * 2 * 4);
-    acts_.tokens->write(0, tokens, f);
+  if (!greedy_ || tokens) {  // tokens from the host: a host pass, or a device loop's first step
+    if (greedy_ && (step_ != 0 || !inflight_.empty()))
+      throw Error("[gpu] only the first device-loop step takes host tokens");
+    if (!greedy_) {
+      ctx_.finish();
+      for (const PassSegment& p : pass_) reserve_kv(*p.state, p.pos0 + p.n);  // may throw: nothing changed yet
+    }
+    size_pass(T, int(pass_.size()));  // nothing in flight: buffers may be replaced
+    acts_.tokens->write(0, tokens, 4 * size_t(T));
     token_src = {acts_.tokens, 0};
-  } else if (tokens) {  // the first device-loop step: a prompt's last chunk, from the host
-    if (step_ != 0 || !inflight_.empty()) throw Error("[gpu] only the first device-loop step takes host tokens");
-    acts_.size_for(T);  // nothing in flight: buffers may be replaced
-    acts_.tokens->write(0, tokens, f);
-    token_src = {acts_.tokens, 0};
-  } else {  // the previous step's token (sized and reserved by begin_device_decode)
-    if (T != 1) throw Error("[gpu] device-loop steps take their token from the device");
+  } else {  // each sequence's previous token (sized and reserved by begin_device_decode)
+    if (T != int(loop_.size())) throw Error("[gpu] device-loop steps take one token per sequence from the device");
     if (step_ == 0) throw Error("[gpu] the first device-loop step brings its tokens from the host");
-    token_src = {ring_, size_t((step_ + 1) % 2) * 4};
+    token_src = {ring_, size_t((step_ + 1) % 2) * loop_.size() * 4};
   }
   begin_pass();
   for (const PassSegment& p : pass_) p.state->parity = p.in ^ 1;
@@ -595,8 +598,10 @@ void GpuBackend::lm_head(const Linear& head, int first, int n, float* logits) {
     if (logits) acts_.logits->read(0, logits, bytes);
     return;
   }
-  // Device-loop step: the chosen token goes into this step's ring slot (the next step's input);
-  // commit and return without waiting.
+  // Device-loop step: each sequence's chosen token goes into this step's ring slot (the next
+  // step's input); commit and return without waiting.
+  if (n != int(loop_.size()))
+    throw Error("[gpu] a device-loop step's head takes one row per sequence, not " + std::to_string(n));
   sample_step();
   pass_open_ = false;
   inflight_.push_back(ctx_.commit());

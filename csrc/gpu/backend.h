@@ -36,7 +36,8 @@
 //   row-wise kernels compute a row the same way whatever T is, so batched logits are
 //   bit-identical to solo ones as long as the pass stays on the GEMV route: batch_rows() keeps
 //   passes of several sequences below gemm_min_rows (Engine::step splits larger steps).
-//   The device decode loop stays single-sequence.
+//   The device decode loop runs such passes too: one decode row per sequence, each row's
+//   token chosen on the device with its own sampling parameters and generator state.
 // - Decode is the target (T = 1). Chunks of at least GpuOptions::gemm_min_rows tokens take
 //   tiled GEMMs for projections and feed-forward (MoE routed on the GPU into grouped GEMMs);
 //   shorter ones run the decode kernels with T rows in the grid. Attention and DeltaNet cores
@@ -164,9 +165,10 @@ class GpuBackend : public Backend {
   void lm_head(const Linear& head, int first, int n, float* logits) override;
 
   // Device decode loop (csrc/gpu/sampling.cpp).
-  bool begin_device_decode(State& st, int max_steps, const DeviceSampling& sampling) override;
-  int32_t wait_device_token() override;
-  void discard_last_step(State& st) override;
+  bool has_device_loop() const override { return true; }
+  bool begin_device_decode(Segments segs, int max_steps, const DeviceSampling* sampling) override;
+  void wait_device_tokens(int32_t* tokens) override;
+  void discard_last_step() override;
   void end_device_decode() override;
 
   // Commits the pass being encoded (if any) and waits for it.
@@ -210,7 +212,9 @@ class GpuBackend : public Backend {
   void moe_prefill(const ExpertTables& tb);  // after moe() has routed the chunk
   void mlp_prefill(const ExpertTables& tb);
   bool grouped_fits(const ExpertTables& tb) const;
-  void sample_step();  // the sample dispatch of a device-loop step (sampling.cpp)
+  void sample_step();  // the sample dispatches of a device-loop step (sampling.cpp)
+  // Sizes the activations for a pass of T rows in `segments` segments (nothing in flight).
+  void size_pass(int T, int segments);
 
   std::shared_ptr<const ModelWeights> weights_;
   const ModelConfig& c_;
@@ -235,14 +239,17 @@ class GpuBackend : public Backend {
   std::vector<PassSegment> pass_;
   bool pass_open_ = false;
   int layer_ = 0;             // the layer being encoded (debug signposts)
-  // Device decode loop: step i reads its token from ring slot (i+1)%2 and writes the token it
-  // chooses (metal/sampling.metal) to slot i%2, with a status word per slot; the generator
-  // state lives in rng_. Committed steps not yet read back wait in `inflight_`.
+  // Device decode loop over loop_ (one row per sequence from the second step on): step i reads
+  // its tokens from ring slot (i+1)%2 ([rows] int32) and writes the tokens it chooses
+  // (metal/sampling.metal) to slot i%2, with a status per row ([rows][4] u32); each row's
+  // generator state lives in rng_ ([rows][4] u64) and its sampling parameters in sample_args_.
+  // Committed steps not yet read back wait in `inflight_`.
   bool greedy_ = false;
   int64_t step_ = 0, read_step_ = 0;
+  std::vector<GpuState*> loop_;
   std::vector<std::shared_ptr<CommandBuffer>> inflight_;
   std::shared_ptr<Buffer> ring_, status_, rng_, sample_w_;
-  SampleArgs sample_args_{};  // this loop's (metal/sampling_args.h)
+  std::vector<SampleArgs> sample_args_;  // per row (metal/sampling_args.h)
 };
 
 }  // namespace lily::gpu

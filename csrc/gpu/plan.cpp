@@ -254,7 +254,9 @@ PrefillPlan plan_prefill(const ModelConfig& c, const PlanQuantization& q, const 
     if (last) {
       // The engine's generate_greedy: the last chunk is device-loop step 0, its argmax the
       // first token, committed without a wait.
-      be.begin_device_decode(*st, T, DeviceSampling{});
+      const SeqRows seg{st.get(), 0, T};
+      const DeviceSampling argmax;
+      be.begin_device_decode(Segments{&seg, 1}, T, &argmax);
       forward_chunk(be, *w, *st, tokens.data(), T, LogitRows::Last, nullptr);
     } else {
       forward_chunk(be, *w, *st, tokens.data(), T, LogitRows::None, nullptr);

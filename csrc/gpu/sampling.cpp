@@ -2,13 +2,16 @@
 // fed to the next step without a CPU round trip (Engine::begin_device_decode drives it).
 //
 // Design choices:
-// - A two-slot ring of tokens: step i reads slot (i+1)%2 (its input) and writes slot i%2, so
-//   step i+1 can be committed before step i's token is read back (depth 2). Beside each slot a
-//   status word says whether the logits were usable; the host raises the CPU sampler's error
-//   when it reads a bad one.
-// - The generator state (xoshiro256**, 4 x u64) lives in a device buffer that each sample
-//   dispatch advances, so the device continues the host sampler's stream: the host draws the
-//   first token from the prefill's logits and hands over its state here.
+// - A two-slot ring of tokens, one per sequence of the loop: step i reads slot (i+1)%2 (its
+//   inputs) and writes slot i%2, so step i+1 can be committed before step i's tokens are read
+//   back (depth 2). Beside each token a status says whether its logits were usable; the host
+//   raises the CPU sampler's error when it reads a bad one.
+// - Each sequence's generator state (xoshiro256**, 4 x u64) lives in a device buffer that its
+//   sample dispatch advances, so the device continues the host sampler's stream: the host draws
+//   the first token from the prefill's logits and hands over its state here (and advances its
+//   own copy as the device draws: Engine::next_device_tokens).
+// - A loop of several sequences is one batched pass per step (GpuBackend::embed .. lm_head) and
+//   one sample dispatch per sequence, each with its own parameters.
 // - Nothing waits on the GPU within a step: successive command buffers of one queue see each
 //   other's writes (Metal's default hazard tracking of buffers), which is what carries the
 //   ring slot and the generator state from step to step.
@@ -38,66 +41,77 @@ void encode_sample(EncoderContext& ctx, const SampleArgs& args, const BufferRang
   d.run({1, 1, 1}, {LILY_SAMPLE_THREADS, 1, 1});
 }
 
-bool GpuBackend::begin_device_decode(State& state, int max_steps, const DeviceSampling& s) {
-  auto& st = static_cast<GpuState&>(state);
+bool GpuBackend::begin_device_decode(Segments segs, int max_steps, const DeviceSampling* sampling) {
   finish();
-  reserve_kv(st, st.position() + max_steps);
-  acts_.size_for(1);
-  acts_.grow(acts_.logits, size_t(c_.vocab) * 4);
-  acts_.grow(sample_w_, size_t(c_.vocab) * 4);
-  acts_.grow(ring_, 8);
-  acts_.grow(status_, 32);
-  acts_.grow(rng_, 32);
+  const size_t rows = size_t(segs.size()), vocab = size_t(c_.vocab);
+  for (const SeqRows& s : segs) {
+    auto& st = static_cast<GpuState&>(*s.state);
+    reserve_kv(st, st.position() + max_steps);
+  }
+  size_pass(int(rows), int(rows));
+  acts_.grow(acts_.logits, rows * vocab * 4);
+  acts_.grow(sample_w_, rows * vocab * 4);
+  acts_.grow(ring_, 2 * rows * 4);
+  acts_.grow(status_, 2 * rows * 16);
+  acts_.grow(rng_, rows * 32);
   step_ = read_step_ = 0;
   inflight_.clear();
-  rng_->write(0, s.rng, 32);
-  sample_args_ = SampleArgs{};
-  // The chosen token is one of the first `vocab` rows: the sampler's token limit (rows past the
-  // tokenizer's entries are never sampled), the CPU sampler's truncation exactly.
-  sample_args_.vocab = uint32_t(s.token_limit > 0 && s.token_limit < c_.vocab ? s.token_limit : c_.vocab);
-  sample_args_.sample = s.draw ? 1u : 0u;
-  sample_args_.top_k = s.top_k > 0 ? uint32_t(s.top_k) : 0u;
-  sample_args_.use_top_p = s.top_p_fixed != 0 ? 1u : 0u;
-  sample_args_.top_p_lo = uint32_t(s.top_p_fixed & 0xFFFFFFFFu);
-  sample_args_.top_p_hi = uint32_t(s.top_p_fixed >> 32);
-  sample_args_.use_min_p = s.use_min_p ? 1u : 0u;
-  sample_args_.inv_t = s.inv_t;
-  sample_args_.min_p_offset = s.min_p_offset;
+  loop_.clear();
+  sample_args_.assign(rows, SampleArgs{});
+  for (size_t r = 0; r < rows; ++r) {
+    loop_.push_back(static_cast<GpuState*>(segs[int(r)].state));
+    const DeviceSampling& s = sampling[r];
+    rng_->write(r * 32, s.rng, 32);
+    SampleArgs& a = sample_args_[r];
+    // The chosen token is one of the first `vocab` rows: the sampler's token limit (rows past the
+    // tokenizer's entries are never sampled), the CPU sampler's truncation exactly.
+    a.vocab = uint32_t(s.token_limit > 0 && s.token_limit < c_.vocab ? s.token_limit : c_.vocab);
+    a.sample = s.draw ? 1u : 0u;
+    a.top_k = s.top_k > 0 ? uint32_t(s.top_k) : 0u;
+    a.use_top_p = s.top_p_fixed != 0 ? 1u : 0u;
+    a.top_p_lo = uint32_t(s.top_p_fixed & 0xFFFFFFFFu);
+    a.top_p_hi = uint32_t(s.top_p_fixed >> 32);
+    a.use_min_p = s.use_min_p ? 1u : 0u;
+    a.inv_t = s.inv_t;
+    a.min_p_offset = s.min_p_offset;
+  }
   greedy_ = true;
   return true;
 }
 
-int32_t GpuBackend::wait_device_token() {
+void GpuBackend::wait_device_tokens(int32_t* tokens) {
   if (inflight_.empty()) throw Error("[gpu] no device-loop step in flight");
   auto cb = inflight_.front();
   inflight_.erase(inflight_.begin());
   ++ctx_.stats().waits;
   cb->wait_until_completed();
   const int64_t i = read_step_++;
-  // This step's slot: its token, and its status {code, token id, logit bits} (sample_step).
-  int32_t token = 0;
-  uint32_t s[3];
-  ring_->read(size_t(i % 2) * 4, &token, 4);
-  status_->read(size_t(i % 2) * 16, s, sizeof s);
-  if (s[0] == LILY_SAMPLE_BAD_LOGIT) {
-    float v;
-    std::memcpy(&v, &s[2], 4);
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%g", double(v));
-    throw Error("[sampling] logit of token " + std::to_string(s[1]) + " is " + buf);
+  // This step's slot: each row's token, and its status {code, token id, logit bits} (sample_step).
+  const size_t rows = loop_.size();
+  ring_->read(size_t(i % 2) * rows * 4, tokens, rows * 4);
+  std::vector<uint32_t> status(rows * 4);
+  status_->read(size_t(i % 2) * rows * 16, status.data(), rows * 16);
+  for (size_t r = 0; r < rows; ++r) {
+    const uint32_t* s = &status[r * 4];
+    const std::string which = rows > 1 ? " (sequence " + std::to_string(r) + " of the device loop)" : "";
+    if (s[0] == LILY_SAMPLE_BAD_LOGIT) {
+      float v;
+      std::memcpy(&v, &s[2], 4);
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%g", double(v));
+      throw Error("[sampling] logit of token " + std::to_string(s[1]) + " is " + buf + which);
+    }
+    if (s[0] == LILY_SAMPLE_ALL_NEG_INF) throw Error("[sampling] every logit is -inf" + which);
   }
-  if (s[0] == LILY_SAMPLE_ALL_NEG_INF) throw Error("[sampling] every logit is -inf");
-  return token;
 }
 
-void GpuBackend::discard_last_step(State& state) {
+void GpuBackend::discard_last_step() {
   for (auto& cb : inflight_) {
     ++ctx_.stats().waits;
     cb->wait_until_completed();
   }
   inflight_.clear();
-  auto& st = static_cast<GpuState&>(state);
-  st.parity ^= 1;  // back to the copies the discarded step read
+  for (GpuState* st : loop_) st->parity ^= 1;  // back to the copies the discarded step read
   --step_;
   read_step_ = step_;
 }
@@ -105,14 +119,18 @@ void GpuBackend::discard_last_step(State& state) {
 void GpuBackend::end_device_decode() {
   for (auto& cb : inflight_) cb->wait_until_completed();
   inflight_.clear();
+  loop_.clear();
   greedy_ = false;
 }
 
-// The token of device-loop step step_ from the logits (metal/sampling.metal): into ring slot
-// step_ % 2, with its status beside it; advances the generator state in rng_.
+// The tokens of device-loop step step_ from the logits [rows, vocab] (metal/sampling.metal), one
+// dispatch per row with its own parameters and generator state (independent: they share a
+// stage): into ring slot step_ % 2, each with its status beside it.
 void GpuBackend::sample_step() {
-  encode_sample(ctx_, sample_args_, {acts_.logits, 0}, {sample_w_, 0}, {rng_, 0},
-                {ring_, size_t(step_ % 2) * 4}, {status_, size_t(step_ % 2) * 16});
+  const size_t rows = loop_.size(), vocab = size_t(c_.vocab), slot = size_t(step_ % 2);
+  for (size_t r = 0; r < rows; ++r)
+    encode_sample(ctx_, sample_args_[r], {acts_.logits, r * vocab * 4}, {sample_w_, r * vocab * 4}, {rng_, r * 32},
+                  {ring_, (slot * rows + r) * 4}, {status_, (slot * rows + r) * 16});
 }
 
 }  // namespace lily::gpu

@@ -202,23 +202,25 @@ class Backend {
   virtual void lm_head(const Linear& head, int first, int n, float* logits) = 0;
 
   // Device-side decoding (GPU backends; Engine::begin_device_decode drives it). Between begin
-  // and end, each forward pass gets tokens == nullptr (its input is the previous step's token,
-  // already on the device) and logits == nullptr (lm_head chooses the token on the device, as
-  // `sampling` says, writes it into the next step's input slot and commits without waiting),
-  // so step N+1 is encoded and committed before step N's token is read.
-  // The first pass brings its own tokens instead (a prompt's last chunk or the last token, T >= 1):
-  // the token it chooses is the first generated one. max_steps counts positions (that chunk's
-  // and 1 per step).
+  // and end, each forward pass gets tokens == nullptr (each segment's input is its previous
+  // step's token, already on the device) and logits == nullptr (lm_head chooses each segment's
+  // token on the device, as its `sampling` entry says, writes it into the next step's input slot
+  // and commits without waiting), so step N+1 is encoded and committed before step N's tokens
+  // are read. `segs` are the loop's sequences, one row each from the second step on; the first
+  // pass brings its own tokens instead (each segment's, T >= 1 in all: a prompt's last chunk or
+  // the last token), and its rows are `segs`' rows. max_steps counts positions per sequence
+  // (that first chunk's and 1 per step). sampling: [segs.size()].
   // Backends without it return false from begin and the engine loops on the host.
-  virtual bool begin_device_decode(State& st, int max_steps, const DeviceSampling& sampling) {
-    return false;
-  }
-  // Waits for the oldest step in flight and returns the token it chose. Throws lily::Error (as
-  // the CPU sampler does) when that step's logits held a NaN / +inf or were all -inf.
-  virtual int32_t wait_device_token() { return -1; }
-  // Waits for every step in flight, then undoes the newest one's recurrent-state update (the
-  // engine rolls the position back; its KV entry is simply overwritten later).
-  virtual void discard_last_step(State& st) {}
+  virtual bool has_device_loop() const { return false; }
+  virtual bool begin_device_decode(Segments segs, int max_steps, const DeviceSampling* sampling) { return false; }
+  // Waits for the oldest step in flight and writes the token it chose for each sequence into
+  // tokens [segs.size()]. Throws lily::Error (as the CPU sampler does) when a sequence's logits
+  // held a NaN / +inf or were all -inf.
+  virtual void wait_device_tokens(int32_t* tokens) {}
+  // Waits for every step in flight, then undoes the newest one's recurrent-state update of every
+  // sequence of the loop (the engine rolls the positions back; their KV entries are simply
+  // overwritten later).
+  virtual void discard_last_step() {}
   virtual void end_device_decode() {}
 };
 

@@ -567,8 +567,8 @@ void init_model(nb::module_& m) {
           },
           nb::arg("states"), nb::arg("tokens"),
           "One decode step of several sequences: tokens[i] appended to states[i]; returns logits [B, vocab]. "
-          "On the CPU backend one pass for all (each row bit-identical to decode() alone); GPU backends "
-          "run them one after another. Checks everything first: a refused batch changes no state.")
+          "One pass for all (each row bit-identical to decode() alone); GPU backends "
+          "too, in passes of at most batch_rows rows. Checks everything first: a refused batch changes no state.")
       .def(
           "step",
           [](Engine& e, const std::vector<State*>& states,
@@ -606,7 +606,7 @@ void init_model(nb::module_& m) {
           "backend the last chunk's argmax is the first token and never leaves the device before step 2.")
       .def(
           "begin_device_decode",
-          [](Engine& e, State& st, int32_t token, int max_steps, const Sampler* sampler) {
+          [](Engine& e, State& st, int32_t token, int max_steps, Sampler* sampler) {
             nb::gil_scoped_release release;
             return e.begin_device_decode(st, token, max_steps, sampler);
           },
@@ -627,7 +627,47 @@ void init_model(nb::module_& m) {
             nb::gil_scoped_release release;
             e.end_device_decode(st);
           },
-          nb::arg("state"), "Ends the loop, undoing a step whose token was not read.");
+          nb::arg("state"), "Ends the loop, undoing a step whose token was not read.")
+      .def(
+          "begin_device_batch",
+          [](Engine& e, const std::vector<State*>& states, const std::vector<int32_t>& tokens, int max_steps,
+             const std::vector<nb::object>& samplers) {
+            if (tokens.size() != states.size() || samplers.size() != states.size())
+              throw RequestError("[engine] begin_device_batch: " + std::to_string(states.size()) + " states, " +
+                                 std::to_string(tokens.size()) + " tokens and " + std::to_string(samplers.size()) +
+                                 " samplers");
+            std::vector<Engine::DeviceRow> rows(states.size());
+            for (size_t i = 0; i < states.size(); ++i)
+              rows[i] = {states[i], &tokens[i], 1, samplers[i].is_none() ? nullptr : nb::cast<Sampler*>(samplers[i])};
+            nb::gil_scoped_release release;
+            return e.begin_device_decode(rows, max_steps);
+          },
+          nb::arg("states"), nb::arg("tokens"), nb::arg("max_steps"), nb::arg("samplers"),
+          "A device decode loop over several sequences (GPU backends): feeds tokens[i] to states[i] and "
+          "commits the first batched step; samplers[i] None chooses by argmax. False (nothing changed) on a "
+          "backend without one or for a sampler with a token mask or logit bias.")
+      .def(
+          "next_device_tokens",
+          [](Engine& e) {
+            std::vector<int32_t> out(e.device_loop_rows());
+            {
+              nb::gil_scoped_release release;
+              e.next_device_tokens(out.data());
+            }
+            return out;
+          },
+          "Commits the following step (depth 2), waits for the oldest and returns its tokens, one per sequence.")
+      .def(
+          "end_device_batch",
+          [](Engine& e) {
+            nb::gil_scoped_release release;
+            e.end_device_decode();
+          },
+          "Ends the device loop (of any number of sequences), undoing a step whose tokens were not read.")
+      .def_prop_ro("device_loop_running", &Engine::device_loop_running)
+      .def_prop_ro(
+          "has_device_loop", [](Engine& e) { return e.backend().has_device_loop(); },
+          "Whether the backend chooses tokens on the device (GPU backends: begin_device_batch).");
 
   m.def(
       "gpu_plan",

@@ -30,9 +30,19 @@ Design choices:
   prefills chunk by chunk inside the others' decode passes instead of stalling them (on a GPU
   backend only its chunks of at most 7 rows share a pass: the engine's 512-token chunks run
   alone, between the others' decode passes).
-- The device decode loop (``Engine.begin_device_decode``, GPU backends) is single-sequence and
-  holds the engine between its steps, so a model that batches generations on a GPU backend
-  (``max_batch`` > 1) runs them on the host loop; ``max_batch=1`` gives the device loop back.
+- The device decode loop (GPU backends). A generation whose tokens may be chosen on the device
+  (no penalties, logprobs, logit bias or token mask) asks for its next token through a
+  :class:`DeviceRow` instead of for logits. When every call of a pass is such a row, the pass is
+  a step of the engine's device loop over those rows (``Engine.begin_device_batch``): each row's
+  token is chosen on the GPU by its own sampler's parameters and generator state and fed to the
+  next step there, and the next step is committed before this one's tokens are read (depth 2).
+  The loop holds the engine between its steps, so it ends (``end_device_batch``: the step in
+  flight is undone) whenever the pass's rows change: a row ended, a thread was late, a new
+  generation or any host call arrived. A pass that holds a host call (a prefill chunk, or a
+  request that needs the logits) is a host pass for every row in it: the device rows' tokens
+  are then drawn by their samplers on the host, the same algorithm on the same generator
+  stream (the engine advances the host generator as the device draws), so a row's tokens do
+  not depend on which kind of pass chose them.
 - A failed pass (a request error of one sequence, say) is retried one sequence at a time, so
   the error reaches the call that caused it and the others go on; the engine checks everything
   before it computes, so the failed pass changed nothing.
@@ -51,6 +61,8 @@ from typing import Any
 
 import numpy as np
 
+from lily._core import RequestError
+
 
 @dataclass(eq=False)
 class _Call:
@@ -58,10 +70,43 @@ class _Call:
     tokens: np.ndarray  # int32 [n]
     alone: bool  # runs in a pass of its own (all_logits, or more tokens than a pass prefills)
     all_logits: bool = False
+    row: DeviceRow | None = None  # a device row's call: its result is the next token, not logits
     thread: int = field(default_factory=threading.get_ident)
-    result: np.ndarray | None = None
+    result: Any = None
     error: BaseException | None = None
     done: bool = False
+
+
+class DeviceRow:
+    """A generation's decode row whose tokens are chosen by the sampling algorithm on the device
+    where the pass allows it (see the module docstring); what ``lily.generation.token_loop``
+    takes as its device loop. ``next()`` feeds the pending token (the last one returned, or the
+    start token) and returns the next; ``close()`` takes the row out of the loop, leaving the
+    state as host decoding of every returned token but the last would. ``on_fed(token)`` (a
+    Session's record of its tokens) hears of each token the state takes, before the engine call
+    that feeds it."""
+
+    def __init__(self, batcher: Batcher, state, token: int, max_steps: int, sampler,
+                 on_fed: Callable[[int], None] | None):
+        self._batcher = batcher
+        self.state = state
+        self.sampler = sampler  # lily._core.Sampler: the device copies its parameters and generator
+        self.pending = int(token)  # not yet in the state
+        self.steps_left = int(max_steps)
+        self._on_fed = on_fed
+        self.closed = False
+
+    def fed(self) -> None:
+        if self._on_fed is not None:
+            self._on_fed(self.pending)
+
+    def next(self) -> int:
+        if self.closed or self.steps_left <= 0:
+            raise RuntimeError("this device row has ended")
+        return self._batcher._run_call(_Call(self.state, np.array([self.pending], np.int32), False, row=self))
+
+    def close(self) -> None:
+        self._batcher._close_row(self)
 
 
 @dataclass
@@ -74,6 +119,9 @@ class BatchStats:
     last_sequences: int = 0  # sequences in the latest pass
     max_sequences: int = 0
     retried_alone: int = 0  # passes that failed and were run again one sequence at a time
+    device_steps: int = 0  # passes that were device-loop steps
+    device_loops: int = 0  # device loops begun (each change of a loop's rows begins one)
+    max_device_sequences: int = 0  # the most sequences in a device-loop step
 
 
 class Batcher:
@@ -93,13 +141,26 @@ class Batcher:
         self._cv = threading.Condition()
         self._waiting: list[_Call] = []  # in arrival order
         self._leading = False
+        self._leader: int | None = None  # the leading thread
         self._last_threads: set[int] = set()  # threads served by the previous pass
+        self.device_loops = bool(engine.has_device_loop)
+        self._loop: list[DeviceRow] = []  # the rows of the engine's running device loop, in order
+        self._loop_steps = 0  # steps that loop may still run
 
     def run(self, state, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Appends ``tokens`` (int32, at least one) to ``state`` in a coming pass; returns the
         last token's logits [vocab] (every token's [n, vocab] with ``all_logits``)."""
         alone = all_logits or len(tokens) > min(self.prefill_rows, self.pass_rows)
-        call = _Call(state, tokens, alone, all_logits)
+        return self._run_call(_Call(state, tokens, alone, all_logits))
+
+    def device_row(self, state, token: int, max_steps: int, sampler,
+                   on_fed: Callable[[int], None] | None = None) -> DeviceRow | None:
+        """A decode row from ``token`` (not yet in ``state``) for at most ``max_steps`` more
+        tokens, chosen by ``sampler`` (its parameters must allow the device: no penalties or
+        logprobs, no logit bias or token mask); None where the backend has no device loop."""
+        return DeviceRow(self, state, token, max_steps, sampler, on_fed) if self.device_loops else None
+
+    def _run_call(self, call: _Call):
         with self._cv:
             self._waiting.append(call)
             self._cv.notify_all()  # a leader gathering a pass may be waiting for this thread
@@ -123,7 +184,7 @@ class Batcher:
     def _lead(self) -> None:
         """Gathers and runs one pass (called with the condition's lock held, released while
         the pass runs); the leader's own call need not be in it (oldest first)."""
-        self._leading = True
+        self._leading, self._leader = True, threading.get_ident()
         batch: list[_Call] = []
         try:
             batch = self._gather()
@@ -133,7 +194,7 @@ class Batcher:
             finally:
                 self._cv.acquire()
         finally:
-            self._leading = False
+            self._leading, self._leader = False, None
             if batch:
                 self._last_threads = {c.thread for c in batch}
             self._cv.notify_all()
@@ -169,26 +230,12 @@ class Batcher:
 
     def _pass(self, batch: Sequence[_Call]) -> None:
         """Runs one pass for ``batch`` (lock not held) and completes every call in it."""
+        for c in batch:
+            if c.row is not None:
+                c.row.fed()
         try:
-            try:
-                with self._lock:
-                    if len(batch) > 1:
-                        out = list(self._engine.step([c.state for c in batch], [c.tokens for c in batch]))
-                    else:
-                        out = [self._solo(batch[0])]
-                for c, logits in zip(batch, out, strict=True):
-                    c.result = logits
-            except Exception as e:
-                if len(batch) == 1:
-                    batch[0].error = e
-                else:  # nothing changed: again one at a time, so the error reaches its own call
-                    self.stats.retried_alone += 1
-                    for c in batch:
-                        try:
-                            with self._lock:
-                                c.result = self._solo(c)
-                        except Exception as e1:
-                            c.error = e1
+            if not (all(c.row is not None for c in batch) and self._device_pass(batch)):
+                self._host_pass(batch)
         except BaseException as e:  # KeyboardInterrupt in the leader: every call left ends with it
             for c in batch:
                 if c.result is None and c.error is None:
@@ -203,6 +250,110 @@ class Batcher:
             st.rows += sum(len(c.tokens) for c in batch)
             st.last_sequences = len(batch)
             st.max_sequences = max(st.max_sequences, len(batch))
+
+    def _host_pass(self, batch: Sequence[_Call]) -> None:
+        """One engine step over ``batch`` (a device row's call feeds its pending token and draws
+        the next on the host); a failed pass is run again one call at a time."""
+        try:
+            with self._lock:
+                self._end_loop()
+                if len(batch) > 1:
+                    out = list(self._engine.step([c.state for c in batch], [c.tokens for c in batch]))
+                else:
+                    out = [self._solo(batch[0])]
+            for c, logits in zip(batch, out, strict=True):
+                self._complete(c, logits)
+        except Exception as e:
+            if len(batch) == 1:
+                batch[0].error = e
+            else:  # nothing changed: again one at a time, so the error reaches its own call
+                self.stats.retried_alone += 1
+                for c in batch:
+                    try:
+                        with self._lock:
+                            logits = self._solo(c)
+                        self._complete(c, logits)
+                    except Exception as e1:
+                        c.error = e1
+
+    def _complete(self, c: _Call, logits: np.ndarray) -> None:
+        if c.row is None:
+            c.result = logits
+        else:  # the device sampler's algorithm on the host, continuing the row's generator
+            self._advance(c, c.row.sampler.sample(logits)[0])
+
+    @staticmethod
+    def _advance(c: _Call, token: int) -> None:
+        c.row.pending = c.result = int(token)
+        c.row.steps_left -= 1
+
+    def _device_pass(self, batch: Sequence[_Call]) -> bool:
+        """One step of the device loop over ``batch``'s rows: the running loop's next step when
+        it holds exactly these rows, else a new loop of them. False (nothing run) where the
+        engine would not begin one; a step that fails ends the loop and fails every call."""
+        if {c.row for c in batch} == set(self._loop):  # the running loop's rows (arrival order varies)
+            batch = sorted(batch, key=lambda c: self._loop.index(c.row))
+        rows = [c.row for c in batch]
+        with self._lock:
+            if rows != self._loop or self._loop_steps <= 0:
+                self._end_loop()
+                steps = min(r.steps_left for r in rows)
+                try:
+                    began = self._engine.begin_device_batch([r.state for r in rows], [r.pending for r in rows], steps,
+                                                            [r.sampler for r in rows])
+                except RequestError:
+                    return False  # refused before any compute: the host pass says by whom
+                except BaseException as e:  # a failed first step (or Ctrl-C as begin returned)
+                    if self._engine.device_loop_running:
+                        self._engine.end_device_batch()
+                    if not isinstance(e, Exception):
+                        raise
+                    for c in batch:
+                        c.error = e
+                    return True
+                if not began:
+                    return False
+                self._loop, self._loop_steps = rows, steps
+                self.stats.device_loops += 1
+            try:
+                tokens = self._engine.next_device_tokens()
+            except BaseException as e:
+                self._end_loop()
+                for c in batch:
+                    c.error = e
+                if not isinstance(e, Exception):
+                    raise
+                return True
+            self._loop_steps -= 1
+        for c, token in zip(batch, tokens, strict=True):
+            self._advance(c, token)
+        self.stats.device_steps += 1
+        self.stats.max_device_sequences = max(self.stats.max_device_sequences, len(batch))
+        return True
+
+    def _end_loop(self) -> None:
+        """Ends the engine's device loop, if one runs (engine lock held): the step in flight is
+        undone, so each row's state holds every token it returned but the pending one."""
+        if self._loop:
+            self._loop, self._loop_steps = [], 0
+            self._engine.end_device_batch()
+
+    def _close_row(self, row: DeviceRow) -> None:
+        """Takes ``row`` out: once no pass runs, the loop that holds it ends."""
+        with self._cv:
+            if row.closed:
+                return
+            row.closed = True
+            me = threading.get_ident()
+            self._last_threads.discard(me)  # a gathering leader need not wait for it
+            self._cv.notify_all()
+            if self._leader == me:  # closed from within a pass (a finalizer): the next pass ends the loop
+                return
+            while self._leading:
+                self._cv.wait()
+            if row in self._loop:
+                with self._lock:
+                    self._end_loop()
 
     def _solo(self, c: _Call) -> np.ndarray:
         if len(c.tokens) == 1 and not c.all_logits:

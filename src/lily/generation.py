@@ -36,6 +36,7 @@ from lily.structured import TokenConstraint
 from lily.tool_calls import parse_output
 
 if TYPE_CHECKING:
+    from lily.batching import DeviceRow
     from lily.model import Session
 
 #: Tokens of recent context the repetition penalties look at (prompt tail + completion), as in
@@ -300,7 +301,7 @@ def token_loop(
     stats: GenerationStats,
     on_prefilled: Callable[[], None] | None = None,
     on_prefill_progress: Callable[[int, int], None] | None = None,
-    device_loop: Callable[[int, int, Any], DeviceLoop | None] | None = None,
+    device_loop: Callable[[int, int, Any], DeviceRow | None] | None = None,
     logit_bias: Sequence[tuple[int, float]] = (),
     constraint: TokenConstraint | None = None,
 ) -> Iterator[GenerationChunk]:
@@ -310,10 +311,11 @@ def token_loop(
     logits. ``history`` is the context before ``prompt_ids`` (for the penalty window). The
     last sampled token is not fed to the model (nothing would read its logits).
 
-    ``device_loop(token, max_steps, sampler)``, when given, may return a :class:`DeviceLoop`:
-    after the first token (sampled here from the prefill's logits) each token is then chosen on
-    the device, by the same algorithm from the same random stream, and fed to the next step
-    there. The loop is closed when generation stops, undoing the step made past the end.
+    ``device_loop(token, max_steps, sampler)``, when given, may return a
+    :class:`lily.batching.DeviceRow`: after the first token (sampled here from the prefill's
+    logits) each token is then chosen by the same algorithm from the same random stream, on the
+    device where the pass allows it, and fed to the next step there. The row is closed when
+    generation stops, undoing the step made past the end.
 
     ``logit_bias`` ((id, bias) pairs) and ``constraint`` (structured output: a token mask per
     step, see lily.structured) are applied by the host sampler, so such requests never take the
@@ -335,7 +337,7 @@ def token_loop(
 
     t0 = time.perf_counter()
     t_decode: float | None = None
-    dev: DeviceLoop | None = None
+    dev: DeviceRow | None = None
     try:
         logits = None
         for i in range(0, len(prompt_ids), chunk):
@@ -450,47 +452,6 @@ def choice_loops(
                                 params=reseeded(params, choice), detokenizer=detokenizer(), stats=stats,
                                 constraint=constraint,
                                 on_prefill_progress=on_prefill_progress if choice == 0 else None, **loop)
-
-
-class DeviceLoop:
-    """A decode loop whose tokens stay on the device (GPU backends; ``Engine.begin_device_decode``).
-
-    ``next()`` commits the following step before it waits for the oldest one's token, so the
-    device never waits for Python; ``close()`` undoes the step still in flight, leaving the state
-    as host decoding of every returned token but the last would. ``on_fed(token)`` (a Session's
-    record of its tokens) hears of each token the state keeps: the start token, then each
-    returned one but the last, each reported before the engine call that follows it (so a
-    recorded list runs ahead of the state's position, never behind, and matches it after
-    ``close()``).
-    """
-
-    def __init__(self, engine, state, lock: threading.Lock, token: int = 0,
-                 on_fed: Callable[[int], None] | None = None):
-        self._engine, self._state, self._lock = engine, state, lock
-        self._open = True
-        self._pending = int(token)  # in the state once the next step's token is read
-        self._on_fed = on_fed
-
-    @classmethod
-    def start(cls, engine, state, lock, token: int, max_steps: int, sampler,
-              on_fed: Callable[[int], None] | None = None) -> DeviceLoop | None:
-        with lock:
-            if not engine.begin_device_decode(state, int(token), int(max_steps), sampler):
-                return None
-        return cls(engine, state, lock, token, on_fed)
-
-    def next(self) -> int:
-        if self._on_fed is not None:
-            self._on_fed(self._pending)
-        with self._lock:
-            self._pending = self._engine.next_device_token(self._state)
-        return self._pending
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            with self._lock:
-                self._engine.end_device_decode(self._state)
 
 
 def device_loop_allowed(params, want_logprobs: bool) -> bool:

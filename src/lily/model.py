@@ -12,12 +12,11 @@ import numpy as np
 
 from lily import _core, session_file
 from lily._core import ConfigError, RequestError
-from lily.batching import Batcher, BatchStream, generate_batch, is_prompt_batch
+from lily.batching import Batcher, BatchStream, DeviceRow, generate_batch, is_prompt_batch
 from lily.chat_template import render, template_kwargs
 from lily.checkpoint import load_weights, resident_by_default
 from lily.config import ModelConfig, load_config
 from lily.generation import (
-    DeviceLoop,
     GenerationResult,
     GenerationSlots,
     GenerationStream,
@@ -72,16 +71,12 @@ if TYPE_CHECKING:
 DEFAULT_MAX_BATCH = 8
 
 
-def default_max_batch(engine, *, serving: bool = False) -> int:
-    """Generations at once by default. The CPU backend: DEFAULT_MAX_BATCH. A GPU backend: 1 for a
-    Model, so a lone generation keeps the device loop (single-sequence; on the H200 it decodes
-    in 1.52 ms a token where the host loop takes 2.89, docs/api-generation.md), and for
-    ``lily serve`` (``serving``), where requests arrive together, the rows of one pass
-    (``engine.batch_rows``, 7): every running generation's decode row then shares one pass,
-    which reads the weights once (benchmarks/metal_plan.py --batches), on the host loop."""
-    if engine.backend == "cpu":
-        return DEFAULT_MAX_BATCH
-    return min(DEFAULT_MAX_BATCH, int(engine.batch_rows)) if serving else 1
+def default_max_batch(engine) -> int:
+    """Generations at once by default (``Model.load``, ``lily serve``): DEFAULT_MAX_BATCH, and on
+    a GPU backend at most the rows of one pass (``engine.batch_rows``, 7), so every running
+    generation's decode row shares one pass, which reads the weights once
+    (benchmarks/metal_plan.py --batches), in the device loop (lily.batching)."""
+    return min(DEFAULT_MAX_BATCH, int(engine.batch_rows))
 
 # "msl-cpu" runs the Metal backend's dispatch sequence on the MSL-on-CPU runtime (tests; slow);
 # "msl-cuda" the same kernels and dispatch sequence on an NVIDIA GPU (docs/msl-on-cuda.md).
@@ -118,7 +113,10 @@ class Session:
 
     def __init__(self, model: Model, max_context: int | None = None, max_snapshots: int = 16):
         self._model = model
-        self._state = model._engine.new_state(max_context or model.max_context)
+        # State operations take the engine lock: on a GPU backend they wait for the device
+        # (finish), which must not happen while another thread encodes a pass.
+        with model._lock:
+            self._state = model._engine.new_state(max_context or model.max_context)
         # The ids processed, in order (save() and rewind() read them). They are recorded before
         # the engine call: Ctrl-C can raise between any two Python steps, and a state that moved
         # on without its tokens could not be matched again. They may thus run ahead of the
@@ -162,14 +160,15 @@ class Session:
         self._tokens.append(int(token_id))
         return self._model._batcher.run(self._state, np.array([token_id], dtype=np.int32))
 
-    def device_loop(self, token: int, max_steps: int, sampler) -> DeviceLoop | None:
-        """A decode loop from ``token`` whose tokens are chosen on the device (GPU backends), or
-        None where the backend has none (see :class:`lily.generation.DeviceLoop`). The session
-        records each token the loop feeds to the state, so its ``tokens`` stay its state's (after
-        ``close()``: every token the loop returned but the last)."""
+    def device_loop(self, token: int, max_steps: int, sampler) -> DeviceRow | None:
+        """A decode row from ``token`` whose tokens are chosen by ``sampler``'s algorithm on the
+        device where the pass allows it (GPU backends; it shares the engine's device loop with the
+        other generations running), or None where the backend has none (see
+        :class:`lily.batching.DeviceRow`). The session records each token the row feeds to the
+        state, so its ``tokens`` stay its state's (after ``close()``: every token the row
+        returned but the last)."""
         self._sync()
-        return DeviceLoop.start(self._model._engine, self._state, self._model._lock, token, max_steps, sampler,
-                                self._tokens.append)
+        return self._model._batcher.device_row(self._state, token, max_steps, sampler, self._tokens.append)
 
     def __repr__(self) -> str:
         return f"<lily.Session position={self.position} max_context={self.max_context}>"
@@ -209,7 +208,8 @@ class Session:
         snapshot is dropped beyond ``max_snapshots``."""
         if self.snapshots and self.snapshots[-1].position == self.position:
             return
-        self.snapshots.append(self._state.snapshot())
+        with self._model._lock:
+            self.snapshots.append(self._state.snapshot())
         if len(self.snapshots) > self.max_snapshots:
             self.snapshots.pop(0)
 
@@ -229,7 +229,8 @@ class Session:
             self.snapshots.pop()
         if self.snapshots:
             snap = self.snapshots[-1]
-            self._state.restore(snap)
+            with self._model._lock:
+                self._state.restore(snap)
             del self._tokens[snap.position :]
             return snap.position
         self.reset()
@@ -237,7 +238,8 @@ class Session:
 
     def reset(self) -> None:
         """Starts over: an empty state, no tokens, no snapshots."""
-        self._state = self._model._engine.new_state(self.max_context)
+        with self._model._lock:
+            self._state = self._model._engine.new_state(self.max_context)
         self._tokens, self.snapshots = [], []
 
     def save(self, path: str | os.PathLike, *, metadata: dict[str, str] | None = None) -> int:
@@ -491,7 +493,7 @@ class Model:
                 session.snapshots = [session._state.snapshot_from_tensors(p, saved.snapshots[p])
                                      for p in sorted(saved.snapshots) if p < saved.position]
             if saved.position:
-                session.snapshots.append(session._state.snapshot())
+                session.take_snapshot()
             session.snapshots = session.snapshots[-max_snapshots:]
         return session
 

@@ -11,7 +11,8 @@ and runs it with :class:`Generation`:
   of a prompt cache, the conversation's session rewound, the server's prefix-cache match);
 - the request's choices run through ``lily.generation.choice_loops`` on that sequence, on the
   device decode loop where the backend has one and the request allows it
-  (``device_loop_allowed``), else the host loop;
+  (``device_loop_allowed``; the generations running at once share its steps), else the host
+  loop;
 - each choice is a :class:`lily.generation.GenerationStream`.
 
 The server's own needs are hooks into this flow, not a copy of it: ``step`` wraps every engine
@@ -39,7 +40,8 @@ from lily.generation import (
 from lily.structured import TokenConstraint
 
 if TYPE_CHECKING:
-    from lily.generation import DeviceLoop, GenerationResult
+    from lily.batching import DeviceRow
+    from lily.generation import GenerationResult
     from lily.model import Model, Session
 
 
@@ -98,9 +100,9 @@ class Generation:
     choice's :class:`GenerationStream`. The slot is held until :meth:`close`, or by the stream
     that takes it over (``own_slot``, a single choice: the stream frees it when it ends).
 
-    Every entry point gets the device decode loop where the backend has one, the request
-    allows it (``device_loop_allowed``; logit_bias and structured output need the host too) and
-    the model runs one generation at a time (``max_batch`` 1, the GPU default).
+    Every entry point gets the device decode loop where the backend has one and the request
+    allows it (``device_loop_allowed``; logit_bias and structured output need the host too);
+    the generations running at once share its steps (lily.batching).
 
     Hooks (the server's): ``step(fn, arg)`` runs each engine call ``fn(arg)`` (prefill chunks,
     decode steps, the device loop's start and steps); ``on_prefilled(seq)`` after each choice's
@@ -150,9 +152,8 @@ class Generation:
 
         # GPU backends choose each token on the device and feed it to the next step there, unless
         # the request needs the logits on the host (penalties, logprobs, logit_bias, structured
-        # output). The device loop is single-sequence: a model that batches generations
-        # (max_batch > 1) runs them all on the host loop.
-        on_device = device_loop_allowed(req.params, req.want_logprobs) and model.max_batch == 1
+        # output): the generations running at once share the device loop's steps (lily.batching).
+        on_device = device_loop_allowed(req.params, req.want_logprobs)
         tokenizer = model.tokenizer
         return choice_loops(
             seq, req.ids, self.reused, req.n, prefill=lambda chunk: run(seq.prefill, chunk), decode=decode,
@@ -210,9 +211,9 @@ class Generation:
 
 
 class _SteppedLoop:
-    """A :class:`lily.generation.DeviceLoop` whose steps go through the flow's ``step`` hook."""
+    """A :class:`lily.batching.DeviceRow` whose steps go through the flow's ``step`` hook."""
 
-    def __init__(self, loop: DeviceLoop, run: Callable[[Callable[[Any], Any], Any], Any]):
+    def __init__(self, loop: DeviceRow, run: Callable[[Callable[[Any], Any], Any], Any]):
         self._loop, self._run = loop, run
 
     def next(self) -> int:

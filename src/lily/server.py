@@ -1066,15 +1066,14 @@ def serve(model, *, model_id: str, host: str = "127.0.0.1", port: int = 8000, ap
           cache_disk_bytes: int = 10 << 30, max_batch: int | None = None,
           kv_budget_bytes: int | None = None) -> None:
     """Runs the server until interrupted. ``max_batch``: requests generating at once, sharing
-    engine passes (default: lily.model.default_max_batch's for serving: 8 on the CPU backend, 7 on
-    a GPU backend); ``kv_budget_bytes``: the KV cache and state the running requests may reserve
-    (default: half the memory available at start)."""
+    engine passes (default: the model's own, lily.model.default_max_batch unless it was loaded
+    with one: 8 on the CPU backend, 7 on a GPU backend); ``kv_budget_bytes``: the KV cache and
+    state the running requests may reserve (default: half the memory available at start)."""
     import uvicorn
 
-    from lily.model import default_max_batch
-
     limits = limits or ServerLimits()
-    model.max_batch = max_batch if max_batch is not None else default_max_batch(model._engine, serving=True)
+    if max_batch is not None:
+        model.max_batch = max_batch
     server = Server(model, model_id=model_id, api_key=api_key, max_queue=max_queue, cache_bytes=cache_bytes,
                     default_max_tokens=default_max_tokens, limits=limits, cache_dir=cache_dir,
                     cache_disk_bytes=cache_disk_bytes, kv_budget_bytes=kv_budget_bytes)
