@@ -62,7 +62,10 @@ void check_matrices(const ModelWeights& w) {
 
 DeviceWeights::DeviceWeights(Device& device, const ModelWeights& weights, std::vector<Region> regions,
                              std::shared_ptr<Buffer> dummy, bool vector_loads)
-    : device_(device), dummy_(std::move(dummy)), vector_loads_(vector_loads) {
+    : device_(device),
+      dummy_(std::move(dummy)),
+      vector_loads_(vector_loads),
+      top_k_(std::max(weights.config.top_k, 1)) {
   // A file's mapping covers whole pages, so the wrapped length is rounded up to the page size
   // (Metal's newBufferWithBytesNoCopy wants a page-aligned pointer and length).
   const size_t page = size_t(sysconf(_SC_PAGESIZE));
@@ -114,24 +117,19 @@ BufferRange DeviceWeights::find(const uint8_t* p, const char* what) const {
   throw Error(std::string("[gpu] ") + what + " does not lie in a mapped weights file");
 }
 
-LinearBuffers DeviceWeights::linear(const Linear& W, const char* what) {
+const LinearBuffers& DeviceWeights::linear(const Linear& W, const char* what) {
+  if (auto it = linears_.find(&W); it != linears_.end()) return it->second;
   LinearBuffers L;
   L.m = quant_matrix(W, what);
   L.w = find(W.w, what);
   L.scales = has_scales(W) ? find(W.scales, what) : BufferRange{dummy_, 0};
-  if (W.quantized()) {
-    L.biases = find(W.biases, what);
-  } else if (W.microscaled()) {
-    auto& b = scale_mults_[&W];
-    if (!b) b = new_floats({W.scale_mult});
-    L.biases = {b, 0};
-  } else {
-    L.biases = {dummy_, 0};
-  }
+  if (W.quantized()) L.biases = find(W.biases, what);
+  else if (W.microscaled()) L.biases = {new_floats({W.scale_mult}), 0};
+  else L.biases = {dummy_, 0};
   L.m.vec = vector_loads_ && vector_rows(L.m, {device_address(L.w)}) ? 1u : 0u;
   L.dtype = W.dtype;
   L.nbytes = W.nbytes();
-  return L;
+  return linears_.emplace(&W, std::move(L)).first->second;  // (node-based: the reference stays valid)
 }
 
 std::shared_ptr<Buffer> DeviceWeights::vector(const std::vector<float>& v) {
@@ -215,6 +213,8 @@ const ExpertTables& DeviceWeights::tables(const MoeWeights* moe, const MlpWeight
     tb->down = expert_matrix(one(mlp->down), "mlp down_proj");
   }
   if (tb->gate.dtype != tb->up.dtype) throw ConfigError("[gpu] gate_proj and up_proj differ in scale dtype");
+  const bool shared = moe && moe->shared.gate.present();
+  tb->down.lanes = moe_down_lanes(tb->down.m, shared ? &tb->shared_down.m : nullptr, moe ? top_k_ : 1);
   slot = std::move(tb);
   return *slot;
 }

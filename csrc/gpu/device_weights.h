@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 #include "gpu/encode.h"
@@ -44,11 +45,13 @@ class DeviceWeights {
   // The buffer and offset holding p; throws naming `what` if no region holds it.
   BufferRange find(const uint8_t* p, const char* what) const;
   // W's buffers; a microscaled W's third one (biases for affine) holds its scale_mult
-  // (metal/quant_args.h), copied to the device on first use.
-  LinearBuffers linear(const Linear& W, const char* what);
+  // (metal/quant_args.h), copied to the device. Resolved on W's first use (the region search,
+  // the 16-byte rule) and kept by W's address: every later projection is one lookup.
+  const LinearBuffers& linear(const Linear& W, const char* what);
   // A device copy of a per-channel vector (made once, kept by its address).
   std::shared_ptr<Buffer> vector(const std::vector<float>& v);
-  // The expert tables of a MoE block, or of a dense MLP as one expert (built once).
+  // The expert tables of a MoE block, or of a dense MLP as one expert (built once), down.lanes
+  // chosen for the block's k (the config's top_k; 1 for a dense MLP) and shared expert.
   const ExpertTables& tables(const MoeWeights* moe, const MlpWeights* mlp);
   // Bytes of the wrapped regions: what the GPU must hold of the checkpoint.
   uint64_t bytes() const { return bytes_; }
@@ -66,10 +69,11 @@ class DeviceWeights {
   Device& device_;
   std::shared_ptr<Buffer> dummy_;
   bool vector_loads_ = true;
+  int top_k_ = 1;  // jobs per token of the MoE blocks (moe_down_lanes)
   std::vector<std::pair<Region, std::shared_ptr<Buffer>>> regions_;
   uint64_t bytes_ = 0, copied_bytes_ = 0;
   std::map<const float*, std::shared_ptr<Buffer>> vectors_;
-  std::map<const Linear*, std::shared_ptr<Buffer>> scale_mults_;  // linear()'s, by matrix
+  std::unordered_map<const Linear*, LinearBuffers> linears_;  // linear()'s, by matrix
   std::map<const void*, std::unique_ptr<ExpertTables>> tables_;
 };
 

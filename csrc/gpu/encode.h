@@ -50,6 +50,7 @@ struct ExpertMatrix {
   DType dtype = DType::F32;
   uint64_t nbytes = 0;  // one expert's matrix
   int experts = 0;
+  uint32_t lanes = 0;  // a down matrix: moe_down's lanes per job, set at load (DeviceWeights::tables)
 };
 
 // Offset tables of one MoE block (or one dense MLP: gate, up, down of one "expert").
@@ -188,6 +189,7 @@ struct MoeDownInputs {
   const ExpertMatrix* shared = nullptr;  // the shared expert, or none
   BufferRange act, act_s, sgate;
 };
+// MoeDownArgs::lanes: down.lanes, chosen once at load (0: moe_down_lanes here, on every call).
 void encode_moe_down(EncoderContext& ctx, const ExpertMatrix& down, const MoeDownInputs& in, int k, int T, int H,
                      const BufferRange& y);
 // Lanes per job of moe_down (MoeDownArgs::lanes: 32, 16, 8 or 4): the team width whose busiest

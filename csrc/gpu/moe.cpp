@@ -60,8 +60,8 @@ void encode_moe_down(EncoderContext& ctx, const ExpertMatrix& down, const MoeDow
   const uint32_t I = down.m.in;
   const size_t f = size_t(T) * 4;
   const ExpertMatrix& sd = in.shared ? *in.shared : down;
-  MoeDownArgs args{down.m, sd.m, uint32_t(k), in.weights ? 1u : 0u, in.shared ? 1u : 0u,
-                   moe_down_lanes(down.m, in.shared ? &sd.m : nullptr, k)};
+  const uint32_t lanes = down.lanes ? down.lanes : moe_down_lanes(down.m, in.shared ? &sd.m : nullptr, k);
+  MoeDownArgs args{down.m, sd.m, uint32_t(k), in.weights ? 1u : 0u, in.shared ? 1u : 0u, lanes};
   Dispatch d(ctx, "moe.metal", std::string("moe_down_") + scalar_name(down.dtype));
   d.args(args);
   experts(d, "down", down).read("ids", in.ids, f * k);
