@@ -3,6 +3,8 @@
 
 #include <algorithm>
 
+#include "gpu/encode.h"
+
 namespace lily::gpu {
 
 void Activations::grow(std::shared_ptr<Buffer>& b, size_t bytes) {
@@ -10,7 +12,7 @@ void Activations::grow(std::shared_ptr<Buffer>& b, size_t bytes) {
   if (!b || b->length() < bytes) b = device_.new_buffer(bytes);
 }
 
-void Activations::size_for(int T) {
+void Activations::size_for(int T, int segments) {
   const size_t H = c_.hidden, Hq = c_.n_heads, Hkv = c_.n_kv_heads, D = c_.head_dim;
   const size_t C = c_.gdn_qkv_dim(), vdim = c_.gdn_value_dim(), Hv = c_.gdn_v_heads;
   const size_t I = std::max(c_.moe_intermediate, c_.intermediate), topk = std::max(c_.top_k, 1);
@@ -23,8 +25,9 @@ void Activations::size_for(int T) {
   grow(k, f * Hkv * D);
   grow(v, f * Hkv * D);
   grow(o, f * Hq * D);
-  grow(part_o, 4 * Hq * max_splits_ * D);
-  grow(part_ml, 4 * Hq * max_splits_ * 2);
+  const AttnPartialBytes slice = attn_partial_bytes(Hq, D, max_splits_);
+  grow(part_o, size_t(std::max(segments, 1)) * slice.o);
+  grow(part_ml, size_t(std::max(segments, 1)) * slice.ml);
   grow(qkv, f * C);
   grow(qkvz, f * (C + vdim));
   grow(z, f * vdim);
@@ -44,6 +47,14 @@ void Activations::size_for(int T) {
     grow(zeros, f);
     zeros->fill(0, 0, zeros->length());
   }
+}
+
+BufferRange Activations::part_o_slice(size_t i) const {
+  return {part_o, i * attn_partial_bytes(c_.n_heads, c_.head_dim, max_splits_).o};
+}
+
+BufferRange Activations::part_ml_slice(size_t i) const {
+  return {part_ml, i * attn_partial_bytes(c_.n_heads, c_.head_dim, max_splits_).ml};
 }
 
 }  // namespace lily::gpu

@@ -84,18 +84,22 @@ void attn_decode_splits(AttnArgs& args, int n_ctx, int T, int split_threshold, i
   args.split_len = uint32_t(len);
 }
 
+AttnPartialBytes attn_partial_bytes(size_t Hq, size_t D, size_t splits) {
+  return {Hq * splits * D * 4, Hq * splits * 2 * 4};
+}
+
 void encode_attn_decode(EncoderContext& ctx, const AttnArgs& args, int T, const BufferRange& qg,
                         const KvCacheView& kv, const BufferRange& o, const BufferRange& part_o,
                         const BufferRange& part_ml) {
   const size_t D = args.D, Hq = args.Hq, Hkv = args.Hkv, splits = args.n_splits;
   const uint64_t row = D * (kv.half ? 2 : 4), n_ctx = uint64_t(args.pos0) + T;
-  const size_t po = Hq * splits * D * 4, pml = Hq * splits * 2 * 4;
+  const AttnPartialBytes part = attn_partial_bytes(Hq, D, splits);
   Dispatch d(ctx, "attention.metal", "attn_decode_" + kv.kernel_suffix() + "_d" + std::to_string(D));
   d.args(args).read("qg", qg, size_t(T) * Hq * 2 * D * 4);
   if (kv.blocks) d.state("table", kv.table, false, 0);
   bind_cache(d, kv, false, Hkv * n_ctx * row);
   if (splits == 1) d.write("o", o, size_t(T) * Hq * D * 4).unused("part_o").unused("part_ml");
-  else d.unused("o").write("part_o", part_o, po).write("part_ml", part_ml, pml);
+  else d.unused("o").write("part_o", part_o, part.o).write("part_ml", part_ml, part.ml);
   d.run({uint32_t(Hkv), uint32_t(splits), uint32_t(T)}, {32 * LILY_ATTN_SIMDGROUPS, 1, 1});
 }
 
@@ -103,12 +107,12 @@ void encode_attn_combine(EncoderContext& ctx, const AttnArgs& args, const Buffer
                          const BufferRange& part_o, const BufferRange& part_ml) {
   const size_t D = args.D, Hq = args.Hq, splits = args.n_splits;
   if (splits == 1) return;
-  const size_t po = Hq * splits * D * 4, pml = Hq * splits * 2 * 4;
+  const AttnPartialBytes part = attn_partial_bytes(Hq, D, splits);
   Dispatch d(ctx, "attention.metal", "attn_combine");
   d.args(args)
       .read("qg", qg, Hq * 2 * D * 4)
-      .read("part_o", part_o, po)
-      .read("part_ml", part_ml, pml)
+      .read("part_o", part_o, part.o)
+      .read("part_ml", part_ml, part.ml)
       .write("o", o, Hq * D * 4);
   d.run({uint32_t(Hq), uint32_t(div_up(D, LILY_ATTN_COMBINE_COLUMNS)), 1}, {LILY_ATTN_COMBINE_COLUMNS, 1, 1});
 }

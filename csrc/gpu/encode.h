@@ -127,6 +127,12 @@ void encode_attn_decode(EncoderContext& ctx, const AttnArgs& args, int T, const 
                         const BufferRange& part_ml);
 void encode_attn_combine(EncoderContext& ctx, const AttnArgs& args, const BufferRange& qg, const BufferRange& o,
                          const BufferRange& part_o, const BufferRange& part_ml);
+// Bytes of one decode's split-K partials over `splits` splits: part_o [Hq, splits, D] and
+// part_ml [Hq, splits, 2] (f32).
+struct AttnPartialBytes {
+  size_t o, ml;
+};
+AttnPartialBytes attn_partial_bytes(size_t Hq, size_t D, size_t splits);
 // The splits of decode attention over n_ctx positions (args.n_splits, args.split_len).
 void attn_decode_splits(AttnArgs& args, int n_ctx, int T, int split_threshold, int split_len, int max_splits,
                         int block_len);
