@@ -17,6 +17,7 @@ import lily
 from fixtures import cases
 from fixtures import safetensors_edit as st_edit
 from fixtures.references import rel_err
+from lily import session_file
 
 SPLIT = 40  # LONG_PROMPT[:SPLIT] is prefilled and saved; the rest goes on after the reload
 DECODE_STEPS = 8
@@ -51,8 +52,10 @@ def test_reloaded_session_continues_bit_identically(checkpoint, store, tmp_path,
 
     saved = model.session()
     saved.prefill(prompt[:SPLIT])
+    saved.take_snapshot()  # save() writes the state, not its snapshots (the server's disk tier does)
     path = tmp_path / "prefix.safetensors"
     assert saved.save(path) == path.stat().st_size
+    assert session_file.peek(path, model) == (cases.LONG_PROMPT[:SPLIT], [])
     del model, saved
 
     fresh = _load(checkpoint, cpu_matmul=cpu_matmul)  # a new engine, as in a new process

@@ -176,18 +176,12 @@ class Session:
     @property
     def tokens(self) -> list[int]:
         """The token ids this session has processed, in order."""
-        self._check_tokens("tokens")
+        self._sync()
         return list(self._tokens)
 
     def _sync(self) -> None:
         """Drops recorded tokens the state never processed (an interrupted or failed step)."""
         del self._tokens[self.position :]
-
-    def _check_tokens(self, what: str) -> None:
-        self._sync()
-        if len(self._tokens) != self.position:
-            raise RequestError(f"[session] {what}: this session's state moved on without its token ids (a device "
-                               "decode loop), so they are unknown")
 
     def fork(self) -> Session:
         """An independent copy of this session's state (a snapshot to branch from); the copy
@@ -215,7 +209,7 @@ class Session:
 
     def reusable(self, ids: Sequence[int]) -> int:
         """Tokens of prompt ``ids`` that ``rewind(ids)`` would keep (no state change)."""
-        self._check_tokens("reusable")
+        self._sync()
         return reusable_prefix(self._tokens, [s.position for s in self.snapshots], ids)
 
     def rewind(self, ids: Sequence[int]) -> int:
@@ -247,29 +241,27 @@ class Session:
         file (docs/api-generation.md, "Saved sessions and prompt caches") stamped with the model's fingerprint and the engine
         settings, which :meth:`Model.load_session` checks. ``metadata``: strings of your own
         kept with it (the loaded session's ``metadata``). Returns the file's size in bytes."""
-        self._check_tokens("save")
         extra = dict(metadata or {})
         for k, v in extra.items():
             check_type("save", f"metadata[{k!r}]", v, (str,), "a string")
-        with self._model._lock:
-            tensors = self._state.export_tensors()
-        saved = session_file.SavedState(np.asarray(self._tokens, np.int32), tensors, extra=extra)
+        saved = self.saved_state(snapshots=False)
+        saved.extra = extra
         return session_file.write(path, self._model, saved)
 
-    def saved_state(self) -> session_file.SavedState:
-        """The session as lily.session_file writes it with its snapshots (the server's disk
-        tier): tokens, state, and each snapshot's recurrent state."""
-        self._check_tokens("save")
+    def saved_state(self, *, snapshots: bool = True) -> session_file.SavedState:
+        """The session as lily.session_file writes it: tokens, state, and (``snapshots``: the
+        server's disk tier) each snapshot's recurrent state."""
+        self._sync()
         state = self._state
         with self._model._lock:
             tensors = state.export_tensors()
-            snapshots = {}
-            for snap in self.snapshots:
+            snaps = {}
+            for snap in self.snapshots if snapshots else ():
                 try:
-                    snapshots[snap.position] = state.export_tensors(snap, with_kv=False)
+                    snaps[snap.position] = state.export_tensors(snap, with_kv=False)
                 except RequestError:
                     continue  # stale (the session was rolled back past it): rewind() never uses it either
-        return session_file.SavedState(np.asarray(self._tokens, np.int32), tensors, snapshots)
+        return session_file.SavedState(np.asarray(self._tokens, np.int32), tensors, snaps)
 
 
 class Model:
