@@ -201,9 +201,12 @@ def test_completions_and_logprobs(client, model):
     assert lp.tokens == [model.tokenizer.decode([e["token"]]) for e in ref.logprobs]
     assert lp.token_logprobs == pytest.approx([e["logprob"] for e in ref.logprobs], abs=1e-4)
     assert all(len(t) == 3 for t in lp.top_logprobs)
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True) if c.choices)
-    assert streamed == ref.text
+    chunks = [c.choices[0] for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True, logprobs=3) if c.choices]
+    assert "".join(c.text for c in chunks) == ref.text
+    streamed = [c.logprobs for c in chunks if c.logprobs is not None]  # one token each
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [list(t) for s in streamed for t in s.top_logprobs] == [list(t) for t in lp.top_logprobs]
     # Token-id prompts and the echo-free default max_tokens (16) of the completions API.
     ids = model.tokenizer.encode(prompt)
     r2 = client.completions.create(model=MODEL, prompt=ids, temperature=0)
@@ -218,6 +221,20 @@ def test_chat_logprobs(client, model):
     assert [c.logprob for c in content] == pytest.approx([e["logprob"] for e in ref.logprobs], abs=1e-4)
     assert all(len(c.top_logprobs) == 2 for c in content)
     assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
+    texts = [model.tokenizer.decode([e["token"]]) for e in ref.logprobs]
+    assert [c.token for c in content] == texts
+    assert [bytes(c.bytes).decode("utf-8") for c in content] == texts
+    # Streamed, each token's entry comes with its chunk: the same entries.
+    stream = _chat(client, messages, max_tokens=5, logprobs=True, top_logprobs=2, stream=True)
+    streamed = [c for ev in stream for ch in ev.choices if ch.logprobs is not None for c in ch.logprobs.content]
+    def entries(cs):  # texts exactly; the logprobs apart (the prompt comes from the prefix cache now)
+        return [(c.token, c.bytes, [(t.token, t.bytes) for t in c.top_logprobs]) for c in cs]
+
+    def logprobs(cs):
+        return [[c.logprob] + [t.logprob for t in c.top_logprobs] for c in cs]
+
+    assert entries(streamed) == entries(content)
+    assert np.allclose(logprobs(streamed), logprobs(content), atol=1e-4)
 
 
 def test_seed_reproducible_sampling(client):

@@ -266,12 +266,6 @@ def _check_schema(schema: Any, where: str) -> None:
         raise APIError(400, f"'{where}' is nested too deeply", param=where, code="invalid_value") from None
 
 
-def _logprob_entry(chunk) -> dict:
-    """A streamed chunk's logprobs as an entry of GenerationResult.logprobs (their one format)."""
-    return {"token": chunk.token, "logprob": chunk.logprob,
-            "top_logprobs": [{"token": t, "logprob": p} for t, p in chunk.top_logprobs or ()]}
-
-
 async def _disconnected(request: Request) -> None:
     """Returns when the client has gone (after the body was read, the next ASGI message is
     http.disconnect, which uvicorn sends when the connection closes)."""
@@ -827,29 +821,36 @@ class Server:
                 "total_tokens": first.prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
 
-    def _token_entry(self, tok: int, lp: float) -> dict:
-        s = self.model.tokenizer.decode([tok])
-        return {"token": s, "logprob": float(lp), "bytes": list(s.encode("utf-8"))}
+    # The formatters below take logprob entries as GenerationResult.logprobs holds them, each
+    # token's text already decoded by the GenerationStream: nothing is decoded again here.
+
+    def _chunk_entry(self, chunk) -> dict:
+        """A streamed chunk's logprobs as such an entry (its texts decoded here: GenerationStream
+        keeps its own entries for the result only)."""
+        def entry(token: int, logprob: float | None) -> dict:
+            return {"token": token, "text": self.model._token_text(token), "logprob": logprob}
+
+        return entry(chunk.token, chunk.logprob) | {"top_logprobs": [entry(t, p) for t, p in chunk.top_logprobs or ()]}
+
+    @staticmethod
+    def _token_entry(e: dict) -> dict:
+        return {"token": e["text"], "logprob": float(e["logprob"]), "bytes": list(e["text"].encode("utf-8"))}
 
     def _chat_logprobs(self, lps) -> list[dict]:
-        """OpenAI's chat logprobs from entries as GenerationResult.logprobs holds them."""
-        out = []
-        for e in lps or []:
-            d = self._token_entry(e["token"], e["logprob"])
-            d["top_logprobs"] = [self._token_entry(t["token"], t["logprob"]) for t in e["top_logprobs"] or ()]
-            out.append(d)
-        return out
+        """OpenAI's chat logprobs."""
+        return [self._token_entry(e) | {"top_logprobs": [self._token_entry(t) for t in e["top_logprobs"] or ()]}
+                for e in lps or []]
 
     def _completion_logprobs(self, lps) -> dict:
+        """OpenAI's (legacy) completion logprobs."""
         tokens, token_lps, tops, offsets = [], [], [], []
         pos = 0
         for e in lps or []:
-            s = self.model.tokenizer.decode([e["token"]])
-            tokens.append(s)
+            tokens.append(e["text"])
             token_lps.append(float(e["logprob"]))
-            tops.append({self.model.tokenizer.decode([t["token"]]): float(t["logprob"]) for t in e["top_logprobs"] or ()})
+            tops.append({t["text"]: float(t["logprob"]) for t in e["top_logprobs"] or ()})
             offsets.append(pos)
-            pos += len(s)
+            pos += len(e["text"])
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     async def _events(self, job: Job, events: asyncio.Queue):
@@ -911,7 +912,7 @@ class Server:
                 if kind == "chunk":
                     lp = None
                     if job.want_logprobs and value.token is not None:
-                        lp = {"content": self._chat_logprobs([_logprob_entry(value)])}
+                        lp = {"content": self._chat_logprobs([self._chunk_entry(value)])}
                     deltas = splitter.feed(value.text)
                     for d in deltas:
                         yield chunk(d, logprobs=lp)
@@ -952,7 +953,7 @@ class Server:
                 if kind == "chunk":
                     lp = None
                     if want_lp and value.token is not None:
-                        lp = self._completion_logprobs([_logprob_entry(value)])
+                        lp = self._completion_logprobs([self._chunk_entry(value)])
                     if value.finish_reason is None:
                         if value.text or lp:
                             yield chunk(value.text, logprobs=lp)
