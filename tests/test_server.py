@@ -426,6 +426,31 @@ def serial_server():
     stop_server(proc)
 
 
+@pytest.mark.parametrize(("loaded", "served", "expected"), [(3, None, 3), (3, 2, 2), (None, None, None)])
+def test_serve_keeps_the_max_batch_the_model_was_loaded_with(monkeypatch, loaded, served, expected):
+    """serve(model) from Python: a max_batch given at load stays, one given to serve wins, and
+    without either the default applies. uvicorn is not started: the Server that serve()
+    built is caught on its way to build_app, and its engine workers (one per generation slot)
+    are counted."""
+    import uvicorn
+
+    import lily.server
+    from lily.model import default_max_batch
+
+    built = []
+    monkeypatch.setattr(lily.server, "build_app", lambda server: built.append(server))
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
+    model = lily.Model.load(max_batch=loaded)
+    lily.server.serve(model, model_id=MODEL, max_batch=served)
+    try:
+        if expected is None:
+            expected = default_max_batch(model._engine)
+        assert model.max_batch == expected
+        assert len(built[0].scheduler._threads) == expected
+    finally:
+        built[0].scheduler.shutdown()
+
+
 def test_disconnect_while_queued_drops_the_job(serial_server):
     """A client that leaves while its request waits behind another never gets engine time: the
     job is dropped when its turn comes (neither completed nor run), and the server serves on."""

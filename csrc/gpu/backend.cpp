@@ -293,14 +293,6 @@ void GpuBackend::abandon_pass(Segments) noexcept {
   pass_open_ = false;
 }
 
-void GpuBackend::size_pass(int T, int segments) {
-  acts_.size_for(T);
-  // Split-K partials: a slice per segment (attention()), so the segments' decodes run at once.
-  const size_t n = size_t(segments), Hq = c_.n_heads, splits = options_.max_splits;
-  acts_.grow(acts_.part_o, n * Hq * splits * c_.head_dim * 4);
-  acts_.grow(acts_.part_ml, n * Hq * splits * 2 * 4);
-}
-
 void GpuBackend::begin_pass() {
   std::string label = "lily pass: " + std::to_string(T_) + " token(s)";
   if (pass_.size() == 1) label += " at position " + std::to_string(pass_[0].pos0);
@@ -310,7 +302,7 @@ void GpuBackend::begin_pass() {
 
 void GpuBackend::project(const Linear& W, const char* what, const BufferRange& x, int ldx, const BufferRange& y,
                          int ldy, int T) {
-  const LinearBuffers L = weights_gpu_.linear(W, what);
+  const LinearBuffers& L = weights_gpu_.linear(W, what);
   if (T >= options_.gemm_min_rows && tiles_fit(L.m)) encode_gemm(ctx_, L, x, ldx, y, ldy, T, tensor_gemm_);
   else encode_gemv(ctx_, L, x, ldx, y, ldy, T);
 }
@@ -338,7 +330,7 @@ void GpuBackend::embed(Segments segs, const int32_t* tokens) {
       ctx_.finish();
       for (const PassSegment& p : pass_) reserve_kv(*p.state, p.pos0 + p.n);  // may throw: nothing changed yet
     }
-    size_pass(T, int(pass_.size()));  // nothing in flight: buffers may be replaced
+    acts_.size_for(T, int(pass_.size()));  // nothing in flight: buffers may be replaced
     acts_.tokens->write(0, tokens, 4 * size_t(T));
     token_src = {acts_.tokens, 0};
   } else {  // each sequence's previous token (sized and reserved by begin_device_decode)
@@ -377,7 +369,6 @@ void GpuBackend::attention(Segments, int layer, const AttentionWeights& w) {
   // segments share stages.
   const float scale = 1.0f / std::sqrt(float(D));
   const int group = Hq / Hkv;
-  const size_t part_o = size_t(Hq) * options_.max_splits * D * 4, part_ml = size_t(Hq) * options_.max_splits * 2 * 4;
   struct AttnSegment {
     KvCacheView kv;
     BufferRange qg, o;
@@ -409,12 +400,11 @@ void GpuBackend::attention(Segments, int layer, const AttentionWeights& w) {
     a = AttnArgs{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), s.cap, uint32_t(p.pos0), 1, 0, scale};
     attn_decode_splits(a, p.pos0 + p.n, p.n, options_.split_threshold, options_.split_len, options_.max_splits,
                        p.state->block_len);
-    encode_attn_decode(ctx_, a, p.n, s.qg, s.kv, s.o, {acts_.part_o, i * part_o}, {acts_.part_ml, i * part_ml});
+    encode_attn_decode(ctx_, a, p.n, s.qg, s.kv, s.o, acts_.part_o_slice(i), acts_.part_ml_slice(i));
   }
   for (size_t i = 0; i < pass_.size(); ++i)  // (n_splits is 0 for a prefill segment: nothing to combine)
     if (decode[i].n_splits > 1)
-      encode_attn_combine(ctx_, decode[i], segs[i].qg, segs[i].o, {acts_.part_o, i * part_o},
-                          {acts_.part_ml, i * part_ml});
+      encode_attn_combine(ctx_, decode[i], segs[i].qg, segs[i].o, acts_.part_o_slice(i), acts_.part_ml_slice(i));
   project(w.o_proj, "o_proj", {acts_.o, 0}, Hq * D, {acts_.y, 0}, H, T);
 }
 

@@ -213,8 +213,6 @@ class GpuBackend : public Backend {
   void mlp_prefill(const ExpertTables& tb);
   bool grouped_fits(const ExpertTables& tb) const;
   void sample_step();  // the sample dispatches of a device-loop step (sampling.cpp)
-  // Sizes the activations for a pass of T rows in `segments` segments (nothing in flight).
-  void size_pass(int T, int segments);
 
   std::shared_ptr<const ModelWeights> weights_;
   const ModelConfig& c_;

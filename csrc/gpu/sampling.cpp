@@ -48,7 +48,7 @@ bool GpuBackend::begin_device_decode(Segments segs, int max_steps, const DeviceS
     auto& st = static_cast<GpuState&>(*s.state);
     reserve_kv(st, st.position() + max_steps);
   }
-  size_pass(int(rows), int(rows));
+  acts_.size_for(int(rows), int(rows));
   acts_.grow(acts_.logits, rows * vocab * 4);
   acts_.grow(sample_w_, rows * vocab * 4);
   acts_.grow(ring_, 2 * rows * 4);
