@@ -56,6 +56,8 @@ class GenerationChunk:
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None
     index: int = 0  # the prompt's position in generate([...], stream=True)'s list
+    # With logprobs: this token's entry as GenerationResult.logprobs holds it (texts decoded once).
+    logprob_entry: dict[str, Any] | None = None
 
 
 @dataclass(repr=False)
@@ -546,8 +548,9 @@ class GenerationStream:
         if c.token is not None:
             self._tokens.append(c.token)
             if self._want_logprobs:
-                self._lps.append(self._logprob_entry(c.token, c.logprob)
-                                 | {"top_logprobs": [self._logprob_entry(t, p) for t, p in c.top_logprobs or ()]})
+                c.logprob_entry = self._logprob_entry(c.token, c.logprob) | {
+                    "top_logprobs": [self._logprob_entry(t, p) for t, p in c.top_logprobs or ()]}
+                self._lps.append(c.logprob_entry)
         if c.finish_reason is not None:
             self._finish()
         return c

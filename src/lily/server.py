@@ -824,14 +824,6 @@ class Server:
     # The formatters below take logprob entries as GenerationResult.logprobs holds them, each
     # token's text already decoded by the GenerationStream: nothing is decoded again here.
 
-    def _chunk_entry(self, chunk) -> dict:
-        """A streamed chunk's logprobs as such an entry (its texts decoded here: GenerationStream
-        keeps its own entries for the result only)."""
-        def entry(token: int, logprob: float | None) -> dict:
-            return {"token": token, "text": self.model._token_text(token), "logprob": logprob}
-
-        return entry(chunk.token, chunk.logprob) | {"top_logprobs": [entry(t, p) for t, p in chunk.top_logprobs or ()]}
-
     @staticmethod
     def _token_entry(e: dict) -> dict:
         return {"token": e["text"], "logprob": float(e["logprob"]), "bytes": list(e["text"].encode("utf-8"))}
@@ -912,7 +904,7 @@ class Server:
                 if kind == "chunk":
                     lp = None
                     if job.want_logprobs and value.token is not None:
-                        lp = {"content": self._chat_logprobs([self._chunk_entry(value)])}
+                        lp = {"content": self._chat_logprobs([value.logprob_entry])}
                     deltas = splitter.feed(value.text)
                     for d in deltas:
                         yield chunk(d, logprobs=lp)
@@ -953,7 +945,7 @@ class Server:
                 if kind == "chunk":
                     lp = None
                     if want_lp and value.token is not None:
-                        lp = self._completion_logprobs([self._chunk_entry(value)])
+                        lp = self._completion_logprobs([value.logprob_entry])
                     if value.finish_reason is None:
                         if value.text or lp:
                             yield chunk(value.text, logprobs=lp)
