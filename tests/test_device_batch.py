@@ -20,13 +20,12 @@ and generator state (tests/test_metal_sampling.py), so the tokens must be exactl
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 import lily
 from lily import _core
+from test_continuous_batching import _in_threads
 
 PROMPTS = [[5, 6, 7], list(range(40, 75)), [11, 3, 9, 27, 14, 2, 8, 60, 61, 62, 63]]
 SAMPLING = [None, dict(temperature=0.8, top_k=20, seed=3), dict(temperature=1.1, top_p=0.9, min_p=0.02, seed=11)]
@@ -111,24 +110,6 @@ def test_device_batch_refusals_change_nothing(model):
     finally:
         engine.end_device_batch()
     assert [a.position, b.position] == before  # begin's step undone, none read
-
-
-def _in_threads(fn, n):
-    out, errors = [None] * n, []
-
-    def run(i):
-        try:
-            out[i] = fn(i)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    assert not errors, errors
-    return out
 
 
 def test_threads_share_the_device_loop_and_get_their_solo_answers(model):

@@ -16,17 +16,8 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
-OUT=${OUT:-$root/.carry/out}
-mkdir -p "$OUT"
-t0=$(date +%s)
-say() { echo "$(( $(date +%s) - t0 ))s $*" | tee -a "$OUT/progress"; }
-export LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6)${LD_PRELOAD:+:$LD_PRELOAD}  # kernel_tests.sh says why
-bash scripts/dev_build.sh > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-export PYTHONPATH="$root/src:$root/scripts/h200" LILY_SOURCE_DIR="$root" \
-  LILY_MSL_CUDA_CACHE="$root/.carry/ptx_new" PYTHONUNBUFFERED=1
-say "built"
-python3 scripts/make_fullsize.py /tmp/ckpt_full --workers 16 | tail -1
-say "checkpoint"
+source scripts/h200/msl_cuda_env.sh
+full_checkpoint
 fs() {  # name, extra args
   local name=$1; shift
   timeout 150 python3 scripts/h200/fullsize.py /tmp/ckpt_full --contexts 512,4096 --check-max 0 --decode 32 \

@@ -9,19 +9,6 @@
 # Prepared HERE first: the kernels as PTX (see phase_f.sh) in .carry/ptx_new.
 #   run(command="bash scripts/h200/phase_g.sh", carry=[".carry/ptx_new"], timeout_s=600)
 set -uo pipefail
-root=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$root"
-OUT=${OUT:-$root/.carry/out}
-mkdir -p "$OUT"
-t0=$(date +%s)
-say() { echo "$(( $(date +%s) - t0 ))s $*" | tee -a "$OUT/progress"; }
-export LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6)${LD_PRELOAD:+:$LD_PRELOAD}  # kernel_tests.sh says why
-bash scripts/dev_build.sh > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-export PYTHONPATH="$root/src:$root/scripts/h200" LILY_SOURCE_DIR="$root" \
-  LILY_MSL_CUDA_CACHE="$root/.carry/ptx_new" PYTHONUNBUFFERED=1
-say "built"
-python3 scripts/make_fullsize.py /tmp/ckpt_full --workers 16 | tail -1
-say "checkpoint"
 bd() {  # name, extra args
   local name=$1; shift
   timeout 200 python3 benchmarks/batch_decode.py --model /tmp/ckpt_full --backend msl-cuda --batch 1,2,4,7 \
@@ -29,5 +16,9 @@ bd() {  # name, extra args
   say "$name rc=$?"
   tail -8 "$OUT/$name.log"
 }
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
+source scripts/h200/msl_cuda_env.sh
+full_checkpoint
 bd device_loop --device-loop
 bd host_loop

@@ -7,19 +7,11 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
-OUT=${OUT:-$root/.carry/out}
-mkdir -p "$OUT"
-t0=$(date +%s)
-say() { echo "$(( $(date +%s) - t0 ))s $*" | tee -a "$OUT/progress"; }
-export LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6)${LD_PRELOAD:+:$LD_PRELOAD}  # kernel_tests.sh says why
-bash scripts/dev_build.sh > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-export PYTHONPATH="$root/src:$root/scripts/h200" LILY_SOURCE_DIR="$root" \
-  LILY_MSL_CUDA_CACHE="$root/.carry/ptx_new" PYTHONUNBUFFERED=1
-say "built"
+source scripts/h200/msl_cuda_env.sh
 timeout 200 python3 benchmarks/generate_threads.py --backend msl-cuda --clients 1,2,4,7 --tokens 128 --repeat 3 \
   --json "$OUT/demo.json" > "$OUT/demo.log" 2>&1
 say "demo rc=$?"; tail -7 "$OUT/demo.log"
-python3 scripts/make_fullsize.py /tmp/ckpt_full --workers 16 | tail -1
+full_checkpoint
 timeout 300 python3 benchmarks/generate_threads.py --model /tmp/ckpt_full --backend msl-cuda --clients 1,2,4,7 \
   --tokens 64 --repeat 2 --json "$OUT/full.json" > "$OUT/full.log" 2>&1
 say "full rc=$?"; tail -7 "$OUT/full.log"
