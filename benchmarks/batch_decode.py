@@ -54,8 +54,11 @@ def device_loop_steps(engine, states, tokens, n: int) -> tuple[list[float], list
     try:
         for _ in range(n):
             t0 = time.perf_counter()
-            out.append(engine.next_device_tokens())
+            tokens, errors = engine.next_device_tokens()
+            out.append(tokens)
             times.append(time.perf_counter() - t0)
+            if any(errors):
+                raise RuntimeError(f"device loop: {errors}")
     finally:
         engine.end_device_batch()
     return times, out

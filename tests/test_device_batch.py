@@ -20,6 +20,8 @@ and generator state (tests/test_metal_sampling.py), so the tokens must be exactl
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -73,7 +75,11 @@ def test_device_batch_gives_each_row_its_solo_tokens(model):
     starts = [s.position for s in batch]
     assert engine.begin_device_batch(batch, first, STEPS, device_samplers)
     assert engine.device_loop_running
-    got = [engine.next_device_tokens() for _ in range(STEPS)]
+    got = []
+    for _ in range(STEPS):
+        tokens, errors = engine.next_device_tokens()
+        assert errors == [None] * len(PROMPTS)
+        got.append(tokens)
     engine.end_device_batch()
     assert not engine.device_loop_running
     assert [list(row) for row in zip(*got, strict=True)] == want
@@ -140,3 +146,27 @@ def test_threads_share_the_device_loop_and_get_their_solo_answers(model):
     got = _in_threads(run, 3)
     assert got[1:] == solo[1:3]
     assert got[0] == model.generate(PROMPTS[0], **reqs[2]).tokens[:2]
+
+
+def test_state_operations_wait_for_the_device_loop(model):
+    """A session's state operations refuse while its own generation runs in the device loop (the
+    state moves on the device between steps), and a row closed where it could not end the loop
+    (a finalizer inside a pass) leaves it to the next state operation, which ends it first: the
+    session's position then equals its recorded tokens."""
+    s = model.session()
+    s.prefill(PROMPTS[0])
+    row = s.device_loop(4, 6, None)
+    row.next()
+    row.next()
+    with pytest.raises(lily.RequestError, match="generation is running on this session"):
+        s.take_snapshot()
+    batcher = model._batcher
+    batcher._leader = threading.get_ident()  # as if closed by a finalizer inside a pass
+    try:
+        row.close()
+    finally:
+        batcher._leader = None
+    assert batcher._loop and s.position == len(s._tokens) + 1  # the step in flight, not yet undone
+    s.take_snapshot()  # settles first
+    assert not batcher._loop and s.position == len(s.tokens) == len(PROMPTS[0]) + 2
+    assert s.snapshots[-1].position == s.position

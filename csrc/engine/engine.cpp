@@ -321,6 +321,15 @@ bool Engine::begin_device_decode(const std::vector<DeviceRow>& rows, int max_ste
     step_rows.push_back({r.state, r.first, r.n});
   }
   check_step(step_rows);  // states, tokens, memory and files, as a step's
+  uint64_t grow = 0;      // and the KV caches the loop's steps grow to, all together
+  for (const DeviceRow& r : rows) {
+    const uint64_t need = kv_bytes(int64_t(r.state->position()) + r.n - 1 + max_steps), held = r.state->nbytes();
+    if (need > held) grow = saturating_add(grow, need - held);
+  }
+  if (grow > available_memory())
+    throw RequestError("[engine] the device decode loop grows its KV caches by " + std::to_string(grow >> 20) +
+                       " MiB, more than the " + std::to_string(available_memory() >> 20) +
+                       " MiB of memory available; use fewer steps or sequences");
   for (size_t i = 0; i < rows.size(); ++i) {
     const State& st = *rows[i].state;
     if (int64_t(st.position()) + rows[i].n - 1 + max_steps > st.max_context())
@@ -368,16 +377,22 @@ void Engine::device_step() {
   ++loop_.committed;
 }
 
-void Engine::next_device_tokens(int32_t* tokens) {
+void Engine::next_device_tokens(int32_t* tokens, std::vector<std::string>* errors) {
   if (!device_loop_running()) throw RequestError("[engine] no device decode loop is running");
   if (loop_.read >= loop_.max_steps) throw RequestError("[engine] the device decode loop has no steps left");
   // Depth 2: step read + 1 is committed before step read's tokens are waited for.
   if (loop_.committed == loop_.read + 1 && loop_.committed < loop_.max_steps) device_step();
-  backend_->wait_device_tokens(tokens);
+  std::vector<std::string> own;
+  std::vector<std::string>& err = errors ? *errors : own;
+  err.assign(loop_.states.size(), std::string());
+  backend_->wait_device_tokens(tokens, err.data());
   ++loop_.read;
-  // The device drew each sampler's next value for this step: the host's copy follows.
-  for (Sampler* s : loop_.samplers)
-    if (s) s->skip_draw();
+  // The device drew each good row's sampler's next value for this step: the host's copy follows.
+  for (size_t r = 0; r < loop_.samplers.size(); ++r)
+    if (loop_.samplers[r] && err[r].empty()) loop_.samplers[r]->skip_draw();
+  if (!errors)
+    for (const std::string& e : err)
+      if (!e.empty()) throw Error(e);
 }
 
 int32_t Engine::next_device_token(State& st) {
@@ -393,15 +408,21 @@ void Engine::end_device_decode() {
   const bool unread = loop_.committed > loop_.read;
   const std::vector<State*> states = std::move(loop_.states);
   loop_ = {};
+  struct End {  // the backend leaves device-loop mode even if the undo throws (a GPU error)
+    Backend& b;
+    ~End() { b.end_device_decode(); }
+  } end{*backend_};
   if (unread) {  // that step consumed a token past the end: undo it
     backend_->discard_last_step();
     for (State* st : states) st->position_ -= 1;
   }
-  backend_->end_device_decode();
 }
 
 void Engine::end_device_decode(State& st) {
-  if (loop_.states.size() == 1 && loop_.states[0] == &st) end_device_decode();
+  if (std::find(loop_.states.begin(), loop_.states.end(), &st) == loop_.states.end()) return;
+  if (loop_.states.size() != 1)
+    throw RequestError("[engine] the device decode loop runs several sequences: end it with end_device_batch");
+  end_device_decode();
 }
 
 }  // namespace lily

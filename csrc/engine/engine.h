@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "engine/sampler.h"
@@ -105,7 +106,10 @@ class Engine {
     Sampler* sampler = nullptr;  // nullptr: argmax
   };
   bool begin_device_decode(const std::vector<DeviceRow>& rows, int max_steps);
-  void next_device_tokens(int32_t* tokens);  // [rows]
+  // tokens [rows]. errors [rows] (nullptr: throw the first instead): the CPU sampler's error for
+  // a row whose logits held a NaN / +inf or were all -inf (its token is then meaningless and its
+  // sampler drew nothing), else "". The other rows' tokens are good either way.
+  void next_device_tokens(int32_t* tokens, std::vector<std::string>* errors = nullptr);
   void end_device_decode();
   bool device_loop_running() const { return !loop_.states.empty(); }
   int device_loop_rows() const { return int(loop_.states.size()); }

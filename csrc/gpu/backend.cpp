@@ -313,7 +313,7 @@ void GpuBackend::embed(Segments segs, const int32_t* tokens) {
     throw Error("[gpu] a pass of several sequences holds at most " + std::to_string(batch_rows()) + " rows, not " +
                 std::to_string(segs.rows()) + " (Engine::step splits larger steps)");
   const int T = segs.rows();
-  if (greedy_ && int(segs.size()) != int(loop_.size()))
+  if (device_loop_ && int(segs.size()) != int(loop_.size()))
     throw Error("[gpu] the device decode loop runs " + std::to_string(loop_.size()) + " sequence(s), not " +
                 std::to_string(segs.size()));
   T_ = T;
@@ -323,10 +323,10 @@ void GpuBackend::embed(Segments segs, const int32_t* tokens) {
     pass_.push_back({&st, s.first, s.n, st.position(), st.parity});
   }
   BufferRange token_src;
-  if (!greedy_ || tokens) {  // tokens from the host: a host pass, or a device loop's first step
-    if (greedy_ && (step_ != 0 || !inflight_.empty()))
+  if (!device_loop_ || tokens) {  // tokens from the host: a host pass, or a device loop's first step
+    if (device_loop_ && (step_ != 0 || !inflight_.empty()))
       throw Error("[gpu] only the first device-loop step takes host tokens");
-    if (!greedy_) {
+    if (!device_loop_) {
       ctx_.finish();
       for (const PassSegment& p : pass_) reserve_kv(*p.state, p.pos0 + p.n);  // may throw: nothing changed yet
     }
@@ -577,12 +577,12 @@ void GpuBackend::moe_prefill(const ExpertTables& tb) {
 void GpuBackend::lm_head(const Linear& head, int first, int n, float* logits) {
   const size_t bytes = size_t(n) * head.out * 4;
   ctx_.signpost("lm_head");
-  if (!greedy_) {
+  if (!device_loop_) {
     acts_.grow(acts_.logits, bytes);
     if (!ctx_.open()) begin_pass();  // a later run of the pass's last rows (model/schedule.cpp)
   }
   project(head, "lm_head", {acts_.h, size_t(first) * c_.hidden * 4}, c_.hidden, {acts_.logits, 0}, head.out, n);
-  if (!greedy_) {
+  if (!device_loop_) {
     pass_open_ = false;  // complete: an error from here on is the execution's, not the encoding's
     ctx_.finish();
     if (logits) acts_.logits->read(0, logits, bytes);

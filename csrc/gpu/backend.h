@@ -167,7 +167,7 @@ class GpuBackend : public Backend {
   // Device decode loop (csrc/gpu/sampling.cpp).
   bool has_device_loop() const override { return true; }
   bool begin_device_decode(Segments segs, int max_steps, const DeviceSampling* sampling) override;
-  void wait_device_tokens(int32_t* tokens) override;
+  void wait_device_tokens(int32_t* tokens, std::string* errors) override;
   void discard_last_step() override;
   void end_device_decode() override;
 
@@ -242,7 +242,7 @@ class GpuBackend : public Backend {
   // (metal/sampling.metal) to slot i%2, with a status per row ([rows][4] u32); each row's
   // generator state lives in rng_ ([rows][4] u64) and its sampling parameters in sample_args_.
   // Committed steps not yet read back wait in `inflight_`.
-  bool greedy_ = false;
+  bool device_loop_ = false;
   int64_t step_ = 0, read_step_ = 0;
   std::vector<GpuState*> loop_;
   std::vector<std::shared_ptr<CommandBuffer>> inflight_;

@@ -75,11 +75,11 @@ bool GpuBackend::begin_device_decode(Segments segs, int max_steps, const DeviceS
     a.inv_t = s.inv_t;
     a.min_p_offset = s.min_p_offset;
   }
-  greedy_ = true;
+  device_loop_ = true;
   return true;
 }
 
-void GpuBackend::wait_device_tokens(int32_t* tokens) {
+void GpuBackend::wait_device_tokens(int32_t* tokens, std::string* errors) {
   if (inflight_.empty()) throw Error("[gpu] no device-loop step in flight");
   auto cb = inflight_.front();
   inflight_.erase(inflight_.begin());
@@ -93,15 +93,16 @@ void GpuBackend::wait_device_tokens(int32_t* tokens) {
   status_->read(size_t(i % 2) * rows * 16, status.data(), rows * 16);
   for (size_t r = 0; r < rows; ++r) {
     const uint32_t* s = &status[r * 4];
-    const std::string which = rows > 1 ? " (sequence " + std::to_string(r) + " of the device loop)" : "";
+    errors[r].clear();
     if (s[0] == LILY_SAMPLE_BAD_LOGIT) {
       float v;
       std::memcpy(&v, &s[2], 4);
       char buf[32];
       std::snprintf(buf, sizeof buf, "%g", double(v));
-      throw Error("[sampling] logit of token " + std::to_string(s[1]) + " is " + buf + which);
+      errors[r] = "[sampling] logit of token " + std::to_string(s[1]) + " is " + buf;
+    } else if (s[0] == LILY_SAMPLE_ALL_NEG_INF) {
+      errors[r] = "[sampling] every logit is -inf";
     }
-    if (s[0] == LILY_SAMPLE_ALL_NEG_INF) throw Error("[sampling] every logit is -inf" + which);
   }
 }
 
@@ -120,7 +121,7 @@ void GpuBackend::end_device_decode() {
   for (auto& cb : inflight_) cb->wait_until_completed();
   inflight_.clear();
   loop_.clear();
-  greedy_ = false;
+  device_loop_ = false;
 }
 
 // The tokens of device-loop step step_ from the logits [rows, vocab] (metal/sampling.metal), one

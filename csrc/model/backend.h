@@ -214,9 +214,9 @@ class Backend {
   virtual bool has_device_loop() const { return false; }
   virtual bool begin_device_decode(Segments segs, int max_steps, const DeviceSampling* sampling) { return false; }
   // Waits for the oldest step in flight and writes the token it chose for each sequence into
-  // tokens [segs.size()]. Throws lily::Error (as the CPU sampler does) when a sequence's logits
-  // held a NaN / +inf or were all -inf.
-  virtual void wait_device_tokens(int32_t* tokens) {}
+  // tokens [segs.size()], and into errors [segs.size()] the CPU sampler's error for a sequence
+  // whose logits held a NaN / +inf or were all -inf (its token is then meaningless), else "".
+  virtual void wait_device_tokens(int32_t* tokens, std::string* errors) {}
   // Waits for every step in flight, then undoes the newest one's recurrent-state update of every
   // sequence of the loop (the engine rolls the positions back; their KV entries are simply
   // overwritten later).

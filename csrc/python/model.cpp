@@ -1,6 +1,7 @@
 // Bindings for checkpoints, weights and the engine: what lily/model.py drives.
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -649,14 +650,20 @@ void init_model(nb::module_& m) {
       .def(
           "next_device_tokens",
           [](Engine& e) {
-            std::vector<int32_t> out(e.device_loop_rows());
+            std::vector<int32_t> tokens(e.device_loop_rows());
+            std::vector<std::string> errors;
             {
               nb::gil_scoped_release release;
-              e.next_device_tokens(out.data());
+              e.next_device_tokens(tokens.data(), &errors);
             }
-            return out;
+            std::vector<std::optional<std::string>> err(errors.size());
+            for (size_t i = 0; i < errors.size(); ++i)
+              if (!errors[i].empty()) err[i] = errors[i];
+            return std::make_pair(tokens, err);
           },
-          "Commits the following step (depth 2), waits for the oldest and returns its tokens, one per sequence.")
+          "Commits the following step (depth 2), waits for the oldest and returns (tokens, errors), one each per "
+          "sequence: errors[i] is the sampler's error (str) for a sequence whose logits held a NaN / +inf or were "
+          "all -inf (its token is then meaningless), else None.")
       .def(
           "end_device_batch",
           [](Engine& e) {

@@ -24,10 +24,10 @@ import json
 from pathlib import Path
 
 import numpy as np
+from long_context import synthetic_state  # this folder
 
 import lily
 from fullsize import kernel_table  # this folder
-from long_context import synthetic_state  # this folder
 
 
 def main(argv=None) -> int:

@@ -61,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from lily._core import RequestError
+from lily._core import LilyError, RequestError
 
 
 @dataclass(eq=False)
@@ -90,10 +90,11 @@ class DeviceRow:
                  on_fed: Callable[[int], None] | None):
         self._batcher = batcher
         self.state = state
-        self.sampler = sampler  # lily._core.Sampler: the device copies its parameters and generator
+        self.sampler = sampler  # lily._core.Sampler (None: argmax); the device copies its parameters and generator
         self.pending = int(token)  # not yet in the state
         self.steps_left = int(max_steps)
         self._on_fed = on_fed
+        self.thread = threading.get_ident()  # the generation's own (the one that calls next)
         self.closed = False
 
     def fed(self) -> None:
@@ -193,6 +194,11 @@ class Batcher:
                 self._pass(batch)
             finally:
                 self._cv.acquire()
+        except BaseException as e:  # Ctrl-C between the gather and the pass: its calls end with it
+            for c in batch:
+                if not c.done:
+                    c.error, c.done = c.error or e, True
+            raise
         finally:
             self._leading, self._leader = False, None
             if batch:
@@ -230,10 +236,10 @@ class Batcher:
 
     def _pass(self, batch: Sequence[_Call]) -> None:
         """Runs one pass for ``batch`` (lock not held) and completes every call in it."""
-        for c in batch:
-            if c.row is not None:
-                c.row.fed()
         try:
+            for c in batch:
+                if c.row is not None:
+                    c.row.fed()
             if not (all(c.row is not None for c in batch) and self._device_pass(batch)):
                 self._host_pass(batch)
         except BaseException as e:  # KeyboardInterrupt in the leader: every call left ends with it
@@ -261,26 +267,37 @@ class Batcher:
                     out = list(self._engine.step([c.state for c in batch], [c.tokens for c in batch]))
                 else:
                     out = [self._solo(batch[0])]
-            for c, logits in zip(batch, out, strict=True):
-                self._complete(c, logits)
         except Exception as e:
             if len(batch) == 1:
                 batch[0].error = e
-            else:  # nothing changed: again one at a time, so the error reaches its own call
-                self.stats.retried_alone += 1
-                for c in batch:
-                    try:
-                        with self._lock:
-                            logits = self._solo(c)
-                        self._complete(c, logits)
-                    except Exception as e1:
-                        c.error = e1
+                return
+            # Nothing changed (the engine checks before it computes): again one at a time, so
+            # the error reaches its own call.
+            self.stats.retried_alone += 1
+            out = []
+            for c in batch:
+                try:
+                    with self._lock:
+                        out.append(self._solo(c))
+                except Exception as e1:
+                    c.error = e1
+                    out.append(None)
+        for c, logits in zip(batch, out, strict=True):
+            if logits is not None:
+                self._complete(c, logits)
 
     def _complete(self, c: _Call, logits: np.ndarray) -> None:
+        """The call's result from its logits (the step ran: an error here is the call's own)."""
         if c.row is None:
             c.result = logits
-        else:  # the device sampler's algorithm on the host, continuing the row's generator
-            self._advance(c, c.row.sampler.sample(logits)[0])
+            return
+        sampler = c.row.sampler
+        try:  # the device sampler's algorithm on the host, continuing the row's generator
+            token = int(np.argmax(logits)) if sampler is None else sampler.sample(logits)[0]
+        except Exception as e:  # (bad logits: the CPU sampler's error, as on the device)
+            c.error = e
+        else:
+            self._advance(c, token)
 
     @staticmethod
     def _advance(c: _Call, token: int) -> None:
@@ -297,7 +314,7 @@ class Batcher:
         with self._lock:
             if rows != self._loop or self._loop_steps <= 0:
                 self._end_loop()
-                steps = min(r.steps_left for r in rows)
+                steps = min(min(r.steps_left, r.state.max_context - r.state.position) for r in rows)
                 try:
                     began = self._engine.begin_device_batch([r.state for r in rows], [r.pending for r in rows], steps,
                                                             [r.sampler for r in rows])
@@ -316,7 +333,7 @@ class Batcher:
                 self._loop, self._loop_steps = rows, steps
                 self.stats.device_loops += 1
             try:
-                tokens = self._engine.next_device_tokens()
+                tokens, errors = self._engine.next_device_tokens()
             except BaseException as e:
                 self._end_loop()
                 for c in batch:
@@ -325,8 +342,11 @@ class Batcher:
                     raise
                 return True
             self._loop_steps -= 1
-        for c, token in zip(batch, tokens, strict=True):
-            self._advance(c, token)
+        for c, token, error in zip(batch, tokens, errors, strict=True):
+            if error is None:
+                self._advance(c, token)
+            else:  # this row's logits were bad (the others' tokens are good): its call fails
+                c.error = LilyError(error)
         self.stats.device_steps += 1
         self.stats.max_device_sequences = max(self.stats.max_device_sequences, len(batch))
         return True
@@ -335,25 +355,38 @@ class Batcher:
         """Ends the engine's device loop, if one runs (engine lock held): the step in flight is
         undone, so each row's state holds every token it returned but the pending one."""
         if self._loop:
-            self._loop, self._loop_steps = [], 0
+            rows, self._loop, self._loop_steps = self._loop, [], 0
             self._engine.end_device_batch()
+            del rows  # (held to here: the engine's loop points at their states and samplers)
 
     def _close_row(self, row: DeviceRow) -> None:
-        """Takes ``row`` out: once no pass runs, the loop that holds it ends."""
+        """Takes ``row`` out: once no pass runs, the loop that holds it ends. Closed from where
+        that cannot wait (a finalizer inside a pass, or in a thread holding the engine lock),
+        the loop ends at the next pass or state operation instead (``settle``)."""
         with self._cv:
             if row.closed:
                 return
             row.closed = True
-            me = threading.get_ident()
-            self._last_threads.discard(me)  # a gathering leader need not wait for it
+            self._last_threads.discard(row.thread)  # a gathering leader need not wait for it
             self._cv.notify_all()
-            if self._leader == me:  # closed from within a pass (a finalizer): the next pass ends the loop
+            if self._leader == threading.get_ident():
                 return
-            while self._leading:
+            while self._leading and row in self._loop:
                 self._cv.wait()
-            if row in self._loop:
-                with self._lock:
+            if row in self._loop and self._lock.acquire(timeout=1.0):  # (times out in a holder's finalizer)
+                try:
                     self._end_loop()
+                finally:
+                    self._lock.release()
+
+    def settle(self, state) -> bool:
+        """Before an operation on ``state`` (snapshot, restore, clone, export; engine lock held):
+        ends the device loop if it holds a closed row, so no state's position and recurrent copy
+        are those of a step in flight that a closed row will not read. Returns whether ``state``
+        is still in the loop (a generation running on it)."""
+        if any(r.closed for r in self._loop):
+            self._end_loop()
+        return any(r.state is state for r in self._loop)
 
     def _solo(self, c: _Call) -> np.ndarray:
         if len(c.tokens) == 1 and not c.all_logits:

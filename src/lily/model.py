@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -179,6 +180,16 @@ class Session:
         self._sync()
         return list(self._tokens)
 
+    @contextlib.contextmanager
+    def _engine_lock(self) -> Iterator[None]:
+        """The model's engine lock for an operation on this session's state, with the device
+        loop ended first if it still holds a closed row (lily.batching.Batcher.settle)."""
+        with self._model._lock:
+            if self._model._batcher.settle(self._state):
+                raise RequestError("[session] a generation is running on this session: its state moves on the "
+                                   "device between steps (close the stream first)")
+            yield
+
     def _sync(self) -> None:
         """Drops recorded tokens the state never processed (an interrupted or failed step)."""
         del self._tokens[self.position :]
@@ -189,7 +200,7 @@ class Session:
         twin = object.__new__(Session)
         twin._model = self._model
         self._sync()
-        with self._model._lock:
+        with self._engine_lock():
             twin._state = self._state.clone()
         twin._tokens = list(self._tokens)
         twin.max_snapshots = self.max_snapshots
@@ -202,7 +213,7 @@ class Session:
         snapshot is dropped beyond ``max_snapshots``."""
         if self.snapshots and self.snapshots[-1].position == self.position:
             return
-        with self._model._lock:
+        with self._engine_lock():
             self.snapshots.append(self._state.snapshot())
         if len(self.snapshots) > self.max_snapshots:
             self.snapshots.pop(0)
@@ -223,7 +234,7 @@ class Session:
             self.snapshots.pop()
         if self.snapshots:
             snap = self.snapshots[-1]
-            with self._model._lock:
+            with self._engine_lock():
                 self._state.restore(snap)
             del self._tokens[snap.position :]
             return snap.position
@@ -253,7 +264,7 @@ class Session:
         server's disk tier) each snapshot's recurrent state."""
         self._sync()
         state = self._state
-        with self._model._lock:
+        with self._engine_lock():
             tensors = state.export_tensors()
             snaps = {}
             for snap in self.snapshots if snapshots else ():

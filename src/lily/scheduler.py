@@ -158,7 +158,8 @@ class Scheduler:
         self._lock = threading.Condition()  # guards _running, the stats' counters and the KV reservations
         self._running: set[Job] = set()
         # Per-sequence memory: its recurrent state (fixed) plus the KV cache of its context.
-        self._recurrent_bytes = int(model._engine.new_state(1).nbytes)
+        with model._lock:  # (a GPU backend's new_state waits for the device: not inside another pass)
+            self._recurrent_bytes = int(model._engine.new_state(1).nbytes)
         self.kv_budget_bytes = kv_budget_bytes if kv_budget_bytes is not None else default_kv_budget()
         self.kv_reserved = 0
         self._threads = [threading.Thread(target=self._run, name=f"lily-engine-{i}", daemon=True)
