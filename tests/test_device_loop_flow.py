@@ -134,3 +134,34 @@ def test_server_jobs_take_the_device_loop_and_hit_the_prefix_cache(models, devic
     finally:
         sched.shutdown()
     assert [on for is_gpu, on in device_loops if is_gpu] == [True] * 5  # 3 jobs + 2 choices
+
+
+def test_server_snapshots_during_the_device_loop_are_the_host_loops(models, device_loops):
+    """The server keeps snapshots after 16, 32, 64, ... generated tokens for its prefix cache
+    (lily.request: ``snapshot_decoded``). The device loop pauses for them, so a job on msl-cpu
+    leaves the cached sequence with snapshots at the same positions as the CPU backend's host
+    loop, the same tokens, and a follow-up that shares only the prompt and the answer's first 20
+    tokens reuses the first 16 from the snapshot on both."""
+    from lily.generation import sampling_params
+    from lily.scheduler import Scheduler
+
+    ids = models[0].tokenizer.encode("Write a long story about a fox and a crow.")
+    got = {}
+    for model in models:
+        sched = Scheduler(model, max_snapshots=8)
+        try:
+            params = sampling_params(model.generation_defaults.sampling_kwargs(), GREEDY, None)
+            result = _run_job(sched, np.asarray(ids, np.int32), params, 40)[0]
+            assert result.finish_reason == "length", "the answer must run past 32 tokens"
+            (held,) = sched.cache._entries
+            positions = [s.position for s in held.snapshots]
+            follow = ids + result.tokens[:20] + model.tokenizer.encode(" Meanwhile")
+            again = _run_job(sched, np.asarray(follow, np.int32), params, 4)[0]
+        finally:
+            sched.shutdown()
+        got[model._engine.backend] = (result.tokens, positions, again.cached_tokens, again.tokens)
+    gpu, cpu = got["msl-cpu"], got["cpu"]
+    assert {len(ids) + 16, len(ids) + 32} <= set(cpu[1]), cpu[1]
+    assert gpu == cpu
+    assert cpu[2] == len(ids) + 16
+    assert [on for is_gpu, on in device_loops if is_gpu] == [True, True]

@@ -106,6 +106,14 @@ class DeviceRow:
             raise RuntimeError("this device row has ended")
         return self._batcher._run_call(_Call(self.state, np.array([self.pending], np.int32), False, row=self))
 
+    def pause(self) -> bool:
+        """Ends the device loop if it holds this row (the row stays open: its next ``next()``
+        begins another), so the state holds every token the row returned but the pending one, as
+        after host decoding: a snapshot of it can be taken (the server's prefix cache). False if
+        the loop could not be ended (the engine lock stayed held by another thread for a second)."""
+        with self._batcher._cv:
+            return self._batcher._end_loop_of(self)
+
     def close(self) -> None:
         self._batcher._close_row(self)
 
@@ -371,13 +379,20 @@ class Batcher:
             self._cv.notify_all()
             if self._leader == threading.get_ident():
                 return
-            while self._leading and row in self._loop:
-                self._cv.wait()
-            if row in self._loop and self._lock.acquire(timeout=1.0):  # (times out in a holder's finalizer)
-                try:
+            self._end_loop_of(row)
+
+    def _end_loop_of(self, row: DeviceRow) -> bool:
+        """Ends the engine's device loop if it holds ``row``, once no pass runs (condition's
+        lock held); returns whether ``row`` is out of it."""
+        while self._leading and row in self._loop:
+            self._cv.wait()
+        if row in self._loop and self._lock.acquire(timeout=1.0):  # (times out in a holder's finalizer)
+            try:
+                if row in self._loop:
                     self._end_loop()
-                finally:
-                    self._lock.release()
+            finally:
+                self._lock.release()
+        return row not in self._loop
 
     def settle(self, state) -> bool:
         """Before an operation on ``state`` (snapshot, restore, clone, export; engine lock held):

@@ -16,8 +16,9 @@ and runs it with :class:`Generation`:
 - each choice is a :class:`lily.generation.GenerationStream`.
 
 The server's own needs are hooks into this flow, not a copy of it: ``step`` wraps every engine
-call (its cancel check), ``on_prefilled`` / ``on_decoded`` take snapshots for its prefix cache,
-``snapshot_prompt`` keeps one before each prompt's last token.
+call (its cancel check), ``on_prefilled`` takes a snapshot for its prefix cache after each
+prompt, ``snapshot_prompt`` keeps one before each prompt's last token and ``snapshot_decoded``
+one after 16, 32, 64, ... generated tokens.
 """
 
 from __future__ import annotations
@@ -106,20 +107,22 @@ class Generation:
 
     Hooks (the server's): ``step(fn, arg)`` runs each engine call ``fn(arg)`` (prefill chunks,
     decode steps, the device loop's start and steps); ``on_prefilled(seq)`` after each choice's
-    prefill; ``on_decoded(seq, decoded)`` after each host decode step, ``decoded`` tokens past
-    the prompt (the device loop's steps have no such point: the state is on the device
-    between them); ``on_close(seq)`` when the flow ends, before the slot is freed (the prefix cache
+    prefill; ``on_close(seq)`` when the flow ends, before the slot is freed (the prefix cache
     takes the sequence back before another generation can ask for it); ``snapshot_prompt``: a
-    snapshot before every prompt's last token (``choice_loops``).
+    snapshot before every prompt's last token (``choice_loops``); ``snapshot_decoded``: a
+    snapshot once 16, 32, 64, ... generated tokens are in the state (when the next turn's
+    template re-renders an answer to slightly different tokens, a cut-off last word say, the
+    follow-up still reuses most of it). The device loop pauses for those (its state moves on
+    the device between steps): the same snapshots as host decoding, at the cost of one loop
+    restart per doubling.
     """
 
     def __init__(self, model: Model, request: GenerationRequest, sequence: Callable[[], tuple[Session, int]], *,
                  step: Callable[[Callable[[Any], Any], Any], Any] | None = None,
                  on_prefilled: Callable[[Session], None] | None = None,
-                 on_decoded: Callable[[Session, int], None] | None = None,
                  on_prefill_progress: Callable[[int, int], None] | None = None,
                  on_close: Callable[[Session], None] | None = None,
-                 snapshot_prompt: bool = False):
+                 snapshot_prompt: bool = False, snapshot_decoded: bool = False):
         self.model = model
         self._on_close = on_close
         self.request = request
@@ -128,27 +131,32 @@ class Generation:
         self._held = True
         try:
             self.seq, self.reused = sequence()
-            self._choices = self._loops(step, on_prefilled, on_decoded, on_prefill_progress, snapshot_prompt)
+            self._choices = self._loops(step, on_prefilled, on_prefill_progress, snapshot_prompt, snapshot_decoded)
         except BaseException:
             self.close()
             raise
 
-    def _loops(self, step, on_prefilled, on_decoded, on_prefill_progress, snapshot_prompt):
+    def _loops(self, step, on_prefilled, on_prefill_progress, snapshot_prompt, snapshot_decoded):
         model, req, seq = self.model, self.request, self.seq
         run = step or (lambda fn, arg: fn(arg))
         prompt_end = int(req.ids.size)
 
+        def snapshot_after(decoded: int) -> bool:  # generated tokens in the state
+            return snapshot_decoded and decoded >= 16 and decoded & (decoded - 1) == 0
+
         def decode(tok: int) -> np.ndarray:
             out = run(seq.decode, tok)
-            if on_decoded is not None:
-                on_decoded(seq, seq.position - prompt_end)
+            if snapshot_after(seq.position - prompt_end):
+                seq.take_snapshot()
             return out
 
         def device_loop(tok: int, max_steps: int, sampler) -> _SteppedLoop | None:
             # The session records the tokens the loop feeds it (Session.device_loop), so rewind,
             # the prefix cache and the next turn see them as after host decoding.
             loop = run(lambda _arg: seq.device_loop(tok, max_steps, sampler), None)
-            return None if loop is None else _SteppedLoop(loop, run)
+            if loop is None:
+                return None
+            return _SteppedLoop(loop, run, seq, seq.position - prompt_end, snapshot_after)
 
         # GPU backends choose each token on the device and feed it to the next step there, unless
         # the request needs the logits on the host (penalties, logprobs, logit_bias, structured
@@ -211,13 +219,23 @@ class Generation:
 
 
 class _SteppedLoop:
-    """A :class:`lily.batching.DeviceRow` whose steps go through the flow's ``step`` hook."""
+    """A :class:`lily.batching.DeviceRow` whose steps go through the flow's ``step`` hook, and
+    which pauses for the flow's snapshots: ``snapshot_after(decoded)`` says whether the state
+    is wanted once ``decoded`` generated tokens are in it (``decoded``: that count when the row
+    starts; each step feeds one more)."""
 
-    def __init__(self, loop: DeviceRow, run: Callable[[Callable[[Any], Any], Any], Any]):
-        self._loop, self._run = loop, run
+    def __init__(self, loop: DeviceRow, run: Callable[[Callable[[Any], Any], Any], Any], seq: Session,
+                 decoded: int, snapshot_after: Callable[[int], bool]):
+        self._loop, self._run, self._seq = loop, run, seq
+        self._decoded, self._snapshot_after = decoded, snapshot_after
 
     def next(self) -> int:
-        return self._run(lambda _arg: self._loop.next(), None)
+        tok = self._run(lambda _arg: self._loop.next(), None)
+        self._decoded += 1  # the step fed the pending token
+        # Paused, the state holds every token returned before ``tok``: ``decoded`` of them.
+        if self._snapshot_after(self._decoded) and self._loop.pause():
+            self._seq.take_snapshot()
+        return tok
 
     def close(self) -> None:
         self._loop.close()

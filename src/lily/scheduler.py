@@ -270,19 +270,12 @@ class Scheduler:
                 steps_after_cancel += 1
             return out
 
-        def on_decoded(seq, decoded: int) -> None:
-            # Snapshots after 16, 32, 64, ... decoded tokens too: when the next turn's
-            # template re-renders this answer to slightly different tokens (a cut-off
-            # last word, say), the follow-up still reuses most of the answer.
-            if decoded >= 16 and decoded & (decoded - 1) == 0:
-                seq.take_snapshot()
-
         last = None  # the last choice's result, sent once the flow has closed
         evicted: list = []  # what the prefix cache evicted for this sequence, written after the answer
         try:
             with Generation(self.model, job, sequence, step=step, on_prefilled=lambda seq: seq.take_snapshot(),
-                            on_decoded=on_decoded, on_close=lambda seq: evicted.extend(self.cache.keep(seq)),
-                            snapshot_prompt=True) as run:
+                            on_close=lambda seq: evicted.extend(self.cache.keep(seq)),
+                            snapshot_prompt=True, snapshot_decoded=True) as run:
                 first = True
                 for choice, stream in enumerate(run.streams()):
                     try:
