@@ -82,8 +82,31 @@ def test_fullsize_backend_options_dry_run(store, tmp_path):
 
 
 def test_llamacpp_scripts_parse():
-    for script in (LLAMACPP, ROOT / "scripts" / "h200" / "prepare_llamacpp.sh", ROOT / "scripts" / "h200" / "phase_e.sh"):
-        subprocess.run(["bash", "-n", str(script)], check=True)
+    for name in ("prepare_llamacpp.sh", "phase_e.sh", "phase_j.sh", "phase_cpu.sh"):
+        subprocess.run(["bash", "-n", str(ROOT / "scripts" / "h200" / name)], check=True)
+    subprocess.run(["bash", "-n", str(LLAMACPP)], check=True)
+
+
+def test_phase_collect_brings_back_the_results_not_the_models(tmp_path):
+    """`phase_j.sh collect` (scripts/h200/phase_cpu.sh): the progress log, the roofline and lily
+    tables and a tarball of the work folder come back; the model files stay behind (a call
+    brings back 8 files of 16 MiB at most)."""
+    import tarfile
+
+    work, out = tmp_path / "phase_j", tmp_path / "out"
+    (work / "sbs" / "lily_auto").mkdir(parents=True)
+    for rel, text in {"progress": "done\n", "roofline_520.txt": "roofline\n", "sbs/total.txt": "total_s=1\n",
+                      "sbs/lily_auto/results.md": "| 512 |\n", "sbs/model.safetensors": "w",
+                      "sbs/model.gguf": "w"}.items():
+        (work / rel).write_text(text)
+    subprocess.run(["bash", str(ROOT / "scripts" / "h200" / "phase_j.sh"), "collect"], check=True, cwd=ROOT,
+                   env={**os.environ, "W": str(work), "OUT": str(out)}, capture_output=True)
+    assert sorted(p.name for p in out.iterdir()) == ["phase_j.tar.gz", "progress", "results.md", "roofline_520.txt",
+                                                    "total.txt"]
+    with tarfile.open(out / "phase_j.tar.gz") as tf:
+        names = tf.getnames()
+    assert "./sbs/lily_auto/results.md" in names
+    assert not any(n.endswith((".safetensors", ".gguf")) for n in names)
 
 
 def test_run_llamacpp_server_dry_run(tmp_path):

@@ -19,24 +19,17 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
-W=/tmp/phase_e
+W=${W:-/tmp/phase_e}
 CLIENTS=${CLIENTS:-1,2,4,8}
+source scripts/h200/phase_cpu.sh
 if [ "${1:-}" = collect ]; then
-  OUT=${OUT:-$root/.carry/out}
-  mkdir -p "$OUT"
-  cp "$W"/serve_full.* "$W"/progress "$OUT/" 2>/dev/null
-  tar -czf "$OUT/phase_e.tar.gz" -C "$W" --exclude='*.gguf' --exclude='*.safetensors' .
-  ls -l "$OUT"
+  phase_collect "$W"/serve_full.*
   exit 0
 fi
-mkdir -p "$W"
-say() { echo "$(date +%T) $*" >> "$W/progress"; }
-say "start"
-{ lscpu | grep -E "Model name|^CPU\(s\)|Thread|NUMA node\(s\)"; free -g | head -2; } > "$W/env.txt" 2>&1
+phase_start
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_srv \
   .carry/whl_srv/*.whl > "$W/pip.log" 2>&1 || { say "pip failed: $(tail -2 "$W/pip.log")"; exit 1; }
 export PYTHONPATH="$root/src:/tmp/site_srv" PYTHONUNBUFFERED=1
-export LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6)${LD_PRELOAD:+:$LD_PRELOAD}  # kernel_tests.sh says why
 
 # 1. Both servers' builds at once, then both model files (the writers are I/O-bound).
 bench=/tmp/bench/full

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Phase J (issue 18): the CPU default mode at the full Qwen3.6-35B-A3B shape on the H200 host's 16
+# cores (no GPU), side by side with llama.cpp Q4_0 at 512 and 4K (benchmarks/fullsize/
+# side_by_side.sh: lily's default cpu_matmul, then llama-batched-bench on a GGUF of the same
+# shapes), then the decode roofline of the same host in the same session:
+# benchmarks/roofline.py on lily's checkpoint (membw at 1 and 16 threads, best of 10 passes over
+# 2 GiB; the bytes one lily decode step reads, from the checkpoint's tensor sizes, at the mean
+# context of each decode run).
+# Prepared HERE first (the device has no network): scripts/h200/prepare_llamacpp.sh -> .carry/llama
+# Calls (a machine is given back 30 s after a call ends, so they follow each other at once):
+#   run(command="setsid bash scripts/h200/phase_j.sh > /tmp/phase_j.out 2>&1 < /dev/null & sleep 540; cat /tmp/phase_j/progress",
+#       carry=[".carry/llama"])
+#   run(command="sleep 300; cat /tmp/phase_j/progress")      # until "done"
+#   run(command="bash scripts/h200/phase_j.sh collect")      # results into $OUT
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
+W=${W:-/tmp/phase_j}
+CKPT=/tmp/qwen36-35b-a3b-random  # side_by_side.sh's (benchmarks/fullsize/run.sh) default
+source scripts/h200/phase_cpu.sh
+if [ "${1:-}" = collect ]; then
+  phase_collect "$W"/roofline_*.txt "$W"/sbs/lily_auto/results.md "$W"/sbs/total.txt
+  exit 0
+fi
+phase_start
+OUT=$W/sbs THREADS=16 BUDGET_S=900 CONTEXTS=512,4096 bash benchmarks/fullsize/side_by_side.sh > "$W/sbs.log" 2>&1
+say "side_by_side rc=$? ($(tail -1 "$W/sbs/total.txt" 2>/dev/null))"
+# The roofline after both engines ran (nothing else on the cores): 512 + 8 and 4096 + 8 are the
+# mean contexts of side_by_side's 16-step decode runs.
+for ctx in 520 4104; do
+  python3 benchmarks/roofline.py "$CKPT" --threads 16 --context $ctx > "$W/roofline_$ctx.txt" 2>&1
+  say "roofline at $ctx: rc=$? $(tail -1 "$W/roofline_$ctx.txt")"
+done
+say "done"
