@@ -12,6 +12,10 @@
 #       carry=[".carry/llama"])
 #   run(command="sleep 300; cat /tmp/phase_j/progress")      # until "done"
 #   run(command="bash scripts/h200/phase_j.sh collect")      # results into $OUT
+# `threads` (a later call, ~6 minutes on a fresh machine, nothing carried): lily's decode at 16,
+# 8, 4 and again 16 threads on the same shape (benchmarks/fullsize/bench.py at 512, 64 steps),
+# the threads' scaling, with the roofline once more, into $OUT:
+#   run(command="bash scripts/h200/phase_j.sh threads")
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -20,6 +24,22 @@ CKPT=/tmp/qwen36-35b-a3b-random  # side_by_side.sh's (benchmarks/fullsize/run.sh
 source scripts/h200/phase_cpu.sh
 if [ "${1:-}" = collect ]; then
   phase_collect "$W"/roofline_*.txt "$W"/sbs/lily_auto/results.md "$W"/sbs/total.txt
+  exit 0
+fi
+if [ "${1:-}" = threads ]; then
+  W=$W/threads phase_start
+  OUT=${OUT:-$root/.carry/out}
+  mkdir -p "$OUT"
+  bash scripts/dev_build.sh > "$OUT/build.log" 2>&1 &
+  python3 scripts/make_fullsize.py "$CKPT" --workers 16 > "$OUT/make_fullsize.log" 2>&1
+  wait $! || { tail -30 "$OUT/build.log"; exit 1; }
+  for t in 16 8 4 16; do
+    PYTHONPATH="$root/src" python3 benchmarks/fullsize/bench.py "$CKPT" --threads $t --contexts 512 --decode 64 \
+      --out "$W/threads/t$t" > /dev/null 2>&1
+    echo "threads $t: $(grep -E '^\| 512 \|' "$W/threads/t$t/results.md" | tail -1)" | tee -a "$OUT/threads.txt"
+  done
+  python3 benchmarks/roofline.py "$CKPT" --threads 16 --context 544 >> "$OUT/threads.txt" 2>&1
+  cat "$OUT/threads.txt"
   exit 0
 fi
 phase_start
