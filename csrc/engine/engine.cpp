@@ -121,11 +121,11 @@ void Engine::decode(State& st, int32_t token, float* logits) {
   st.position_ += 1;
 }
 
-void Engine::check_step(const std::vector<StepRows>& seqs) const {
+void Engine::check_step(const std::vector<StepRows>& seqs, int ahead) const {
   check_no_device_loop();
   if (seqs.empty()) throw RequestError("[engine] a batched step needs at least one sequence");
   bool decode_only = true;
-  uint64_t grow = 0;  // KV bytes the step adds beyond what the states hold, all together
+  uint64_t grow = 0;  // KV bytes the step (and `ahead` more rows each) add beyond what the states hold
   for (size_t i = 0; i < seqs.size(); ++i) {
     const StepRows& q = seqs[i];
     const std::string which = "sequence " + std::to_string(i) + " of the batch";
@@ -142,7 +142,7 @@ void Engine::check_step(const std::vector<StepRows>& seqs) const {
       throw RequestError(std::string(e.what()) + " (" + which + ")");
     }
     decode_only = decode_only && q.n == 1;
-    const uint64_t need = kv_bytes(int64_t(q.state->position()) + q.n), held = q.state->nbytes();
+    const uint64_t need = kv_bytes(int64_t(q.state->position()) + q.n + ahead), held = q.state->nbytes();
     if (need > held) grow = saturating_add(grow, need - held);
   }
   if (grow > available_memory())
@@ -320,16 +320,8 @@ bool Engine::begin_device_decode(const std::vector<DeviceRow>& rows, int max_ste
       throw RequestError("[engine] a device decode loop of several sequences starts from one token each");
     step_rows.push_back({r.state, r.first, r.n});
   }
-  check_step(step_rows);  // states, tokens, memory and files, as a step's
-  uint64_t grow = 0;      // and the KV caches the loop's steps grow to, all together
-  for (const DeviceRow& r : rows) {
-    const uint64_t need = kv_bytes(int64_t(r.state->position()) + r.n - 1 + max_steps), held = r.state->nbytes();
-    if (need > held) grow = saturating_add(grow, need - held);
-  }
-  if (grow > available_memory())
-    throw RequestError("[engine] the device decode loop grows its KV caches by " + std::to_string(grow >> 20) +
-                       " MiB, more than the " + std::to_string(available_memory() >> 20) +
-                       " MiB of memory available; use fewer steps or sequences");
+  // States, tokens and files as a step's; memory for the KV caches all the loop's steps grow to.
+  check_step(step_rows, max_steps - 1);
   for (size_t i = 0; i < rows.size(); ++i) {
     const State& st = *rows[i].state;
     if (int64_t(st.position()) + rows[i].n - 1 + max_steps > st.max_context())

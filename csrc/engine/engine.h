@@ -123,7 +123,9 @@ class Engine {
  private:
   void check_tokens(const State& st, const int32_t* tokens, int n) const;
   void check_no_device_loop() const;
-  void check_step(const std::vector<StepRows>& seqs) const;
+  // A batched step's checks; `ahead`: positions each sequence takes after the step (a device
+  // loop's further steps), counted in the memory its KV caches grow by.
+  void check_step(const std::vector<StepRows>& seqs, int ahead = 0) const;
 
   void device_step();
   // forward_pass; if it throws, the backend abandons the pass (none of it runs, every state is

@@ -320,34 +320,28 @@ class Batcher:
             batch = sorted(batch, key=lambda c: self._loop.index(c.row))
         rows = [c.row for c in batch]
         with self._lock:
-            if rows != self._loop or self._loop_steps <= 0:
-                self._end_loop()
-                steps = min(min(r.steps_left, r.state.max_context - r.state.position) for r in rows)
-                try:
-                    began = self._engine.begin_device_batch([r.state for r in rows], [r.pending for r in rows], steps,
-                                                            [r.sampler for r in rows])
-                except RequestError:
-                    return False  # refused before any compute: the host pass says by whom
-                except BaseException as e:  # a failed first step (or Ctrl-C as begin returned)
-                    if self._engine.device_loop_running:
-                        self._engine.end_device_batch()
-                    if not isinstance(e, Exception):
-                        raise
-                    for c in batch:
-                        c.error = e
-                    return True
-                if not began:
-                    return False
-                self._loop, self._loop_steps = rows, steps
-                self.stats.device_loops += 1
             try:
+                if rows != self._loop or self._loop_steps <= 0:
+                    self._end_loop()
+                    steps = min(min(r.steps_left, r.state.max_context - r.state.position) for r in rows)
+                    try:
+                        began = self._engine.begin_device_batch([r.state for r in rows], [r.pending for r in rows],
+                                                                steps, [r.sampler for r in rows])
+                    except RequestError:
+                        return False  # refused before any compute: the host pass says by whom
+                    if not began:
+                        return False
+                    self._loop, self._loop_steps = rows, steps
+                    self.stats.device_loops += 1
                 tokens, errors = self._engine.next_device_tokens()
-            except BaseException as e:
+            except BaseException as e:  # a failed step (or Ctrl-C): the loop ends, every call fails
                 self._end_loop()
-                for c in batch:
-                    c.error = e
+                if self._engine.device_loop_running:  # begun, then Ctrl-C before its rows were recorded
+                    self._engine.end_device_batch()
                 if not isinstance(e, Exception):
                     raise
+                for c in batch:
+                    c.error = e
                 return True
             self._loop_steps -= 1
         for c, token, error in zip(batch, tokens, errors, strict=True):
