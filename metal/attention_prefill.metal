@@ -4,20 +4,34 @@
 //
 //   attn_prefill_<KV>_d<D>  one threadgroup per (KV head, tile of query tokens). Its query rows are the
 //                 tile's tokens x the Hq/Hkv query heads that share the KV head (GQA), up to
-//                 LILY_ATTN_PF_ROWS rows, so every K/V row fetched from the cache serves all of
-//                 them: the cache is read ceil(T / tile_tokens) times per KV head instead of T
-//                 times (the decode kernel's grid). K and V tiles of LILY_ATTN_PF_KV_TILE
-//                 positions are staged in threadgroup memory by all threads, then each
-//                 simdgroup scores its rows against the tile (a lane holds D/32 elements,
-//                 strided by 32, one simd_sum per score) and updates each row's online softmax
-//                 position by position: running max, rescale of the accumulator, sum. Positions past a
-//                 row's causal end are skipped; the tile loop stops at the tile's last token.
-//                 The sigmoid output gate is applied on the way out.
-//                        grid (Hkv, ceil(T / tile_tokens)), 32 * LILY_ATTN_PF_SIMDGROUPS threads
+//                 LILY_ATTN_PF_ROWS = 64 rows (35B: 8 tokens x 8 heads), so every K/V row fetched
+//                 from the cache serves all of them: the cache is read ceil(T / tile_tokens)
+//                 times per KV head instead of T times (the decode kernel's grid). K and V tiles
+//                 of LILY_ATTN_PF_KV_TILE positions are staged in threadgroup memory by all
+//                 threads, K transposed ([D][KT]) so no simdgroup_load transposes. Each
+//                 simdgroup owns 8 consecutive rows and works on 8x8 simdgroup matrices:
+//                   S[8 x KT]  = Q[8 x D] K^T[D x KT]                (D/8 products)
+//                   online softmax of S's rows (lanes 0..7, one row each, in threadgroup memory)
+//                   O[8 x D]   = diag(corr) O + P[8 x KT] V[KT x D]  (2 D/8 products)
+//                 The row rescale goes through a diagonal matrix rather than thread_elements(),
+//                 whose per-lane layout the specification leaves open. Positions past a row's
+//                 causal end get probability 0; the tile loop stops at the tile's last token, a
+//                 simdgroup skips tiles past its last row. The sigmoid output gate is applied
+//                 on the way out.
+//                        grid (Hkv, ceil(T / tile_tokens)), LILY_ATTN_PF_THREADS (256) threads
 //
-// Scores, maxima, sums and accumulators are f32; KV is the cache's element type (float or half).
-// Registers per lane: rows_per_simdgroup (8) x D/32 accumulator floats, plus one row's query;
-// D is a template parameter (LILY_ATTN_HEAD_DIMS), so they are registers, not stack memory.
+// Registers per lane: O is 8 rows x D f32 per simdgroup, D/8 matrices = D/4 floats (64 at
+// D = 256), plus the products' operands. Why not more rows per threadgroup (the KV bytes a
+// chunk declares fall with the tile): 16 simdgroups (512 threads, 16-token tiles) took 128
+// registers a thread compiled for sm_90 and spilled, i.e. twice the register file per
+// threadgroup for the same per-thread need; 32-token tiles would hold 256 KB of accumulators.
+// Concurrent tiles of one KV head share its positions through the GPU's caches (measured on an
+// H200: DRAM sees about one read of the cache per dispatch; docs/metal.md).
+// Q is gathered from device memory per K/V tile through a per-simdgroup 8x8 block (a
+// simdgroup's 8 rows are not evenly strided when the GQA group is not a multiple of 8).
+// Scores, maxima, sums and accumulators are f32; KV is the cache's element type (float or half),
+// widened to f32 as it is staged. D is a template parameter (LILY_ATTN_HEAD_DIMS), so the D/8
+// accumulator matrices are registers, not stack memory.
 #include <metal_stdlib>
 #include "lily_msl.h"
 #include "attention_prefill_args.h"
@@ -25,79 +39,123 @@
 #include "reduce.h"
 using namespace metal;
 
+// Threadgroup memory of one attn_prefill threadgroup (declared by the kernel, passed down).
+struct AttnPrefillTiles {
+  threadgroup float* k_t;      // [D][KT]  K tile, transposed
+  threadgroup float* v;        // [KT][D]  V tile
+  threadgroup float* scratch;  // [NSG][2][8][8]  per simdgroup: Q block, then S / P; diag(corr)
+};
+
 template <typename KV, int D, typename Cache>
 inline void attn_prefill_impl(device const float* qg, Cache kc, Cache vc, device float* o,
-                              constant AttnPrefillArgs& args, threadgroup float* ktile,
-                              threadgroup float* vtile, uint2 tg, uint tid, uint threads, uint simd_id,
-                              uint lane) {
-  constexpr int NSG = LILY_ATTN_PF_SIMDGROUPS, KT = LILY_ATTN_PF_KV_TILE, PER_LANE = D / 32;
-  constexpr int ROWS = (LILY_ATTN_PF_ROWS + NSG - 1) / NSG;  // rows per simdgroup
+                              constant AttnPrefillArgs& args, AttnPrefillTiles tiles, uint2 tg, uint tid,
+                              uint threads, uint simd_id, uint lane) {
+  constexpr int KT = LILY_ATTN_PF_KV_TILE, NB = D / 8;  // NB: 8-column blocks along D
+  static_assert(KT == 8, "S and P are one 8x8 matrix per simdgroup");
   const uint group = args.Hq / args.Hkv;
   const uint hk = tg.x, t0 = tg.y * args.tile_tokens;
   const uint t_end = min(args.T, t0 + args.tile_tokens);  // tokens [t0, t_end)
   const uint n_rows = (t_end - t0) * group;
-
   // Row r of the tile = (token t0 + r / group, query head hk * group + r % group); this
-  // simdgroup owns rows simd_id, simd_id + NSG, ...
-  // Only the accumulators live in registers; a row's query is re-read (from cache) once per
-  // K/V tile, which is what lets a threadgroup hold 64 rows.
-  float acc[ROWS][PER_LANE];
-  float m[ROWS], l[ROWS];
-  uint len[ROWS];  // causal length of the row: positions [0, len)
-  LILY_UNROLL for (int i = 0; i < ROWS; ++i) {
-    const uint r = simd_id + NSG * uint(i);
-    len[i] = r < n_rows ? args.pos0 + t0 + r / group + 1 : 0;
-    LILY_UNROLL for (int e = 0; e < PER_LANE; ++e) acc[i][e] = 0.0f;
-    m[i] = -INFINITY;
-    l[i] = 0.0f;
-  }
+  // simdgroup owns rows [r0, r0 + 8).
+  const uint r0 = simd_id * 8;
+  threadgroup float* blk = tiles.scratch + simd_id * 128;  // [8][8] Q block, then S / P
+  threadgroup float* diag = blk + 64;                       // [8][8] diag(corr)
+  for (uint e = lane; e < 64; e += 32) diag[e] = 0.0f;
+
+  // Lanes 0..7 carry the softmax state of row r0 + lane: running max m, sum l, causal length.
+  const uint my_row = r0 + lane;
+  const uint len = lane < 8 && my_row < n_rows ? args.pos0 + t0 + my_row / group + 1 : 0;
+  float m = -INFINITY, l = 0.0f;
+  // The simdgroup's last position: its last row's causal end (0 if it has no rows).
+  const uint sg_end = r0 < n_rows ? args.pos0 + t0 + (min(r0 + 8, n_rows) - 1) / group + 1 : 0;
+  // This lane's two elements of a Q block: row e / 8, column e % 8 for e = 2 lane, 2 lane + 1.
+  const uint q_row = r0 + lane / 4;
+  device const float* q = q_row < n_rows
+      ? qg + (ulong(t0 + q_row / group) * args.Hq + hk * group + q_row % group) * 2 * D + 2 * (lane % 4)
+      : nullptr;
+
+  simdgroup_float8x8 acc[NB];
+  LILY_UNROLL for (int j = 0; j < NB; ++j) acc[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 
   const uint end = args.pos0 + t_end;  // the tile's last token sees positions [0, end)
   for (uint p0 = 0; p0 < end; p0 += KT) {
     const uint n = min(uint(KT), end - p0);
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous tile is fully read
-    for (uint e = tid; e < n * D; e += threads) {
-      ktile[e] = float(kc.row(hk, p0 + e / D)[e % D]);
-      vtile[e] = float(vc.row(hk, p0 + e / D)[e % D]);
+    for (uint e = tid; e < KT * D; e += threads) {  // zeros past n: P is 0 there, 0 x V stays 0
+      const uint c = e / D, d = e % D;
+      tiles.k_t[d * KT + c] = c < n ? float(kc.row(hk, p0 + c)[d]) : 0.0f;
+      tiles.v[e] = c < n ? float(vc.row(hk, p0 + c)[d]) : 0.0f;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    LILY_UNROLL for (int i = 0; i < ROWS; ++i) {
-      if (len[i] > p0) {  // uniform across the simdgroup (a row is one simdgroup's)
-        const uint r = simd_id + NSG * uint(i);
-        device const float* qh = qg + (ulong(t0 + r / group) * args.Hq + hk * group + r % group) * 2 * D;
-        float q[PER_LANE];
-        LILY_UNROLL for (int e = 0; e < PER_LANE; ++e) q[e] = qh[lane + 32 * e];
-        const uint valid = min(n, len[i] - p0);
-        // Online softmax over the tile's positions in order: running max, rescale, sum.
-        for (uint c = 0; c < valid; ++c) {
-          float d = 0.0f;
-          LILY_UNROLL for (int e = 0; e < PER_LANE; ++e) d += q[e] * ktile[c * D + lane + 32 * e];
-          const float s = simd_sum(d) * args.scale;
-          const float mn = max(m[i], s);
-          const float corr = exp(m[i] - mn), w = exp(s - mn);  // corr = 0 at the first (m = -inf)
-          l[i] = l[i] * corr + w;
-          LILY_UNROLL for (int e = 0; e < PER_LANE; ++e) acc[i][e] = acc[i][e] * corr + w * vtile[c * D + lane + 32 * e];
-          m[i] = mn;
-        }
-      }
+    if (p0 >= sg_end) continue;  // uniform across the simdgroup
+
+    // S = Q K^T over the D/8 blocks of D.
+    simdgroup_float8x8 s = make_filled_simdgroup_matrix<float, 8, 8>(0.0f), a, b;
+    for (int j = 0; j < NB; ++j) {
+      blk[2 * lane] = q ? q[8 * j] : 0.0f;
+      blk[2 * lane + 1] = q ? q[8 * j + 1] : 0.0f;
+      simdgroup_barrier(mem_flags::mem_threadgroup);
+      simdgroup_load(a, blk, 8);
+      simdgroup_load(b, tiles.k_t + 8 * j * KT, KT);
+      simdgroup_multiply_accumulate(s, a, b, s);
+      simdgroup_barrier(mem_flags::mem_threadgroup);  // blk is rewritten next
     }
+    simdgroup_store(s, blk, 8);
+    simdgroup_barrier(mem_flags::mem_threadgroup);
+
+    // Online softmax, one row per lane: new max, the old sum's rescale, P in place of S.
+    if (lane < 8) {
+      threadgroup float* row = blk + 8 * lane;
+      float mx = m;
+      for (uint c = 0; c < uint(KT); ++c)
+        if (p0 + c < len) mx = max(mx, row[c] * args.scale);
+      // A row with no visible position yet (padding rows only) keeps m = -inf: P 0, corr 1.
+      const float corr = mx == -INFINITY ? 1.0f : exp(m - mx);  // 0 at a row's first position
+      float sum = 0.0f;
+      for (uint c = 0; c < uint(KT); ++c) {
+        const float p = p0 + c < len ? exp(row[c] * args.scale - mx) : 0.0f;
+        row[c] = p;
+        sum += p;
+      }
+      l = l * corr + sum;
+      m = mx;
+      diag[9 * lane] = corr;
+    }
+    simdgroup_barrier(mem_flags::mem_threadgroup);
+
+    // O = diag(corr) O + P V, block by block of D.
+    simdgroup_float8x8 p, dg;
+    simdgroup_load(p, blk, 8);
+    simdgroup_load(dg, diag, 8);
+    LILY_UNROLL for (int j = 0; j < NB; ++j) {
+      simdgroup_multiply(acc[j], dg, acc[j]);
+      simdgroup_load(b, tiles.v + 8 * j, D);
+      simdgroup_multiply_accumulate(acc[j], p, b, acc[j]);
+    }
+    simdgroup_barrier(mem_flags::mem_threadgroup);  // blk and diag are rewritten next tile
   }
 
-  LILY_UNROLL for (int i = 0; i < ROWS; ++i) {
-    const uint r = simd_id + NSG * uint(i);
-    if (r < n_rows) {
-      const uint t = t0 + r / group, hq = hk * group + r % group;
-      const ulong head_row = ulong(t) * args.Hq + hq;
+  // O / l, times the output gate, row by row through the scratch block: this lane writes
+  // elements 2 lane and 2 lane + 1 of each 8x8 block (row lane / 4, whose l lane lane / 4 holds).
+  const float l_row = simd_shuffle(l, ushort(lane / 4));
+  LILY_UNROLL for (int j = 0; j < NB; ++j) {
+    simdgroup_store(acc[j], blk, 8);
+    simdgroup_barrier(mem_flags::mem_threadgroup);
+    if (q) {
+      const ulong head_row = ulong(t0 + q_row / group) * args.Hq + hk * group + q_row % group;
       device const float* gate = qg + head_row * 2 * D + D;
-      LILY_UNROLL for (int e = 0; e < PER_LANE; ++e) {
-        const uint d = lane + 32 * e;
-        o[head_row * D + d] = acc[i][e] / l[i] * sigmoid_f(gate[d]);
+      LILY_UNROLL for (int k = 0; k < 2; ++k) {
+        const uint d = 8 * j + 2 * (lane % 4) + k;
+        o[head_row * D + d] = blk[2 * lane + k] / l_row * sigmoid_f(gate[d]);
       }
     }
+    simdgroup_barrier(mem_flags::mem_threadgroup);
   }
 }
 
 template <typename KV, int D>
+[[max_total_threads_per_threadgroup(LILY_ATTN_PF_THREADS)]]
 kernel void attn_prefill(constant AttnPrefillArgs& args [[buffer(0)]],
                          device const float* qg [[buffer(1)]],     // [T, Hq, 2D]
                          device const KV* k_cache [[buffer(2)]],   // [Hkv, cap, D]
@@ -108,15 +166,17 @@ kernel void attn_prefill(constant AttnPrefillArgs& args [[buffer(0)]],
                          uint tid [[thread_index_in_threadgroup]],
                          uint simd_id [[simdgroup_index_in_threadgroup]],
                          uint lane [[thread_index_in_simdgroup]]) {
-  LILY_THREADGROUP(float, ktile, [LILY_ATTN_PF_KV_TILE * D]);
-  LILY_THREADGROUP(float, vtile, [LILY_ATTN_PF_KV_TILE * D]);
+  LILY_THREADGROUP(float, k_t, [LILY_ATTN_PF_KV_TILE * D]);
+  LILY_THREADGROUP(float, v_tile, [LILY_ATTN_PF_KV_TILE * D]);
+  LILY_THREADGROUP(float, scratch, [LILY_ATTN_PF_SIMDGROUPS * 2 * 64]);
   const ContiguousCache<const KV> kc{k_cache, args.cap, D}, vc{v_cache, args.cap, D};
-  attn_prefill_impl<KV, D>(qg, kc, vc, o, args, ktile, vtile, tg, tid, threads.x, simd_id, lane);
+  attn_prefill_impl<KV, D>(qg, kc, vc, o, args, {k_t, v_tile, scratch}, tg, tid, threads.x, simd_id, lane);
 }
 
 // The fixed-block layout (kv_cache.h; args.cap = block length): the block table and the K and V
 // arenas in place of k_cache, v_cache.
 template <typename KV, int D>
+[[max_total_threads_per_threadgroup(LILY_ATTN_PF_THREADS)]]
 kernel void attn_prefill_blocks(constant AttnPrefillArgs& args [[buffer(0)]],
                                 device const float* qg [[buffer(1)]],
                                 device const uint* table [[buffer(2)]],
@@ -132,11 +192,12 @@ kernel void attn_prefill_blocks(constant AttnPrefillArgs& args [[buffer(0)]],
                                 uint tid [[thread_index_in_threadgroup]],
                                 uint simd_id [[simdgroup_index_in_threadgroup]],
                                 uint lane [[thread_index_in_simdgroup]]) {
-  LILY_THREADGROUP(float, ktile, [LILY_ATTN_PF_KV_TILE * D]);
-  LILY_THREADGROUP(float, vtile, [LILY_ATTN_PF_KV_TILE * D]);
+  LILY_THREADGROUP(float, k_t, [LILY_ATTN_PF_KV_TILE * D]);
+  LILY_THREADGROUP(float, v_tile, [LILY_ATTN_PF_KV_TILE * D]);
+  LILY_THREADGROUP(float, scratch, [LILY_ATTN_PF_SIMDGROUPS * 2 * 64]);
   const BlockCache<const KV> kc{{k0, k1, k2, k3, k4, k5}, table, args.cap, args.Hkv, D};
   const BlockCache<const KV> vc{{v0, v1, v2, v3, v4, v5}, table, args.cap, args.Hkv, D};
-  attn_prefill_impl<KV, D>(qg, kc, vc, o, args, ktile, vtile, tg, tid, threads.x, simd_id, lane);
+  attn_prefill_impl<KV, D>(qg, kc, vc, o, args, {k_t, v_tile, scratch}, tg, tid, threads.x, simd_id, lane);
 }
 
 // attn_prefill[_blocks]_<KV>_d<D>

@@ -4,8 +4,9 @@
 #pragma once
 #include "attention_args.h"  // LILY_ATTN_HEAD_DIMS
 
-#define LILY_ATTN_PF_SIMDGROUPS 8   // simdgroups of an attn_prefill threadgroup
-#define LILY_ATTN_PF_ROWS 64        // query rows (token, head) per threadgroup
+#define LILY_ATTN_PF_SIMDGROUPS 8   // simdgroups of an attn_prefill threadgroup, 8 query rows each
+#define LILY_ATTN_PF_THREADS (32 * LILY_ATTN_PF_SIMDGROUPS)  // 256: the kernels declare it
+#define LILY_ATTN_PF_ROWS (8 * LILY_ATTN_PF_SIMDGROUPS)     // query rows (token, head) per threadgroup
 #define LILY_ATTN_PF_KV_TILE 8      // cache positions per K/V tile in threadgroup memory
 #define LILY_ATTN_PF_MAX_HEAD_DIM 256
 

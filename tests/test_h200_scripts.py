@@ -82,7 +82,7 @@ def test_fullsize_backend_options_dry_run(store, tmp_path):
 
 
 def test_llamacpp_scripts_parse():
-    for name in ("prepare_llamacpp.sh", "phase_e.sh", "phase_j.sh", "phase_cpu.sh"):
+    for name in ("prepare_llamacpp.sh", "phase_e.sh", "phase_j.sh", "phase_cpu.sh", "phase_k.sh"):
         subprocess.run(["bash", "-n", str(ROOT / "scripts" / "h200" / name)], check=True)
     subprocess.run(["bash", "-n", str(LLAMACPP)], check=True)
 
@@ -181,3 +181,32 @@ def test_demo_on_gpu_dry_run(tmp_path):
     assert demo_on_gpu.main(["--backend", "msl-cpu", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["copied_at_load"] > 0 and report["greedy_equal"]
+
+
+def test_prefill_kv_traffic_dry_run(store, tmp_path):
+    """scripts/h200/prefill_kv_traffic.py (phase I / K: one prefill chunk after a synthetic cached
+    context) on msl-cpu, the chunk spanning two attention query tiles: the attn_prefill
+    dispatches' declared KV bytes, and its saved logits against the CPU backend on the same
+    synthetic state and tokens (f16 KV on the GPU path, f32 on the CPU)."""
+    import numpy as np
+    import prefill_kv_traffic
+
+    import lily
+
+    path = store.mlx("qwen3_5_moe", 4, 64, "bfloat16")
+    context, chunk = 40, 300
+    logits = tmp_path / "logits.npy"
+    assert prefill_kv_traffic.main([str(path), "--backend", "msl-cpu", "--context", str(context), "--chunk",
+                                    str(chunk), "--logits", str(logits), "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "prefill_kv.json").read_text())
+    assert report["kv_dtype"] == "float16" and report["declared_state_bytes_per_dispatch"] > 0
+
+    cpu = lily.Model.load(path, backend="cpu", cpu_matmul="f32", max_context=context + chunk + 1)
+    st = cpu._engine.new_state(context + chunk + 1)
+    st.import_tensors(context, long_context.synthetic_state(st.export_tensors(), context, seed=1))
+    tokens = np.random.default_rng(2).integers(0, cpu.config.vocab_size, chunk).astype(np.int32)
+    want = cpu._engine.prefill(st, tokens, False)
+    got = np.load(logits)
+    assert got.shape == want.shape and np.isfinite(got).all()
+    assert np.abs(got - want).max() < 1e-2 * np.abs(want).max()
+    assert got.argmax() == want.argmax()

@@ -37,7 +37,7 @@ ATTN_CASES = [
     # (D, Hq, Hkv, pos0, T, KV cache type)
     (256, 16, 2, 0, 10, "float"),  # 35B, first chunk: tiles of 8 tokens, the second partial
     (256, 16, 2, 9, 5, "half"),    # 35B, a later chunk over cached positions, half cache
-    (64, 6, 2, 3, 25, "float"),    # odd: GQA 3 (tiles of 21 tokens), cache spans KV tiles
+    (64, 6, 2, 3, 50, "float"),    # odd: GQA 3 (tiles of 21 tokens, 1 padding row), cache spans KV tiles
     (96, 4, 4, 5, 1, "float"),     # T = 1, no GQA (tile of 64 tokens, one used)
 ]
 

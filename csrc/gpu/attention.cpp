@@ -132,7 +132,7 @@ void encode_attn_prefill(EncoderContext& ctx, const AttnPrefillArgs& args, const
   if (kv.blocks) d.state("table", kv.table, false, 0);
   bind_cache(d, kv, false, positions * Hkv * row);
   d.write("o", o, T * Hq * D * 4);
-  d.run({uint32_t(Hkv), tiles, 1}, {32 * LILY_ATTN_PF_SIMDGROUPS, 1, 1});
+  d.run({uint32_t(Hkv), tiles, 1}, {LILY_ATTN_PF_THREADS, 1, 1});
 }
 
 }  // namespace lily::gpu

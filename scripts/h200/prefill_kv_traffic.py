@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=32256, help="positions cached before the chunk")
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--timing", action="store_true", help="GPU time per dispatch (not under ncu)")
+    ap.add_argument("--logits", type=Path, help="also save the chunk's last logits here (.npy)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -49,7 +50,9 @@ def main(argv=None) -> int:
     engine.gpu_records(True)
     if a.timing:
         engine.gpu_timings()
-    engine.prefill(st, tokens, False)
+    logits = engine.prefill(st, tokens, False)
+    if a.logits:
+        np.save(a.logits, np.asarray(logits, np.float32))
     records = engine.gpu_records(False)
     rows = [{"kernel": r[0], "state_bytes": int(r[3])} for r in records if r[0].startswith("attn_prefill")]
     report = {"context": a.context, "chunk": a.chunk, "kv_dtype": engine.kv_dtype, "attn_prefill": rows,
