@@ -184,8 +184,19 @@ inline __m256i dpbusd(__m256i acc, __m256i a, __m256i b) {
 // - the distance, about eight rows (at least 8 KiB, at most 32 KiB): with prefetcht1, 2 KiB ran
 //   at 16-17 GB/s on two threads, 5 KiB at 22-23, 8-32 KiB at 26-27. (The first tuning, on an
 //   Intel Xeon with prefetcht0, chose five rows: 1 KiB rows ran best at 5-6 KiB there.)
-constexpr int kPrefetchLocality = 2;  // __builtin_prefetch's: 2 = prefetcht1 on x86
-inline size_t prefetch_distance(size_t row_bytes) { return std::clamp<size_t>(8 * row_bytes, 8192, 32768); }
+// LILY_PREFETCH_LOCALITY / LILY_PREFETCH_ROWS: build-time overrides for measuring other CPUs
+// (scripts/h200/phase_l.sh sweeps them); the defaults are the measurements above.
+#ifndef LILY_PREFETCH_LOCALITY
+#define LILY_PREFETCH_LOCALITY 2  // __builtin_prefetch's: 2 = prefetcht1 on x86
+#endif
+#ifndef LILY_PREFETCH_ROWS
+#define LILY_PREFETCH_ROWS 8
+#endif
+constexpr int kPrefetchLocality = LILY_PREFETCH_LOCALITY;
+inline size_t prefetch_distance(size_t row_bytes) {
+  constexpr size_t rows = LILY_PREFETCH_ROWS;  // 8: at least 8 KiB, at most 32 KiB
+  return std::clamp<size_t>(rows * row_bytes, rows * 1024, rows * 4096);
+}
 
 // One row-major stream, prefetched up to a moving target.
 struct StreamPrefetch {
