@@ -1,10 +1,12 @@
 // Sampling family: the next token chosen on the GPU, so a decode step's token is written into the
 // next step's input slot without a CPU round trip.
 //
-//   sample   token[0] = argmax(logits[0, a.vocab)), or a seeded draw after temperature / top-k /
-//            top-p / min-p; rng[4] advances by one draw; status[3] reports bad logits. a.vocab
-//            may be less than the row (the sampler's token limit: padding rows are never chosen).
-//            grid (1), LILY_SAMPLE_THREADS threads.
+//   sample   one threadgroup per row of a device-loop step (the sequences of the loop), each
+//            with its own parameters a = args[row]: token[row] = argmax(logits[row][0, a.vocab)),
+//            or a seeded draw after temperature / top-k / top-p / min-p; the row's rng[4]
+//            advances by one draw; its status[3] reports bad logits. a.vocab may be less than
+//            the row (the sampler's token limit: padding rows are never chosen).
+//            grid (rows), LILY_SAMPLE_THREADS threads.
 //
 // The algorithm is the CPU sampler's (engine/sampler.{h,cpp}), and the arithmetic is shared
 // with it through sampling.h, so identical logits and RNG state give the identical token:
@@ -77,12 +79,13 @@ inline uint tg_min_u32(uint v, threadgroup uint* scratch, uint simd_id, uint lan
 }  // namespace
 
 [[max_total_threads_per_threadgroup(LILY_SAMPLE_THREADS)]]
-kernel void sample(constant SampleArgs& args [[buffer(0)]],
-                   device const float* logits [[buffer(1)]],  // [>= vocab]: only [0, args.vocab) is read
-                   device float* w [[buffer(2)]],              // [vocab] scratch: e^((l - max) / T)
-                   device ulong* rng [[buffer(3)]],            // [4] xoshiro256** state (advanced in place)
-                   device int* token [[buffer(4)]],            // [1]
-                   device uint* status [[buffer(5)]],          // [3] code, index, logit bits
+kernel void sample(constant SampleArgs* args [[buffer(0)]],   // [rows]
+                   device const float* logits [[buffer(1)]],  // [rows, stride]: only [0, vocab) of a row is read
+                   device float* w [[buffer(2)]],              // [rows, stride] scratch: e^((l - max) / T)
+                   device ulong* rng [[buffer(3)]],            // [rows, 4] xoshiro256** state (advanced in place)
+                   device int* token [[buffer(4)]],            // [rows]
+                   device uint* status [[buffer(5)]],          // [rows, 4] code, index, logit bits, unused
+                   uint row [[threadgroup_position_in_grid]],
                    uint tid [[thread_index_in_threadgroup]],
                    uint threads [[threads_per_threadgroup]],
                    uint simd_id [[simdgroup_index_in_threadgroup]],
@@ -93,7 +96,14 @@ kernel void sample(constant SampleArgs& args [[buffer(0)]],
   LILY_THREADGROUP(uint, eq_scan, [LILY_SAMPLE_THREADS]);     // per thread: equal-key tokens
   LILY_THREADGROUP(ulong, mass_scan, [LILY_SAMPLE_THREADS]);  // per thread: kept mass
   LILY_THREADGROUP(ulong, pick, [2]);                         // the drawing thread, t
-  const uint V = args.vocab;
+  // This threadgroup's row: its parameters, logits, scratch, generator state, token and status.
+  constant SampleArgs& a = args[row];
+  logits += ulong(row) * a.stride;
+  w += ulong(row) * a.stride;
+  rng += 4 * row;
+  token += row;
+  status += 4 * row;
+  const uint V = a.vocab;
 
   // Pass 1: the best key (lowest id on ties) and the first NaN / +inf.
   uint best_key = 0, best_id = 0xFFFFFFFFu, bad = 0xFFFFFFFFu;
@@ -121,7 +131,7 @@ kernel void sample(constant SampleArgs& args [[buffer(0)]],
     }
     return;
   }
-  if (args.sample == 0) {
+  if (a.sample == 0) {
     if (tid == 0) {
       token[0] = int(best);
       status[0] = LILY_SAMPLE_OK;
@@ -130,7 +140,7 @@ kernel void sample(constant SampleArgs& args [[buffer(0)]],
   }
 
   // Pass 2: weights (float, kept for the passes below) and their integer total.
-  const float max_logit = logits[best], inv_t = args.inv_t, scale = sample_weight_scale(V);
+  const float max_logit = logits[best], inv_t = a.inv_t, scale = sample_weight_scale(V);
   ulong z_all = 0;
   for (uint i = tid; i < V; i += threads) {
     const float l = logits[i];  // -inf weighs 0 (tested on the bits: fast math assumes no inf)
@@ -142,7 +152,7 @@ kernel void sample(constant SampleArgs& args [[buffer(0)]],
 
   // The kept prefix so far: key > v, and the first n_eq tokens with key == v. v = 0: everything.
   uint v = 0, n_eq = 0xFFFFFFFFu;
-  const bool use_k = args.top_k > 0 && args.top_k < V;
+  const bool use_k = a.top_k > 0 && a.top_k < V;
   ulong z = z_all;  // mass that top-p applies to
   if (use_k) {
     // The k-th best key: the largest u with count(key >= u) >= k.
@@ -151,7 +161,7 @@ kernel void sample(constant SampleArgs& args [[buffer(0)]],
       const uint mid = lo + (hi - lo + 1) / 2;
       uint c = 0;
       for (uint i = tid; i < V; i += threads) c += sample_key(logits[i]) >= mid ? 1u : 0u;
-      if (tg_sum_u32(c, su, simd_id, lane, n_simd) >= args.top_k) lo = mid;
+      if (tg_sum_u32(c, su, simd_id, lane, n_simd) >= a.top_k) lo = mid;
       else hi = mid - 1;
     }
     v = lo;
@@ -163,12 +173,12 @@ kernel void sample(constant SampleArgs& args [[buffer(0)]],
         m += ulong(w[i] * scale);
       }
     const uint n_gt = tg_sum_u32(c, su, simd_id, lane, n_simd);
-    n_eq = args.top_k - n_gt;
+    n_eq = a.top_k - n_gt;
     z = tg_sum_u64(m, sl, simd_id, lane, n_simd) +
         ulong(n_eq) * sample_weight(sample_key_value(v), max_logit, inv_t, scale);
   }
-  if (args.use_top_p) {
-    ulong target = sample_mulhi(z, (ulong(args.top_p_hi) << 32) | ulong(args.top_p_lo));
+  if (a.use_top_p) {
+    ulong target = sample_mulhi(z, (ulong(a.top_p_hi) << 32) | ulong(a.top_p_lo));
     target = max(target, ulong(1));
     // The smallest key u (within the top-k prefix) with mass(key > u) < target: the last kept
     // token's key. Keys above the best carry no mass, so `top` qualifies.
@@ -199,7 +209,7 @@ kernel void sample(constant SampleArgs& args [[buffer(0)]],
     n_eq = n;
   }
   // min-p: logit >= max + T log(min_p), compared as keys (0: off).
-  const uint floor_key = args.use_min_p ? sample_key(max_logit + args.min_p_offset) : 0u;
+  const uint floor_key = a.use_min_p ? sample_key(max_logit + a.min_p_offset) : 0u;
   const ulong q_v = v >= floor_key ? sample_weight(sample_key_value(v), max_logit, inv_t, scale) : 0;
 
   // The draw, over contiguous id ranges so that running sums follow id order.

@@ -15,9 +15,10 @@ struct SampleArgs {
   uint32_t use_min_p;
   float inv_t;         // 1 / temperature, as the CPU computes it (1.0f / T)
   float min_p_offset;  // float(T * log(min_p)): tokens below max + offset are cut
+  uint32_t stride;     // floats from one row's logits (and scratch) to the next row's
 };
 
-static_assert(sizeof(SampleArgs) == 36, "SampleArgs: 9 fields of 4 bytes, as the kernel reads them");
+static_assert(sizeof(SampleArgs) == 40, "SampleArgs: 10 fields of 4 bytes, as the kernel reads them");
 
 // status[3] a sample dispatch writes next to its token: code, token index, logit bits.
 #define LILY_SAMPLE_OK 0u

@@ -8,8 +8,11 @@
   softmax-with-filters probabilities (test_sampler.ref_allowed; chi-square at a 1e-6 false alarm).
 - Argmax mode and the status word for NaN / +inf / all -inf logits.
 
-The kernel is dispatched exactly as the GPU backend's decode loop does (one threadgroup of
-LILY_SAMPLE_THREADS threads), with the host's SampleArgs (lily._core.kernel_args) filled by field.
+The kernel is dispatched as the GPU backend's decode loop does (a threadgroup of
+LILY_SAMPLE_THREADS threads per row), with the host's SampleArgs (lily._core.kernel_args) filled
+by field: one row at a time, and several rows of different parameters, vocab limits and
+generator states in one dispatch (each row its CPU sampler's token and stream, bad rows failing
+alone).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lily._core import Sampler, SamplingParams
+from lily._core import LilyError, Sampler, SamplingParams
 from msl_cpu_harness import dispatch, kernels, msl_cpu, read
 from msl_cpu_harness import kernel_args as A
 from test_sampler import assert_matches_distribution, ref_allowed
@@ -35,13 +38,20 @@ def pipeline(dev):
     return kernels(dev, "sampling.metal").pipeline("sample")
 
 
-def sample_args(sampler: Sampler, vocab: int):
-    """struct SampleArgs from the CPU sampler's own derived constants."""
+def sample_args(sampler: Sampler, vocab: int, stride: int):
+    """struct SampleArgs from the CPU sampler's own derived constants (stride: the logits row's
+    length, from one row to the next)."""
     draws, inv_t, min_p_offset, top_p_fixed = sampler.device_constants
     p = sampler.params
     return A.SampleArgs(vocab=vocab, sample=int(draws), top_k=p.top_k if p.top_k > 0 else 0,
                         use_top_p=int(p.top_p < 1.0), top_p_lo=top_p_fixed & 0xFFFFFFFF, top_p_hi=top_p_fixed >> 32,
-                        use_min_p=int(p.min_p > 0), inv_t=inv_t, min_p_offset=min_p_offset)
+                        use_min_p=int(p.min_p > 0), inv_t=inv_t, min_p_offset=min_p_offset, stride=stride)
+
+
+def vocab_limit(sampler: Sampler, n: int) -> int:
+    """The kernel chooses among the first `vocab` rows: the sampler's token limit, if any."""
+    limit = sampler.token_limit
+    return limit if 0 < limit < n else n
 
 
 class GpuSampler:
@@ -54,9 +64,7 @@ class GpuSampler:
         self.rng = dev.buffer(np.array(sampler.rng_state, np.uint64))
         self.token = dev.buffer_empty(4)
         self.status = dev.buffer_empty(16)
-        # The kernel chooses among the first `vocab` rows: the sampler's token limit, if any.
-        limit = sampler.token_limit
-        self.args = sample_args(sampler, limit if 0 < limit < self.n else self.n)
+        self.args = sample_args(sampler, vocab_limit(sampler, self.n), self.n)
 
     def dispatch(self, threads: int = THREADS) -> tuple[int, list[int]]:
         """One draw: the token and the first three status words."""
@@ -174,3 +182,35 @@ def test_bad_logits_set_the_status(dev, pipeline):
         assert np.array([status[2]], np.uint32).view(np.float32)[0] == np.inf
     token, status = run_status(dev, pipeline, np.full(50, -np.inf, np.float32), temperature=1.0)
     assert token == 0 and status[0] == 2
+
+
+def test_rows_of_one_dispatch_are_each_their_own_sampler(dev, pipeline):
+    """The decode loop's form: one dispatch, a threadgroup per row, each row with its own
+    parameters (greedy, filters, a token limit), logits and generator state: every row draws
+    its own CPU sampler's token and continues its stream, over two draws; a row of bad logits
+    fails with its own status while the others draw."""
+    rng = np.random.default_rng(21)
+    n = 3001
+    rows = [(CONFIGS["qwen_defaults"], 0), ({}, 0), (CONFIGS["top_k"], 2500), (CONFIGS["min_p"], 0),
+            (CONFIGS["temperature"], 0)]
+    logits = np.stack([llm_like_logits(rng, n) for _ in rows])
+    logits[3, 11] = np.nan  # row 3: bad logits
+    cpus = [Sampler(SamplingParams(seed=31 + r, **kw), token_limit=limit) for r, (kw, limit) in enumerate(rows)]
+    args = b"".join(bytes(sample_args(c, vocab_limit(c, n), n)) for c in cpus)
+    buffers = {"args": args, "logits": dev.buffer(logits), "w": dev.buffer_empty(4 * logits.size),
+               "rng": dev.buffer(np.array([c.rng_state for c in cpus], np.uint64)),
+               "token": dev.buffer_empty(4 * len(rows)), "status": dev.buffer_empty(16 * len(rows))}
+    for step in range(2):
+        dispatch(dev, pipeline, (len(rows),), (THREADS,), buffers)
+        tokens = read(buffers["token"], np.int32)
+        status = read(buffers["status"], np.uint32).reshape(len(rows), 4)
+        states = read(buffers["rng"], np.uint64).reshape(len(rows), 4)
+        for r, cpu in enumerate(cpus):
+            if r == 3:
+                assert status[r, :2].tolist() == [1, 11], f"draw {step}: row 3's own bad logit"
+                with pytest.raises(LilyError, match="logit of token 11 is nan"):
+                    cpu.sample(logits[r])
+                continue
+            want = cpu.sample(logits[r])[0]
+            assert (int(tokens[r]), int(status[r, 0])) == (want, 0), f"draw {step} row {r}"
+            assert states[r].tolist() == cpu.rng_state, f"draw {step} row {r}: generator state"

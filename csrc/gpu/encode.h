@@ -228,9 +228,10 @@ void encode_moe_combine(EncoderContext& ctx, const MoeCombineArgs& args, int T, 
 
 // ---- sampling.cpp --------------------------------------------------------------------------------
 
-// The token of logits [vocab] (sample: argmax or a seeded draw), into `token` with its status
-// word beside it; the generator state rng [4] advances in place.
-void encode_sample(EncoderContext& ctx, const SampleArgs& args, const BufferRange& logits, const BufferRange& w,
-                   const BufferRange& rng, const BufferRange& token, const BufferRange& status);
+// The tokens of the rows of a step, one dispatch (a threadgroup per row, args[r] its parameters):
+// row r of logits [rows, stride] (argmax or a seeded draw) into token [r] with its status
+// [r, 4] beside it; row r's generator state rng [r, 4] advances in place.
+void encode_sample(EncoderContext& ctx, const std::vector<SampleArgs>& args, const BufferRange& logits,
+                   const BufferRange& w, const BufferRange& rng, const BufferRange& token, const BufferRange& status);
 
 }  // namespace lily::gpu

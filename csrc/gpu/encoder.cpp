@@ -97,6 +97,13 @@ void Dispatch::set_bytes(const char* name, const void* p, size_t n) {
   ctx_.encoder().set_bytes(next(name), p, n);
 }
 
+void Dispatch::set_rows(const char* name, const void* p, size_t n, size_t each) {
+  if (n == 0 || n * each > kMaxSetBytes)
+    throw Error("[gpu] " + rec_.kernel + ": " + std::to_string(n) + " argument structs of " + std::to_string(each) +
+                " bytes do not fit set_bytes (1 to " + std::to_string(kMaxSetBytes / each) + ")");
+  set_bytes(name, p, n * each);
+}
+
 Dispatch& Dispatch::bind(const char* name, const BufferRange& r) {
   ctx_.encoder().set_buffer(next(name), r.buf, r.off);
   return *this;

@@ -115,6 +115,12 @@ class Dispatch {
     set_bytes("args", &a, sizeof a);
     return *this;
   }
+  // [[buffer(0)]] as `constant A*`: one argument struct per row of the grid, sent with set_bytes.
+  template <typename A>
+  Dispatch& args(const std::vector<A>& rows) {
+    set_rows("args", rows.data(), rows.size(), sizeof(A));
+    return *this;
+  }
   // A buffer the kernel reads: `bytes` from r.off on (activations; counted as other traffic).
   Dispatch& read(const char* name, const BufferRange& r, size_t bytes);
   // A buffer the kernel writes (or updates in place).
@@ -139,6 +145,8 @@ class Dispatch {
 
  private:
   void set_bytes(const char* name, const void* p, size_t n);
+  // n structs of `each` bytes; throws lily::Error naming the kernel unless 1 <= n and they fit set_bytes.
+  void set_rows(const char* name, const void* p, size_t n, size_t each);
   uint32_t next(const char* name);
 
   EncoderContext& ctx_;

@@ -11,7 +11,7 @@
 //   the first token from the prefill's logits and hands over its state here (and advances its
 //   own copy as the device draws: Engine::next_device_tokens).
 // - A loop of several sequences is one batched pass per step (GpuBackend::embed .. lm_head) and
-//   one sample dispatch per sequence, each with its own parameters.
+//   one sample dispatch for all of them, a threadgroup per sequence with its own parameters.
 // - Nothing waits on the GPU within a step: successive command buffers of one queue see each
 //   other's writes (Metal's default hazard tracking of buffers), which is what carries the
 //   ring slot and the generator state from step to step.
@@ -25,20 +25,21 @@
 
 namespace lily::gpu {
 
-// logits [vocab] -> token (sample: argmax or a seeded draw), status [3] beside it; rng [4]
-// advances in place; w [vocab] is the kernel's scratch.
-void encode_sample(EncoderContext& ctx, const SampleArgs& args, const BufferRange& logits, const BufferRange& w,
-                   const BufferRange& rng, const BufferRange& token, const BufferRange& status) {
-  const size_t vocab = args.vocab;
+// One dispatch for all rows of a step, a threadgroup per row (args[r]: row r's parameters and
+// stride): logits [rows, stride] -> token [rows] (argmax or a seeded draw), status [rows, 4]
+// beside them; rng [rows, 4] advances in place; w [rows, stride] is the kernel's scratch.
+void encode_sample(EncoderContext& ctx, const std::vector<SampleArgs>& args, const BufferRange& logits,
+                   const BufferRange& w, const BufferRange& rng, const BufferRange& token, const BufferRange& status) {
+  const size_t rows = args.size(), row_bytes = size_t(args[0].stride) * 4;
   Dispatch d(ctx, "sampling.metal", "sample");
   d.args(args)
-      .read("logits", logits, vocab * 4)
-      .write("w", w, vocab * 4)
-      .write("rng", rng, 32)
-      .declare_read(rng.buf, 32, rng.off)
-      .write("token", token, 4)
-      .write("status", status, 12);
-  d.run({1, 1, 1}, {LILY_SAMPLE_THREADS, 1, 1});
+      .read("logits", logits, rows * row_bytes)
+      .write("w", w, rows * row_bytes)
+      .write("rng", rng, rows * 32)
+      .declare_read(rng.buf, rows * 32, rng.off)
+      .write("token", token, rows * 4)
+      .write("status", status, rows * 16);
+  d.run({uint32_t(rows), 1, 1}, {LILY_SAMPLE_THREADS, 1, 1});
 }
 
 bool GpuBackend::begin_device_decode(Segments segs, int max_steps, const DeviceSampling* sampling) {
@@ -74,6 +75,7 @@ bool GpuBackend::begin_device_decode(Segments segs, int max_steps, const DeviceS
     a.use_min_p = s.use_min_p ? 1u : 0u;
     a.inv_t = s.inv_t;
     a.min_p_offset = s.min_p_offset;
+    a.stride = uint32_t(vocab);
   }
   device_loop_ = true;
   return true;
@@ -125,13 +127,12 @@ void GpuBackend::end_device_decode() {
 }
 
 // The tokens of device-loop step step_ from the logits [rows, vocab] (metal/sampling.metal), one
-// dispatch per row with its own parameters and generator state (independent: they share a
-// stage): into ring slot step_ % 2, each with its status beside it.
+// dispatch, a threadgroup per row with its own parameters and generator state: into ring slot
+// step_ % 2, each with its status beside it.
 void GpuBackend::sample_step() {
-  const size_t rows = loop_.size(), vocab = size_t(c_.vocab), slot = size_t(step_ % 2);
-  for (size_t r = 0; r < rows; ++r)
-    encode_sample(ctx_, sample_args_[r], {acts_.logits, r * vocab * 4}, {sample_w_, r * vocab * 4}, {rng_, r * 32},
-                  {ring_, (slot * rows + r) * 4}, {status_, (slot * rows + r) * 16});
+  const size_t rows = loop_.size(), slot = size_t(step_ % 2);
+  encode_sample(ctx_, sample_args_, {acts_.logits, 0}, {sample_w_, 0}, {rng_, 0}, {ring_, slot * rows * 4},
+                {status_, slot * rows * 16});
 }
 
 }  // namespace lily::gpu

@@ -138,7 +138,8 @@ void init_kernel_args(nb::module_& parent) {
       .LILY_FIELD(SampleArgs, top_p_hi)
       .LILY_FIELD(SampleArgs, use_min_p)
       .LILY_FIELD(SampleArgs, inv_t)
-      .LILY_FIELD(SampleArgs, min_p_offset);
+      .LILY_FIELD(SampleArgs, min_p_offset)
+      .LILY_FIELD(SampleArgs, stride);
 
   // The host's choices the tests make as it does (csrc/gpu/encode.h).
   m.def("vector_rows", &gpu::vector_rows, nb::arg("m"), nb::arg("starts"),
