@@ -142,7 +142,7 @@ inline void attn_prefill_impl(device const float* qg, Cache kc, Cache vc, device
   LILY_UNROLL for (int j = 0; j < NB; ++j) {
     simdgroup_store(acc[j], blk, 8);
     simdgroup_barrier(mem_flags::mem_threadgroup);
-    if (q) {
+    if (q) {  // (head_row recomputed, not kept from q's: live across the KV walk it spilled on sm_90)
       const ulong head_row = ulong(t0 + q_row / group) * args.Hq + hk * group + q_row % group;
       device const float* gate = qg + head_row * 2 * D + D;
       LILY_UNROLL for (int k = 0; k < 2; ++k) {
