@@ -48,13 +48,13 @@ struct AttnPrefillTiles {
 
 template <typename KV, int D, typename Cache>
 inline void attn_prefill_impl(device const float* qg, Cache kc, Cache vc, device float* o,
-                              constant AttnPrefillArgs& args, AttnPrefillTiles tiles, uint2 tg, uint tid,
-                              uint threads, uint simd_id, uint lane) {
+                              constant AttnPrefillArgs& args, uint pos0, uint T, AttnPrefillTiles tiles, uint2 tg,
+                              uint tid, uint threads, uint simd_id, uint lane) {
   constexpr int KT = LILY_ATTN_PF_KV_TILE, NB = D / 8;  // NB: 8-column blocks along D
   static_assert(KT == 8, "S and P are one 8x8 matrix per simdgroup");
   const uint group = args.Hq / args.Hkv;
   const uint hk = tg.x, t0 = tg.y * args.tile_tokens;
-  const uint t_end = min(args.T, t0 + args.tile_tokens);  // tokens [t0, t_end)
+  const uint t_end = min(T, t0 + args.tile_tokens);  // tokens [t0, t_end)
   const uint n_rows = (t_end - t0) * group;
   // Row r of the tile = (token t0 + r / group, query head hk * group + r % group); this
   // simdgroup owns rows [r0, r0 + 8).
@@ -65,10 +65,10 @@ inline void attn_prefill_impl(device const float* qg, Cache kc, Cache vc, device
 
   // Lanes 0..7 carry the softmax state of row r0 + lane: running max m, sum l, causal length.
   const uint my_row = r0 + lane;
-  const uint len = lane < 8 && my_row < n_rows ? args.pos0 + t0 + my_row / group + 1 : 0;
+  const uint len = lane < 8 && my_row < n_rows ? pos0 + t0 + my_row / group + 1 : 0;
   float m = -INFINITY, l = 0.0f;
   // The simdgroup's last position: its last row's causal end (0 if it has no rows).
-  const uint sg_end = r0 < n_rows ? args.pos0 + t0 + (min(r0 + 8, n_rows) - 1) / group + 1 : 0;
+  const uint sg_end = r0 < n_rows ? pos0 + t0 + (min(r0 + 8, n_rows) - 1) / group + 1 : 0;
   // This lane's two elements of a Q block: row e / 8, column e % 8 for e = 2 lane, 2 lane + 1.
   const uint q_row = r0 + lane / 4;
   device const float* q = q_row < n_rows
@@ -78,7 +78,7 @@ inline void attn_prefill_impl(device const float* qg, Cache kc, Cache vc, device
   simdgroup_float8x8 acc[NB];
   LILY_UNROLL for (int j = 0; j < NB; ++j) acc[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 
-  const uint end = args.pos0 + t_end;  // the tile's last token sees positions [0, end)
+  const uint end = pos0 + t_end;  // the tile's last token sees positions [0, end)
   for (uint p0 = 0; p0 < end; p0 += KT) {
     const uint n = min(uint(KT), end - p0);
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous tile is fully read
@@ -154,13 +154,12 @@ inline void attn_prefill_impl(device const float* qg, Cache kc, Cache vc, device
   }
 }
 
-template <typename KV, int D>
+template <typename KV, int D, typename Cache>
 [[max_total_threads_per_threadgroup(LILY_ATTN_PF_THREADS)]]
 kernel void attn_prefill(constant AttnPrefillArgs& args [[buffer(0)]],
-                         device const float* qg [[buffer(1)]],     // [T, Hq, 2D]
-                         device const KV* k_cache [[buffer(2)]],   // [Hkv, cap, D]
-                         device const KV* v_cache [[buffer(3)]],   // [Hkv, cap, D]
-                         device float* o [[buffer(4)]],            // [T, Hq, D]
+                         constant AttnSeq& seq [[buffer(1)]],      // the chunk: rows, position, cache
+                         device const float* qg [[buffer(2)]],     // [T, Hq, 2D]
+                         device float* o [[buffer(3)]],            // [T, Hq, D]
                          uint2 tg [[threadgroup_position_in_grid]],
                          uint2 threads [[threads_per_threadgroup]],
                          uint tid [[thread_index_in_threadgroup]],
@@ -169,41 +168,15 @@ kernel void attn_prefill(constant AttnPrefillArgs& args [[buffer(0)]],
   LILY_THREADGROUP(float, k_t, [LILY_ATTN_PF_KV_TILE * D]);
   LILY_THREADGROUP(float, v_tile, [LILY_ATTN_PF_KV_TILE * D]);
   LILY_THREADGROUP(float, scratch, [LILY_ATTN_PF_SIMDGROUPS * 2 * 64]);
-  const ContiguousCache<const KV> kc{k_cache, args.cap, D}, vc{v_cache, args.cap, D};
-  attn_prefill_impl<KV, D>(qg, kc, vc, o, args, {k_t, v_tile, scratch}, tg, tid, threads.x, simd_id, lane);
-}
-
-// The fixed-block layout (kv_cache.h; args.cap = block length): the block table and the K and V
-// arenas in place of k_cache, v_cache.
-template <typename KV, int D>
-[[max_total_threads_per_threadgroup(LILY_ATTN_PF_THREADS)]]
-kernel void attn_prefill_blocks(constant AttnPrefillArgs& args [[buffer(0)]],
-                                device const float* qg [[buffer(1)]],
-                                device const uint* table [[buffer(2)]],
-                                device const KV* k0 [[buffer(3)]], device const KV* k1 [[buffer(4)]],
-                                device const KV* k2 [[buffer(5)]], device const KV* k3 [[buffer(6)]],
-                                device const KV* k4 [[buffer(7)]], device const KV* k5 [[buffer(8)]],
-                                device const KV* v0 [[buffer(9)]], device const KV* v1 [[buffer(10)]],
-                                device const KV* v2 [[buffer(11)]], device const KV* v3 [[buffer(12)]],
-                                device const KV* v4 [[buffer(13)]], device const KV* v5 [[buffer(14)]],
-                                device float* o [[buffer(15)]],
-                                uint2 tg [[threadgroup_position_in_grid]],
-                                uint2 threads [[threads_per_threadgroup]],
-                                uint tid [[thread_index_in_threadgroup]],
-                                uint simd_id [[simdgroup_index_in_threadgroup]],
-                                uint lane [[thread_index_in_simdgroup]]) {
-  LILY_THREADGROUP(float, k_t, [LILY_ATTN_PF_KV_TILE * D]);
-  LILY_THREADGROUP(float, v_tile, [LILY_ATTN_PF_KV_TILE * D]);
-  LILY_THREADGROUP(float, scratch, [LILY_ATTN_PF_SIMDGROUPS * 2 * 64]);
-  const BlockCache<const KV> kc{{k0, k1, k2, k3, k4, k5}, table, args.cap, args.Hkv, D};
-  const BlockCache<const KV> vc{{v0, v1, v2, v3, v4, v5}, table, args.cap, args.Hkv, D};
-  attn_prefill_impl<KV, D>(qg, kc, vc, o, args, {k_t, v_tile, scratch}, tg, tid, threads.x, simd_id, lane);
+  const Cache kc(seq, false, args.Hkv, D), vc(seq, true, args.Hkv, D);
+  attn_prefill_impl<KV, D>(qg + ulong(seq.first) * args.Hq * 2 * D, kc, vc, o + ulong(seq.first) * args.Hq * D,
+                           args, seq.pos0, seq.n, {k_t, v_tile, scratch}, tg, tid, threads.x, simd_id, lane);
 }
 
 // attn_prefill[_blocks]_<KV>_d<D>
-#define LILY_ATTN_PREFILL_INSTANTIATE(D)                                                   \
-  LILY_KERNEL_INSTANTIATE("attn_prefill_float_d" #D, attn_prefill, float, D)               \
-  LILY_KERNEL_INSTANTIATE("attn_prefill_half_d" #D, attn_prefill, half, D)                 \
-  LILY_KERNEL_INSTANTIATE("attn_prefill_blocks_float_d" #D, attn_prefill_blocks, float, D) \
-  LILY_KERNEL_INSTANTIATE("attn_prefill_blocks_half_d" #D, attn_prefill_blocks, half, D)
+#define LILY_ATTN_PREFILL_INSTANTIATE(D)                                                                   \
+  LILY_KERNEL_INSTANTIATE("attn_prefill_float_d" #D, attn_prefill, float, D, ContiguousCache<const float>)  \
+  LILY_KERNEL_INSTANTIATE("attn_prefill_half_d" #D, attn_prefill, half, D, ContiguousCache<const half>)    \
+  LILY_KERNEL_INSTANTIATE("attn_prefill_blocks_float_d" #D, attn_prefill, float, D, BlockCache<const float>) \
+  LILY_KERNEL_INSTANTIATE("attn_prefill_blocks_half_d" #D, attn_prefill, half, D, BlockCache<const half>)
 LILY_ATTN_HEAD_DIMS(LILY_ATTN_PREFILL_INSTANTIATE)

@@ -10,15 +10,13 @@
 #define LILY_ATTN_PF_KV_TILE 8      // cache positions per K/V tile in threadgroup memory
 #define LILY_ATTN_PF_MAX_HEAD_DIM 256
 
-// Causal attention of T query tokens (positions pos0 .. pos0 + T - 1, already in the cache)
-// over the cache positions [0, pos0 + t].
+// Causal attention of a chunk's T query tokens (positions pos0 .. pos0 + T - 1, already in the
+// cache) over the cache positions [0, pos0 + t]; the chunk's rows, position and cache are its
+// table entry (attention_args.h AttnSeq: first, n = T, pos0, the cache's addresses).
 struct AttnPrefillArgs {
   uint32_t D, Hq, Hkv;
-  uint32_t cap;
-  uint32_t pos0;
-  uint32_t T;
   uint32_t tile_tokens;  // query tokens per threadgroup: LILY_ATTN_PF_ROWS / (Hq / Hkv), >= 1
   float scale;           // 1 / sqrt(D)
 };
 
-static_assert(sizeof(AttnPrefillArgs) == 32, "AttnPrefillArgs: 8 fields of 4 bytes, as the kernels read them");
+static_assert(sizeof(AttnPrefillArgs) == 20, "AttnPrefillArgs: 5 fields of 4 bytes, as the kernels read them");

@@ -3,21 +3,24 @@
 //   gdn_ungroup     Qwen3-Next only: scatter the per-key-head grouped [q k v z] / [b a]
 //                   projections into the plain layouts.      grid (ceil(n / 256), T), 256 threads
 //   gdn_conv        causal depthwise conv1d over [carried K-1 inputs ; chunk] + SiLU, one
-//                   thread per channel walking the chunk's tokens; the new window is written to
-//                   window_out.                               grid (ceil(C / 256)), 256 threads
+//                   thread per channel walking a sequence's tokens; the new window is written to
+//                   window_out.                            grid (ceil(C / 256), S), 256 threads
 //   gdn_recurrence_dk<Dk>  one threadgroup per (value head, slice of LILY_GDN_COLUMNS value
 //                   columns), one thread per column j: the column S[:, j] (Dk floats, Dk a
 //                   template parameter: LILY_GDN_KEY_DIMS) stays in registers for the whole
-//                   chunk. Per token: l2-norm q and k, beta = sigmoid(b),
+//                   sequence's tokens. Per token: l2-norm q and k, beta = sigmoid(b),
 //                   decay = exp(-exp(A_log) * softplus(a + dt_bias)),
 //                   S <- S * decay; delta = (v - S^T k) * beta; S <- S + k delta^T; o = S^T q.
-//                                          grid (Hv, ceil(Dv / LILY_GDN_COLUMNS)), LILY_GDN_COLUMNS threads
+//                                       grid (Hv, ceil(Dv / LILY_GDN_COLUMNS), S), LILY_GDN_COLUMNS threads
 //   gdn_gated_norm  the gated RMSNorm  (w * (o * r)) * silu(z)  of each head's o, in place.
 //                                          grid (Hv, T), 32 * ceil(Dv / 32) threads
 // f32 throughout, in the CPU backend's order of operations.
-// State in and out are separate bindings (they may be the same buffer): the host ping-pongs two
-// copies, so the state before a pass survives it and a pass made past the end of a generation
-// can be discarded (depth-2 pipelining) without a copy.
+// gdn_conv and gdn_recurrence take a table of sequences (GdnSeq: rows, state addresses), so one
+// dispatch serves all the decode-route sequences of a pass (S of them), each against its own
+// state; a sequence's result depends only on its own entry. State in and out are separate
+// addresses (they may be the same buffer): the host ping-pongs two copies, so the state before
+// a pass survives it and a pass made past the end of a generation can be discarded (depth-2
+// pipelining) without a copy.
 #include <metal_stdlib>
 #include "lily_msl.h"
 #include "gdn_args.h"
@@ -57,30 +60,36 @@ kernel void gdn_ungroup(constant GdnArgs& args [[buffer(0)]],
   }
 }
 
+// One channel (x) of one sequence (y).
 kernel void gdn_conv(constant GdnArgs& args [[buffer(0)]],
-                     device const float* qkv [[buffer(1)]],        // [T, C]
-                     device const float* taps [[buffer(2)]],       // [C, K]
-                     device const float* window [[buffer(3)]],     // [K-1, C] carried inputs
-                     device float* out [[buffer(4)]],              // [T, C]
-                     device float* window_out [[buffer(5)]],       // [K-1, C] for the next pass
-                     uint ch [[thread_position_in_grid]]) {
-  const uint C = args.C, K = args.K, T = args.T;
+                     constant GdnSeq* seqs [[buffer(1)]],         // [sequences]
+                     device const float* qkv [[buffer(2)]],       // [T, C]
+                     device const float* taps [[buffer(3)]],      // [C, K]
+                     device float* out [[buffer(4)]],             // [T, C]
+                     uint2 gid [[thread_position_in_grid]]) {
+  const uint C = args.C, K = args.K, ch = gid.x;
+  constant GdnSeq& seq = seqs[gid.y];
   if (ch >= C) return;
+  const uint T = seq.n;
+  device const float* x_in = qkv + ulong(seq.first) * C;
+  device const float* window = seq.window;  // [K-1, C] carried inputs
+  device float* y = out + ulong(seq.first) * C;
   device const float* tap = taps + ulong(ch) * K;
   for (uint t = 0; t < T; ++t) {
     float acc = 0.0f;
     for (uint j = 0; j < K; ++j) {
       const int src = int(t + j) - int(K - 1);  // < 0: from the carried window
-      const float x = src >= 0 ? qkv[ulong(src) * C + ch] : window[ulong(int(K - 1) + src) * C + ch];
+      const float x = src >= 0 ? x_in[ulong(src) * C + ch] : window[ulong(int(K - 1) + src) * C + ch];
       acc += tap[j] * x;
     }
-    out[ulong(t) * C + ch] = silu_f(acc);
+    y[ulong(t) * C + ch] = silu_f(acc);
   }
   // Carry the last K-1 inputs. window_out may be window itself: slot j takes old slot j + T,
   // which is later in the loop order, so no old value is overwritten before it is read.
+  device float* window_out = seq.window_out;
   for (uint j = 0; j + 1 < K; ++j) {
     const int src = int(T) - int(K - 1) + int(j);
-    window_out[ulong(j) * C + ch] = src >= 0 ? qkv[ulong(src) * C + ch] : window[ulong(j + T) * C + ch];
+    window_out[ulong(j) * C + ch] = src >= 0 ? x_in[ulong(src) * C + ch] : window[ulong(j + T) * C + ch];
   }
 }
 
@@ -92,33 +101,35 @@ kernel void gdn_conv(constant GdnArgs& args [[buffer(0)]],
 // whole head's columns and runs in gdn_gated_norm.
 template <int Dk>
 kernel void gdn_recurrence(constant GdnArgs& args [[buffer(0)]],
-                           device const float* conv_out [[buffer(1)]],  // [T, C]
-                           device const float* b [[buffer(2)]],         // [T, Hv]
-                           device const float* a [[buffer(3)]],         // [T, Hv]
-                           device const float* a_neg [[buffer(4)]],     // [Hv] -exp(A_log)
-                           device const float* dt_bias [[buffer(5)]],   // [Hv]
-                           device const float* S [[buffer(6)]],         // [Hv, Dk, Dv] in
+                           constant GdnSeq* seqs [[buffer(1)]],         // [sequences]
+                           device const float* conv_out [[buffer(2)]],  // [T, C]
+                           device const float* b [[buffer(3)]],         // [T, Hv]
+                           device const float* a [[buffer(4)]],         // [T, Hv]
+                           device const float* a_neg [[buffer(5)]],     // [Hv] -exp(A_log)
+                           device const float* dt_bias [[buffer(6)]],   // [Hv]
                            device float* o [[buffer(7)]],               // [T, Hv*Dv] S^T q
-                           device float* S_out [[buffer(8)]],           // [Hv, Dk, Dv] out
-                           uint2 tg [[threadgroup_position_in_grid]],
-                           uint2 tid [[thread_position_in_threadgroup]],
-                           uint2 threads [[threads_per_threadgroup]],
+                           uint3 tg [[threadgroup_position_in_grid]],
+                           uint3 tid [[thread_position_in_threadgroup]],
+                           uint3 threads [[threads_per_threadgroup]],
                            uint simd_id [[simdgroup_index_in_threadgroup]],
                            uint lane [[thread_index_in_simdgroup]],
                            uint n_simd [[simdgroups_per_threadgroup]]) {
   LILY_THREADGROUP(float, scratch, [32]);
   LILY_THREADGROUP(float, qs, [Dk]);
   LILY_THREADGROUP(float, ks, [Dk]);
+  constant GdnSeq& seq = seqs[tg.z];
   const uint Dv = args.Dv, Hv = args.Hv, C = args.C, hv = tg.x, n = threads.x;
   const uint j = tg.y * n + tid.x;  // this thread's value column
   const uint hk = hv / (Hv / args.Hk), key_dim = args.Hk * Dk, vdim = Hv * Dv;
   const bool owner = j < Dv;
+  device const float* S = seq.S;  // [Hv, Dk, Dv] in; S_out (below) may be the same buffer
 
   float col[Dk];  // S[:, j] of this head
   device const float* Sh = S + ulong(hv) * Dk * Dv;
   LILY_UNROLL for (int i = 0; i < Dk; ++i) col[i] = owner ? Sh[ulong(i) * Dv + j] : 0.0f;
 
-  for (uint t = 0; t < args.T; ++t) {
+  for (uint r = 0; r < seq.n; ++r) {
+    const uint t = seq.first + r;  // the row in the pass
     device const float* row = conv_out + ulong(t) * C;
     threadgroup_barrier(mem_flags::mem_threadgroup);  // last token's qs / ks fully read
     float sq = 0.0f, sk = 0.0f;
@@ -156,7 +167,7 @@ kernel void gdn_recurrence(constant GdnArgs& args [[buffer(0)]],
     }
     if (owner) o[ulong(t) * vdim + hv * Dv + j] = out;
   }
-  device float* So = S_out + ulong(hv) * Dk * Dv;  // may be S itself: each thread owns its column
+  device float* So = seq.S_out + ulong(hv) * Dk * Dv;  // may be S itself: each thread owns its column
   if (owner) LILY_UNROLL for (int i = 0; i < Dk; ++i) So[ulong(i) * Dv + j] = col[i];
 }
 

@@ -129,8 +129,18 @@ def dispatch(device, pipeline, grid, threads, buffers, threadgroup_memory=None):
     run(device, [(pipeline, grid, threads, buffers, threadgroup_memory)])
 
 
+class Table:
+    """A table of argument structs (kernel_args.AttnSeq / GdnSeq: one per sequence) sent with
+    set_bytes, and the buffers its entries hold the addresses of (`uses`: (buffer, written)
+    pairs), declared to the encoder with use_resource as the host declares them."""
+
+    def __init__(self, entries, uses=()):
+        self.entries, self.uses = list(entries), list(uses)
+
+
 def bind(encoder, pipeline, buffers):
-    """Binds buffers by the kernel's parameter names (or indices) to an encoder."""
+    """Binds buffers by the kernel's parameter names (or indices) to an encoder: msl_cpu.Buffer,
+    bytes, a kernel_args struct or a Table."""
     names = pipeline.buffers
     for key, b in buffers.items():
         if isinstance(key, str):
@@ -140,7 +150,11 @@ def bind(encoder, pipeline, buffers):
             index = names[key]
         else:
             index = key
-        if isinstance(b, (bytes, bytearray)):
+        if isinstance(b, Table):
+            encoder.set_bytes(index, b"".join(bytes(e) for e in b.entries))
+            for buf, written in b.uses:
+                encoder.use_resource(buf, written)
+        elif isinstance(b, (bytes, bytearray)):
             encoder.set_bytes(index, bytes(b))
         elif hasattr(type(b), "nbytes") and hasattr(b, "__bytes__"):  # a kernel_args struct
             encoder.set_bytes(index, bytes(b))
@@ -169,5 +183,5 @@ def read(buffer, dtype, shape=None):
     return a.reshape(shape) if shape is not None else a
 
 
-__all__ = ["msl_cpu", "kernel_args", "library", "kernels", "u32", "dispatch", "bind", "run", "read", "KERNELS",
+__all__ = ["msl_cpu", "kernel_args", "library", "kernels", "u32", "dispatch", "bind", "run", "read", "Table", "KERNELS",
            "ROOT", "RUNTIME"]

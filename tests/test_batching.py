@@ -172,35 +172,43 @@ def msl_path(store):
 
 
 def _gpu_pass(engine, run, *args):
-    """run(*args)'s result, the command buffers it took and the weight bytes its dispatches read per
-    kernel."""
+    """run(*args)'s result, the command buffers it took, the weight bytes its dispatches read per
+    kernel and its dispatches per kernel."""
     engine.gpu_records(True)
     cb0 = engine.gpu_stats[2]
     out = run(*args)
     cb = engine.gpu_stats[2] - cb0
-    weights = collections.Counter()
+    weights, dispatches = collections.Counter(), collections.Counter()
     for r in engine.gpu_records(False):
         weights[r[0]] += r[2]
-    return out, cb, weights
+        dispatches[r[0]] += 1
+    return out, cb, weights, dispatches
 
 
 @pytest.mark.parametrize("kind", ["moe", "dense"])
 @pytest.mark.parametrize("B", [2, 3, 4])
 def test_msl_cpu_batched_decode_is_bit_identical_to_solo(msl_path, dense_path, kind, B):
     """B sequences at positions 3, 7, 40 (past split-K's 32) and 1 decode in one pass: one
-    command buffer reading every dense matrix once (a solo step's bytes), logits bit-identical
-    to solo."""
+    command buffer reading every dense matrix once (a solo step's bytes), each attention and
+    DeltaNet kernel one dispatch per layer for all B sequences (as for one), logits
+    bit-identical to solo."""
     model = lily.Model.load(msl_path if kind == "moe" else dense_path, backend="msl-cpu")
     engine = model._engine
     assert engine.batch_rows == 7
     batch, solo = _prefilled(model, [PROMPTS[1], PROMPTS[2][:7], PROMPTS[2], PROMPTS[0][:1]][:B])
     tokens = [11, 12, 13, 14][:B]
     for step in range(3):
-        want, _, solo_bytes = _gpu_pass(engine, engine.decode, solo[0], tokens[0])
+        want, _, solo_bytes, solo_dispatches = _gpu_pass(engine, engine.decode, solo[0], tokens[0])
         want = np.stack([want] + [engine.decode(s, t) for s, t in zip(solo[1:], tokens[1:], strict=True)])
-        got, cbs, weight_bytes = _gpu_pass(engine, engine.decode_batch, batch, np.asarray(tokens, np.int32))
+        got, cbs, weight_bytes, dispatches = _gpu_pass(engine, engine.decode_batch, batch,
+                                                       np.asarray(tokens, np.int32))
         _assert_same(got, want, f"msl-cpu decode_batch of {B}, step {step}")
         assert cbs == 1
+        # Each mixer kernel as many dispatches as in a solo step, one per layer (attn_combine: as
+        # many as attn_decode; the solo row, at position 3, has no split to combine).
+        decode = next(n for k, n in solo_dispatches.items() if k.startswith("attn_decode"))
+        mixers = {k: n for k, n in dispatches.items() if k.startswith(("attn_", "gdn_"))}
+        assert mixers == {k: solo_dispatches.get(k, decode) for k in mixers}, (mixers, solo_dispatches)
         # Dense matrices read once for all rows; the embedding rows and routed experts that
         # the rows choose (their union) are per row.
         per_row = [k for k in solo_bytes if k.startswith(("embed", "moe_gate_up", "moe_down"))]
@@ -241,7 +249,7 @@ def test_msl_cpu_prefill_chunk_inside_decode_passes(msl_path):
         states, tokens = [batch[0], batch[1]], [np.asarray([t], np.int32) for t in tok]
         states.insert(i % 3, fresh)
         tokens.insert(i % 3, chunk)
-        got, cbs, _ = _gpu_pass(engine, engine.step, states, tokens)
+        got, cbs, _, _ = _gpu_pass(engine, engine.step, states, tokens)
         others = np.delete(got, i % 3, axis=0)
         _assert_same(others, _solo(model, solo, tok), f"decode rows beside prefill chunk {i}")
         _assert_same(got[i % 3], engine.prefill(twin, chunk, False), f"prefill chunk {i}'s last row")
@@ -251,12 +259,12 @@ def test_msl_cpu_prefill_chunk_inside_decode_passes(msl_path):
     more, more_solo = _prefilled(model, [PROMPTS[3][:n] for n in (2, 3, 4, 5, 6)])
     states, twins = [fresh, *batch, *more], [twin, *solo, *more_solo]
     tokens = list(range(20, 28))
-    got, cbs, _ = _gpu_pass(engine, engine.decode_batch, states, np.asarray(tokens, np.int32))
+    got, cbs, _, _ = _gpu_pass(engine, engine.decode_batch, states, np.asarray(tokens, np.int32))
     _assert_same(got, _solo(model, twins, tokens), "8 decode rows (two passes)")
     assert cbs == 2
     # A 9-token chunk (the GEMM route: a pass of its own) beside two decode rows.
     chunk, alone = engine.new_state(64), engine.new_state(64)
-    got, cbs, _ = _gpu_pass(engine, engine.step, [batch[0], chunk, batch[1]],
+    got, cbs, _, _ = _gpu_pass(engine, engine.step, [batch[0], chunk, batch[1]],
                             [np.asarray([3], np.int32), np.asarray(prompt[:9], np.int32), np.asarray([4], np.int32)])
     _assert_same(np.delete(got, 1, axis=0), _solo(model, solo[:2], [3, 4]), "decode rows beside a 9-token chunk")
     _assert_same(got[1], engine.prefill(alone, np.asarray(prompt[:9], np.int32), False), "the 9-token chunk")

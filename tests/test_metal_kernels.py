@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from msl_cpu_harness import dispatch, kernels, msl_cpu, read
+from msl_cpu_harness import Table, dispatch, kernels, msl_cpu, read
 from msl_cpu_harness import kernel_args as A
 
 RNG = np.random.default_rng(0)
@@ -257,59 +257,87 @@ def _torch_norm_rope(x, w, eps, pos, inv_freq, rot):
 
 
 ATTN_CASES = [
-    # (D, Hq, Hkv, rot, pos0, T, n_splits, split_len, KV cache type)
-    (256, 16, 2, 64, 40, 1, 1, 41, "float"),   # 35B decode, single pass
-    (256, 16, 2, 64, 90, 1, 4, 24, "float"),   # 35B decode, split-K (last split partial) + combine
-    (256, 16, 2, 64, 90, 1, 4, 24, "half"),    # the same with a half-precision cache
-    (96, 6, 2, 24, 5, 3, 1, 8, "float"),       # odd: GQA 3, prefill of 3 tokens (causal)
-    (64, 3, 3, 64, 70, 1, 5, 16, "half"),      # no GQA, whole head rotated, split-K
+    # (D, Hq, Hkv, rot, KV cache type, sequences of the dispatch: (pos0, T, n_splits, split_len) each)
+    (256, 16, 2, 64, "float", [(40, 1, 1, 41)]),   # 35B decode, single pass
+    (256, 16, 2, 64, "float", [(90, 1, 4, 24)]),   # 35B decode, split-K (last split partial) + combine
+    (256, 16, 2, 64, "half", [(90, 1, 4, 24)]),    # the same with a half-precision cache
+    (96, 6, 2, 24, "float", [(5, 3, 1, 8)]),       # odd: GQA 3, prefill of 3 tokens (causal)
+    (64, 3, 3, 64, "half", [(70, 1, 5, 16)]),      # no GQA, whole head rotated, split-K
+    # Several sequences in one dispatch, each with its own cache, position, rows and splits:
+    # split and single-pass decode rows, a 2-token row run, a sequence past the others' splits.
+    (96, 6, 2, 24, "float", [(30, 1, 3, 12), (5, 2, 1, 8), (61, 1, 1, 62), (17, 1, 2, 9)]),
+    (256, 16, 2, 64, "half", [(90, 1, 4, 24), (12, 1, 1, 13), (47, 1, 2, 24)]),
 ]
 
 
-@pytest.mark.parametrize("D,Hq,Hkv,rot,pos0,T,n_splits,split_len,kv", ATTN_CASES)
-def test_attention(D, Hq, Hkv, rot, pos0, T, n_splits, split_len, kv):
+@pytest.mark.parametrize("D,Hq,Hkv,rot,kv,seqs", ATTN_CASES)
+def test_attention(D, Hq, Hkv, rot, kv, seqs):
+    """attn_prepare, attn_decode and attn_combine, each one dispatch over a table of sequences
+    (rows in table order, each against its own cache and position), against PyTorch per sequence."""
     dev = msl_cpu.device(interleavings=2 if D < 256 else 0)
     lib = kernels(dev, "attention.metal")
-    cap, eps, theta = pos0 + T + 3, 1e-6, 10_000_000.0
-    qg = RNG.standard_normal((T, Hq, 2 * D), dtype=np.float32)
-    k = RNG.standard_normal((T, Hkv, D), dtype=np.float32)
-    v = RNG.standard_normal((T, Hkv, D), dtype=np.float32)
+    eps, theta = 1e-6, 10_000_000.0
+    R = sum(T for _, T, _, _ in seqs)
+    firsts = np.cumsum([0] + [T for _, T, _, _ in seqs])[:-1]
+    qg = RNG.standard_normal((R, Hq, 2 * D), dtype=np.float32)
+    k = RNG.standard_normal((R, Hkv, D), dtype=np.float32)
+    v = RNG.standard_normal((R, Hkv, D), dtype=np.float32)
     qn, kn = (1 + 0.3 * RNG.standard_normal(D)).astype(np.float32), (1 + 0.3 * RNG.standard_normal(D)).astype(np.float32)
     inv_freq = (1.0 / theta ** (np.arange(0, rot, 2, dtype=np.float32) / rot)).astype(np.float32)
     kv_np = np.float32 if kv == "float" else np.float16
-    kc = RNG.standard_normal((Hkv, cap, D), dtype=np.float32).astype(kv_np)  # earlier positions: any values
-    vc = RNG.standard_normal((Hkv, cap, D), dtype=np.float32).astype(kv_np)
-    qgb, kcb, vcb = dev.buffer(qg), dev.buffer(kc), dev.buffer(vc)
-    dispatch(dev, lib.pipeline(f"attn_prepare_{kv}"), (Hq + Hkv, T), (128,),
-             {"qg": qgb, "k": dev.buffer(k), "v": dev.buffer(v), "q_norm": dev.buffer(qn), "k_norm": dev.buffer(kn),
-              "inv_freq": dev.buffer(inv_freq), "k_cache": kcb, "v_cache": vcb,
-              "args": A.AttnPrepareArgs(D=D, rot=rot, Hq=Hq, Hkv=Hkv, pos0=pos0, cap=cap, eps=eps)})
+    caches, entries = [], []
+    for i, ((pos0, T, n_splits, split_len), first) in enumerate(zip(seqs, firsts, strict=True)):
+        cap = pos0 + T + 3 + i  # each sequence its own capacity
+        kc = RNG.standard_normal((Hkv, cap, D), dtype=np.float32).astype(kv_np)  # earlier positions: any values
+        vc = RNG.standard_normal((Hkv, cap, D), dtype=np.float32).astype(kv_np)
+        kcb, vcb = dev.buffer(kc), dev.buffer(vc)
+        caches.append((kc, kcb, vcb, cap))
+        entries.append(A.AttnSeq(k=[kcb.gpu_address], v=[vcb.gpu_address], first=int(first), n=T, pos0=pos0, cap=cap,
+                                 n_splits=n_splits, split_len=split_len, part=i))
 
-    pos = np.arange(pos0, pos0 + T)
+    def table(written):
+        return Table(entries, [(b, written) for _, kcb, vcb, _ in caches for b in (kcb, vcb)])
+
+    qgb = dev.buffer(qg)
+    dispatch(dev, lib.pipeline(f"attn_prepare_{kv}"), (Hq + Hkv, R), (128,),
+             {"qg": qgb, "k": dev.buffer(k), "v": dev.buffer(v), "q_norm": dev.buffer(qn), "k_norm": dev.buffer(kn),
+              "inv_freq": dev.buffer(inv_freq), "seqs": table(True),
+              "args": A.AttnPrepareArgs(D=D, rot=rot, Hq=Hq, Hkv=Hkv, n_seqs=len(seqs), eps=eps)})
+
+    pos = np.concatenate([np.arange(pos0, pos0 + T) for pos0, T, _, _ in seqs])
     q_want = _torch_norm_rope(qg[..., :D], qn, eps, pos, inv_freq, rot)
     k_want = _torch_norm_rope(k, kn, eps, pos, inv_freq, rot)
-    got_qg = read(qgb, np.float32, (T, Hq, 2 * D))
+    got_qg = read(qgb, np.float32, (R, Hq, 2 * D))
     np.testing.assert_allclose(got_qg[..., :D], q_want, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(got_qg[..., D:], qg[..., D:])  # the gate half is untouched
-    kc_got, vc_got = read(kcb, kv_np, (Hkv, cap, D)), read(vcb, kv_np, (Hkv, cap, D))
     k_tol = 1e-4 if kv == "float" else 1e-3  # f16 rounding of the stored key
-    np.testing.assert_allclose(kc_got[:, pos0:pos0 + T], k_want.transpose(1, 0, 2), rtol=k_tol, atol=k_tol)
-    np.testing.assert_array_equal(vc_got[:, pos0:pos0 + T], v.transpose(1, 0, 2).astype(kv_np))
-    np.testing.assert_array_equal(kc_got[:, :pos0], kc[:, :pos0])  # nothing else written
+    stored = []
+    for (pos0, T, _, _), first, (kc, kcb, vcb, cap) in zip(seqs, firsts, caches, strict=True):
+        rows = slice(first, first + T)
+        kc_got, vc_got = read(kcb, kv_np, (Hkv, cap, D)), read(vcb, kv_np, (Hkv, cap, D))
+        np.testing.assert_allclose(kc_got[:, pos0:pos0 + T], k_want[rows].transpose(1, 0, 2), rtol=k_tol, atol=k_tol)
+        np.testing.assert_array_equal(vc_got[:, pos0:pos0 + T], v[rows].transpose(1, 0, 2).astype(kv_np))
+        np.testing.assert_array_equal(kc_got[:, :pos0], kc[:, :pos0])  # nothing else written
+        stored.append((kc_got, vc_got))
 
-    scale = 1.0 / np.sqrt(D)
-    o = dev.buffer_empty(4 * T * Hq * D)
-    part_o, part_ml = dev.buffer_empty(4 * T * Hq * n_splits * D), dev.buffer_empty(4 * T * Hq * n_splits * 2)
-    args = A.AttnArgs(D=D, Hq=Hq, Hkv=Hkv, cap=cap, pos0=pos0, n_splits=n_splits, split_len=split_len, scale=scale)
-    dispatch(dev, lib.pipeline(f"attn_decode_{kv}_d{D}"), (Hkv, n_splits, T), (A.ATTN_THREADS,),
-             {"qg": qgb, "k_cache": kcb, "v_cache": vcb, "o": o, "part_o": part_o, "part_ml": part_ml, "args": args})
-    if n_splits > 1:
-        dispatch(dev, lib.pipeline("attn_combine"), (Hq, D // A.ATTN_COMBINE_COLUMNS, T), (A.ATTN_COMBINE_COLUMNS,),
-                 {"qg": qgb, "part_o": part_o, "part_ml": part_ml, "o": o, "args": args})
-    # Attention over the cache as stored (f16 values are exact in f64).
-    want = _torch_attention(got_qg[..., :D], kc_got.astype(np.float32), vc_got.astype(np.float32), qg[..., D:],
-                            pos0, scale)
-    np.testing.assert_allclose(read(o, np.float32, (T, Hq, D)), want, rtol=1e-4, atol=1e-5)
+    scale, max_splits = 1.0 / np.sqrt(D), max(n for _, _, n, _ in seqs)
+    o = dev.buffer_empty(4 * R * Hq * D)
+    part_o = dev.buffer_empty(4 * len(seqs) * Hq * max_splits * D)
+    part_ml = dev.buffer_empty(4 * len(seqs) * Hq * max_splits * 2)
+    args = A.AttnArgs(D=D, Hq=Hq, Hkv=Hkv, n_seqs=len(seqs), max_splits=max_splits, scale=scale)
+    dispatch(dev, lib.pipeline(f"attn_decode_{kv}_d{D}"), (Hkv, max_splits, R), (A.ATTN_THREADS,),
+             {"qg": qgb, "seqs": table(False), "o": o, "part_o": part_o, "part_ml": part_ml, "args": args})
+    if max_splits > 1:
+        dispatch(dev, lib.pipeline("attn_combine"), (Hq, D // A.ATTN_COMBINE_COLUMNS, len(seqs)),
+                 (A.ATTN_COMBINE_COLUMNS,),
+                 {"qg": qgb, "seqs": Table(entries), "part_o": part_o, "part_ml": part_ml, "o": o, "args": args})
+    got = read(o, np.float32, (R, Hq, D))
+    for (pos0, T, _, _), first, (kc_got, vc_got) in zip(seqs, firsts, stored, strict=True):
+        rows = slice(first, first + T)
+        # Attention over the sequence's cache as stored (f16 values are exact in f64).
+        want = _torch_attention(got_qg[rows, :, :D], kc_got.astype(np.float32), vc_got.astype(np.float32),
+                                qg[rows, :, D:], pos0, scale)
+        np.testing.assert_allclose(got[rows], want, rtol=1e-4, atol=1e-5)
 
 
 # ---- gdn.metal ----------------------------------------------------------------------------------
@@ -349,53 +377,69 @@ def gdn_reference(Hk, Hv, Dk, Dv, taps, window, S0, a_neg, dt_bias, norm_w, eps,
 
 
 GDN_CASES = [
-    # (Hk, Hv, Dk, Dv, K, T)
-    (16, 32, 128, 128, 4, 1),  # 35B decode
-    (3, 6, 48, 96, 4, 4),      # odd dims, a chunk longer than the conv window
-    (2, 2, 32, 40, 4, 2),      # T < K-1: the window keeps part of the old one; Dv not a multiple of 32
+    # (Hk, Hv, Dk, Dv, K, rows of each sequence of the dispatch)
+    (16, 32, 128, 128, 4, [1]),  # 35B decode
+    (3, 6, 48, 96, 4, [4]),      # odd dims, a chunk longer than the conv window
+    (2, 2, 32, 40, 4, [2]),      # T < K-1: the window keeps part of the old one; Dv not a multiple of 32
+    (3, 6, 48, 96, 4, [1, 3, 1, 2]),  # several sequences in one dispatch, each its own window and state
 ]
 
 
-@pytest.mark.parametrize("Hk,Hv,Dk,Dv,K,T", GDN_CASES)
-def test_gated_deltanet_step(Hk, Hv, Dk, Dv, K, T):
+@pytest.mark.parametrize("Hk,Hv,Dk,Dv,K,Ts", GDN_CASES)
+def test_gated_deltanet_step(Hk, Hv, Dk, Dv, K, Ts):
+    """gdn_conv and gdn_recurrence, each one dispatch over a table of sequences (their rows in
+    order, each with its own conv window and state), then the gated norm over all rows, against
+    PyTorch's conv1d and transformers' recurrence and norm per sequence."""
     dev = msl_cpu.device(interleavings=2 if Hv < 32 else 0)
     lib = kernels(dev, "gdn.metal")
-    C, vdim, eps = 2 * Hk * Dk + Hv * Dv, Hv * Dv, 1e-6
-    qkv = RNG.standard_normal((T, C), dtype=np.float32)
+    C, vdim, eps, R = 2 * Hk * Dk + Hv * Dv, Hv * Dv, 1e-6, sum(Ts)
+    firsts = np.cumsum([0] + Ts)[:-1]
+    qkv = RNG.standard_normal((R, C), dtype=np.float32)
     taps = (0.5 * RNG.standard_normal((C, K))).astype(np.float32)
-    window = RNG.standard_normal((K - 1, C), dtype=np.float32)
-    z = RNG.standard_normal((T, vdim), dtype=np.float32)
-    b = RNG.standard_normal((T, Hv), dtype=np.float32)
-    a = RNG.standard_normal((T, Hv), dtype=np.float32)
+    z = RNG.standard_normal((R, vdim), dtype=np.float32)
+    b = RNG.standard_normal((R, Hv), dtype=np.float32)
+    a = RNG.standard_normal((R, Hv), dtype=np.float32)
     A_log = RNG.uniform(-1, 1, Hv).astype(np.float32)
     a_neg = -np.exp(A_log).astype(np.float32)
     dt_bias = RNG.standard_normal(Hv, dtype=np.float32)
     norm_w = RNG.uniform(0.5, 1.5, Dv).astype(np.float32)
-    S0 = (0.1 * RNG.standard_normal((Hv, Dk, Dv))).astype(np.float32)
-    args = A.GdnArgs(T=T, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, K=K, C=C, eps=eps, q_scale=1.0 / np.sqrt(Dk))
+    args = A.GdnArgs(T=R, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, K=K, C=C, eps=eps, q_scale=1.0 / np.sqrt(Dk))
 
-    # State in place for the conv window, ping-ponged (separate out buffer) for S.
-    winb, conv_out = dev.buffer(window), dev.buffer_empty(4 * T * C)
-    dispatch(dev, lib.pipeline("gdn_conv"), ((C + 255) // 256,), (256,),
-             {"qkv": dev.buffer(qkv), "taps": dev.buffer(taps), "window": winb, "out": conv_out, "args": args,
-              "window_out": winb})
-    S_in, Sb, o = dev.buffer(S0), dev.buffer_empty(S0.nbytes), dev.buffer_empty(4 * T * vdim)
-    # One threadgroup per (value head, slice of value columns), then the gated norm per head.
+    # Per sequence: the conv window updated in place, S ping-ponged (a separate out buffer).
+    windows = [RNG.standard_normal((K - 1, C), dtype=np.float32) for _ in Ts]
+    S0s = [(0.1 * RNG.standard_normal((Hv, Dk, Dv))).astype(np.float32) for _ in Ts]
+    winb = [dev.buffer(w) for w in windows]
+    S_in = [dev.buffer(S0) for S0 in S0s]
+    S_out = [dev.buffer_empty(S0.nbytes) for S0 in S0s]
+    entries = [A.GdnSeq(window=w.gpu_address, window_out=w.gpu_address, S=si.gpu_address, S_out=so.gpu_address,
+                        first=int(f), n=T) for w, si, so, f, T in zip(winb, S_in, S_out, firsts, Ts, strict=True)]
+    conv_out = dev.buffer_empty(4 * R * C)
+    dispatch(dev, lib.pipeline("gdn_conv"), ((C + 255) // 256, len(Ts)), (256,),
+             {"qkv": dev.buffer(qkv), "taps": dev.buffer(taps), "out": conv_out, "args": args,
+              "seqs": Table(entries, [(w, True) for w in winb])})
+    o = dev.buffer_empty(4 * R * vdim)
+    # One threadgroup per (value head, slice of value columns, sequence), then the gated norm per head.
     slices = -(-Dv // A.GDN_COLUMNS)
-    dispatch(dev, lib.pipeline(f"gdn_recurrence_dk{Dk}"), (Hv, slices), (A.GDN_COLUMNS,),
+    dispatch(dev, lib.pipeline(f"gdn_recurrence_dk{Dk}"), (Hv, slices, len(Ts)), (A.GDN_COLUMNS,),
              {"conv_out": conv_out, "b": dev.buffer(b), "a": dev.buffer(a), "a_neg": dev.buffer(a_neg),
-              "dt_bias": dev.buffer(dt_bias), "S": S_in, "o": o, "args": args, "S_out": Sb})
-    np.testing.assert_array_equal(read(S_in, np.float32, S0.shape), S0)  # the input state survives
-    dispatch(dev, lib.pipeline("gdn_gated_norm"), (Hv, T), (32 * ((Dv + 31) // 32),),
+              "dt_bias": dev.buffer(dt_bias), "o": o, "args": args,
+              "seqs": Table(entries, [(si, False) for si in S_in] + [(so, True) for so in S_out])})
+    dispatch(dev, lib.pipeline("gdn_gated_norm"), (Hv, R), (32 * ((Dv + 31) // 32),),
              {"z": dev.buffer(z), "norm_w": dev.buffer(norm_w), "o": o, "args": args})
 
-    # Reference: PyTorch's depthwise conv1d over [window ; qkv], transformers' recurrence and norm.
-    want_o, want_S, want_window, want_conv = gdn_reference(Hk, Hv, Dk, Dv, taps, window, S0, a_neg, dt_bias,
-                                                           norm_w, eps, qkv, z, b, a)
-    np.testing.assert_allclose(read(conv_out, np.float32, (T, C)), want_conv, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(read(winb, np.float32, (K - 1, C)), want_window)
-    np.testing.assert_allclose(read(Sb, np.float32, (Hv, Dk, Dv)), want_S, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(read(o, np.float32, (T, vdim)), want_o, rtol=1e-4, atol=1e-4)
+    # Reference per sequence: PyTorch's depthwise conv1d over [window ; rows], transformers'
+    # recurrence and norm.
+    got_conv, got_o = read(conv_out, np.float32, (R, C)), read(o, np.float32, (R, vdim))
+    for i, (first, T) in enumerate(zip(firsts, Ts, strict=True)):
+        rows = slice(first, first + T)
+        want_o, want_S, want_window, want_conv = gdn_reference(Hk, Hv, Dk, Dv, taps, windows[i], S0s[i], a_neg,
+                                                               dt_bias, norm_w, eps, qkv[rows], z[rows], b[rows],
+                                                               a[rows])
+        np.testing.assert_array_equal(read(S_in[i], np.float32, S0s[i].shape), S0s[i])  # the input state survives
+        np.testing.assert_allclose(got_conv[rows], want_conv, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(read(winb[i], np.float32, (K - 1, C)), want_window)
+        np.testing.assert_allclose(read(S_out[i], np.float32, (Hv, Dk, Dv)), want_S, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(got_o[rows], want_o, rtol=1e-4, atol=1e-4)
 
 
 def test_gdn_ungroup():

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from fixtures import cases
-from msl_cpu_harness import dispatch, kernels, msl_cpu, read
+from msl_cpu_harness import Table, dispatch, kernels, msl_cpu, read
 from msl_cpu_harness import kernel_args as A
 from test_metal_decode import MODELS
 from test_metal_kernels import _torch_attention, gdn_reference
@@ -55,10 +55,12 @@ def test_attention_prefill_kernel(D, Hq, Hkv, pos0, T, kv):
     tile = max(1, A.ATTN_PF_ROWS // (Hq // Hkv))
     scale = 1.0 / np.sqrt(D)
     o = dev.buffer_empty(4 * T * Hq * D)
+    kcb, vcb = dev.buffer(kc), dev.buffer(vc)
+    seq = A.AttnSeq(k=[kcb.gpu_address], v=[vcb.gpu_address], first=0, n=T, pos0=pos0, cap=cap)
     dispatch(dev, kernels(dev, "attention_prefill.metal").pipeline(f"attn_prefill_{kv}_d{D}"),
              (Hkv, -(-T // tile)), (A.ATTN_PF_THREADS,),
-             {"qg": dev.buffer(qg), "k_cache": dev.buffer(kc), "v_cache": dev.buffer(vc), "o": o,
-              "args": A.AttnPrefillArgs(D=D, Hq=Hq, Hkv=Hkv, cap=cap, pos0=pos0, T=T, tile_tokens=tile, scale=scale)})
+             {"qg": dev.buffer(qg), "seq": Table([seq], [(kcb, False), (vcb, False)]), "o": o,
+              "args": A.AttnPrefillArgs(D=D, Hq=Hq, Hkv=Hkv, tile_tokens=tile, scale=scale)})
     want = _torch_attention(qg[..., :D], kc, vc, qg[..., D:], pos0, scale)
     np.testing.assert_allclose(read(o, np.float32, (T, Hq, D)), want, rtol=1e-4, atol=1e-5)
 

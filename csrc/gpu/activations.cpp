@@ -49,12 +49,4 @@ void Activations::size_for(int T, int segments) {
   }
 }
 
-BufferRange Activations::part_o_slice(size_t i) const {
-  return {part_o, i * attn_partial_bytes(c_.n_heads, c_.head_dim, max_splits_).o};
-}
-
-BufferRange Activations::part_ml_slice(size_t i) const {
-  return {part_ml, i * attn_partial_bytes(c_.n_heads, c_.head_dim, max_splits_).ml};
-}
-
 }  // namespace lily::gpu

@@ -21,8 +21,8 @@ struct Activations {
   std::shared_ptr<Buffer> qg;        // [T, Hq, 2D] per head: query | output gate
   std::shared_ptr<Buffer> k, v;      // [T, Hkv, D]
   std::shared_ptr<Buffer> o;         // [T, Hq, D] attention output (gated)
-  std::shared_ptr<Buffer> part_o;    // [S][Hq, max_splits, D] split-K partials (decode), S segments
-  std::shared_ptr<Buffer> part_ml;   // [S][Hq, max_splits, 2] their (max, sum)
+  std::shared_ptr<Buffer> part_o;    // [S, Hq, max_splits, D] split-K partials (decode), slot s: segment s
+  std::shared_ptr<Buffer> part_ml;   // [S, Hq, max_splits, 2] their (max, sum)
   std::shared_ptr<Buffer> qkv;       // [T, C] DeltaNet q | k | v projections
   std::shared_ptr<Buffer> qkvz;      // [T, C + Hv*Dv] Qwen3-Next's grouped q k v z projection
   std::shared_ptr<Buffer> ba;        // [T, 2*Hv] Qwen3-Next's grouped b a projection
@@ -51,9 +51,6 @@ struct Activations {
   // sequences (buffers only grow). Call only when no command buffer in flight uses them (a
   // replaced buffer is released).
   void size_for(int T, int segments = 1);
-  // Segment i's slice of the split-K partials: a pass's segments decode at once.
-  BufferRange part_o_slice(size_t i) const;
-  BufferRange part_ml_slice(size_t i) const;
   // b holds at least `bytes` (at least 16), replaced by a larger one if needed.
   void grow(std::shared_ptr<Buffer>& b, size_t bytes);
 

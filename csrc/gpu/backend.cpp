@@ -365,46 +365,48 @@ void GpuBackend::attention(Segments, int layer, const AttentionWeights& w) {
   project(w.v_proj, "v_proj", {acts_.h, 0}, H, {acts_.v, 0}, Hkv * D, T);
 
   // Each segment against its own cache and position, on its rows of qg, k, v and o (and its own
-  // slice of the split-K partials); each step encoded for every segment before the next, so the
-  // segments share stages.
+  // slot of the split-K partials): each kernel is one dispatch for all the segments whose
+  // caches share a layout (contiguous and block caches are two kernels), chunks that fit
+  // attn_prefill one dispatch each. Each step is encoded for every segment before the next.
   const float scale = 1.0f / std::sqrt(float(D));
   const int group = Hq / Hkv;
-  struct AttnSegment {
-    KvCacheView kv;
-    BufferRange qg, o;
-    uint32_t cap;
-  };
-  std::vector<AttnSegment> segs;
-  for (const PassSegment& p : pass_) {
-    GpuState& st = *p.state;
-    const size_t r = size_t(p.first) * 4;
-    AttnSegment s{kv_view(st, layer), {acts_.qg, r * Hq * 2 * D}, {acts_.o, r * Hq * D},
-           uint32_t(st.block_len ? st.block_len : st.capacity)};  // blocks: positions per block
-    AttnPrepareArgs pa{uint32_t(D), uint32_t(c_.rotary_dim), uint32_t(Hq), uint32_t(Hkv), uint32_t(p.pos0), s.cap,
-                       c_.rms_eps};
-    encode_attn_prepare(ctx_, pa, p.n, {acts_.k, r * Hkv * D}, {acts_.v, r * Hkv * D}, weights_gpu_.vector(w.q_norm),
-                        weights_gpu_.vector(w.k_norm), inv_freq_, s.kv, s.qg);
-    segs.push_back(std::move(s));
-  }
-  std::vector<AttnArgs> decode(pass_.size());
+  std::vector<AttnSeqView> seqs;
   for (size_t i = 0; i < pass_.size(); ++i) {
     const PassSegment& p = pass_[i];
-    const AttnSegment& s = segs[i];
-    if (p.n > 1 && attn_prefill_fits(D, group)) {  // a chunk: flash attention over query tiles
-      const uint32_t tile = std::max(1, LILY_ATTN_PF_ROWS / group);
-      AttnPrefillArgs a{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), s.cap, uint32_t(p.pos0), uint32_t(p.n), tile, scale};
-      encode_attn_prefill(ctx_, a, s.qg, s.kv, s.o);
-      continue;
-    }
-    AttnArgs& a = decode[i];
-    a = AttnArgs{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), s.cap, uint32_t(p.pos0), 1, 0, scale};
-    attn_decode_splits(a, p.pos0 + p.n, p.n, options_.split_threshold, options_.split_len, options_.max_splits,
+    AttnSeqView s{kv_view(*p.state, layer), uint32_t(p.first), uint32_t(p.n), uint32_t(p.pos0)};
+    s.part = uint32_t(i);
+    attn_decode_splits(s, p.pos0 + p.n, options_.split_threshold, options_.split_len, options_.max_splits,
                        p.state->block_len);
-    encode_attn_decode(ctx_, a, p.n, s.qg, s.kv, s.o, acts_.part_o_slice(i), acts_.part_ml_slice(i));
+    seqs.push_back(std::move(s));
   }
-  for (size_t i = 0; i < pass_.size(); ++i)  // (n_splits is 0 for a prefill segment: nothing to combine)
-    if (decode[i].n_splits > 1)
-      encode_attn_combine(ctx_, decode[i], segs[i].qg, segs[i].o, acts_.part_o_slice(i), acts_.part_ml_slice(i));
+  // The segments of one cache layout (all, or those of one route: a chunk that fits
+  // attn_prefill, or decode rows and the chunks that do not fit).
+  enum class Route { Any, Prefill, Decode };
+  auto layout = [&](bool blocks, Route route) {
+    std::vector<AttnSeqView> out;
+    for (const AttnSeqView& s : seqs) {
+      const Route r = s.n > 1 && attn_prefill_fits(D, group) ? Route::Prefill : Route::Decode;
+      if (s.kv.blocks == blocks && (route == Route::Any || route == r)) out.push_back(s);
+    }
+    return out;
+  };
+  const AttnPrepareArgs pa{uint32_t(D), uint32_t(c_.rotary_dim), uint32_t(Hq), uint32_t(Hkv), 0, c_.rms_eps};
+  for (bool blocks : {false, true})
+    if (auto group_seqs = layout(blocks, Route::Any); !group_seqs.empty())
+      encode_attn_prepare(ctx_, pa, group_seqs, acts_.k, acts_.v, weights_gpu_.vector(w.q_norm),
+                          weights_gpu_.vector(w.k_norm), inv_freq_, acts_.qg);
+  const AttnArgs da{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), 0, uint32_t(options_.max_splits), scale};
+  for (bool blocks : {false, true}) {
+    for (const AttnSeqView& s : layout(blocks, Route::Prefill)) {  // a chunk: flash attention over query tiles
+      const uint32_t tile = std::max(1, LILY_ATTN_PF_ROWS / group);
+      encode_attn_prefill(ctx_, {uint32_t(D), uint32_t(Hq), uint32_t(Hkv), tile, scale}, s, acts_.qg, acts_.o);
+    }
+    if (auto dec = layout(blocks, Route::Decode); !dec.empty())
+      encode_attn_decode(ctx_, da, dec, acts_.qg, acts_.o, acts_.part_o, acts_.part_ml);
+  }
+  for (bool blocks : {false, true})
+    if (auto dec = layout(blocks, Route::Decode); !dec.empty())
+      encode_attn_combine(ctx_, da, dec, acts_.qg, acts_.o, acts_.part_o, acts_.part_ml);
   project(w.o_proj, "o_proj", {acts_.o, 0}, Hq * D, {acts_.y, 0}, H, T);
 }
 
@@ -430,49 +432,49 @@ void GpuBackend::gated_deltanet(Segments, int layer, const GdnWeights& w) {
   }
   const GdnLayerBuffers L{weights_gpu_.vector(w.conv1d), weights_gpu_.vector(w.a_neg), weights_gpu_.vector(w.dt_bias),
                           weights_gpu_.vector(w.norm)};
-  // Each segment against its own conv window and state, on its rows of the activations; each
-  // step encoded for every segment before the next, so the segments share stages.
-  struct GdnSegment {
-    GdnArgs args;
-    BufferRange qkv, z, b, a, conv_out, gates, go;
-    GdnStateView sv;
-    bool chunk;  // the prefill route (gdn_prepare + gdn_scan)
+  // Each segment against its own conv window and state, on its rows of the activations: the
+  // decode-route segments share one gdn_conv and one gdn_recurrence dispatch, each chunk that
+  // fits the prefill route takes gdn_prepare + gdn_scan; each step encoded for every segment
+  // before the next, so the segments share stages.
+  const bool prefill_fits = gdn_prefill_fits(c_.gdn_k_dim, c_.gdn_v_dim);
+  auto state_of = [&](const PassSegment& p) {  // the copy read (parity p.in) and the one written
+    const GpuState& st = *p.state;
+    return GdnStateView{st.conv[p.in][layer], st.conv[p.in ^ 1][layer], st.S[p.in][layer], st.S[p.in ^ 1][layer]};
   };
-  std::vector<GdnSegment> segs;
-  for (const PassSegment& p : pass_) {
-    GpuState& st = *p.state;
+  std::vector<GdnSeqView> decode;
+  for (const PassSegment& p : pass_)
+    if (!(p.n > 1 && prefill_fits)) decode.push_back({state_of(p), uint32_t(p.first), uint32_t(p.n)});
+  auto chunk = [&](const PassSegment& p, bool scan) {  // the prefill route of one segment
+    const GdnStateView sv = state_of(p);
     const size_t r = size_t(p.first) * 4;
-    GdnSegment s{args,
-           {acts_.qkv, r * C},
-           {acts_.z, r * vdim},
-           {acts_.b, r * Hv},
-           {acts_.a, r * Hv},
-           {acts_.conv_out, r * C},
-           {acts_.gdn_gates, r * Hv * 2},
-           {acts_.go, r * vdim},
-           {st.conv[p.in][layer], st.conv[p.in ^ 1][layer], st.S[p.in][layer], st.S[p.in ^ 1][layer]},
-           p.n > 1 && gdn_prefill_fits(c_.gdn_k_dim, c_.gdn_v_dim)};
-    s.args.T = uint32_t(p.n);
-    segs.push_back(std::move(s));
-  }
-  for (const GdnSegment& s : segs) {
-    if (s.chunk) encode_gdn_prepare(ctx_, s.args, s.qkv, s.b, s.a, L, s.sv, s.conv_out, s.gates);
-    else encode_gdn_conv(ctx_, s.args, s.qkv, L, s.sv, s.conv_out);
-  }
-  for (const GdnSegment& s : segs) {
-    if (s.chunk) encode_gdn_scan(ctx_, s.args, s.conv_out, s.gates, s.z, L, s.sv, s.go);
-    else encode_gdn_recurrence(ctx_, s.args, s.conv_out, s.b, s.a, L, s.sv, s.go);
+    GdnArgs ca = args;
+    ca.T = uint32_t(p.n);
+    if (!scan)
+      encode_gdn_prepare(ctx_, ca, {acts_.qkv, r * C}, {acts_.b, r * Hv}, {acts_.a, r * Hv}, L, sv,
+                         {acts_.conv_out, r * C}, {acts_.gdn_gates, r * Hv * 2});
+    else
+      encode_gdn_scan(ctx_, ca, {acts_.conv_out, r * C}, {acts_.gdn_gates, r * Hv * 2}, {acts_.z, r * vdim}, L, sv,
+                      {acts_.go, r * vdim});
+  };
+  for (bool scan : {false, true}) {
+    for (const PassSegment& p : pass_)
+      if (p.n > 1 && prefill_fits) chunk(p, scan);
+    if (decode.empty()) continue;
+    if (!scan) encode_gdn_conv(ctx_, args, decode, acts_.qkv, L, acts_.conv_out);
+    else encode_gdn_recurrence(ctx_, args, decode, acts_.conv_out, acts_.b, acts_.a, L, acts_.go);
   }
   // The gated norm is row-wise: one dispatch per run of consecutive decode-route segments.
-  for (size_t i = 0; i < segs.size();) {
-    if (segs[i].chunk) {
+  for (size_t i = 0; i < pass_.size();) {
+    if (pass_[i].n > 1 && prefill_fits) {
       ++i;
       continue;
     }
-    GdnArgs run = segs[i].args;
-    size_t j = i + 1;
-    for (; j < segs.size() && !segs[j].chunk; ++j) run.T += segs[j].args.T;
-    encode_gdn_gated_norm(ctx_, run, segs[i].z, L, segs[i].go);
+    GdnArgs run = args;
+    run.T = 0;
+    size_t j = i;
+    for (; j < pass_.size() && !(pass_[j].n > 1 && prefill_fits); ++j) run.T += uint32_t(pass_[j].n);
+    const size_t r = size_t(pass_[i].first) * 4;
+    encode_gdn_gated_norm(ctx_, run, {acts_.z, r * vdim}, L, {acts_.go, r * vdim});
     i = j;
   }
   project(w.out_proj, "out_proj", {acts_.go, 0}, vdim, {acts_.y, 0}, H, T);

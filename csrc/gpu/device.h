@@ -18,6 +18,9 @@
 //   set_threadgroup_memory_length(i, n) -> setThreadgroupMemoryLength:atIndex: (n % 16 == 0)
 //   dispatch_threadgroups(grid, tg)     -> dispatchThreadgroups:threadsPerThreadgroup:
 //   memory_barrier()                    -> memoryBarrierWithScope:MTLBarrierScopeBuffers
+//   use_resource(b, write)              -> useResource:usage: (a buffer a kernel reaches through
+//                                          an address in its argument data, not a binding)
+//   Buffer::gpu_address()               -> MTLBuffer.gpuAddress (macOS 13+)
 //   CommandBuffer::commit / wait_until_completed; an execution error is raised by the wait, as
 //   Metal reports it in the command buffer's error once it completes, naming the encoder that
 //   failed (its label; Metal: MTLCommandBufferErrorOptionEncoderExecutionStatus).
@@ -78,6 +81,10 @@ class Buffer {
   virtual void write(size_t offset, const void* data, size_t n);  // host -> buffer
   virtual void read(size_t offset, void* data, size_t n);         // buffer -> host
   virtual void fill(size_t offset, uint8_t value, size_t n);      // memset
+  // The address kernels see the buffer's first byte at, for a `device T*` written into argument
+  // data (Metal 3's MTLBuffer.gpuAddress; msl_cpu: its storage; msl_cuda: its device pointer).
+  // A dispatch that reaches a buffer this way declares it with ComputeEncoder::use_resource.
+  virtual uint64_t gpu_address() const = 0;
 };
 
 // Throws lily::Error unless [offset, offset + n) lies in a buffer of `length` bytes ("[gpu]
@@ -137,6 +144,12 @@ class ComputeEncoder {
   virtual void dispatch_threadgroups(Size3 threadgroups_per_grid,
                                      Size3 threads_per_threadgroup) = 0;
   virtual void memory_barrier() = 0;
+  // The next dispatches reach `buffer` through an address in their argument data (a sequence
+  // table of device addresses) rather than a binding: Metal makes it resident for them
+  // (useResource:usage:); the MSL runtimes keep it alive and include it in their checks. Applies
+  // to the dispatches encoded after it until the next dispatch_threadgroups has taken it, as
+  // the runtimes record it per dispatch (Metal's lasts the whole encoder: a superset).
+  virtual void use_resource(const std::shared_ptr<Buffer>& buffer, bool write) = 0;
   virtual void end_encoding() = 0;
 };
 

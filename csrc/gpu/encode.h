@@ -100,47 +100,64 @@ void encode_add_rms_norm(EncoderContext& ctx, const NormArgs& args, int T, const
 
 // ---- attention.cpp -------------------------------------------------------------------------------
 
-// One layer's KV cache as the attention kernels bind it: contiguous K, V [Hkv, cap, D], or the
-// fixed-block layout's table and K / V arenas (csrc/gpu/kv_cache.cpp).
+// One layer's KV cache of a sequence: contiguous K, V [Hkv, cap, D], or the fixed-block
+// layout's table and K / V arenas (csrc/gpu/kv_cache.cpp). The kernels reach it by address
+// (metal/attention_args.h AttnSeq), so a dispatch serves several sequences.
 struct KvCacheView {
   std::shared_ptr<Buffer> k, v;                        // contiguous
   std::shared_ptr<Buffer> table;                       // blocks: [n_blocks] arena << 24 | slot
   std::vector<std::shared_ptr<Buffer>> k_arenas, v_arenas;
   bool blocks = false;
   bool half = false;  // f16 elements (else f32)
+  uint32_t cap = 0;   // contiguous: capacity (positions); blocks: positions per block
   std::string kernel_suffix() const;  // "[blocks_]<float|half>"
 };
 
-// q, k normed and rotated; k, v written into the cache at pos0.. (attn_prepare_[blocks_]<KV>):
-// grid (Hq + Hkv, T). qg is updated in place.
-void encode_attn_prepare(EncoderContext& ctx, const AttnPrepareArgs& args, int T, const BufferRange& k,
-                         const BufferRange& v, const std::shared_ptr<Buffer>& q_norm,
-                         const std::shared_ptr<Buffer>& k_norm, const std::shared_ptr<Buffer>& inv_freq,
-                         const KvCacheView& kv, const BufferRange& qg);
-// Decode attention over the cache (attn_decode_[blocks_]<KV>_d<D>): o [T, Hq, D] in a single
-// pass, or (args.n_splits > 1) the splits' partials part_o / part_ml, which
-// encode_attn_combine (attn_combine) then merges into o; it encodes nothing for one split.
-// Two calls, so a pass of several sequences encodes every sequence's decode before the
-// combines (one stage each, not one pair of stages per sequence).
-void encode_attn_decode(EncoderContext& ctx, const AttnArgs& args, int T, const BufferRange& qg,
-                        const KvCacheView& kv, const BufferRange& o, const BufferRange& part_o,
-                        const BufferRange& part_ml);
-void encode_attn_combine(EncoderContext& ctx, const AttnArgs& args, const BufferRange& qg, const BufferRange& o,
-                         const BufferRange& part_o, const BufferRange& part_ml);
+// One sequence of an attention dispatch: its cache, its rows of the pass's qg, k, v and o, its
+// position, and (decode) its split-K and partials slot. Its AttnSeq table entry is made from it.
+struct AttnSeqView {
+  KvCacheView kv;
+  uint32_t first = 0, n = 0, pos0 = 0;
+  uint32_t n_splits = 1, split_len = 0;
+  uint32_t part = 0;  // its slot of the split-K partials [slot, Hq, max_splits, D]
+};
+
+// The attention kernels take every sequence of a dispatch in one table (at most
+// LILY_ATTN_MAX_SEQS, all of one cache layout and element type: one kernel); the grid's rows
+// are the sequences' rows in table order, and the activations are bound from their start.
+//
+// q, k normed and rotated; k, v written into each sequence's cache at its positions
+// (attn_prepare_[blocks_]<KV>): grid (Hq + Hkv, rows). qg is updated in place.
+void encode_attn_prepare(EncoderContext& ctx, AttnPrepareArgs args, const std::vector<AttnSeqView>& seqs,
+                         const std::shared_ptr<Buffer>& k, const std::shared_ptr<Buffer>& v,
+                         const std::shared_ptr<Buffer>& q_norm, const std::shared_ptr<Buffer>& k_norm,
+                         const std::shared_ptr<Buffer>& inv_freq, const std::shared_ptr<Buffer>& qg);
+// Decode attention over each sequence's cache (attn_decode_[blocks_]<KV>_d<D>): o [T, Hq, D] for a
+// sequence of one split, else its splits' partials in its slot of part_o / part_ml, which
+// encode_attn_combine (attn_combine) then merges into o (it encodes nothing when no sequence
+// is split). Two calls, so the combine is one stage after all of a pass's decodes.
+void encode_attn_decode(EncoderContext& ctx, AttnArgs args, const std::vector<AttnSeqView>& seqs,
+                        const std::shared_ptr<Buffer>& qg, const std::shared_ptr<Buffer>& o,
+                        const std::shared_ptr<Buffer>& part_o, const std::shared_ptr<Buffer>& part_ml);
+void encode_attn_combine(EncoderContext& ctx, AttnArgs args, const std::vector<AttnSeqView>& seqs,
+                         const std::shared_ptr<Buffer>& qg, const std::shared_ptr<Buffer>& o,
+                         const std::shared_ptr<Buffer>& part_o, const std::shared_ptr<Buffer>& part_ml);
 // Bytes of one decode's split-K partials over `splits` splits: part_o [Hq, splits, D] and
-// part_ml [Hq, splits, 2] (f32).
+// part_ml [Hq, splits, 2] (f32): one slot.
 struct AttnPartialBytes {
   size_t o, ml;
 };
 AttnPartialBytes attn_partial_bytes(size_t Hq, size_t D, size_t splits);
-// The splits of decode attention over n_ctx positions (args.n_splits, args.split_len).
-void attn_decode_splits(AttnArgs& args, int n_ctx, int T, int split_threshold, int split_len, int max_splits,
+// The splits of s's decode attention over n_ctx positions (s.n_splits, s.split_len): several
+// only for a single row past split_threshold positions.
+void attn_decode_splits(AttnSeqView& s, int n_ctx, int split_threshold, int split_len, int max_splits,
                         int block_len);
 // Whether attn_prefill takes this shape (head dim instantiated, GQA group within a tile).
 bool attn_prefill_fits(int D, int group);
-// Flash attention of a chunk over the cache (attn_prefill_[blocks_]<KV>_d<D>): o [T, Hq, D].
-void encode_attn_prefill(EncoderContext& ctx, const AttnPrefillArgs& args, const BufferRange& qg,
-                         const KvCacheView& kv, const BufferRange& o);
+// Flash attention of one sequence's chunk over its cache (attn_prefill_[blocks_]<KV>_d<D>):
+// o [T, Hq, D] on the chunk's rows.
+void encode_attn_prefill(EncoderContext& ctx, const AttnPrefillArgs& args, const AttnSeqView& seq,
+                         const std::shared_ptr<Buffer>& qg, const std::shared_ptr<Buffer>& o);
 // Throws ConfigError unless the attention kernels are instantiated for head_dim D.
 void check_attention_head_dim(int D);
 
@@ -154,18 +171,26 @@ struct GdnStateView {
 struct GdnLayerBuffers {  // per-channel vectors of the layer (f32)
   std::shared_ptr<Buffer> taps, a_neg, dt_bias, norm_w;
 };
+// One sequence of a decode-route DeltaNet dispatch: its state and its rows of the pass.
+struct GdnSeqView {
+  GdnStateView st;
+  uint32_t first = 0, n = 0;
+};
 
 // Qwen3-Next's grouped projections scattered into qkv, z, b, a (gdn_ungroup).
 void encode_gdn_ungroup(EncoderContext& ctx, const GdnArgs& args, const BufferRange& qkvz, const BufferRange& ba,
                         const BufferRange& qkv, const BufferRange& z, const BufferRange& b, const BufferRange& a);
-// Decode route: conv1d over [window ; chunk] + SiLU (gdn_conv), the recurrence
-// (gdn_recurrence_dk<Dk>), then the gated RMSNorm of its output in place (gdn_gated_norm):
-// three calls, so a pass of several sequences encodes each step for all of them at once.
-void encode_gdn_conv(EncoderContext& ctx, const GdnArgs& args, const BufferRange& qkv, const GdnLayerBuffers& L,
-                     const GdnStateView& st, const BufferRange& conv_out);
-void encode_gdn_recurrence(EncoderContext& ctx, const GdnArgs& args, const BufferRange& conv_out,
-                           const BufferRange& b, const BufferRange& a, const GdnLayerBuffers& L,
-                           const GdnStateView& st, const BufferRange& o);
+// Decode route: conv1d over [window ; rows] + SiLU (gdn_conv), the recurrence
+// (gdn_recurrence_dk<Dk>), each one dispatch for all the sequences in `seqs` (at most
+// LILY_GDN_MAX_SEQS; activations bound from their start, rows placed by each entry), then the
+// gated RMSNorm of its output in place (gdn_gated_norm, row-wise over args.T rows from o).
+void encode_gdn_conv(EncoderContext& ctx, const GdnArgs& args, const std::vector<GdnSeqView>& seqs,
+                     const std::shared_ptr<Buffer>& qkv, const GdnLayerBuffers& L,
+                     const std::shared_ptr<Buffer>& conv_out);
+void encode_gdn_recurrence(EncoderContext& ctx, const GdnArgs& args, const std::vector<GdnSeqView>& seqs,
+                           const std::shared_ptr<Buffer>& conv_out, const std::shared_ptr<Buffer>& b,
+                           const std::shared_ptr<Buffer>& a, const GdnLayerBuffers& L,
+                           const std::shared_ptr<Buffer>& o);
 void encode_gdn_gated_norm(EncoderContext& ctx, const GdnArgs& args, const BufferRange& z, const GdnLayerBuffers& L,
                            const BufferRange& o);
 // Prefill route (T > 1): gdn_prepare (conv, SiLU, norms, gates for every token at once), then

@@ -136,13 +136,23 @@ Dispatch& Dispatch::weight_bytes(uint64_t n) {
   return *this;
 }
 
-Dispatch& Dispatch::state(const char* name, const std::shared_ptr<Buffer>& b, bool write, uint64_t traffic) {
-  bind(name, BufferRange{b, 0});
+void Dispatch::declare_state(const std::shared_ptr<Buffer>& b, bool write, uint64_t traffic) {
   Access a{b.get(), 0, b->length()};
   reads_.push_back(a);
   if (write) writes_.push_back(a);
   rec_.state_bytes += traffic;
+}
+
+Dispatch& Dispatch::state(const char* name, const std::shared_ptr<Buffer>& b, bool write, uint64_t traffic) {
+  bind(name, BufferRange{b, 0});
+  declare_state(b, write, traffic);
   return *this;
+}
+
+uint64_t Dispatch::address(const std::shared_ptr<Buffer>& b, bool write, uint64_t traffic) {
+  ctx_.encoder().use_resource(b, write);
+  declare_state(b, write, traffic);
+  return b->gpu_address();
 }
 
 Dispatch& Dispatch::unused(const char* name) { return bind(name, BufferRange{ctx_.dummy(), 0}); }

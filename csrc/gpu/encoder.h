@@ -121,6 +121,16 @@ class Dispatch {
     set_rows("args", rows.data(), rows.size(), sizeof(A));
     return *this;
   }
+  // [[buffer(i)]] as `constant A*`: a table of structs (sequences of the dispatch), set_bytes.
+  template <typename A>
+  Dispatch& table(const char* name, const std::vector<A>& rows) {
+    set_rows(name, rows.data(), rows.size(), sizeof(A));
+    return *this;
+  }
+  // A buffer the kernel reaches through an address in its argument data (a sequence table)
+  // rather than a binding: declared to the encoder (use_resource) and to the hazard tracker as
+  // state, as state() does; returns the address to write into the table.
+  uint64_t address(const std::shared_ptr<Buffer>& b, bool write, uint64_t traffic);
   // A buffer the kernel reads: `bytes` from r.off on (activations; counted as other traffic).
   Dispatch& read(const char* name, const BufferRange& r, size_t bytes);
   // A buffer the kernel writes (or updates in place).
@@ -148,6 +158,7 @@ class Dispatch {
   // n structs of `each` bytes; throws lily::Error naming the kernel unless 1 <= n and they fit set_bytes.
   void set_rows(const char* name, const void* p, size_t n, size_t each);
   uint32_t next(const char* name);
+  void declare_state(const std::shared_ptr<Buffer>& b, bool write, uint64_t traffic);
 
   EncoderContext& ctx_;
   std::shared_ptr<Pipeline> pipeline_;

@@ -167,11 +167,12 @@ void GpuBackend::write_kv_rows(GpuState& st, int layer, bool v, int positions, c
   });
 }
 
-// A layer's cache as the attention kernels bind it (attention.cpp).
+// A layer's cache as the attention kernels reach it (attention.cpp).
 KvCacheView GpuBackend::kv_view(GpuState& st, int layer) const {
   KvCacheView kv;
   kv.half = options_.kv_half;
   kv.blocks = st.block_len > 0;
+  kv.cap = uint32_t(kv.blocks ? st.block_len : st.capacity);
   if (!kv.blocks) {
     kv.k = st.k[layer];
     kv.v = st.v[layer];

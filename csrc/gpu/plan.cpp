@@ -29,6 +29,7 @@ class RecBuffer final : public Buffer {
   void write(size_t, const void*, size_t) override {}
   void read(size_t, void* data, size_t n) override { std::memset(data, 0, n); }
   void fill(size_t, uint8_t, size_t) override {}
+  uint64_t gpu_address() const override { return 0; }
 
  private:
   size_t n_;
@@ -62,6 +63,7 @@ class RecEncoder final : public ComputeEncoder {
   void insert_debug_signpost(const std::string&) override {}
   void dispatch_threadgroups(Size3, Size3) override {}
   void memory_barrier() override {}
+  void use_resource(const std::shared_ptr<Buffer>&, bool) override {}
   void end_encoding() override {}
 };
 

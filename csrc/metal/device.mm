@@ -81,6 +81,7 @@ class MetalBuffer final : public gpu::Buffer {
   explicit MetalBuffer(Owned<id<MTLBuffer>> buffer) : buffer_(std::move(buffer)) {}
   void* contents() override { return [buffer_.get() contents]; }
   size_t length() const override { return [buffer_.get() length]; }
+  uint64_t gpu_address() const override { return [buffer_.get() gpuAddress]; }
   id<MTLBuffer> buffer() const { return buffer_.get(); }
 
  private:
@@ -224,6 +225,15 @@ class MetalEncoder final : public gpu::ComputeEncoder {
              threadsPerThreadgroup:MTLSizeMake(threads.width, threads.height, threads.depth)];
   }
   void memory_barrier() override { [encoder_.get() memoryBarrierWithScope:MTLBarrierScopeBuffers]; }
+  // A buffer reached through a gpuAddress in argument data must be declared, or it may not be
+  // resident when the kernel reads it. (Hazards need nothing more: the encoder is concurrent
+  // and every barrier is memoryBarrierWithScope:MTLBarrierScopeBuffers, which covers it.)
+  void use_resource(const std::shared_ptr<gpu::Buffer>& buffer, bool write) override {
+    auto* b = dynamic_cast<MetalBuffer*>(buffer.get());
+    if (!b) fail("use_resource: not a Metal buffer");
+    [encoder_.get() useResource:b->buffer()
+                          usage:(write ? MTLResourceUsageRead | MTLResourceUsageWrite : MTLResourceUsageRead)];
+  }
   void end_encoding() override { [encoder_.get() endEncoding]; }
 
  private:

@@ -49,6 +49,7 @@ class CpuBuffer final : public gpu::Buffer {
   }
   // The storage, for the runtime itself (kernels' bindings, the checking modes' snapshots).
   uint8_t* data() const { return data_; }
+  uint64_t gpu_address() const override { return reinterpret_cast<uintptr_t>(data_); }
 
  private:
   uint8_t* data_;
@@ -144,10 +145,14 @@ using Snapshot = std::vector<std::pair<gpu::Buffer*, std::vector<uint8_t>>>;
 
 std::vector<gpu::Buffer*> buffers_of(const std::vector<const Command*>& cmds) {
   std::vector<gpu::Buffer*> out;
-  for (const Command* c : cmds)
+  auto add = [&](gpu::Buffer* b) {
+    if (std::find(out.begin(), out.end(), b) == out.end()) out.push_back(b);
+  };
+  for (const Command* c : cmds) {
     for (const Binding& b : c->buffers)
-      if (b.bound && b.buffer && std::find(out.begin(), out.end(), b.buffer.get()) == out.end())
-        out.push_back(b.buffer.get());
+      if (b.bound && b.buffer) add(b.buffer.get());
+    for (const auto& r : c->resources) add(r.get());  // reached through argument data
+  }
   return out;
 }
 Snapshot take(const std::vector<gpu::Buffer*>& bufs) {
@@ -184,6 +189,7 @@ std::string first_difference(const Snapshot& a, const Snapshot& b,
                           "'";
           if (names.find(n) == std::string::npos) names += (names.empty() ? "" : " / ") + n;
         }
+    if (names.empty()) names = "a buffer reached through argument data (use_resource)";
     return names + " differs at byte " + std::to_string(at);
   }
   return "";

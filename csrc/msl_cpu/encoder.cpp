@@ -141,6 +141,7 @@ void RecordingEncoder::dispatch_threadgroups(gpu::Size3 grid, gpu::Size3 threads
   c.threadgroups = grid;
   c.threads = threads;
   commands_.push_back(std::move(c));
+  state_.resources.clear();  // (recorded per dispatch: see gpu::ComputeEncoder::use_resource)
 }
 
 void RecordingEncoder::memory_barrier() {
@@ -148,6 +149,12 @@ void RecordingEncoder::memory_barrier() {
   Command c;
   c.barrier = true;
   commands_.push_back(std::move(c));
+}
+
+void RecordingEncoder::use_resource(const std::shared_ptr<gpu::Buffer>& buffer, bool) {
+  check_open();
+  if (!buffer) fail("use_resource: null buffer");
+  state_.resources.push_back(buffer);
 }
 
 void RecordingEncoder::end_encoding() {

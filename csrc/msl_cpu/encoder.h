@@ -58,6 +58,9 @@ struct Command {
   std::array<Binding, LILY_MSL_MAX_BINDINGS> buffers;
   std::array<size_t, LILY_MSL_MAX_BINDINGS> threadgroup_lengths{};
   gpu::Size3 threadgroups, threads;
+  // Buffers the dispatch reaches through addresses in its argument data (use_resource): held
+  // until the command completes and included in the checking modes' snapshots.
+  std::vector<std::shared_ptr<gpu::Buffer>> resources;
 };
 
 // The name of a kernel's parameter of kind a or b at `index` ("?" if none).
@@ -76,6 +79,7 @@ class RecordingEncoder final : public gpu::ComputeEncoder {
   void insert_debug_signpost(const std::string& text) override;
   void dispatch_threadgroups(gpu::Size3 grid, gpu::Size3 threads) override;
   void memory_barrier() override;
+  void use_resource(const std::shared_ptr<gpu::Buffer>& buffer, bool write) override;
   void end_encoding() override;
 
   bool ended() const { return ended_; }

@@ -109,6 +109,7 @@ class CudaBuffer final : public gpu::Buffer {
     c_->copy_now(c_->d.cuMemsetD8Async(ptr_ + offset, value, n, c_->copy), "Buffer::fill");
   }
   CUdeviceptr address() const { return ptr_; }
+  uint64_t gpu_address() const override { return uint64_t(ptr_); }
 
  private:
   std::shared_ptr<Context> c_;

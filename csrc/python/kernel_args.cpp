@@ -12,6 +12,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "gpu/encode.h"
@@ -45,6 +46,15 @@ nb::class_<T> args_struct(nb::module_& m, const char* name, const char* doc) {
 
 std::vector<int> dims(std::initializer_list<int> l) { return l; }
 
+// AttnSeq's k / v: LILY_ATTN_MAX_ARENAS device addresses (unset ones 0).
+std::vector<uint64_t> arenas(const uint64_t (&a)[LILY_ATTN_MAX_ARENAS]) { return {a, a + LILY_ATTN_MAX_ARENAS}; }
+void set_arenas(uint64_t (&a)[LILY_ATTN_MAX_ARENAS], const std::vector<uint64_t>& v, const char* name) {
+  if (v.size() > LILY_ATTN_MAX_ARENAS)
+    throw nb::value_error((std::string("AttnSeq.") + name + ": at most " + std::to_string(LILY_ATTN_MAX_ARENAS) +
+                           " addresses").c_str());
+  for (size_t i = 0; i < LILY_ATTN_MAX_ARENAS; ++i) a[i] = i < v.size() ? v[i] : 0;
+}
+
 }  // namespace
 
 void init_kernel_args(nb::module_& parent) {
@@ -64,32 +74,46 @@ void init_kernel_args(nb::module_& parent) {
       .LILY_FIELD(GemmArgs, ldx)
       .LILY_FIELD(GemmArgs, ldy);
   args_struct<NormArgs>(m, "NormArgs", "add_rms_norm").LILY_FIELD(NormArgs, n).LILY_FIELD(NormArgs, add).LILY_FIELD(NormArgs, eps);
-  args_struct<AttnPrepareArgs>(m, "AttnPrepareArgs", "attn_prepare_<KV>")
+  args_struct<AttnSeq>(m, "AttnSeq", "one sequence of an attention dispatch (a table entry; k, v: 6 addresses each)")
+      .def_prop_rw("k", [](const AttnSeq& s) { return arenas(s.k); },
+                   [](AttnSeq& s, const std::vector<uint64_t>& a) { set_arenas(s.k, a, "k"); })
+      .def_prop_rw("v", [](const AttnSeq& s) { return arenas(s.v); },
+                   [](AttnSeq& s, const std::vector<uint64_t>& a) { set_arenas(s.v, a, "v"); })
+      .LILY_FIELD(AttnSeq, table)
+      .LILY_FIELD(AttnSeq, first)
+      .LILY_FIELD(AttnSeq, n)
+      .LILY_FIELD(AttnSeq, pos0)
+      .LILY_FIELD(AttnSeq, cap)
+      .LILY_FIELD(AttnSeq, n_splits)
+      .LILY_FIELD(AttnSeq, split_len)
+      .LILY_FIELD(AttnSeq, part);
+  args_struct<AttnPrepareArgs>(m, "AttnPrepareArgs", "attn_prepare_[blocks_]<KV>")
       .LILY_FIELD(AttnPrepareArgs, D)
       .LILY_FIELD(AttnPrepareArgs, rot)
       .LILY_FIELD(AttnPrepareArgs, Hq)
       .LILY_FIELD(AttnPrepareArgs, Hkv)
-      .LILY_FIELD(AttnPrepareArgs, pos0)
-      .LILY_FIELD(AttnPrepareArgs, cap)
+      .LILY_FIELD(AttnPrepareArgs, n_seqs)
       .LILY_FIELD(AttnPrepareArgs, eps);
-  args_struct<AttnArgs>(m, "AttnArgs", "attn_decode_<KV>_d<D>, attn_combine")
+  args_struct<AttnArgs>(m, "AttnArgs", "attn_decode_[blocks_]<KV>_d<D>, attn_combine")
       .LILY_FIELD(AttnArgs, D)
       .LILY_FIELD(AttnArgs, Hq)
       .LILY_FIELD(AttnArgs, Hkv)
-      .LILY_FIELD(AttnArgs, cap)
-      .LILY_FIELD(AttnArgs, pos0)
-      .LILY_FIELD(AttnArgs, n_splits)
-      .LILY_FIELD(AttnArgs, split_len)
+      .LILY_FIELD(AttnArgs, n_seqs)
+      .LILY_FIELD(AttnArgs, max_splits)
       .LILY_FIELD(AttnArgs, scale);
-  args_struct<AttnPrefillArgs>(m, "AttnPrefillArgs", "attn_prefill_<KV>_d<D>")
+  args_struct<AttnPrefillArgs>(m, "AttnPrefillArgs", "attn_prefill_[blocks_]<KV>_d<D>")
       .LILY_FIELD(AttnPrefillArgs, D)
       .LILY_FIELD(AttnPrefillArgs, Hq)
       .LILY_FIELD(AttnPrefillArgs, Hkv)
-      .LILY_FIELD(AttnPrefillArgs, cap)
-      .LILY_FIELD(AttnPrefillArgs, pos0)
-      .LILY_FIELD(AttnPrefillArgs, T)
       .LILY_FIELD(AttnPrefillArgs, tile_tokens)
       .LILY_FIELD(AttnPrefillArgs, scale);
+  args_struct<GdnSeq>(m, "GdnSeq", "one sequence of a gdn_conv / gdn_recurrence dispatch (a table entry)")
+      .LILY_FIELD(GdnSeq, window)
+      .LILY_FIELD(GdnSeq, window_out)
+      .LILY_FIELD(GdnSeq, S)
+      .LILY_FIELD(GdnSeq, S_out)
+      .LILY_FIELD(GdnSeq, first)
+      .LILY_FIELD(GdnSeq, n);
   args_struct<GdnArgs>(m, "GdnArgs", "the DeltaNet kernels (gdn.metal, gdn_prefill.metal)")
       .LILY_FIELD(GdnArgs, T)
       .LILY_FIELD(GdnArgs, Hk)
@@ -157,6 +181,8 @@ void init_kernel_args(nb::module_& parent) {
   m.attr("ATTN_THREADS") = 32 * LILY_ATTN_SIMDGROUPS;
   m.attr("ATTN_COMBINE_COLUMNS") = LILY_ATTN_COMBINE_COLUMNS;
   m.attr("GDN_COLUMNS") = LILY_GDN_COLUMNS;
+  m.attr("ATTN_MAX_SEQS") = LILY_ATTN_MAX_SEQS;
+  m.attr("GDN_MAX_SEQS") = LILY_GDN_MAX_SEQS;
   m.attr("ATTN_PF_ROWS") = LILY_ATTN_PF_ROWS;
   m.attr("ATTN_PF_THREADS") = LILY_ATTN_PF_THREADS;
   m.attr("GDN_PREP_THREADS") = LILY_GDN_PREP_THREADS;

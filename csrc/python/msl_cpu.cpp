@@ -79,7 +79,9 @@ void init_msl_cpu(nb::module_& parent) {
         b.write(offset, data.data(), data.nbytes());
       }, nb::arg("data"), nb::arg("offset") = 0)
       .def("fill", &gpu::Buffer::fill, nb::arg("offset"), nb::arg("value"), nb::arg("n"),
-           "Sets n bytes from offset to value (a memset).");
+           "Sets n bytes from offset to value (a memset).")
+      .def_prop_ro("gpu_address", &gpu::Buffer::gpu_address,
+                   "The address kernels see it at, for a device pointer in argument data (MTLBuffer.gpuAddress).");
 
   nb::class_<gpu::Pipeline>(m, "Pipeline")
       .def_prop_ro("name", &gpu::Pipeline::name)
@@ -116,6 +118,8 @@ void init_msl_cpu(nb::module_& parent) {
                                      size3(threads, "threads_per_threadgroup"));
            })
       .def("memory_barrier", &gpu::ComputeEncoder::memory_barrier)
+      .def("use_resource", &gpu::ComputeEncoder::use_resource, nb::arg("buffer"), nb::arg("write"),
+           "The next dispatch reaches buffer through an address in its argument data (useResource:usage:).")
       .def("end_encoding", &gpu::ComputeEncoder::end_encoding);
 
   nb::class_<gpu::CommandBuffer>(m, "CommandBuffer")

@@ -76,9 +76,11 @@ typedef NS_OPTIONS(NSUInteger, MTLResourceOptions) {
 @end
 
 // ---- MTLBuffer.h ---------------------------------------------------------------------------
+typedef uint64_t MTLGPUAddress;
 @protocol MTLBuffer <MTLResource>
 @property(readonly) NSUInteger length;
 - (void*)contents NS_RETURNS_INNER_POINTER;
+@property(readonly) MTLGPUAddress gpuAddress;  // macOS 13
 @end
 
 // ---- MTLArgument.h (the function-constant types lily uses) ----------------------------------
@@ -147,6 +149,10 @@ typedef NS_ENUM(NSInteger, MTLMathMode) {  // macOS 15
 @end
 
 // ---- MTLCommandEncoder.h / MTLComputeCommandEncoder.h --------------------------------------
+typedef NS_OPTIONS(NSUInteger, MTLResourceUsage) {
+  MTLResourceUsageRead = 1 << 0,
+  MTLResourceUsageWrite = 1 << 1,
+};
 typedef NS_OPTIONS(NSUInteger, MTLBarrierScope) {
   MTLBarrierScopeBuffers = 1 << 0,
   MTLBarrierScopeTextures = 1 << 1,
@@ -173,6 +179,7 @@ typedef NS_OPTIONS(NSUInteger, MTLBarrierScope) {
 - (void)dispatchThreads:(MTLSize)threadsPerGrid
     threadsPerThreadgroup:(MTLSize)threadsPerThreadgroup;
 - (void)memoryBarrierWithScope:(MTLBarrierScope)scope;
+- (void)useResource:(id<MTLResource>)resource usage:(MTLResourceUsage)usage;
 - (void)memoryBarrierWithResources:(const id<MTLResource> _Nonnull[_Nonnull])resources
                              count:(NSUInteger)count;
 @end
