@@ -2,7 +2,8 @@
 
 One step is one forward pass over B decode rows, one per sequence (csrc/engine/engine.h
 Engine::step): the dense and expert weights are read once for all rows, attention and DeltaNet
-run per sequence. Each sequence holds a context of about --context tokens: a shared prefix of
+run against each sequence's own cache and state (on the GPU backends in one dispatch per kernel
+for all of them: the kernels' sequence tables, docs/metal.md). Each sequence holds a context of about --context tokens: a shared prefix of
 --context - 10 tokens prefilled once and cloned, then 10 random tokens of its own, so the rows
 differ (and route to different experts) from the first step on. Each step feeds every sequence
 its greedy token. Reported: the median wall time of --steps steps after --warmup, and B / that.
@@ -19,6 +20,10 @@ also compares the loop's tokens with the host loop's greedy tokens on clones, st
     python benchmarks/batch_decode.py --model demo --backend msl-cuda --batch 1,2,4,7,8 --check
     python benchmarks/batch_decode.py --model demo --backend msl-cuda --batch 1,2,4,7 --device-loop --check
     python benchmarks/batch_decode.py --json out.json
+
+--backend-options JSON goes to the GPU model load (Model.load backend_options), so one build
+times a variant against another, e.g. '{"per_sequence_mixers": true}' (the mixers one dispatch
+per sequence, as before the sequence tables).
 """
 
 from __future__ import annotations
@@ -123,6 +128,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--backend-options", type=json.loads, default={}, help="GPU backends: Model.load backend_options")
     args = ap.parse_args()
     if args.context <= OWN_TOKENS:
         ap.error(f"--context must exceed {OWN_TOKENS}")
@@ -130,7 +136,7 @@ def main() -> None:
     if args.backend == "cpu":
         model = lily.Model.load(path, threads=args.threads, cpu_matmul=args.cpu_matmul)
     else:
-        model = lily.Model.load(path, backend=args.backend)
+        model = lily.Model.load(path, backend=args.backend, backend_options=args.backend_options)
     rows = [measure(model, int(b), args.context, args.steps, args.warmup, args.seed, args.check, args.device_loop)
             for b in args.batch.split(",")]
     base = rows[0]["tokens_per_s"] / rows[0]["batch"]
@@ -143,7 +149,7 @@ def main() -> None:
         print(f"| {r['batch']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f}x | {same} |")
     if args.json:
         out = {"model": args.model, "engine": repr(model), "backend": args.backend, "threads": args.threads,
-               "device_loop": args.device_loop,
+               "device_loop": args.device_loop, "backend_options": args.backend_options,
                "cpu_matmul": model._engine.cpu_matmul,
                "rows": rows}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

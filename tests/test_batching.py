@@ -218,6 +218,24 @@ def test_msl_cpu_batched_decode_is_bit_identical_to_solo(msl_path, dense_path, k
         tokens = [int(t) for t in got.argmax(-1)]
 
 
+def test_msl_cpu_per_sequence_mixers_is_the_same_pass_in_more_dispatches(msl_path):
+    """backend_options per_sequence_mixers (phase M's A/B knob): the batched step's logits
+    bit-identical to the sequence tables', each mixer kernel once per sequence and layer."""
+    tables = lily.Model.load(msl_path, backend="msl-cpu")
+    each = lily.Model.load(msl_path, backend="msl-cpu", backend_options=dict(per_sequence_mixers=True))
+    prompts, tokens = [PROMPTS[1], PROMPTS[2][:7], PROMPTS[2]], np.asarray([11, 12, 13], np.int32)
+    runs = []
+    for model in (tables, each):
+        batch, _ = _prefilled(model, prompts)
+        runs.append(_gpu_pass(model._engine, model._engine.decode_batch, batch, tokens))
+    _assert_same(runs[1][0], runs[0][0], "per-sequence mixers against tables")
+    def count(run, prefix):
+        return sum(n for k, n in run[3].items() if k.startswith(prefix))
+
+    for prefix in ("attn_prepare", "attn_decode", "gdn_conv", "gdn_recurrence"):
+        assert count(runs[0], prefix) > 0 and count(runs[1], prefix) == len(prompts) * count(runs[0], prefix), prefix
+
+
 def test_msl_cpu_batched_pass_declares_its_dependencies(msl_path):
     """msl-cpu's dependency check runs each group of dispatches the hazard tracker deemed
     independent in reverse: the per-segment mixer dispatches (on offsets of shared activation

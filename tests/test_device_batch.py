@@ -119,13 +119,14 @@ def test_device_batch_refusals_change_nothing(model):
 
 
 def test_threads_share_the_device_loop_and_get_their_solo_answers(model):
-    """Four generations at once: three device rows of 3, 7 and 10 tokens (joining and leaving the
+    """Four generations at once: three device rows of 3, 14 and 20 tokens (joining and leaving the
     loop) and a request with a repetition penalty (its logits must reach the host, so while it
     runs the passes are host passes, the device rows drawn by their samplers on the host); then
-    a stream closed after 2 tokens among two others."""
+    a stream closed after 2 tokens among two others. (The two long rows outlast the 6-token
+    penalty request by enough steps to share device-loop steps however the threads start.)"""
     reqs = [dict(max_tokens=3, temperature=0, repetition_penalty=1),
-            dict(max_tokens=7, temperature=0.8, top_k=20, seed=4, repetition_penalty=1),
-            dict(max_tokens=10, temperature=1.0, top_p=0.9, seed=9, repetition_penalty=1),
+            dict(max_tokens=14, temperature=0.8, top_k=20, seed=4, repetition_penalty=1),
+            dict(max_tokens=20, temperature=1.0, top_p=0.9, seed=9, repetition_penalty=1),
             dict(max_tokens=6, temperature=0.7, seed=2, repetition_penalty=1.3)]
     solo = [model.generate(p, **r).tokens for p, r in zip(PROMPTS + [[9, 9, 1]], reqs, strict=True)]
     stats = model._batcher.stats

@@ -283,6 +283,18 @@ std::unique_ptr<State> GpuBackend::new_state(int max_context) {
   return st;
 }
 
+namespace {
+
+// Encodes a group of sequences' mixer dispatch: all of them in one table, or (together false:
+// GpuOptions::mixer_tables off, for A/B timing) one table per sequence.
+template <typename V, typename F>
+void each_table(bool together, const std::vector<V>& seqs, F&& encode) {
+  if (together) return encode(seqs);
+  for (const V& s : seqs) encode(std::vector<V>{s});
+}
+
+}  // namespace
+
 void GpuBackend::abandon_pass(Segments) noexcept {
   ctx_.discard();
   // The pass flipped each segment's parity at embed: its reads came from copy `in`, which it
@@ -391,22 +403,27 @@ void GpuBackend::attention(Segments, int layer, const AttentionWeights& w) {
     return out;
   };
   const AttnPrepareArgs pa{uint32_t(D), uint32_t(c_.rotary_dim), uint32_t(Hq), uint32_t(Hkv), 0, c_.rms_eps};
+  const bool together = options_.mixer_tables;
   for (bool blocks : {false, true})
-    if (auto group_seqs = layout(blocks, Route::Any); !group_seqs.empty())
-      encode_attn_prepare(ctx_, pa, group_seqs, acts_.k, acts_.v, weights_gpu_.vector(w.q_norm),
-                          weights_gpu_.vector(w.k_norm), inv_freq_, acts_.qg);
+    each_table(together, layout(blocks, Route::Any), [&](const std::vector<AttnSeqView>& t) {
+      if (!t.empty())
+        encode_attn_prepare(ctx_, pa, t, acts_.k, acts_.v, weights_gpu_.vector(w.q_norm),
+                            weights_gpu_.vector(w.k_norm), inv_freq_, acts_.qg);
+    });
   const AttnArgs da{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), 0, uint32_t(options_.max_splits), scale};
   for (bool blocks : {false, true}) {
     for (const AttnSeqView& s : layout(blocks, Route::Prefill)) {  // a chunk: flash attention over query tiles
       const uint32_t tile = std::max(1, LILY_ATTN_PF_ROWS / group);
       encode_attn_prefill(ctx_, {uint32_t(D), uint32_t(Hq), uint32_t(Hkv), tile, scale}, s, acts_.qg, acts_.o);
     }
-    if (auto dec = layout(blocks, Route::Decode); !dec.empty())
-      encode_attn_decode(ctx_, da, dec, acts_.qg, acts_.o, acts_.part_o, acts_.part_ml);
+    each_table(together, layout(blocks, Route::Decode), [&](const std::vector<AttnSeqView>& t) {
+      if (!t.empty()) encode_attn_decode(ctx_, da, t, acts_.qg, acts_.o, acts_.part_o, acts_.part_ml);
+    });
   }
   for (bool blocks : {false, true})
-    if (auto dec = layout(blocks, Route::Decode); !dec.empty())
-      encode_attn_combine(ctx_, da, dec, acts_.qg, acts_.o, acts_.part_o, acts_.part_ml);
+    each_table(together, layout(blocks, Route::Decode), [&](const std::vector<AttnSeqView>& t) {
+      if (!t.empty()) encode_attn_combine(ctx_, da, t, acts_.qg, acts_.o, acts_.part_o, acts_.part_ml);
+    });
   project(w.o_proj, "o_proj", {acts_.o, 0}, Hq * D, {acts_.y, 0}, H, T);
 }
 
@@ -459,9 +476,11 @@ void GpuBackend::gated_deltanet(Segments, int layer, const GdnWeights& w) {
   for (bool scan : {false, true}) {
     for (const PassSegment& p : pass_)
       if (p.n > 1 && prefill_fits) chunk(p, scan);
-    if (decode.empty()) continue;
-    if (!scan) encode_gdn_conv(ctx_, args, decode, acts_.qkv, L, acts_.conv_out);
-    else encode_gdn_recurrence(ctx_, args, decode, acts_.conv_out, acts_.b, acts_.a, L, acts_.go);
+    each_table(options_.mixer_tables, decode, [&](const std::vector<GdnSeqView>& t) {
+      if (t.empty()) return;
+      if (!scan) encode_gdn_conv(ctx_, args, t, acts_.qkv, L, acts_.conv_out);
+      else encode_gdn_recurrence(ctx_, args, t, acts_.conv_out, acts_.b, acts_.a, L, acts_.go);
+    });
   }
   // The gated norm is row-wise: one dispatch per run of consecutive decode-route segments.
   for (size_t i = 0; i < pass_.size();) {

@@ -94,6 +94,10 @@ struct GpuOptions {
   // wherever the rows are 16-byte aligned (QuantMatrix::vec, metal/quant.h); false: 32-bit words
   // everywhere, the earlier kernels' reads (an A/B knob for timing: scripts/h200/fullsize.py).
   bool gemv_vector_loads = true;
+  // A pass's sequences share one dispatch per attention / DeltaNet kernel (sequence tables);
+  // false: one dispatch per sequence, as before the tables (an A/B knob for timing:
+  // scripts/h200/phase_m.sh). The same results either way.
+  bool mixer_tables = true;
 };
 
 // The Apple GPU family from which "auto" takes the Metal 4 tensor-op GEMMs (M5: tensor units

@@ -77,6 +77,7 @@ struct BackendArgs {
   bool permute_threadgroups = false, timing = false, synchronous = false;
   uint64_t seed = 0;
   bool gemv_words = false;  // GpuOptions::gemv_vector_loads off (A/B timing of the decode GEMVs)
+  bool per_sequence_mixers = false;  // GpuOptions::mixer_tables off (A/B timing of the sequence tables)
 };
 
 // "cpu", "msl-cpu" (the Metal backend's dispatches run by the MSL-on-CPU runtime), "msl-cuda"
@@ -98,6 +99,7 @@ std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weigh
   if (a.gemm_min_rows > 0) opt.gemm_min_rows = a.gemm_min_rows;
   opt.gemm = a.gemm;
   opt.gemv_vector_loads = !a.gemv_words;
+  opt.mixer_tables = !a.per_sequence_mixers;
   const bool device_options = a.metal4 || a.apple_gpu_family || a.working_set || !a.fail_dispatch.empty() ||
                               !a.fail_library.empty() || a.opaque_buffers;
   if (device_options && name != "msl-cpu")
@@ -418,9 +420,10 @@ void init_model(nb::module_& m) {
              int block_threshold, int block_len, const std::string& cpu_matmul, int apple_gpu_family,
              uint64_t working_set, const std::string& fail_dispatch, const std::string& fail_library,
              bool opaque_buffers, bool permute_threadgroups, uint64_t seed, bool timing, bool synchronous,
-             bool gemv_words) {
+             bool gemv_words, bool per_sequence_mixers) {
             BackendArgs a;
             a.gemv_words = gemv_words;
+            a.per_sequence_mixers = per_sequence_mixers;
             a.opaque_buffers = opaque_buffers;
             a.permute_threadgroups = permute_threadgroups;
             a.seed = seed;
@@ -453,7 +456,7 @@ void init_model(nb::module_& m) {
           nb::arg("apple_gpu_family") = 0, nb::arg("working_set") = 0, nb::arg("fail_dispatch") = "",
           nb::arg("fail_library") = "", nb::arg("opaque_buffers") = false, nb::arg("permute_threadgroups") = false,
           nb::arg("seed") = 0, nb::arg("timing") = false, nb::arg("synchronous") = false,
-          nb::arg("gemv_words") = false)
+          nb::arg("gemv_words") = false, nb::arg("per_sequence_mixers") = false)
       .def_prop_ro("max_fitting_context", [](Engine& e) { return e.backend().max_fitting_context(); },
                    "The longest context whose state fits beside the weights in the memory the backend may use "
                    "(GPU: the device's recommended working set); a very large number where nothing limits it.")

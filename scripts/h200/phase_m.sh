@@ -1,38 +1,41 @@
 #!/usr/bin/env bash
 # Phase M: one device call (issue 16 §2, "several sequences per dispatch") on the H200 through
 # msl-cuda, at the full Qwen3.6-35B-A3B shape (random weights, scripts/make_fullsize.py):
-#   1. one sequence against the CPU backend at a 512-token prompt (scripts/h200/fullsize.py
-#      --check-max 512): the attention and DeltaNet kernels now reach the cache and state by
-#      address through a one-entry sequence table;
-#   2. batched decode steps (benchmarks/batch_decode.py --check): each step of B = 1, 2, 4, 7
+#   1. batched decode steps (benchmarks/batch_decode.py --check): each step of B = 1, 2, 4, 7
 #      sequences of ~4K context checked bit for bit against the sequences decoded alone, and
-#      timed, with the mixers one dispatch per kernel for all B sequences;
-#   3. the tree before the change (one attention / DeltaNet dispatch group per sequence), built
-#      beside it, the same batched steps: the two side by side in one call.
-# Prepared HERE first (needs clang-19):
-#   PYTHONPATH=src LILY_MSL_CUDA_CACHE=$PWD/.carry/ptx_new.build python -m lily.msl_cuda compile
-#     (then the *.ptx into .carry/ptx_new)
-#   the tree before the change in .carry/old (git archive <commit>, less docs, tests and the demo
-#     weights) and its kernels the same way with LILY_SOURCE_DIR=$PWD/.carry/old into .carry/ptx_old,
-#     from the working tree that is carried (a PTX key also hashes headers of the tree it runs in)
-#   run(command="bash scripts/h200/phase_m.sh", carry=[".carry/ptx_new", ".carry/old", ".carry/ptx_old"])
+#      timed: the mixers one dispatch per kernel for all B sequences (sequence tables, "tables"),
+#      against the same build with backend_options per_sequence_mixers (one dispatch per
+#      sequence, as before the tables: "each"), alternated tables / each / tables;
+#   2. the device loop over the same B (--device-loop --check: its tokens against the host loop's);
+#   3. one sequence against the CPU backend at a 512-token prompt (scripts/h200/fullsize.py
+#      --check-max 512): the kernels reach the cache and state by address, through a one-entry
+#      table.
+# Prepared HERE first (needs clang-19): the backend kernels as PTX, archived (the call's carry
+# limit is 64 MiB with the tree):
+#   PYTHONPATH=src LILY_SOURCE_DIR=$PWD LILY_MSL_CUDA_CACHE=$PWD/.carry/ptx_new.build python -m lily.msl_cuda compile
+#     (then the *.ptx into .carry/ptx_new);  tar -cJf .carry/phase_m.tar.xz -C .carry ptx_new
+#   run(command="bash scripts/h200/phase_m.sh", carry=[".carry/phase_m.tar.xz"])
 # H200 figures of kernels written for Apple GPUs (Apple figures unverified): they compare two
-# versions of the same host and kernels on one real GPU.
+# dispatch plans of the same kernels on one real GPU.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
+[ -f .carry/phase_m.tar.xz ] && tar -xJf .carry/phase_m.tar.xz -C .carry
 source scripts/h200/msl_cuda_env.sh
+res=/tmp/phase_m  # the results, one archive in $OUT whenever the call ends (a call returns at most 8 files)
+mkdir -p "$res"
+trap 'tar -czf "$OUT/phase_m.tar.gz" -C /tmp phase_m' EXIT
 full_checkpoint
-batch() {  # batch NAME: the batched decode steps of this tree
+batch() {  # batch NAME [batch_decode.py args...]
+  local name=$1; shift
   timeout 200 python3 benchmarks/batch_decode.py --model /tmp/ckpt_full --backend msl-cuda --batch 1,2,4,7 \
-    --context 4096 --check --json "$OUT/batch_$1.json" > "$OUT/batch_$1.log" 2>&1
-  say "batch $1 rc=$?"; tail -8 "$OUT/batch_$1.log"
+    --context 4096 --check --json "$res/batch_$name.json" "$@" > "$res/batch_$name.log" 2>&1
+  say "batch $name rc=$?"; tail -7 "$res/batch_$name.log"
 }
-batch new
+batch tables
+batch each --backend-options '{"per_sequence_mixers": true}'
+batch tables2
+batch loop --device-loop
 timeout 200 python3 scripts/h200/fullsize.py /tmp/ckpt_full --contexts 512 --check-max 512 --decode 8 \
-  --threads 16 --timing-prefill 0 --out "$OUT/fullsize" > "$OUT/fullsize.log" 2>&1
-say "fullsize rc=$?"; grep -E "^\|" "$OUT/fullsize/fullsize.md" | head -6
-(cd .carry/old && bash scripts/dev_build.sh > "$OUT/build_old.log" 2>&1) || { tail -20 "$OUT/build_old.log"; exit 1; }
-say "built old"
-PYTHONPATH="$root/.carry/old/src:$root/scripts/h200" LILY_SOURCE_DIR="$root/.carry/old" \
-  LILY_MSL_CUDA_CACHE="$root/.carry/ptx_old" batch old
+  --threads 16 --timing-prefill 0 --out "$res/fullsize" > "$res/fullsize.log" 2>&1
+say "fullsize rc=$?"; grep -E "^\|" "$res/fullsize/fullsize.md" | head -6
