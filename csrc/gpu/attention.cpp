@@ -16,18 +16,23 @@ namespace lily::gpu {
 
 namespace {
 
-// The rows a dispatch's activations span: they are bound from their start, each sequence's rows
-// placed by its entry (first), so the declared range ends at the last sequence's last row.
-size_t rows_spanned(const std::vector<AttnSeqView>& seqs) {
-  size_t end = 0;
-  for (const AttnSeqView& s : seqs) end = std::max<size_t>(end, size_t(s.first) + s.n);
-  return end;
-}
-
 uint32_t total_rows(const std::vector<AttnSeqView>& seqs) {
   uint32_t n = 0;
   for (const AttnSeqView& s : seqs) n += s.n;
   return n;
+}
+
+// s's table entry without its cache addresses (what attn_combine, which reads no cache, takes).
+AttnSeq entry(const AttnSeqView& s) {
+  AttnSeq e{};
+  e.first = s.first;
+  e.n = s.n;
+  e.pos0 = s.pos0;
+  e.cap = s.kv.cap;
+  e.n_splits = s.n_splits;
+  e.split_len = s.split_len;
+  e.part = s.part;
+  return e;
 }
 
 // The table of a dispatch: one AttnSeq per sequence, each cache buffer declared to the dispatch
@@ -43,7 +48,7 @@ std::vector<AttnSeq> seq_table(Dispatch& d, const std::string& kernel, const std
   for (const AttnSeqView& s : seqs) {
     if (s.kv.kernel_suffix() != seqs[0].kv.kernel_suffix())
       throw Error("[gpu] " + kernel + ": the sequences of one dispatch share a cache layout and type");
-    AttnSeq e{};
+    AttnSeq e = entry(s);
     const uint64_t bytes = traffic(s);
     if (!s.kv.blocks) {
       e.k[0] = d.address(s.kv.k, write, bytes);
@@ -53,13 +58,6 @@ std::vector<AttnSeq> seq_table(Dispatch& d, const std::string& kernel, const std
       for (size_t a = 0; a < s.kv.k_arenas.size(); ++a) e.k[a] = d.address(s.kv.k_arenas[a], write, a ? 0 : bytes);
       for (size_t a = 0; a < s.kv.v_arenas.size(); ++a) e.v[a] = d.address(s.kv.v_arenas[a], write, a ? 0 : bytes);
     }
-    e.first = s.first;
-    e.n = s.n;
-    e.pos0 = s.pos0;
-    e.cap = s.kv.cap;
-    e.n_splits = s.n_splits;
-    e.split_len = s.split_len;
-    e.part = s.part;
     table.push_back(e);
   }
   return table;
@@ -152,18 +150,13 @@ void encode_attn_combine(EncoderContext& ctx, AttnArgs args, const std::vector<A
   std::vector<AttnSeq> table;  // the split sequences (each decodes one row): no cache read
   std::vector<AttnSeqView> split;
   for (const AttnSeqView& s : seqs)
-    if (s.n_splits > 1) split.push_back(s);
+    if (s.n_splits > 1) {
+      split.push_back(s);
+      table.push_back(entry(s));
+    }
   if (split.empty()) return;
   const size_t D = args.D, Hq = args.Hq, rows = rows_spanned(split);
   const AttnPartialBytes slot = attn_partial_bytes(Hq, D, args.max_splits);
-  for (const AttnSeqView& s : split) {
-    AttnSeq e{};
-    e.first = s.first;
-    e.n = s.n;
-    e.n_splits = s.n_splits;
-    e.part = s.part;
-    table.push_back(e);
-  }
   args.n_seqs = uint32_t(table.size());
   Dispatch d(ctx, "attention.metal", "attn_combine");
   d.args(args).table("seqs", table).read("qg", {qg, 0}, rows * Hq * 2 * D * 4);

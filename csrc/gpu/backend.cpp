@@ -411,17 +411,18 @@ void GpuBackend::attention(Segments, int layer, const AttentionWeights& w) {
                             weights_gpu_.vector(w.k_norm), inv_freq_, acts_.qg);
     });
   const AttnArgs da{uint32_t(D), uint32_t(Hq), uint32_t(Hkv), 0, uint32_t(options_.max_splits), scale};
+  const std::vector<AttnSeqView> decode[2] = {layout(false, Route::Decode), layout(true, Route::Decode)};
   for (bool blocks : {false, true}) {
     for (const AttnSeqView& s : layout(blocks, Route::Prefill)) {  // a chunk: flash attention over query tiles
       const uint32_t tile = std::max(1, LILY_ATTN_PF_ROWS / group);
       encode_attn_prefill(ctx_, {uint32_t(D), uint32_t(Hq), uint32_t(Hkv), tile, scale}, s, acts_.qg, acts_.o);
     }
-    each_table(together, layout(blocks, Route::Decode), [&](const std::vector<AttnSeqView>& t) {
+    each_table(together, decode[blocks], [&](const std::vector<AttnSeqView>& t) {
       if (!t.empty()) encode_attn_decode(ctx_, da, t, acts_.qg, acts_.o, acts_.part_o, acts_.part_ml);
     });
   }
   for (bool blocks : {false, true})
-    each_table(together, layout(blocks, Route::Decode), [&](const std::vector<AttnSeqView>& t) {
+    each_table(together, decode[blocks], [&](const std::vector<AttnSeqView>& t) {
       if (!t.empty()) encode_attn_combine(ctx_, da, t, acts_.qg, acts_.o, acts_.part_o, acts_.part_ml);
     });
   project(w.o_proj, "o_proj", {acts_.o, 0}, Hq * D, {acts_.y, 0}, H, T);
@@ -454,13 +455,14 @@ void GpuBackend::gated_deltanet(Segments, int layer, const GdnWeights& w) {
   // fits the prefill route takes gdn_prepare + gdn_scan; each step encoded for every segment
   // before the next, so the segments share stages.
   const bool prefill_fits = gdn_prefill_fits(c_.gdn_k_dim, c_.gdn_v_dim);
+  auto is_chunk = [&](const PassSegment& p) { return p.n > 1 && prefill_fits; };  // the prefill route
   auto state_of = [&](const PassSegment& p) {  // the copy read (parity p.in) and the one written
     const GpuState& st = *p.state;
     return GdnStateView{st.conv[p.in][layer], st.conv[p.in ^ 1][layer], st.S[p.in][layer], st.S[p.in ^ 1][layer]};
   };
   std::vector<GdnSeqView> decode;
   for (const PassSegment& p : pass_)
-    if (!(p.n > 1 && prefill_fits)) decode.push_back({state_of(p), uint32_t(p.first), uint32_t(p.n)});
+    if (!is_chunk(p)) decode.push_back({state_of(p), uint32_t(p.first), uint32_t(p.n)});
   auto chunk = [&](const PassSegment& p, bool scan) {  // the prefill route of one segment
     const GdnStateView sv = state_of(p);
     const size_t r = size_t(p.first) * 4;
@@ -475,7 +477,7 @@ void GpuBackend::gated_deltanet(Segments, int layer, const GdnWeights& w) {
   };
   for (bool scan : {false, true}) {
     for (const PassSegment& p : pass_)
-      if (p.n > 1 && prefill_fits) chunk(p, scan);
+      if (is_chunk(p)) chunk(p, scan);
     each_table(options_.mixer_tables, decode, [&](const std::vector<GdnSeqView>& t) {
       if (t.empty()) return;
       if (!scan) encode_gdn_conv(ctx_, args, t, acts_.qkv, L, acts_.conv_out);
@@ -484,14 +486,14 @@ void GpuBackend::gated_deltanet(Segments, int layer, const GdnWeights& w) {
   }
   // The gated norm is row-wise: one dispatch per run of consecutive decode-route segments.
   for (size_t i = 0; i < pass_.size();) {
-    if (pass_[i].n > 1 && prefill_fits) {
+    if (is_chunk(pass_[i])) {
       ++i;
       continue;
     }
     GdnArgs run = args;
     run.T = 0;
     size_t j = i;
-    for (; j < pass_.size() && !(pass_[j].n > 1 && prefill_fits); ++j) run.T += uint32_t(pass_[j].n);
+    for (; j < pass_.size() && !is_chunk(pass_[j]); ++j) run.T += uint32_t(pass_[j].n);
     const size_t r = size_t(pass_[i].first) * 4;
     encode_gdn_gated_norm(ctx_, run, {acts_.z, r * vdim}, L, {acts_.go, r * vdim});
     i = j;

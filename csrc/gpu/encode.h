@@ -10,6 +10,7 @@
 // (args, reads, writes: encoder.h), declares the bytes each touches and sizes the grid. What to
 // run when (decode or prefill route, splits, parity of the state copies) is GpuBackend's.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -60,6 +61,15 @@ struct ExpertTables {
 
 // "float", "half", "bfloat": the S of kernel names (throws ConfigError for other dtypes).
 const char* scalar_name(DType t);
+// The rows of the pass a sequence-table dispatch spans (its activations are bound from their
+// start, each sequence's rows placed by its `first`): up to the last sequence's last row.
+template <typename Seq>
+size_t rows_spanned(const std::vector<Seq>& seqs) {
+  size_t end = 0;
+  for (const Seq& s : seqs) end = std::max<size_t>(end, size_t(s.first) + s.n);
+  return end;
+}
+
 // Throws ConfigError unless `value` is one of the sizes a kernel family is instantiated for
 // (`what`: "head_dim 80 has no attention kernels", `where`: the list's macro).
 void check_instantiated(int value, const std::vector<int>& sizes, const std::string& what, const char* where);

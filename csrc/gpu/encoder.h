@@ -118,8 +118,7 @@ class Dispatch {
   // [[buffer(0)]] as `constant A*`: one argument struct per row of the grid, sent with set_bytes.
   template <typename A>
   Dispatch& args(const std::vector<A>& rows) {
-    set_rows("args", rows.data(), rows.size(), sizeof(A));
-    return *this;
+    return table("args", rows);
   }
   // [[buffer(i)]] as `constant A*`: a table of structs (sequences of the dispatch), set_bytes.
   template <typename A>

@@ -7,7 +7,6 @@
 // undone; both are declared as state (their traffic counted apart from activations). The
 // decode route's kernels reach each sequence's state by address (metal/gdn_args.h GdnSeq), so a
 // pass's sequences share one dispatch.
-#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -60,13 +59,6 @@ std::vector<GdnSeq> seq_table(Dispatch& d, const char* kernel, const std::vector
     table.push_back(e);
   }
   return table;
-}
-
-// The rows the dispatch's activations span (bound from their start): to the last sequence's last row.
-size_t rows_spanned(const std::vector<GdnSeqView>& seqs) {
-  size_t end = 0;
-  for (const GdnSeqView& s : seqs) end = std::max<size_t>(end, size_t(s.first) + s.n);
-  return end;
 }
 
 }  // namespace
