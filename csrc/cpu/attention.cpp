@@ -82,16 +82,33 @@ static_assert(kSpan % kBlock == 0, "spans are whole blocks");
 // Micro-kernels over one block of kBlock positions for NR rows at a time. The block's keys are
 // stored transposed, kt [D, kBlock] (KvCache), so scores need no horizontal sums: for each d, one
 // broadcast of q[r][d] times a row of kt, for NR rows sharing the loads (FMA-bound on AVX-512
-// rather than L2-bound as a dot per (row, position) is).
+// rather than L2-bound as a dot per (row, position) is). Rows come 8 at a time where there are
+// 8 (a decode token's 8 query heads of one KV head; prefill tiles): with 16 accumulators in
+// flight the FMA units stay busy, where 4 rows (8 accumulators) ran at half the FMA rate on the
+// CI-class Zen 4 (benchmarks/kernels/attention_bench.cpp, docs/performance.md). NR never changes a row's result:
+// each row's sums run the same operations in the same order whatever rows share the call.
 //
+// Each kernel also asks for the NEXT block of the same stream (keys in qk_block, values in
+// pv_block) to be brought into L2, spread over its loop: exactly one block ahead (a K block is
+// D x 128 bytes, two lines per d; a V block's n x D floats are W lines per (slice, position)
+// step). Why: in decode each block comes from DRAM and is used once, and without it the
+// loads of a block waited on memory at a third of one core's streaming rate. `next` is null
+// when there is no next block, and for all but the first row group of a block (the others
+// find it in L2 already).
+inline void prefetch_lines(const char*& next, int lines) {
+  for (int i = 0; i < lines; ++i) __builtin_prefetch(next + 64 * i, 0, 2);  // 2: prefetcht1 (L2), as linear_int8
+  next += 64 * lines;
+}
+
 // s[r, j] = q_r · k_j   for j < kBlock
 template <int NR>
-void qk_block(const float* const* q, const float* kt, int D, float* s) {
+void qk_block(const float* const* q, const float* kt, int D, float* s, const char* next) {
 #if defined(__AVX512F__)
-  static_assert(kBlock == 32, "two vectors of 16 positions");
+  static_assert(kBlock == 32, "two vectors of 16 positions: a K block row is two lines");
   __m512 acc[NR][2];
   for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int d = 0; d < D; ++d) {
+    if (next) prefetch_lines(next, 2);
     const __m512 k0 = _mm512_loadu_ps(kt + d * kBlock), k1 = _mm512_loadu_ps(kt + d * kBlock + 16);
     for (int r = 0; r < NR; ++r) {
       const __m512 qd = _mm512_set1_ps(q[r][d]);
@@ -107,7 +124,10 @@ void qk_block(const float* const* q, const float* kt, int D, float* s) {
   for (int r = 0; r < NR; ++r) {
     float* sr = s + r * kBlock;
     for (int j = 0; j < kBlock; ++j) sr[j] = 0.0f;
-    for (int d = 0; d < D; ++d) axpy(q[r][d], kt + d * kBlock, sr, kBlock);
+    for (int d = 0; d < D; ++d) {
+      if (next && r == 0) prefetch_lines(next, 2);
+      axpy(q[r][d], kt + d * kBlock, sr, kBlock);
+    }
   }
 #endif
 }
@@ -115,10 +135,13 @@ void qk_block(const float* const* q, const float* kt, int D, float* s) {
 // o_r = o_r * alpha_r + sum_{j < n} p[r, j] v_j, v_j = v + j * D (the block's values)
 // Rows whose causal limit lies before the block (active[r] false) are left untouched.
 template <int NR>
-void pv_block(const float* p, const float* v, int n, int D, float* const* o, const float* alpha, const bool* active) {
+void pv_block(const float* p, const float* v, int n, int D, float* const* o, const float* alpha, const bool* active,
+              const char* next) {
   int d0 = 0;
 #if defined(__AVX512F__)
-  // 4 vectors (64 dims) of NR rows in registers across the block, then 1-vector slices.
+  // kWide vectors of dims of NR rows in registers across the block (16 accumulators), then
+  // 1-vector slices.
+  constexpr int kWide = NR >= 8 ? 2 : 4;
   auto slice = [&](auto width) {
     constexpr int W = decltype(width)::value;
     __m512 acc[NR][W];
@@ -126,6 +149,7 @@ void pv_block(const float* p, const float* v, int n, int D, float* const* o, con
       for (int c = 0; c < W; ++c)
         acc[r][c] = _mm512_mul_ps(_mm512_set1_ps(alpha[r]), _mm512_loadu_ps(o[r] + d0 + 16 * c));
     for (int j = 0; j < n; ++j) {
+      if (next) prefetch_lines(next, W);  // W lines a step: the next block's n x D floats in all
       __m512 vj[W];
       for (int c = 0; c < W; ++c) vj[c] = _mm512_loadu_ps(v + size_t(j) * D + d0 + 16 * c);
       for (int r = 0; r < NR; ++r) {
@@ -138,30 +162,37 @@ void pv_block(const float* p, const float* v, int n, int D, float* const* o, con
         for (int c = 0; c < W; ++c) _mm512_storeu_ps(o[r] + d0 + 16 * c, acc[r][c]);
     d0 += 16 * W;
   };
-  while (d0 + 64 <= D) slice(std::integral_constant<int, 4>{});
+  while (d0 + 16 * kWide <= D) slice(std::integral_constant<int, kWide>{});
   while (d0 + 16 <= D) slice(std::integral_constant<int, 1>{});
 #endif
   if (d0 == D) return;
+  const int tail_lines = (D - d0 + 15) / 16;  // of each next-block position's dims [d0, D)
   for (int r = 0; r < NR; ++r) {
     if (!active[r]) continue;
     scale(alpha[r], o[r] + d0, D - d0);
-    for (int j = 0; j < n; ++j) axpy(p[r * kBlock + j], v + size_t(j) * D + d0, o[r] + d0, D - d0);
+    for (int j = 0; j < n; ++j) {
+      if (next) prefetch_lines(next, tail_lines);
+      axpy(p[r * kBlock + j], v + size_t(j) * D + d0, o[r] + d0, D - d0);
+    }
+    next = nullptr;  // the first active row asked for them all
   }
 }
 
 // Per-thread working set of one work item.
 struct SpanScratch {
-  std::vector<float> scores;  // [NR, kBlock]
+  std::vector<float> scores;  // [NR <= 8, kBlock]
 };
 
 // Folds positions [p0, p1) of KV head hk into the rows' online-softmax state (m, l, o rows);
 // row r sees positions < lim[r]. Rows come NR at a time; rows of a group may have different
 // causal limits inside the block, so each masks its own tail.
+// next_k, next_v: the next block's keys and values to prefetch, or null.
 template <int NR>
 void attend_rows(KvCache& cache, int hk, const float* const* q, const int* lim, const float* kt, int b, int bend,
-                 float scale_qk, float* m, float* l, float* const* o, float* s) {
+                 float scale_qk, float* m, float* l, float* const* o, float* s, const float* next_k,
+                 const float* next_v) {
   const int D = cache.head_dim;
-  qk_block<NR>(q, kt, D, s);
+  qk_block<NR>(q, kt, D, s, reinterpret_cast<const char*>(next_k));
   float alpha[NR];
   bool active[NR];
   int n_max = 0;
@@ -182,22 +213,31 @@ void attend_rows(KvCache& cache, int hk, const float* const* q, const int* lim, 
     std::fill(sr + n, sr + kBlock, 0.0f);
     n_max = std::max(n_max, n);
   }
-  if (n_max > 0) pv_block<NR>(s, cache.v_at(hk, b), n_max, D, o, alpha, active);
+  if (n_max > 0) pv_block<NR>(s, cache.v_at(hk, b), n_max, D, o, alpha, active, reinterpret_cast<const char*>(next_v));
 }
 
-void attend_span(KvCache& cache, int hk, const float* const* q, const int* lim, int R, int p0, int p1,
+// Positions below read_end may be prefetched (the item's last causal limit: past the span, the
+// same thread usually walks the next span next).
+void attend_span(KvCache& cache, int hk, const float* const* q, const int* lim, int R, int p0, int p1, int read_end,
                  float scale_qk, float* m, float* l, float* const* o, SpanScratch& ss) {
-  ss.scores.resize(4 * kBlock);
+  ss.scores.resize(8 * kBlock);
   for (int b = p0; b < p1; b += kBlock) {  // p0 is a span start: blocks are the cache's K blocks
     const int bend = std::min(b + kBlock, p1);
     // Positions of the block at or past p1 (unwritten, or left by a rewound sequence) are scored
     // too, and every row masks them (attend_rows): their keys never reach a result.
     const float* kt = cache.k_block(hk, b / kBlock);
+    const bool ahead = b + kBlock < read_end;
+    const float* next_k = ahead ? cache.k_block(hk, b / kBlock + 1) : nullptr;
+    const float* next_v = ahead ? cache.v_at(hk, b + kBlock) : nullptr;
+    auto rows = [&](auto nr, int r) {
+      constexpr int NR = decltype(nr)::value;
+      attend_rows<NR>(cache, hk, q + r, lim + r, kt, b, bend, scale_qk, m + r, l + r, o + r, ss.scores.data(),
+                      r == 0 ? next_k : nullptr, r == 0 ? next_v : nullptr);
+    };
     int r = 0;
-    for (; r + 4 <= R; r += 4)
-      attend_rows<4>(cache, hk, q + r, lim + r, kt, b, bend, scale_qk, m + r, l + r, o + r, ss.scores.data());
-    for (; r < R; ++r)
-      attend_rows<1>(cache, hk, q + r, lim + r, kt, b, bend, scale_qk, m + r, l + r, o + r, ss.scores.data());
+    for (; r + 8 <= R; r += 8) rows(std::integral_constant<int, 8>{}, r);
+    for (; r + 4 <= R; r += 4) rows(std::integral_constant<int, 4>{}, r);
+    for (; r < R; ++r) rows(std::integral_constant<int, 1>{}, r);
   }
 }
 
@@ -297,7 +337,8 @@ void attend(const KvRows* seqs, int n_seqs, const float* qg, int Hq, int D, Atte
         o.assign(size_t(R) * D, 0.0f);
         for (int r = 0; r < R; ++r) orows[r] = o.data() + size_t(r) * D;
         const int p1 = std::min(tile_end, p0 + kSpan);
-        if (p0 < p1) attend_span(cache, hk, q.data(), lim.data(), R, p0, p1, scale_qk, m.data(), l.data(), orows.data(), ss);
+        if (p0 < p1)
+          attend_span(cache, hk, q.data(), lim.data(), R, p0, p1, tile_end, scale_qk, m.data(), l.data(), orows.data(), ss);
       };
       if (p.split) {
         run_span(span * kSpan);
