@@ -104,47 +104,105 @@ void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, const float
       },
       16);
 
-  // The recurrence: sequential in t, independent per (sequence, value head) item.
-  s.o.resize(size_t(T) * vdim);
+  // Per token: q and k l2-normalised per key head (in place: conv_out is not read again), q
+  // scaled; beta and the decay per value head.
   const float q_scale = 1.0f / std::sqrt(float(Dk));
-  pool.parallel_for(int64_t(n_seqs) * Hv, [&](int64_t i0, int64_t i1, int) {
-    thread_local std::vector<float> q, k, kv_mem;
-    q.resize(Dk);
-    k.resize(Dk);
-    kv_mem.resize(Dv);
+  s.beta.resize(size_t(T) * Hv);
+  s.decay.resize(size_t(T) * Hv);
+  pool.parallel_for(T, [&](int64_t t0, int64_t t1, int) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* row = s.conv_out.data() + size_t(t) * C;
+      for (int hk = 0; hk < Hk; ++hk) {
+        float* q = row + hk * Dk;
+        l2_normalize(q, Dk, 1e-6f);
+        for (int i = 0; i < Dk; ++i) q[i] *= q_scale;
+        l2_normalize(row + key_dim + hk * Dk, Dk, 1e-6f);
+      }
+      for (int hv = 0; hv < Hv; ++hv) {
+        s.beta[size_t(t) * Hv + hv] = sigmoid(s.b[size_t(t) * Hv + hv]);
+        s.decay[size_t(t) * Hv + hv] = std::exp(w.a_neg[hv] * softplus(s.a[size_t(t) * Hv + hv] + w.dt_bias[hv]));
+      }
+    }
+  });
+
+  // The recurrence: sequential in t, independent per (sequence, value head, slice of kGdnCols
+  // value columns) item: column j of S only ever meets column j of v, of delta and of o. Why
+  // slices: a head's S (Dk x Dv f32, 64 KB at 128 x 128) does not fit L1, and each token reads
+  // and writes it twice; a slice's Dk x 32 (16 KB) stays in L1 across the chunk's tokens. Per
+  // column the operations and their order are those of a whole-head loop (axpy is element-wise,
+  // and slices are whole vectors), so the result does not depend on the slicing.
+  constexpr int kGdnCols = 32;
+  const int n_slices = (Dv + kGdnCols - 1) / kGdnCols;
+  s.o.resize(size_t(T) * vdim);
+  pool.parallel_for(int64_t(n_seqs) * Hv * n_slices, [&](int64_t i0, int64_t i1, int) {
+    thread_local std::vector<float> kv_mem;
+    kv_mem.resize(kGdnCols);
     for (int64_t item = i0; item < i1; ++item) {
-      const GdnRows& sq = seqs[item / Hv];
-      const int hv = int(item % Hv), hk = hv / r;
-      float* S = sq.state->S.data() + size_t(hv) * Dk * Dv;
+      const GdnRows& sq = seqs[item / (int64_t(Hv) * n_slices)];
+      const int hv = int(item / n_slices % Hv), hk = hv / r;
+      const int j0 = int(item % n_slices) * kGdnCols, nc = std::min(kGdnCols, Dv - j0);
+      float* S = sq.state->S.data() + size_t(hv) * Dk * Dv + j0;  // row i of the slice: S + i * Dv
       for (int t = sq.first; t < sq.first + sq.n; ++t) {
         const float* row = s.conv_out.data() + size_t(t) * C;
-        std::memcpy(q.data(), row + hk * Dk, Dk * sizeof(float));
-        std::memcpy(k.data(), row + key_dim + hk * Dk, Dk * sizeof(float));
-        const float* v = row + 2 * key_dim + hv * Dv;
-        l2_normalize(q.data(), Dk, 1e-6f);
-        l2_normalize(k.data(), Dk, 1e-6f);
-        for (int i = 0; i < Dk; ++i) q[i] *= q_scale;
-        const float beta = sigmoid(s.b[size_t(t) * Hv + hv]);
-        const float g = w.a_neg[hv] * softplus(s.a[size_t(t) * Hv + hv] + w.dt_bias[hv]);
-        const float decay = std::exp(g);
+        const float* q = row + hk * Dk;
+        const float* k = row + key_dim + hk * Dk;
+        const float* v = row + 2 * key_dim + hv * Dv + j0;
+        const float beta = s.beta[size_t(t) * Hv + hv], decay = s.decay[size_t(t) * Hv + hv];
+        float* o = s.o.data() + size_t(t) * vdim + hv * Dv + j0;
+#if defined(__AVX512F__)
+        if (nc == kGdnCols) {  // the slice's kv_mem, delta and o in registers: the same FMAs as axpy
+          __m512 kv0 = _mm512_setzero_ps(), kv1 = _mm512_setzero_ps();
+          const __m512 vdecay = _mm512_set1_ps(decay);
+          for (int i = 0; i < Dk; ++i) {  // pass 1: decay S and read kv_mem = S^T k
+            float* Si = S + size_t(i) * Dv;
+            const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(Si), vdecay), s1 = _mm512_mul_ps(_mm512_loadu_ps(Si + 16), vdecay);
+            _mm512_storeu_ps(Si, s0);
+            _mm512_storeu_ps(Si + 16, s1);
+            const __m512 ki = _mm512_set1_ps(k[i]);
+            kv0 = _mm512_fmadd_ps(ki, s0, kv0);
+            kv1 = _mm512_fmadd_ps(ki, s1, kv1);
+          }
+          const __m512 vbeta = _mm512_set1_ps(beta);  // delta = (v - kv_mem) * beta
+          const __m512 d0 = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(v), kv0), vbeta);
+          const __m512 d1 = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(v + 16), kv1), vbeta);
+          __m512 o0 = _mm512_setzero_ps(), o1 = _mm512_setzero_ps();
+          for (int i = 0; i < Dk; ++i) {  // pass 2: rank-1 update with delta, and read o = S^T q
+            float* Si = S + size_t(i) * Dv;
+            const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
+            const __m512 s0 = _mm512_fmadd_ps(ki, d0, _mm512_loadu_ps(Si)), s1 = _mm512_fmadd_ps(ki, d1, _mm512_loadu_ps(Si + 16));
+            _mm512_storeu_ps(Si, s0);
+            _mm512_storeu_ps(Si + 16, s1);
+            o0 = _mm512_fmadd_ps(qi, s0, o0);
+            o1 = _mm512_fmadd_ps(qi, s1, o1);
+          }
+          _mm512_storeu_ps(o, o0);
+          _mm512_storeu_ps(o + 16, o1);
+          continue;
+        }
+#endif
         // Pass 1: decay S and read kv_mem = S^T k.
-        std::fill(kv_mem.begin(), kv_mem.end(), 0.0f);
+        std::fill_n(kv_mem.data(), nc, 0.0f);
         for (int i = 0; i < Dk; ++i) {
           float* Si = S + size_t(i) * Dv;
-          for (int j = 0; j < Dv; ++j) Si[j] *= decay;
-          axpy(k[i], Si, kv_mem.data(), Dv);
+          for (int j = 0; j < nc; ++j) Si[j] *= decay;
+          axpy(k[i], Si, kv_mem.data(), nc);
         }
         // Pass 2: rank-1 update with delta, and read o = S^T q.
-        float* o = s.o.data() + size_t(t) * vdim + hv * Dv;
-        for (int j = 0; j < Dv; ++j) kv_mem[j] = (v[j] - kv_mem[j]) * beta;  // delta
-        std::fill(o, o + Dv, 0.0f);
+        for (int j = 0; j < nc; ++j) kv_mem[j] = (v[j] - kv_mem[j]) * beta;  // delta
+        std::fill_n(o, nc, 0.0f);
         for (int i = 0; i < Dk; ++i) {
           float* Si = S + size_t(i) * Dv;
-          axpy(k[i], kv_mem.data(), Si, Dv);
-          axpy(q[i], Si, o, Dv);
+          axpy(k[i], kv_mem.data(), Si, nc);
+          axpy(q[i], Si, o, nc);
         }
-        gated_rms_norm(o, s.z.data() + size_t(t) * vdim + hv * Dv, w.norm.data(), Dv, c.rms_eps, o);
       }
+    }
+  });
+  // The output norm over each (token, value head)'s whole row of o.
+  pool.parallel_for(int64_t(T) * Hv, [&](int64_t i0, int64_t i1, int) {
+    for (int64_t i = i0; i < i1; ++i) {
+      float* o = s.o.data() + size_t(i) * Dv;  // row t = i / Hv, head i % Hv
+      gated_rms_norm(o, s.z.data() + size_t(i) * Dv, w.norm.data(), Dv, c.rms_eps, o);
     }
   });
 

@@ -31,6 +31,7 @@ struct GdnState {
 struct GdnScratch {
   Matmul matmul = Matmul::F32;  // the backend's choice for the projections
   std::vector<float> qkv, qkvz, z, b, a, ba, conv_out, o;
+  std::vector<float> beta, decay;  // [T, Hv]: sigmoid(b), exp(g)
 };
 
 // Rows [first, first + n) of the pass continue `state` (one sequence).
