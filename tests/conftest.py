@@ -36,6 +36,26 @@ if str(TESTS) not in sys.path:
 from fixtures.store import Store  # noqa: E402
 
 
+def pytest_configure(config):
+    """Refuse a run whose native extension is not the one built next to the Python sources it
+    imports. Why: an editable install (`pip install -e .`, scikit-build-core) maps `lily._core` to
+    its own build in site-packages even under PYTHONPATH=src, so after `scripts/dev_build.sh`
+    the tests would exercise the Python of the tree with the C++ of the install, silently."""
+    import importlib.machinery
+
+    import lily as _lily
+    import lily._core as _core
+
+    here = Path(_lily.__file__).resolve().parent
+    local = [here / ("_core" + suffix) for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    loaded = Path(_core.__file__).resolve()
+    if any(p.exists() for p in local) and loaded.parent != here:
+        raise pytest.UsageError(
+            f"lily's Python files come from {here} but lily._core from {loaded}, not the build next to "
+            f"them: an editable install shadows the dev build. `pip uninstall lily-llm` to test the dev "
+            f"build (scripts/dev_build.sh), or reinstall to test the install.")
+
+
 @pytest.fixture(scope="session")
 def store(tmp_path_factory) -> Store:
     return Store(tmp_path_factory.mktemp("checkpoints"))
