@@ -11,7 +11,7 @@ Tests, each against a reference nobody here wrote:
   summation order differs; a wrong nibble order, block scale or group bias is >= 1e-2), for 4-bit
   (groups 64/128) and 8-bit (groups 32/64) weights, rows of 192 (a 64-value tail after 128-value
   steps), 256 and 2048 values, 1/3/8 tokens (the row kernels, 1-8 tokens per weight pass)
-  and 13/32/33/70 tokens (the token-vector GEMM, from 12 tokens, with partial vectors of 16).
+  and 13/32/33/70 tokens (the token-vector GEMM, from 12 tokens, with partial vectors of 8 or 16).
 - Kernel, error bound: int8 vs the exact product with `mx.dequantize`d weights. Rounding x to
   q moves each x_j by at most d / 2, so |error| <= sum_j |w_j| d_j / 2, asserted elementwise.
   The errors are unbiased and independent, so typically the relative error is ~0.5-1% of

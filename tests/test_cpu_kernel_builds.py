@@ -12,7 +12,7 @@ tests/native/linear_driver.cpp is built with lily's CPU sources once per entry o
   build would trap;
 - x86 by g++ for x86-64-v3 (AVX2 + FMA: VPMADDUBSW in place of VPDPBUSD; 8-bit codes fall back
   to the f32 kernels), x86-64-v3 + AVX-VNNI (256-bit VPDPBUSD) and x86-64-v4 + AVX-512 VNNI
-  (the 512-bit row kernels and the token-vector GEMM), each run natively when the host CPU has
+  (the 512-bit row kernels; each build has its token-vector GEMM, 8 or 16 tokens per vector), each run natively when the host CPU has
   those instructions (it does on the machines CI runs on; a host without them builds and runs
   only the builds it can execute).
 The driver calls cpu::linear (the engine's own dispatch: MatvecInput, the row kernels in passes

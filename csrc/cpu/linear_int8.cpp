@@ -508,8 +508,8 @@ inline void fstore(float* y, FVec v, int n) {
 
 // Tokens per call of rows_int8 (int8_rows splits longer chunks): each step of a quad's rows is
 // unpacked once for them, and their x and block sums stay in L1 (8 tokens: 24 KiB at in = 2048
-// on AVX-512, 16 KiB on AVX2). Decode batches up to 8 are one pass; longer chunks (AVX2 and
-// AVX-VNNI prefill: no int8_gemm there) pass over the rows once per group.
+// on AVX-512, 16 KiB on AVX2). Decode batches up to 8 are one pass; longer chunks that reach
+// the row kernels (arm64 prefill: no int8_gemm there) pass over the rows once per group.
 constexpr int kTokenGroup = 8;
 
 // A vector in a std::vector (which drops a bare vector type's alignment attribute).
@@ -647,19 +647,25 @@ void int8_rows(const Linear&, const int8_t*, const float*, const float*, int, fl
 
 // ---- Larger chunks: tokens in vectors ---------------------------------------------------------
 //
-// For larger T the row kernels would re-read (and re-unpack) each weight row once per token.
-// Here the roles turn: a 512-bit vector holds one 4-byte slice of x for 16 tokens (x is
-// transposed once per call into Xp[token group][dword][16]), and each weight dword is broadcast
-// against it, so one VPDPBUSD does 4 values x 16 tokens. Weight rows are unpacked to u8 codes
-// once per call (16 rows at a time, into L1) and then swept by every token group:
-//   per 8 rows x 32 values x 16 tokens: 8 x loads, 64 broadcasts, 64 VPDPBUSD, 24 scale ops
-//   (8 rows rather than 4: +6% measured, the x loads shared by more rows).
+// For larger T the row kernels would re-read (and re-unpack) each weight row once per token
+// group. Here the roles turn: a vector holds one 4-byte slice of x for kLanes tokens (16 in a
+// 512-bit vector, 8 in a 256-bit one; x is transposed once per call into
+// Xp[token group][dword][kLanes]), and each weight dword is broadcast against it, so one
+// VPDPBUSD does 4 values x kLanes tokens. Weight rows are unpacked to u8 codes once per call
+// (kGemmRows at a time, into L1) and then swept by every token group.
+//   AVX-512: per 8 rows x 32 values x 16 tokens: 8 x loads, 64 broadcasts, 64 VPDPBUSD, 24 scale
+//   ops (8 rows rather than 4: +6% measured, the x loads shared by more rows).
+//   AVX2 (no VNNI): VPMADDUBSW + VPMADDWD, as in the row kernels, but the block's eight
+//   VPMADDUBSW results per row are summed in int16 and widened by one VPMADDWD per block (exact:
+//   |8 * 2 * 15 * 127| < 2^15), where the row kernels widen every pair of them. On the Zen 2
+//   CPU these were measured on the multiply pipe is what bounds both, so this is ~1.4x the row
+//   kernels at 16 tokens and more (benchmarks/kernels/matvec_bench, 2048 x 1024, one thread).
 // Block scales and group sums are transposed the same way (dxT, gsT), so the per-block scale is
 // one vector multiply per row and the bias term one FMA per group. Each lane (token) of a row's
 // accumulator runs the canonical sequence of linear_int8.h: the row kernels' result exactly.
 namespace lily::cpu {
 
-#if defined(LILY_INT8_AVX512)
+#if defined(LILY_INT8_KERNELS)
 
 namespace {
 
@@ -679,16 +685,23 @@ void row_params(const uint8_t* p, DType dt, int n, float* out) {
   for (; i < n; ++i) out[i] = load_as_f32(p, dt, i);
 }
 
+#if defined(LILY_INT8_AVX512)
+constexpr int kLanes = 16;     // tokens per vector
 constexpr int kGemmRows = 16;  // rows unpacked per step (16 x in bytes in L1)
 constexpr int kGemmR = 8;      // rows per register block (8 int32 + 8 f32 accumulators in zmm)
+#else
+constexpr int kLanes = 8;
+constexpr int kGemmRows = 8;  // 16 KiB of codes at in = 2048: with a token group's x, in L1
+constexpr int kGemmR = 4;     // 4 int + 4 f32 accumulators, 2 x, 2 broadcasts, 1 constant: 13 ymm
+#endif
 
 struct GemmInput {
-  int T = 0, in = 0, G = 0, nb = 0, groups16 = 0;
+  int T = 0, in = 0, G = 0, nb = 0, groups = 0;  // groups: token groups of kLanes
   std::vector<int8_t> xq;
   std::vector<float> dx, gsum;
-  std::vector<int32_t> Xp;  // [groups16][in / 4][16]
-  std::vector<float> dxT;   // [groups16][nb][16]
-  std::vector<float> gsT;   // [groups16][G][16]
+  std::vector<int32_t> Xp;  // [groups][in / 4][kLanes]
+  std::vector<float> dxT;   // [groups][nb][kLanes]
+  std::vector<float> gsT;   // [groups][G][kLanes]
 };
 
 // Dword offsets (in the xq layout) of block b's first evens and first odds for 4-bit rows; for
@@ -711,33 +724,133 @@ void prepare_gemm(const Linear& W, const float* x, int T, GemmInput& g) {
   g.in = in;
   g.G = G;
   g.nb = nb;
-  g.groups16 = (T + 15) / 16;
+  g.groups = (T + kLanes - 1) / kLanes;
   g.xq.resize(size_t(T) * in);
   g.dx.resize(size_t(T) * nb);
   g.gsum.resize(size_t(T) * G);
   quantize_activations(x, T, in, W.bits, g.xq.data(), g.dx.data());
   group_sums(x, T, in, W.group, g.gsum.data());
-  g.Xp.assign(size_t(g.groups16) * (in / 4) * 16, 0);
-  g.dxT.assign(size_t(g.groups16) * nb * 16, 0.0f);
-  g.gsT.assign(size_t(g.groups16) * G * 16, 0.0f);
+  g.Xp.assign(size_t(g.groups) * (in / 4) * kLanes, 0);
+  g.dxT.assign(size_t(g.groups) * nb * kLanes, 0.0f);
+  g.gsT.assign(size_t(g.groups) * G * kLanes, 0.0f);
   for (int t = 0; t < T; ++t) {
-    const int tg = t / 16, l = t % 16;
+    const int tg = t / kLanes, l = t % kLanes;
     const int32_t* q = reinterpret_cast<const int32_t*>(g.xq.data() + size_t(t) * in);
-    int32_t* xp = g.Xp.data() + size_t(tg) * (in / 4) * 16 + l;
-    for (int k = 0; k < in / 4; ++k) xp[size_t(k) * 16] = q[k];
+    int32_t* xp = g.Xp.data() + size_t(tg) * (in / 4) * kLanes + l;
+    for (int k = 0; k < in / 4; ++k) xp[size_t(k) * kLanes] = q[k];
     const float* d = g.dx.data() + size_t(t) * nb;
-    float* dt = g.dxT.data() + size_t(tg) * nb * 16 + l;
-    for (int b = 0; b < nb; ++b) dt[size_t(b) * 16] = d[b];
+    float* dt = g.dxT.data() + size_t(tg) * nb * kLanes + l;
+    for (int b = 0; b < nb; ++b) dt[size_t(b) * kLanes] = d[b];
     const float* gsum = g.gsum.data() + size_t(t) * G;
-    float* gs = g.gsT.data() + size_t(tg) * G * 16 + l;
-    for (int gi = 0; gi < G; ++gi) gs[size_t(gi) * 16] = gsum[gi];
+    float* gs = g.gsT.data() + size_t(tg) * G * kLanes + l;
+    for (int gi = 0; gi < G; ++gi) gs[size_t(gi) * kLanes] = gsum[gi];
+  }
+}
+
+// Rows [i0, i0 + kGemmR) of the unpacked rows (cw[r]: row r's codes as dwords, sf/bf[r]: its
+// scales and biases) against one token group: y_lanes[r] = kLanes outputs of row r, each in the
+// canonical order.
+#if defined(LILY_INT8_AVX512)
+using GemmVec = __m512;
+inline void gemm_block(const int32_t* const* cw, const float* const* sf, const float* const* bf, int in, int bits,
+                       int group, const int32_t* xp, const float* dxT, const float* gsT, __m512* facc) {
+  const int nb = in / kInt8Block, G = in / group;
+  for (int r = 0; r < kGemmR; ++r) facc[r] = _mm512_setzero_ps();
+  for (int b = 0; b < nb; ++b) {
+    int e0, o0;
+    block_dwords(b, in, bits, e0, o0);
+    __m512i ia[kGemmR];
+    for (int r = 0; r < kGemmR; ++r) ia[r] = _mm512_setzero_si512();
+    for (int k = 0; k < 4; ++k) {
+      const __m512i xe = _mm512_loadu_si512(xp + size_t(e0 + k) * kLanes);
+      const __m512i xo = _mm512_loadu_si512(xp + size_t(o0 + k) * kLanes);
+      for (int r = 0; r < kGemmR; ++r) {
+        ia[r] = _mm512_dpbusd_epi32(ia[r], _mm512_set1_epi32(cw[r][e0 + k]), xe);
+        ia[r] = _mm512_dpbusd_epi32(ia[r], _mm512_set1_epi32(cw[r][o0 + k]), xo);
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(dxT + size_t(b) * kLanes);
+    const int gi = b * kInt8Block / group;
+    for (int r = 0; r < kGemmR; ++r)
+      facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]), _mm512_mul_ps(_mm512_set1_ps(sf[r][gi]), d), facc[r]);
+  }
+  for (int gi = 0; gi < G; ++gi) {
+    const __m512 gs = _mm512_loadu_ps(gsT + size_t(gi) * kLanes);
+    for (int r = 0; r < kGemmR; ++r) facc[r] = _mm512_fmadd_ps(_mm512_set1_ps(bf[r][gi]), gs, facc[r]);
+  }
+}
+#else
+using GemmVec = __m256;
+inline void gemm_block(const int32_t* const* cw, const float* const* sf, const float* const* bf, int in, int bits,
+                       int group, const int32_t* xp, const float* dxT, const float* gsT, __m256* facc) {
+  const int nb = in / kInt8Block, G = in / group;
+  for (int r = 0; r < kGemmR; ++r) facc[r] = _mm256_setzero_ps();
+  for (int b = 0; b < nb; ++b) {
+    int e0, o0;
+    block_dwords(b, in, bits, e0, o0);
+    // The block's x slices stay in registers; each row then runs its 8 products to one int32
+    // sum per token (row by row: interleaving the rows spilled the int16 partials).
+    __m256i xv[8];
+    for (int k = 0; k < 4; ++k) {
+      xv[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + size_t(e0 + k) * kLanes));
+      xv[4 + k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + size_t(o0 + k) * kLanes));
+    }
+    const __m256 d = _mm256_loadu_ps(dxT + size_t(b) * kLanes);
+    const int gi = b * kInt8Block / group;
+    for (int r = 0; r < kGemmR; ++r) {
+      const int32_t* we = cw[r] + e0;
+      const int32_t* wo = cw[r] + o0;
+#if defined(LILY_INT8_VNNI)
+      __m256i ia = _mm256_setzero_si256();
+      for (int k = 0; k < 4; ++k)
+        ia = dpbusd(dpbusd(ia, _mm256_set1_epi32(we[k]), xv[k]), _mm256_set1_epi32(wo[k]), xv[4 + k]);
+#else
+      // int16 pair sums, added over the block in int16 (4-bit codes only: see above), widened once
+      __m256i p[4];
+      for (int k = 0; k < 4; ++k)
+        p[k] = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_set1_epi32(we[k]), xv[k]),
+                                _mm256_maddubs_epi16(_mm256_set1_epi32(wo[k]), xv[4 + k]));
+      const __m256i ia = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
+                                           _mm256_set1_epi16(1));
+#endif
+      facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(_mm256_set1_ps(sf[r][gi]), d), facc[r]);
+    }
+  }
+  for (int gi = 0; gi < G; ++gi) {
+    const __m256 gs = _mm256_loadu_ps(gsT + size_t(gi) * kLanes);
+    for (int r = 0; r < kGemmR; ++r) facc[r] = _mm256_fmadd_ps(_mm256_set1_ps(bf[r][gi]), gs, facc[r]);
+  }
+}
+#endif
+
+// Row i's packed codes -> u8 codes in the xq layout (4-bit: per chunk of kChunk4 values, the low
+// nibbles, then the high).
+void unpack_row(const uint8_t* wrow, int in, int bits, uint8_t* cr) {
+  if (bits == 8) {
+    std::memcpy(cr, wrow, in);
+    return;
+  }
+  int v = 0;
+#if defined(LILY_INT8_AVX512)
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (; v + 128 <= in; v += 128) {
+    const __m512i w = _mm512_loadu_si512(wrow + v / 2);
+    _mm512_storeu_si512(cr + v, _mm512_and_si512(w, m4));
+    _mm512_storeu_si512(cr + v + 64, _mm512_and_si512(_mm512_srli_epi16(w, 4), m4));
+  }
+#endif
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  for (; v < in; v += 64) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + v / 2));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(cr + v), _mm256_and_si256(w, m));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(cr + v + 32), _mm256_and_si256(_mm256_srli_epi16(w, 4), m));
   }
 }
 
 // Rows [r0, r1) of y for every token, by the calling thread.
 void gemm_rows(const Linear& W, const GemmInput& g, float* y, int64_t r0, int64_t r1) {
-  const int in = W.in, G = g.G, nb = g.nb, bits = W.bits, dw = in / 4;
-  const size_t esz = dtype_size(W.dtype), wbytes = size_t(in) * bits / 8;
+  const int in = W.in, G = g.G, nb = g.nb, dw = in / 4;
+  const size_t esz = dtype_size(W.dtype), wbytes = size_t(in) * W.bits / 8;
   thread_local std::vector<uint8_t> codes_store;
   thread_local std::vector<float> sf_store, bf_store;
   codes_store.resize(size_t(kGemmRows) * in);
@@ -746,72 +859,33 @@ void gemm_rows(const Linear& W, const GemmInput& g, float* y, int64_t r0, int64_
   uint8_t* codes = codes_store.data();
   float* sf = sf_store.data();
   float* bf = bf_store.data();
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
   for (int64_t rb = r0; rb < r1; rb += kGemmRows) {
     const int nr = int(std::min<int64_t>(kGemmRows, r1 - rb));
-    // Unpack: 4-bit rows to u8 codes in the xq layout (per chunk: low nibbles, then high).
     for (int i = 0; i < nr; ++i) {
-      const uint8_t* wrow = W.w + size_t(rb + i) * wbytes;
-      uint8_t* cr = codes + size_t(i) * in;
-      if (bits == 8) {
-        std::memcpy(cr, wrow, in);
-      } else {
-        int v = 0;
-        for (; v + 128 <= in; v += 128) {
-          const __m512i w = _mm512_loadu_si512(wrow + v / 2);
-          _mm512_storeu_si512(cr + v, _mm512_and_si512(w, m4));
-          _mm512_storeu_si512(cr + v + 64, _mm512_and_si512(_mm512_srli_epi16(w, 4), m4));
-        }
-        for (; v < in; v += 64) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + v / 2));
-          const __m256i m = _mm256_set1_epi8(0x0F);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(cr + v), _mm256_and_si256(w, m));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(cr + v + 32), _mm256_and_si256(_mm256_srli_epi16(w, 4), m));
-        }
-      }
+      unpack_row(W.w + size_t(rb + i) * wbytes, in, W.bits, codes + size_t(i) * in);
       row_params(W.scales + size_t(rb + i) * G * esz, W.dtype, G, sf + size_t(i) * G);
       row_params(W.biases + size_t(rb + i) * G * esz, W.dtype, G, bf + size_t(i) * G);
     }
-    for (int tg = 0; tg < g.groups16; ++tg) {
-      const int32_t* xp = g.Xp.data() + size_t(tg) * dw * 16;
-      const float* dxT = g.dxT.data() + size_t(tg) * nb * 16;
-      const float* gsT = g.gsT.data() + size_t(tg) * G * 16;
-      const int nt = std::min(16, g.T - tg * 16);
+    for (int tg = 0; tg < g.groups; ++tg) {
+      const int nt = std::min(kLanes, g.T - tg * kLanes);
       for (int i0 = 0; i0 < nr; i0 += kGemmR) {
         const int R = std::min(kGemmR, nr - i0);
+        // Rows past the end repeat the last one: computed, never stored.
         const int32_t* cw[kGemmR];
-        for (int r = 0; r < kGemmR; ++r) cw[r] = reinterpret_cast<const int32_t*>(codes + size_t(i0 + std::min(r, R - 1)) * in);
-        __m512 facc[kGemmR];
-        for (int r = 0; r < kGemmR; ++r) facc[r] = _mm512_setzero_ps();
-        for (int b = 0; b < nb; ++b) {
-          int e0, o0;
-          block_dwords(b, in, bits, e0, o0);
-          __m512i ia[kGemmR];
-          for (int r = 0; r < kGemmR; ++r) ia[r] = _mm512_setzero_si512();
-          for (int k = 0; k < 4; ++k) {
-            const __m512i xe = _mm512_loadu_si512(xp + size_t(e0 + k) * 16);
-            const __m512i xo = _mm512_loadu_si512(xp + size_t(o0 + k) * 16);
-            for (int r = 0; r < kGemmR; ++r) {
-              ia[r] = _mm512_dpbusd_epi32(ia[r], _mm512_set1_epi32(cw[r][e0 + k]), xe);
-              ia[r] = _mm512_dpbusd_epi32(ia[r], _mm512_set1_epi32(cw[r][o0 + k]), xo);
-            }
-          }
-          const __m512 d = _mm512_loadu_ps(dxT + size_t(b) * 16);
-          const int gi = b * kInt8Block / W.group;
-          for (int r = 0; r < kGemmR; ++r)
-            facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]),
-                                      _mm512_mul_ps(_mm512_set1_ps(sf[size_t(i0 + std::min(r, R - 1)) * G + gi]), d),
-                                      facc[r]);
+        const float *sr[kGemmR], *br[kGemmR];
+        for (int r = 0; r < kGemmR; ++r) {
+          const int i = i0 + std::min(r, R - 1);
+          cw[r] = reinterpret_cast<const int32_t*>(codes + size_t(i) * in);
+          sr[r] = sf + size_t(i) * G;
+          br[r] = bf + size_t(i) * G;
         }
-        for (int gi = 0; gi < G; ++gi) {
-          const __m512 gs = _mm512_loadu_ps(gsT + size_t(gi) * 16);
-          for (int r = 0; r < kGemmR; ++r)
-            facc[r] = _mm512_fmadd_ps(_mm512_set1_ps(bf[size_t(i0 + std::min(r, R - 1)) * G + gi]), gs, facc[r]);
-        }
+        GemmVec facc[kGemmR];
+        gemm_block(cw, sr, br, in, W.bits, W.group, g.Xp.data() + size_t(tg) * dw * kLanes,
+                   g.dxT.data() + size_t(tg) * nb * kLanes, g.gsT.data() + size_t(tg) * G * kLanes, facc);
         for (int r = 0; r < R; ++r) {
-          alignas(64) float lanes[16];
-          _mm512_store_ps(lanes, facc[r]);
-          for (int l = 0; l < nt; ++l) y[size_t(tg * 16 + l) * W.out + rb + i0 + r] = lanes[l];
+          alignas(64) float lanes[kLanes];
+          std::memcpy(lanes, &facc[r], sizeof(lanes));
+          for (int l = 0; l < nt; ++l) y[size_t(tg * kLanes + l) * W.out + rb + i0 + r] = lanes[l];
         }
       }
     }

@@ -4,7 +4,7 @@
 //
 // Shapes: W [out, in] packed (4 or 8 bits), x [T, in] quantized in blocks of 32.
 //
-// The canonical order. Every kernel here (x86 row kernels, the AVX-512 token-vector GEMM, the
+// The canonical order. Every kernel here (x86 row kernels, the x86 token-vector GEMM, the
 // arm64 row kernels) computes each output y[t, r] with this one sequence of f32 operations, so
 // a token's result is bit-identical whichever kernel, chunk length, thread count or
 // neighbouring rows produced it (prefix caches, snapshots and batching never change a token):
@@ -63,11 +63,11 @@ void int8_rows(const Linear& W, const int8_t* xq, const float* dx, const float* 
 // results either way: only speed decides).
 constexpr int kInt8GemmMinT = 12;
 
-// Whether int8_gemm runs W in this build (AVX-512 VNNI hosts; elsewhere every chunk runs the
-// row kernels).
+// Whether int8_gemm runs W in this build (x86: wherever the row kernels do, 16 tokens per vector
+// on AVX-512 VNNI, 8 on AVX2 / AVX-VNNI; arm64: no, every chunk runs the row kernels).
 bool int8_gemm_supported(const Linear& W);
 
-// y[T, out] = x[T, in] · Wᵀ for larger chunks (prefill): tokens in vectors of 16, each weight
+// y[T, out] = x[T, in] · Wᵀ for larger chunks (prefill): tokens in vector lanes, each weight
 // row unpacked once per call. pool == nullptr: computed by the calling thread.
 void int8_gemm(const Linear& W, const float* x, int T, float* y, ThreadPool* pool);
 

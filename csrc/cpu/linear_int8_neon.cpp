@@ -1,7 +1,7 @@
 // The int8 row kernels of linear_int8.cpp for arm64 (NEON): MLX affine 4/8-bit weights against
 // int8 activations, for 1..8 tokens per pass over the weights (decode, small expert groups).
 // Larger chunks (prefill) run as passes of 8 tokens: the token-vector GEMM of linear_int8.cpp
-// is AVX-512 only (int8_gemm_supported() is false here).
+// is x86 only (int8_gemm_supported() is false here).
 //
 // Numerics are those of the x86 kernels, bit for bit: x rounded per block of 32 values by
 // quantize_activations, exact integer dot products per block, then the canonical f32 sequence
