@@ -685,18 +685,26 @@ void row_params(const uint8_t* p, DType dt, int n, float* out) {
   for (; i < n; ++i) out[i] = load_as_f32(p, dt, i);
 }
 
+// kTailRows: a last token group this short goes to the row kernels instead (a partial group
+// costs what a full one does). 256-bit, 2048 x 512, one thread on a Zen 2 EPYC: the row kernels
+// ran 63-67 GFLOP/s at 4-8 tokens, this GEMM 86 at 8 tokens (one group), so tails of up to 6
+// tokens are cheaper as rows. AVX-512: not measured on such a host since; no split.
 #if defined(LILY_INT8_AVX512)
 constexpr int kLanes = 16;     // tokens per vector
 constexpr int kGemmRows = 16;  // rows unpacked per step (16 x in bytes in L1)
 constexpr int kGemmR = 8;      // rows per register block (8 int32 + 8 f32 accumulators in zmm)
+constexpr int kTailRows = 0;
 #else
 constexpr int kLanes = 8;
 constexpr int kGemmRows = 8;  // 16 KiB of codes at in = 2048: with a token group's x, in L1
 constexpr int kGemmR = 4;     // 4 int + 4 f32 accumulators, 2 x, 2 broadcasts, 1 constant: 13 ymm
+constexpr int kTailRows = 6;
 #endif
+static_assert(kInt8GemmMinT >= kLanes || kTailRows == 0, "a chunk of kInt8GemmMinT tokens has a whole group");
 
 struct GemmInput {
-  int T = 0, in = 0, G = 0, nb = 0, groups = 0;  // groups: token groups of kLanes
+  int T = 0, in = 0, G = 0, nb = 0;
+  int Tv = 0, groups = 0;  // tokens in vectors (the first Tv), in groups of kLanes; the rest: rows
   std::vector<int8_t> xq;
   std::vector<float> dx, gsum;
   std::vector<int32_t> Xp;  // [groups][in / 4][kLanes]
@@ -724,7 +732,8 @@ void prepare_gemm(const Linear& W, const float* x, int T, GemmInput& g) {
   g.in = in;
   g.G = G;
   g.nb = nb;
-  g.groups = (T + kLanes - 1) / kLanes;
+  g.Tv = T % kLanes <= kTailRows ? T - T % kLanes : T;
+  g.groups = (g.Tv + kLanes - 1) / kLanes;
   g.xq.resize(size_t(T) * in);
   g.dx.resize(size_t(T) * nb);
   g.gsum.resize(size_t(T) * G);
@@ -733,7 +742,7 @@ void prepare_gemm(const Linear& W, const float* x, int T, GemmInput& g) {
   g.Xp.assign(size_t(g.groups) * (in / 4) * kLanes, 0);
   g.dxT.assign(size_t(g.groups) * nb * kLanes, 0.0f);
   g.gsT.assign(size_t(g.groups) * G * kLanes, 0.0f);
-  for (int t = 0; t < T; ++t) {
+  for (int t = 0; t < g.Tv; ++t) {
     const int tg = t / kLanes, l = t % kLanes;
     const int32_t* q = reinterpret_cast<const int32_t*>(g.xq.data() + size_t(t) * in);
     int32_t* xp = g.Xp.data() + size_t(tg) * (in / 4) * kLanes + l;
@@ -867,7 +876,7 @@ void gemm_rows(const Linear& W, const GemmInput& g, float* y, int64_t r0, int64_
       row_params(W.biases + size_t(rb + i) * G * esz, W.dtype, G, bf + size_t(i) * G);
     }
     for (int tg = 0; tg < g.groups; ++tg) {
-      const int nt = std::min(kLanes, g.T - tg * kLanes);
+      const int nt = std::min(kLanes, g.Tv - tg * kLanes);
       for (int i0 = 0; i0 < nr; i0 += kGemmR) {
         const int R = std::min(kGemmR, nr - i0);
         // Rows past the end repeat the last one: computed, never stored.
@@ -890,6 +899,9 @@ void gemm_rows(const Linear& W, const GemmInput& g, float* y, int64_t r0, int64_
       }
     }
   }
+  if (g.Tv < g.T)  // the short tail: row kernels, the same canonical order
+    int8_rows(W, g.xq.data() + size_t(g.Tv) * in, g.dx.data() + size_t(g.Tv) * nb, g.gsum.data() + size_t(g.Tv) * G,
+              g.T - g.Tv, y + size_t(g.Tv) * W.out, W.out, r0, r1);
 }
 
 }  // namespace

@@ -60,8 +60,12 @@ void int8_rows(const Linear& W, const int8_t* xq, const float* dx, const float* 
                int64_t r0, int64_t r1);
 
 // Chunks of at least this many tokens go to int8_gemm rather than the row kernels (the same
-// results either way: only speed decides).
+// results either way: only speed decides): 12 with 16 tokens per vector (AVX-512), 8 with 8.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr int kInt8GemmMinT = 12;
+#else
+constexpr int kInt8GemmMinT = 8;
+#endif
 
 // Whether int8_gemm runs W in this build (x86: wherever the row kernels do, 16 tokens per vector
 // on AVX-512 VNNI, 8 on AVX2 / AVX-VNNI; arm64: no, every chunk runs the row kernels).
