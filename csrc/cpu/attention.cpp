@@ -85,8 +85,10 @@ static_assert(kSpan % kBlock == 0, "spans are whole blocks");
 // rather than L2-bound as a dot per (row, position) is). Rows come 8 at a time where there are
 // 8 (a decode token's 8 query heads of one KV head; prefill tiles): with 16 accumulators in
 // flight the FMA units stay busy, where 4 rows (8 accumulators) ran at half the FMA rate on the
-// CI-class Zen 4 (benchmarks/kernels/attention_bench.cpp, docs/performance.md). NR never changes a row's result:
-// each row's sums run the same operations in the same order whatever rows share the call.
+// CI-class Zen 4 (benchmarks/kernels/attention_bench.cpp, docs/performance.md). With 16 ymm
+// (AVX2) the accumulators are 8 vectors, so the block's positions (qk) or dims (pv) are taken in
+// narrower slices. NR never changes a row's result: each row's sums run the same operations in
+// the same order whatever rows share the call, and they are axpy's (the vector-less fallback).
 //
 // Each kernel also asks for the NEXT block of the same stream (keys in qk_block, values in
 // pv_block) to be brought into L2, spread over its loop: exactly one block ahead (a K block is
@@ -100,25 +102,37 @@ inline void prefetch_lines(const char*& next, int lines) {
   next += 64 * lines;
 }
 
+// Vector accumulators a micro-kernel keeps in registers: 16 of the 32 zmm (AVX-512) or NEON
+// registers, 8 of the 16 ymm (AVX2), the rest holding the loaded K / V vectors and broadcasts.
+#if defined(__AVX512F__) || defined(__ARM_NEON)
+constexpr int kAccVecs = 16;
+#else
+constexpr int kAccVecs = 8;
+#endif
+
 // s[r, j] = q_r · k_j   for j < kBlock
+// Positions in slices of C vectors, NR x C accumulators (AVX-512: the whole block, C = 2).
 template <int NR>
 void qk_block(const float* const* q, const float* kt, int D, float* s, const char* next) {
-#if defined(__AVX512F__)
-  static_assert(kBlock == 32, "two vectors of 16 positions: a K block row is two lines");
-  __m512 acc[NR][2];
-  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int d = 0; d < D; ++d) {
-    if (next) prefetch_lines(next, 2);
-    const __m512 k0 = _mm512_loadu_ps(kt + d * kBlock), k1 = _mm512_loadu_ps(kt + d * kBlock + 16);
-    for (int r = 0; r < NR; ++r) {
-      const __m512 qd = _mm512_set1_ps(q[r][d]);
-      acc[r][0] = _mm512_fmadd_ps(qd, k0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(qd, k1, acc[r][1]);
+#if defined(LILY_FVEC)
+  constexpr int W = FVec::kWidth, C = std::max(1, std::min(kBlock / W, kAccVecs / NR));
+  static_assert(kBlock % (C * W) == 0, "slices tile the block");
+  static_assert(kBlock == 32, "a K block row is two lines (the prefetch)");
+  for (int j0 = 0; j0 < kBlock; j0 += C * W) {
+    FVec acc[NR][C];
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = FVec::zero();
+    for (int d = 0; d < D; ++d) {
+      if (next && j0 == 0) prefetch_lines(next, 2);
+      FVec k[C];
+      for (int c = 0; c < C; ++c) k[c] = FVec::load(kt + d * kBlock + j0 + c * W);
+      for (int r = 0; r < NR; ++r) {
+        const FVec qd = FVec::splat(q[r][d]);
+        for (int c = 0; c < C; ++c) acc[r][c] = fmadd(qd, k[c], acc[r][c]);
+      }
     }
-  }
-  for (int r = 0; r < NR; ++r) {
-    _mm512_storeu_ps(s + r * kBlock, acc[r][0]);
-    _mm512_storeu_ps(s + r * kBlock + 16, acc[r][1]);
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c].store(s + r * kBlock + j0 + c * W);
   }
 #else
   for (int r = 0; r < NR; ++r) {
@@ -138,32 +152,33 @@ template <int NR>
 void pv_block(const float* p, const float* v, int n, int D, float* const* o, const float* alpha, const bool* active,
               const char* next) {
   int d0 = 0;
-#if defined(__AVX512F__)
-  // kWide vectors of dims of NR rows in registers across the block (16 accumulators), then
-  // 1-vector slices.
-  constexpr int kWide = NR >= 8 ? 2 : 4;
+#if defined(LILY_FVEC)
+  // kWide vectors of dims of NR rows in registers across the block (NR x kWide accumulators),
+  // then 1-vector slices. `next`: the next block's n x D floats, spread over the steps.
+  constexpr int W = FVec::kWidth, kWide = std::max(1, std::min(4, kAccVecs / NR));
   auto slice = [&](auto width) {
-    constexpr int W = decltype(width)::value;
-    __m512 acc[NR][W];
+    constexpr int S = decltype(width)::value;
+    // A step reads S * W floats; the prefetch keeps pace with it, a line at a time.
+    constexpr int kStepBytes = S * W * 4, kEvery = kStepBytes >= 64 ? 1 : 64 / kStepBytes;
+    FVec acc[NR][S];
     for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < W; ++c)
-        acc[r][c] = _mm512_mul_ps(_mm512_set1_ps(alpha[r]), _mm512_loadu_ps(o[r] + d0 + 16 * c));
+      for (int c = 0; c < S; ++c) acc[r][c] = FVec::splat(alpha[r]) * FVec::load(o[r] + d0 + W * c);
     for (int j = 0; j < n; ++j) {
-      if (next) prefetch_lines(next, W);  // W lines a step: the next block's n x D floats in all
-      __m512 vj[W];
-      for (int c = 0; c < W; ++c) vj[c] = _mm512_loadu_ps(v + size_t(j) * D + d0 + 16 * c);
+      if (next && j % kEvery == 0) prefetch_lines(next, std::max(1, kStepBytes / 64));
+      FVec vj[S];
+      for (int c = 0; c < S; ++c) vj[c] = FVec::load(v + size_t(j) * D + d0 + W * c);
       for (int r = 0; r < NR; ++r) {
-        const __m512 pj = _mm512_set1_ps(p[r * kBlock + j]);
-        for (int c = 0; c < W; ++c) acc[r][c] = _mm512_fmadd_ps(pj, vj[c], acc[r][c]);
+        const FVec pj = FVec::splat(p[r * kBlock + j]);
+        for (int c = 0; c < S; ++c) acc[r][c] = fmadd(pj, vj[c], acc[r][c]);
       }
     }
     for (int r = 0; r < NR; ++r)
       if (active[r])
-        for (int c = 0; c < W; ++c) _mm512_storeu_ps(o[r] + d0 + 16 * c, acc[r][c]);
-    d0 += 16 * W;
+        for (int c = 0; c < S; ++c) acc[r][c].store(o[r] + d0 + W * c);
+    d0 += W * S;
   };
-  while (d0 + 16 * kWide <= D) slice(std::integral_constant<int, kWide>{});
-  while (d0 + 16 <= D) slice(std::integral_constant<int, 1>{});
+  while (d0 + W * kWide <= D) slice(std::integral_constant<int, kWide>{});
+  while (d0 + W <= D) slice(std::integral_constant<int, 1>{});
 #endif
   if (d0 == D) return;
   const int tail_lines = (D - d0 + 15) / 16;  // of each next-block position's dims [d0, D)

@@ -149,34 +149,35 @@ void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, const float
         const float* v = row + 2 * key_dim + hv * Dv + j0;
         const float beta = s.beta[size_t(t) * Hv + hv], decay = s.decay[size_t(t) * Hv + hv];
         float* o = s.o.data() + size_t(t) * vdim + hv * Dv + j0;
-#if defined(__AVX512F__)
+#if defined(LILY_FVEC)
         if (nc == kGdnCols) {  // the slice's kv_mem, delta and o in registers: the same FMAs as axpy
-          __m512 kv0 = _mm512_setzero_ps(), kv1 = _mm512_setzero_ps();
-          const __m512 vdecay = _mm512_set1_ps(decay);
+          constexpr int N = kGdnCols / FVec::kWidth;  // vectors per slice row
+          FVec kv[N], delta[N], out[N];
+          const FVec vdecay = FVec::splat(decay), vbeta = FVec::splat(beta);
+          for (int n = 0; n < N; ++n) kv[n] = FVec::zero();
           for (int i = 0; i < Dk; ++i) {  // pass 1: decay S and read kv_mem = S^T k
             float* Si = S + size_t(i) * Dv;
-            const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(Si), vdecay), s1 = _mm512_mul_ps(_mm512_loadu_ps(Si + 16), vdecay);
-            _mm512_storeu_ps(Si, s0);
-            _mm512_storeu_ps(Si + 16, s1);
-            const __m512 ki = _mm512_set1_ps(k[i]);
-            kv0 = _mm512_fmadd_ps(ki, s0, kv0);
-            kv1 = _mm512_fmadd_ps(ki, s1, kv1);
+            const FVec ki = FVec::splat(k[i]);
+            for (int n = 0; n < N; ++n) {
+              const FVec sv = FVec::load(Si + n * FVec::kWidth) * vdecay;
+              sv.store(Si + n * FVec::kWidth);
+              kv[n] = fmadd(ki, sv, kv[n]);
+            }
           }
-          const __m512 vbeta = _mm512_set1_ps(beta);  // delta = (v - kv_mem) * beta
-          const __m512 d0 = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(v), kv0), vbeta);
-          const __m512 d1 = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(v + 16), kv1), vbeta);
-          __m512 o0 = _mm512_setzero_ps(), o1 = _mm512_setzero_ps();
+          for (int n = 0; n < N; ++n) {  // delta = (v - kv_mem) * beta
+            delta[n] = (FVec::load(v + n * FVec::kWidth) - kv[n]) * vbeta;
+            out[n] = FVec::zero();
+          }
           for (int i = 0; i < Dk; ++i) {  // pass 2: rank-1 update with delta, and read o = S^T q
             float* Si = S + size_t(i) * Dv;
-            const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
-            const __m512 s0 = _mm512_fmadd_ps(ki, d0, _mm512_loadu_ps(Si)), s1 = _mm512_fmadd_ps(ki, d1, _mm512_loadu_ps(Si + 16));
-            _mm512_storeu_ps(Si, s0);
-            _mm512_storeu_ps(Si + 16, s1);
-            o0 = _mm512_fmadd_ps(qi, s0, o0);
-            o1 = _mm512_fmadd_ps(qi, s1, o1);
+            const FVec ki = FVec::splat(k[i]), qi = FVec::splat(q[i]);
+            for (int n = 0; n < N; ++n) {
+              const FVec sv = fmadd(ki, delta[n], FVec::load(Si + n * FVec::kWidth));
+              sv.store(Si + n * FVec::kWidth);
+              out[n] = fmadd(qi, sv, out[n]);
+            }
           }
-          _mm512_storeu_ps(o, o0);
-          _mm512_storeu_ps(o + 16, o1);
+          for (int n = 0; n < N; ++n) out[n].store(o + n * FVec::kWidth);
           continue;
         }
 #endif

@@ -154,6 +154,51 @@ inline void scale(float alpha, float* y, int n) {
   for (int i = 0; i < n; ++i) y[i] *= alpha;
 }
 
+// FVec: the build's widest f32 vector (16 lanes on AVX-512, 8 on AVX2, 4 on NEON), for kernels
+// that keep a fixed-width slice in registers across a loop (gdn.cpp's recurrence) and are written
+// once over it. Each operation is per lane and the one axpy / scale use (fmadd: one fused
+// multiply-add), so a kernel over FVec gives the same bits at every width.
+#if defined(__AVX512F__)
+struct FVec {
+  static constexpr int kWidth = 16;
+  __m512 v;
+  static FVec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static FVec splat(float a) { return {_mm512_set1_ps(a)}; }
+  static FVec zero() { return {_mm512_setzero_ps()}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+};
+inline FVec operator*(FVec a, FVec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline FVec operator-(FVec a, FVec b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline FVec fmadd(FVec a, FVec b, FVec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c
+#define LILY_FVEC 1
+#elif defined(__AVX2__) && defined(__FMA__)
+struct FVec {
+  static constexpr int kWidth = 8;
+  __m256 v;
+  static FVec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static FVec splat(float a) { return {_mm256_set1_ps(a)}; }
+  static FVec zero() { return {_mm256_setzero_ps()}; }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+};
+inline FVec operator*(FVec a, FVec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline FVec operator-(FVec a, FVec b) { return {_mm256_sub_ps(a.v, b.v)}; }
+inline FVec fmadd(FVec a, FVec b, FVec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+#define LILY_FVEC 1
+#elif defined(__ARM_NEON)
+struct FVec {
+  static constexpr int kWidth = 4;
+  float32x4_t v;
+  static FVec load(const float* p) { return {vld1q_f32(p)}; }
+  static FVec splat(float a) { return {vdupq_n_f32(a)}; }
+  static FVec zero() { return {vdupq_n_f32(0.0f)}; }
+  void store(float* p) const { vst1q_f32(p, v); }
+};
+inline FVec operator*(FVec a, FVec b) { return {vmulq_f32(a.v, b.v)}; }
+inline FVec operator-(FVec a, FVec b) { return {vsubq_f32(a.v, b.v)}; }
+inline FVec fmadd(FVec a, FVec b, FVec c) { return {vfmaq_f32(c.v, a.v, b.v)}; }
+#define LILY_FVEC 1
+#endif
+
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 // log(1 + e^x) as torch computes it (linear above 20 to avoid overflow).
