@@ -100,6 +100,40 @@ void quantize_activations(const float* x, int T, int in, int bits, int8_t* xq, f
         dt[b] = d;
         continue;
       }
+#elif defined(LILY_INT8_KERNELS)
+      {
+        // The scalar loop's arithmetic, 8 lanes at a time: max (a NaN lane keeps the running
+        // max, as std::max does), one multiply, VCVTPS2DQ (round to nearest even, as
+        // nearbyint). The saturating packs are exact (|q| <= 127) but interleave 128-bit
+        // lanes: one dword permute restores value order, and for 4-bit weights a byte shuffle
+        // and a qword permute split it into the chunk's evens and odds.
+        __m256 v[4], m = _mm256_setzero_ps();
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        for (int i = 0; i < 4; ++i) m = _mm256_max_ps(_mm256_and_ps(v[i] = _mm256_loadu_ps(xb + 8 * i), abs_mask), m);
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+        const __m256 vi = _mm256_set1_ps(inv);
+        __m256i q[4];
+        for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vi));
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        if (bits == 4) {
+          const __m256i split = _mm256_shuffle_epi8(
+              ordered, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                        0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+          const __m256i eo = _mm256_permute4x64_epi64(split, 0xD8);  // [evens | odds]
+          const int c0 = b * kInt8Block / kChunk4 * kChunk4, wc = std::min(kChunk4, in - c0);
+          int8_t* qc = qt + c0 + (b * kInt8Block - c0) / 2;
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(qc), _mm256_castsi256_si128(eo));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(qc + wc / 2), _mm256_extracti128_si256(eo, 1));
+        } else {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(qt + b * kInt8Block), ordered);
+        }
+        dt[b] = d;
+        continue;
+      }
 #elif defined(LILY_INT8_NEON)
       {
         // The scalar loop's arithmetic (max, one multiply, round to nearest even: FCVTNS), four
