@@ -271,7 +271,8 @@ struct StreamPrefetch {
 #if defined(LILY_INT8_AVX512)
 constexpr int kRows = 16;
 // Batch-1 decode reads a block's rows quad by quad, like every other call: 16 rows read together
-// streamed the lm_head 15-20% slower (above).
+// streamed the lm_head 15-20% slower with per-row prefetch (above), and with the block prefetched
+// in address order (as on 256-bit builds) no faster on the H200 host's Xeon, within its noise.
 constexpr bool kInterleavedSingleToken = false;
 using IVec = __m512i;
 using FVec = __m512;
@@ -468,18 +469,15 @@ struct Step<4> {
     for (int i = 0; i < 4; ++i) ia[i] = dpbusd2(c.lo[i], xe, c.hi[i], xo);
     return sum_lane_quads(ia[0], ia[1], ia[2], ia[3]);
   }
-  // unpack + dot for a single token, row by row: each row is loaded, unpacked and multiplied
-  // before the next (all four unpacked first left too few registers for the single-token loop).
+  // dot(unpack(rows, v), x) for a single token (single_token_blocks). On plain AVX2 each row
+  // is loaded, unpacked and multiplied before the next, and the four rows' int16 partials are
+  // added through the lane sums, then widened once: exact, as 16 products of 15 x 127 fit an
+  // int16; 18 VPMADDUBSW / VPMADDWD per two quads instead of 24 (Zen 2 runs them on one pipe).
   static __m256i dot_rows(const uint8_t* const* rows, int v, const int8_t* x) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), xe = load_bytes(x), xo = load_bytes(x + 32);
 #if defined(LILY_INT8_VNNI)
-    __m256i ia[4];
-    for (int i = 0; i < 4; ++i) {
-      const __m256i w = load_bytes(rows[i] + v / 2);
-      ia[i] = dpbusd2(_mm256_and_si256(w, m4), xe, _mm256_and_si256(_mm256_srli_epi16(w, 4), m4), xo);
-    }
-    return sum_lane_quads(ia[0], ia[1], ia[2], ia[3]);
+    return dot<false>(unpack<false>(rows, v), x);
 #else
+    const __m256i m4 = _mm256_set1_epi8(0x0F), xe = load_bytes(x), xo = load_bytes(x + 32);
     __m256i p[4];
     for (int i = 0; i < 4; ++i) {
       const __m256i w = load_bytes(rows[i] + v / 2);
@@ -666,7 +664,9 @@ void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* 
   StreamPrefetch bpf{W.biases + size_t(r0) * pbytes, W.biases + size_t(r1) * pbytes};
   for (int64_t rb = r0; rb < r1; rb += kRows) {
     const int nr = int(std::min<int64_t>(kRows, r1 - rb));
-    // Rows past the end repeat the last one: their lanes are computed and never stored.
+    // Rows past the end repeat the last one: their lanes are computed and never stored. (Only the
+    // quad path reads these, but set after the single-token branch, GCC's code for the loop ran
+    // that branch 10-15% slower on Zen 2.)
     const uint8_t* rows[kRows];
     for (int i = 0; i < kRows; ++i) rows[i] = W.w + size_t(rb + std::min(i, nr - 1)) * wbytes;
     const int64_t next = rb + nr, next_rows = std::min<int64_t>(kRows, r1 - next);
