@@ -658,10 +658,14 @@ void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* 
   float* sT = params_store.data();      // [Gp][kRows]
   float* bT = sT + size_t(Gp) * kRows;  // [Gp][kRows]
   IVecSlot* sums = sums_store.data();  // [kQuads][nsteps][T]
-  const uint8_t* w_end = W.w + size_t(r1) * wbytes;  // nothing past this thread's rows is touched
+  // Prefetches run on past r1 to the matrix's end (nothing past it is touched): the thread pool
+  // hands out rows in chunks that shrink toward the end of a call, and a chunk's first
+  // pf_interleaved bytes would otherwise be read unprefetched. The next chunk is the next rows,
+  // whichever thread claims it, and the prefetched lines are in the shared L3 for it.
+  const uint8_t* w_end = W.w + size_t(W.out) * wbytes;
   const size_t pf_distance = prefetch_distance(wbytes), pf_interleaved = 2 * pf_distance;
-  StreamPrefetch spf{W.scales + size_t(r0) * pbytes, W.scales + size_t(r1) * pbytes};
-  StreamPrefetch bpf{W.biases + size_t(r0) * pbytes, W.biases + size_t(r1) * pbytes};
+  StreamPrefetch spf{W.scales + size_t(r0) * pbytes, W.scales + size_t(W.out) * pbytes};
+  StreamPrefetch bpf{W.biases + size_t(r0) * pbytes, W.biases + size_t(W.out) * pbytes};
   for (int64_t rb = r0; rb < r1; rb += kRows) {
     const int nr = int(std::min<int64_t>(kRows, r1 - rb));
     // Rows past the end repeat the last one: their lanes are computed and never stored. (Only the

@@ -13,9 +13,15 @@ namespace {
 // ~50 microseconds of polling before a worker sleeps: longer than the gap between the ops of
 // one decode step, much shorter than the gap between requests.
 constexpr int kSpinIterations = 20000;
-// Chunks per participant: enough to rebalance around a slow or absent thread, few enough that
-// claiming costs nothing next to a chunk.
-constexpr int64_t kChunksPerThread = 4;
+// The smallest piece: 1 / (kMinPieceDivisor x threads) of the call (or one unit). Claiming
+// costs an atomic on a shared line and a kernel call restarts its prefetch stream, so pieces
+// stay long; short enough that threads finish within ~1% of a call of each other.
+constexpr int64_t kMinPieceDivisor = 64;
+constexpr uint32_t kMaxUnits = 0xFFFF;
+
+constexpr uint64_t share_word(uint32_t gen, uint32_t front, uint32_t back) {
+  return uint64_t(gen) << 32 | uint64_t(front) << 16 | back;
+}
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -27,9 +33,8 @@ inline void cpu_relax() {
 
 }  // namespace
 
-ThreadPool::ThreadPool(int n_threads) {
-  if (n_threads <= 0) n_threads = int(std::max(1u, std::thread::hardware_concurrency()));
-  n_threads_ = n_threads;
+ThreadPool::ThreadPool(int n_threads) : shares_(size_t(n_threads <= 0 ? std::max(1u, std::thread::hardware_concurrency()) : n_threads)) {
+  n_threads_ = int(shares_.size());
   for (int i = 1; i < n_threads_; ++i) threads_.emplace_back([this, i] { worker(i); });
 }
 
@@ -42,24 +47,34 @@ ThreadPool::~ThreadPool() {
   for (auto& t : threads_) t.join();
 }
 
-void ThreadPool::run_chunks(uint32_t gen, int thread_index) {
-  uint64_t t = ticket_.load(std::memory_order_acquire);
+bool ThreadPool::claim(int s, uint32_t gen, bool front, uint32_t* lo, uint32_t* hi) {
+  std::atomic<uint64_t>& word = shares_[size_t(s)].word;
+  uint64_t w = word.load(std::memory_order_acquire);
   for (;;) {
-    if (uint32_t(t >> 32) != gen) return;  // a later (or earlier) call's ticket
-    // The chunk count comes from the ticket itself, never from n_chunks_: the caller of the
-    // next call rewrites the job fields before it publishes that call's ticket, so a worker
-    // still holding this call's ticket could otherwise read the next call's (larger) count,
-    // "claim" a chunk past this call's end, and leave done_ one too high for the next call,
-    // which then waits forever (seen as a hang in CI; tests/test_thread_pool.py).
-    const uint32_t idx = uint32_t(t) & kChunkMask, count = uint32_t(t >> kChunkBits) & kChunkMask;
-    if (idx >= count) return;
-    if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
-    // The chunk is ours: this call cannot finish without it, so its job fields (published
-    // before its ticket, which the CAS acquired) stay as they are until we are done.
-    const int64_t b = int64_t(idx) * chunk_, e = std::min(n_, b + chunk_);
-    (*fn_)(b, e, thread_index);
-    done_.fetch_add(1, std::memory_order_release);
-    t = ticket_.load(std::memory_order_acquire);
+    if (uint32_t(w >> 32) != gen) return false;  // a later (or earlier) call's share
+    const uint32_t f = uint32_t(w >> 16) & kMaxUnits, b = uint32_t(w) & kMaxUnits;
+    if (f >= b) return false;
+    // Half of what is left, at least min_piece_ (the share's last piece may be shorter).
+    const uint32_t left = b - f, take = std::min(left, std::max(min_piece_.load(std::memory_order_relaxed), left / 2));
+    *lo = front ? f : b - take;
+    *hi = front ? f + take : b;
+    const uint64_t next = front ? share_word(gen, *hi, b) : share_word(gen, f, *lo);
+    // On success the piece is ours: this call cannot finish without it, so its job fields
+    // (published before its generation, which the worker acquired) stay as they are until we
+    // are done. On failure w holds the current word.
+    if (word.compare_exchange_weak(w, next, std::memory_order_acq_rel, std::memory_order_acquire)) return true;
+  }
+}
+
+void ThreadPool::run_pieces(uint32_t gen, int thread_index) {
+  // Own share front to back, then the others' from the back, nearest first.
+  for (int k = 0; k < n_threads_; ++k) {
+    const int s = (thread_index + k) % n_threads_;
+    uint32_t lo, hi;
+    while (claim(s, gen, k == 0, &lo, &hi)) {
+      (*fn_)(int64_t(lo) * unit_, std::min(n_, int64_t(hi) * unit_), thread_index);
+      done_.fetch_add(hi - lo, std::memory_order_release);
+    }
   }
 }
 
@@ -81,7 +96,7 @@ void ThreadPool::worker(int index) {
     }
     if (stop_.load()) return;
     seen = gen;
-    run_chunks(gen, index);
+    run_pieces(gen, index);
   }
 }
 
@@ -93,22 +108,28 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
     fn(0, n, 0);
     return;
   }
-  const int64_t chunks = std::min<int64_t>({blocks, n_threads_ * kChunksPerThread, int64_t(kChunkMask)});
+  // Units of whole grains, at most kMaxUnits; share s = units [s * units / T, (s+1) * units / T).
+  const int64_t grains_per_unit = (blocks + kMaxUnits - 1) / kMaxUnits;
+  const uint32_t units = uint32_t((blocks + grains_per_unit - 1) / grains_per_unit);
   fn_ = &fn;
   n_ = n;
-  chunk_ = (blocks + chunks - 1) / chunks * grain;
-  n_chunks_ = uint32_t((n + chunk_ - 1) / chunk_);
+  unit_ = grains_per_unit * grain;
+  units_ = units;
+  min_piece_.store(uint32_t(std::max<int64_t>(1, units / (kMinPieceDivisor * n_threads_))), std::memory_order_relaxed);
   done_.store(0, std::memory_order_relaxed);
   const uint32_t gen = generation_.load(std::memory_order_relaxed) + 1;
-  ticket_.store(uint64_t(gen) << 32 | uint64_t(n_chunks_) << kChunkBits, std::memory_order_release);
+  for (int s = 0; s < n_threads_; ++s)
+    shares_[size_t(s)].word.store(
+        share_word(gen, uint32_t(int64_t(units) * s / n_threads_), uint32_t(int64_t(units) * (s + 1) / n_threads_)),
+        std::memory_order_relaxed);
   generation_.store(gen, std::memory_order_release);
   {
     // Taking the lock orders this wake-up after any worker's predicate check (no lost wake-up).
     std::lock_guard<std::mutex> lock(mu_);
     if (sleeping_ > 0) wake_.notify_all();
   }
-  run_chunks(gen, 0);
-  for (int spins = 0; done_.load(std::memory_order_acquire) != n_chunks_; ++spins) {
+  run_pieces(gen, 0);
+  for (int spins = 0; done_.load(std::memory_order_acquire) != units_; ++spins) {
     if (spins < kSpinIterations) cpu_relax();
     else std::this_thread::yield();
   }

@@ -1,16 +1,30 @@
 // A fixed pool of worker threads for data-parallel loops (no OpenMP: Apple clang ships none).
 //
-// parallel_for(n, fn) cuts [0, n) into a few chunks per participant; the calling thread and
-// the workers claim chunks from one atomic ticket until none are left, and the call returns
-// when every chunk is done. Claiming (rather than a fixed range per thread) matters on a busy
-// machine: a worker the OS has not scheduled yet simply claims nothing, and the caller does its
-// share instead of waiting a scheduler quantum for it.
+// parallel_for(n, fn) gives each participant (the calling thread and the workers) one
+// contiguous share of [0, n). A thread works through its own share front to back, in pieces of
+// half of what is left of it; when its share is empty it steals from the back of the others'
+// shares, half of what is left there, until nothing is left; the call returns when every piece
+// is done.
+// - Contiguous shares: batch-1 decode streams each matrix from memory, and a thread that reads
+//   one run of rows keeps its prefetch stream going (the row kernels prefetch past the end of
+//   a piece, into the next one, which is the same thread's). Equal chunks handed out in turn
+//   (what this pool did before) broke each thread's stream at every chunk.
+// - Stealing: two threads streaming from memory do not get equal bandwidth, and a worker the
+//   OS has not scheduled yet claims nothing; pieces that shrink toward the end of a share let
+//   the threads finish within a small piece of each other, and the caller does an absent
+//   worker's share instead of waiting a scheduler quantum for it.
+// Measured on a 2-core Zen 2 EPYC, 2 threads, int8 decode GEMVs through linear()
+// (benchmarks/kernels/pool_bench.cpp), GB/s read, equal chunks (4 a thread) -> shares: the
+// lm_head (2048 x 248,320) 26.5 -> 27.3; 256 matrices of 2048 x 512 in turn 17.0 -> 20.2, of
+// 512 x 2048 17.3 -> 19.5; 32 of 2048 x 9,216 26.6 -> 27.5. Medium-model decode: 54.0 -> 54.9
+// tok/s; the main thread's wait at the end of calls fell from 3.2% to 1.0% of a step.
 //
-// The ticket holds (generation << 32 | chunk count << 16 | next chunk), so a worker that wakes
-// up late, from an earlier call, fails its compare-and-swap and never runs a stale job, and it
-// never needs a job field of a call whose ticket it does not hold. Workers spin briefly on
-// the generation after each job (a decode step makes hundreds of calls) and then sleep on a
-// condition variable, so an idle pool burns no CPU.
+// Each share's state is one word (generation << 32 | front << 16 | back), claimed by
+// compare-and-swap, so a worker that wakes up late, from an earlier call, fails its
+// compare-and-swap and never runs a stale job, and it never needs a job field of a call whose
+// piece it does not hold. Positions count units of whole grains, at most 65,535 a call. Workers
+// spin briefly on the generation after each job (a decode step makes hundreds of calls) and
+// then sleep on a condition variable, so an idle pool burns no CPU.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -38,19 +52,28 @@ class ThreadPool {
 
  private:
   void worker(int index);
-  // Claims and runs chunks of generation `gen` until none are left.
-  void run_chunks(uint32_t gen, int thread_index);
+  // Claims and runs pieces of generation `gen` (its own share, then the others') until none
+  // are left.
+  void run_pieces(uint32_t gen, int thread_index);
+  // Takes a piece of share `s` for call `gen`, from its front (own) or back (stolen): false
+  // when the share is empty or belongs to another call; else [*lo, *hi) in units.
+  bool claim(int s, uint32_t gen, bool front, uint32_t* lo, uint32_t* hi);
 
   int n_threads_;
   std::vector<std::thread> threads_;
-  // The job of the current generation, written before the ticket is published (release).
+  // The job of the current generation, written before its generation is published (release).
   const std::function<void(int64_t, int64_t, int)>* fn_ = nullptr;
-  int64_t n_ = 0, chunk_ = 1;
-  uint32_t n_chunks_ = 0;
-  static constexpr int kChunkBits = 16;
-  static constexpr uint32_t kChunkMask = (1u << kChunkBits) - 1;
-  std::atomic<uint64_t> ticket_{0};   // generation << 32 | chunk count << 16 | next chunk
-  std::atomic<uint32_t> done_{0};     // chunks finished in the current generation
+  int64_t n_ = 0, unit_ = 1;  // a unit: whole grains, so that a call has at most 65,535 units
+  // Units: the smallest piece claimed, but for a share's last one. Atomic because claim()
+  // reads it before its compare-and-swap, which fails if the call has moved on.
+  std::atomic<uint32_t> min_piece_{1};
+  // One word per share (generation << 32 | front << 16 | back), a cache line each.
+  struct alignas(64) Share {
+    std::atomic<uint64_t> word{0};
+  };
+  std::vector<Share> shares_;
+  std::atomic<uint32_t> done_{0};     // units finished in the current generation
+  uint32_t units_ = 0;                // units in the current generation
   std::atomic<uint32_t> generation_{0};
   std::atomic<bool> stop_{false};
   std::mutex mu_;
