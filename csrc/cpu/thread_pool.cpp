@@ -62,13 +62,18 @@ bool ThreadPool::claim(int s, uint32_t gen, bool front, uint32_t* lo, uint32_t* 
     // On success the piece is ours: this call cannot finish without it, so its job fields
     // (published before its generation, which the worker acquired) stay as they are until we
     // are done. On failure w holds the current word.
-    if (word.compare_exchange_weak(w, next, std::memory_order_acq_rel, std::memory_order_acquire)) return true;
+    if (word.compare_exchange_weak(w, next, std::memory_order_acq_rel, std::memory_order_acquire)) {
+      unclaimed_.fetch_sub(take, std::memory_order_relaxed);
+      return true;
+    }
   }
 }
 
 void ThreadPool::run_pieces(uint32_t gen, int thread_index) {
   // Own share front to back, then the others' from the back, nearest first.
   for (int k = 0; k < n_threads_; ++k) {
+    // (A stale worker may read a later call's count here: it only decides whether to look.)
+    if (k > 0 && unclaimed_.load(std::memory_order_relaxed) == 0) return;
     const int s = (thread_index + k) % n_threads_;
     uint32_t lo, hi;
     while (claim(s, gen, k == 0, &lo, &hi)) {
@@ -117,6 +122,7 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
   units_ = units;
   min_piece_.store(uint32_t(std::max<int64_t>(1, units / (kMinPieceDivisor * n_threads_))), std::memory_order_relaxed);
   done_.store(0, std::memory_order_relaxed);
+  unclaimed_.store(units, std::memory_order_relaxed);
   const uint32_t gen = generation_.load(std::memory_order_relaxed) + 1;
   for (int s = 0; s < n_threads_; ++s)
     shares_[size_t(s)].word.store(

@@ -6,18 +6,20 @@
 // shares, half of what is left there, until nothing is left; the call returns when every piece
 // is done.
 // - Contiguous shares: batch-1 decode streams each matrix from memory, and a thread that reads
-//   one run of rows keeps its prefetch stream going (the row kernels prefetch past the end of
-//   a piece, into the next one, which is the same thread's). Equal chunks handed out in turn
-//   (what this pool did before) broke each thread's stream at every chunk.
+//   one run of rows keeps its memory stream going from piece to piece. Equal chunks handed out
+//   in turn (what this pool did before) broke each thread's stream at every chunk.
 // - Stealing: two threads streaming from memory do not get equal bandwidth, and a worker the
 //   OS has not scheduled yet claims nothing; pieces that shrink toward the end of a share let
 //   the threads finish within a small piece of each other, and the caller does an absent
 //   worker's share instead of waiting a scheduler quantum for it.
-// Measured on a 2-core Zen 2 EPYC, 2 threads, int8 decode GEMVs through linear()
-// (benchmarks/kernels/pool_bench.cpp), GB/s read, equal chunks (4 a thread) -> shares: the
-// lm_head (2048 x 248,320) 26.5 -> 27.3; 256 matrices of 2048 x 512 in turn 17.0 -> 20.2, of
-// 512 x 2048 17.3 -> 19.5; 32 of 2048 x 9,216 26.6 -> 27.5. Medium-model decode: 54.0 -> 54.9
-// tok/s; the main thread's wait at the end of calls fell from 3.2% to 1.0% of a step.
+// Measured with benchmarks/kernels/pool_bench.cpp (cpu::linear, int8, one call after another,
+// GB/s read), equal chunks (4 a thread) -> shares. 2-core Zen 2 EPYC, 2 threads: the lm_head
+// (2048 x 248,320) 27.5 -> 28.3; 256 matrices of 512 x 2048 in turn 17.2 -> 18.9, of 2048 x 512
+// 17.8 -> 18.0; the main thread's wait at the ends of calls fell from 3.2% to 1.0% of a decode
+// step. The H200 host's Xeon, 16 threads (scripts/h200/phase_n.sh, a noisy shared host): the
+// lm_head about the same or better, 512 x 2048 worse (40-44 -> 29-32: 32 KB shares, small
+// calls), full-size decode within the host's noise at 4 and 16 threads (results/
+// 2026-12-04-h200-phase-n/README.md).
 //
 // Each share's state is one word (generation << 32 | front << 16 | back), claimed by
 // compare-and-swap, so a worker that wakes up late, from an earlier call, fails its
@@ -72,6 +74,10 @@ class ThreadPool {
     std::atomic<uint64_t> word{0};
   };
   std::vector<Share> shares_;
+  // Units not yet claimed in the current generation: a thread whose own share is empty looks
+  // at the others' only while some are left, instead of reading every other share's line at
+  // the end of every call.
+  std::atomic<uint32_t> unclaimed_{0};
   std::atomic<uint32_t> done_{0};     // units finished in the current generation
   uint32_t units_ = 0;                // units in the current generation
   std::atomic<uint32_t> generation_{0};

@@ -9,14 +9,7 @@
 # steps), the default built first and again last to show the host's drift; then the read
 # roofline (benchmarks/roofline.py at 4 and 16 threads). Nothing carried.
 #   run(command="bash scripts/h200/phase_l.sh")
-set -uo pipefail
-root=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$root"
-CKPT=/tmp/qwen36-35b-a3b-random
-OUT=${OUT:-$root/.carry/out}
-mkdir -p "$OUT"
-export LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6)${LD_PRELOAD:+:$LD_PRELOAD}  # kernel_tests.sh says why
-{ lscpu | grep -E "Model name|^CPU\(s\)|Thread|NUMA node\(s\)|L2|L3"; } > "$OUT/env.txt" 2>&1
+source "$(dirname "$0")/cpu_env.sh"
 python3 scripts/make_fullsize.py "$CKPT" --workers 16 > "$OUT/make_fullsize.log" 2>&1 &
 ckpt=$!
 variants=${VARIANTS:-"2:8 3:8 3:5 2:16 2:0 0:8 2:8"}  # locality:rows; the default first and last
