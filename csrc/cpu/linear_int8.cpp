@@ -660,8 +660,9 @@ void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* 
   IVecSlot* sums = sums_store.data();  // [kQuads][nsteps][T]
   // Nothing past this call's rows is touched. (Prefetching on into the next rows, which the
   // thread pool usually hands the same thread next, sped up 2-thread expert GEMVs on a Zen 2
-  // 17.5 -> 20.3 GB/s, but at 16 threads on a Xeon it read a 256-byte-row matrix's rows twice,
-  // at every share's end: 36 -> 30 GB/s.)
+  // 17.5 -> 20.3 GB/s, but at the end of a thread's share those rows are the next thread's,
+  // already read: with many threads and small matrices that is a second read of a share's
+  // first rows in every call.)
   const uint8_t* w_end = W.w + size_t(r1) * wbytes;
   const size_t pf_distance = prefetch_distance(wbytes), pf_interleaved = 2 * pf_distance;
   StreamPrefetch spf{W.scales + size_t(r0) * pbytes, W.scales + size_t(r1) * pbytes};

@@ -33,8 +33,10 @@ inline void cpu_relax() {
 
 }  // namespace
 
-ThreadPool::ThreadPool(int n_threads) : shares_(size_t(n_threads <= 0 ? std::max(1u, std::thread::hardware_concurrency()) : n_threads)) {
-  n_threads_ = int(shares_.size());
+ThreadPool::ThreadPool(int n_threads) {
+  if (n_threads <= 0) n_threads = int(std::max(1u, std::thread::hardware_concurrency()));
+  n_threads_ = n_threads;
+  shares_ = std::vector<Share>(size_t(n_threads_));  // one per participant
   for (int i = 1; i < n_threads_; ++i) threads_.emplace_back([this, i] { worker(i); });
 }
 

@@ -5,9 +5,9 @@
 // half of what is left of it; when its share is empty it steals from the back of the others'
 // shares, half of what is left there, until nothing is left; the call returns when every piece
 // is done.
-// - Contiguous shares: batch-1 decode streams each matrix from memory, and a thread that reads
-//   one run of rows keeps its memory stream going from piece to piece. Equal chunks handed out
-//   in turn (what this pool did before) broke each thread's stream at every chunk.
+// - Contiguous shares: batch-1 decode streams each matrix from memory, and a thread reads one
+//   run of rows per call, front to back, in a few long pieces. Equal chunks handed out in turn
+//   (what this pool did before) sent each thread across the matrix in chunks of 1/(4 x threads).
 // - Stealing: two threads streaming from memory do not get equal bandwidth, and a worker the
 //   OS has not scheduled yet claims nothing; pieces that shrink toward the end of a share let
 //   the threads finish within a small piece of each other, and the caller does an absent
