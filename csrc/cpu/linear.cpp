@@ -120,6 +120,130 @@ void dequantize_microscaled_row(const Linear& W, const uint8_t* wrow, const uint
   }
 }
 
+// codes[0, 8) of a 4- or 8-bit row as f32, from the byte holding code 0: exact conversions.
+// Why vectors: this conversion runs before every f32 dot product of the portable path (f32 mode
+// on AVX2 and arm64, and the router in every mode, which stays f32), and one code at a time it
+// held that path to ~1.5 GB/s of weights on two Zen 2 cores.
+#if defined(__AVX2__)
+template <int BITS>
+inline __m256 codes8_f32(const uint8_t* p) {
+  __m128i v;
+  if constexpr (BITS == 4) {
+    uint32_t packed;
+    std::memcpy(&packed, p, 4);
+    const __m128i b = _mm_cvtsi32_si128(int(packed)), m4 = _mm_set1_epi8(0x0F);
+    // low nibble (code 2i) then high nibble (code 2i + 1) of byte i
+    v = _mm_unpacklo_epi8(_mm_and_si128(b, m4), _mm_and_si128(_mm_srli_epi16(b, 4), m4));
+  } else {
+    v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  }
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+}
+#elif defined(__ARM_NEON)
+template <int BITS>
+inline void codes8_f32(const uint8_t* p, float32x4_t& lo, float32x4_t& hi) {
+  uint8x8_t v;
+  if constexpr (BITS == 4) {
+    uint32_t packed;
+    std::memcpy(&packed, p, 4);
+    const uint8x8_t b = vreinterpret_u8_u32(vdup_n_u32(packed));
+    v = vzip1_u8(vand_u8(b, vdup_n_u8(0x0F)), vshr_n_u8(b, 4));  // code 2i, then 2i + 1
+  } else {
+    v = vld1_u8(p);
+  }
+  const uint16x8_t w = vmovl_u8(v);
+  lo = vcvtq_f32_u32(vmovl_u16(vget_low_u16(w)));
+  hi = vcvtq_f32_u32(vmovl_u16(vget_high_u16(w)));
+}
+#endif
+
+// out[j] = s_g * code_j + b_g for a 4- or 8-bit affine row (groups of a multiple of 8 values):
+// the scalar loop's two roundings (a product, then a sum; never an FMA), 8 values at a time.
+template <int BITS>
+void dequantize_affine_row(const Linear& W, const uint8_t* wrow, const uint8_t* srow, const uint8_t* brow,
+                           float* out) {
+  for (int g = 0; g < W.in / W.group; ++g) {
+    const float s = load_as_f32(srow, W.dtype, g), b = load_as_f32(brow, W.dtype, g);
+    for (int j = g * W.group; j < (g + 1) * W.group; j += 8) {
+      const uint8_t* p = wrow + size_t(j) * BITS / 8;
+#if defined(__AVX2__)
+      _mm256_storeu_ps(out + j, _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(s), codes8_f32<BITS>(p)), _mm256_set1_ps(b)));
+#elif defined(__ARM_NEON)
+      float32x4_t lo, hi;
+      codes8_f32<BITS>(p, lo, hi);
+      vst1q_f32(out + j, vaddq_f32(vmulq_n_f32(lo, s), vdupq_n_f32(b)));
+      vst1q_f32(out + j + 4, vaddq_f32(vmulq_n_f32(hi, s), vdupq_n_f32(b)));
+#endif
+    }
+  }
+}
+
+// Whether dot_affine_rows runs W: 4- or 8-bit affine rows of whole 16-value steps (dot has no
+// scalar tail there) in groups of whole steps.
+bool fused_portable(const Linear& W) {
+#if !defined(__AVX512F__) && ((defined(__AVX2__) && defined(__FMA__)) || defined(__ARM_NEON))
+  return W.format == Linear::Format::Affine && (W.bits == 4 || W.bits == 8) && W.in % 16 == 0 && W.group % 16 == 0;
+#else
+  return false;
+#endif
+}
+
+// y[t, r] = dot(dequantize_row(W, r), x_t) for rows [r0, r1) and NT tokens, straight off the
+// packed bytes: each value dequantized as dequantize_row does it, then dot's accumulators and
+// final sum (simd.h) in dot's order, so the outputs are those of the expand-then-dot loop in
+// matvec_rows bit for bit, without writing the row out and reading it back (twice the speed of
+// that loop on one token).
+template <int BITS, int NT>
+void dot_affine_rows(const Linear& W, const float* x, float* y, int ldy, int64_t r0, int64_t r1) {
+#if !defined(__AVX512F__) && ((defined(__AVX2__) && defined(__FMA__)) || defined(__ARM_NEON))
+  const int G = W.in / W.group;
+  const size_t esz = dtype_size(W.dtype), wbytes = size_t(W.in) * BITS / 8;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wrow = W.w + size_t(r) * wbytes;
+    const uint8_t* srow = W.scales + size_t(r) * G * esz;
+    const uint8_t* brow = W.biases + size_t(r) * G * esz;
+#if defined(__AVX2__)
+    __m256 a0[NT], a1[NT];  // dot's s0 (values i .. i+8 of each step) and s1 (i+8 .. i+16)
+    for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
+#else
+    float32x4_t a[NT][4];  // dot's s0 .. s3
+    for (int t = 0; t < NT; ++t) a[t][0] = a[t][1] = a[t][2] = a[t][3] = vdupq_n_f32(0);
+#endif
+    for (int g = 0; g < G; ++g) {
+      const float s = load_as_f32(srow, W.dtype, g), b = load_as_f32(brow, W.dtype, g);
+      for (int j = g * W.group; j < (g + 1) * W.group; j += 16) {
+        const uint8_t* p = wrow + size_t(j) * BITS / 8;
+#if defined(__AVX2__)
+        const __m256 vs = _mm256_set1_ps(s), vb = _mm256_set1_ps(b);
+        const __m256 w0 = _mm256_add_ps(_mm256_mul_ps(vs, codes8_f32<BITS>(p)), vb);
+        const __m256 w1 = _mm256_add_ps(_mm256_mul_ps(vs, codes8_f32<BITS>(p + BITS)), vb);
+        for (int t = 0; t < NT; ++t) {
+          const float* xt = x + size_t(t) * W.in + j;
+          a0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xt), a0[t]);
+          a1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xt + 8), a1[t]);
+        }
+#else
+        float32x4_t w[4];
+        codes8_f32<BITS>(p, w[0], w[1]);
+        codes8_f32<BITS>(p + BITS, w[2], w[3]);
+        for (int k = 0; k < 4; ++k) w[k] = vaddq_f32(vmulq_n_f32(w[k], s), vdupq_n_f32(b));
+        for (int t = 0; t < NT; ++t)
+          for (int k = 0; k < 4; ++k) a[t][k] = vfmaq_f32(a[t][k], w[k], vld1q_f32(x + size_t(t) * W.in + j + 4 * k));
+#endif
+      }
+    }
+    for (int t = 0; t < NT; ++t)
+#if defined(__AVX2__)
+      y[size_t(t) * ldy + r] = dot_sum(a0[t], a1[t]);
+#else
+      y[size_t(t) * ldy + r] = dot_sum(a[t][0], a[t][1], a[t][2], a[t][3]);
+#endif
+  }
+#else
+  (void)W, (void)x, (void)y, (void)ldy, (void)r0, (void)r1;
+#endif
+}
+
 }  // namespace
 
 void dequantize_row(const Linear& W, int row, float* out) {
@@ -132,11 +256,18 @@ void dequantize_row(const Linear& W, int row, float* out) {
     convert_row(wrow, W.dtype, W.in, out);
     return;
   }
-  unpack(W.bits, wrow, W.in, out);
   const int groups = W.in / W.group;
   const size_t esz = dtype_size(W.dtype);
   const uint8_t* srow = W.scales + size_t(row) * groups * esz;
   const uint8_t* brow = W.biases + size_t(row) * groups * esz;
+#if defined(__AVX2__) || defined(__ARM_NEON)
+  if ((W.bits == 4 || W.bits == 8) && W.group % 8 == 0) {
+    if (W.bits == 4) dequantize_affine_row<4>(W, wrow, srow, brow, out);
+    else dequantize_affine_row<8>(W, wrow, srow, brow, out);
+    return;
+  }
+#endif
+  unpack(W.bits, wrow, W.in, out);
   for (int g = 0; g < groups; ++g) {
     const float s = load_as_f32(srow, W.dtype, g);
     const float b = load_as_f32(brow, W.dtype, g);
@@ -574,6 +705,11 @@ void matvec_rows(const Linear& W, const MatvecInput& in, float* y, int ldy, int6
     return;
   }
 #endif
+  if (in.T <= 2 && fused_portable(W)) {  // decode; the router in every mode
+    if (W.bits == 4) (in.T == 1 ? dot_affine_rows<4, 1> : dot_affine_rows<4, 2>)(W, in.x, y, ldy, r0, r1);
+    else (in.T == 1 ? dot_affine_rows<8, 1> : dot_affine_rows<8, 2>)(W, in.x, y, ldy, r0, r1);
+    return;
+  }
   // Portable: expand each row once, one dot per token (dot's order depends on n alone).
   thread_local std::vector<float> row;
   row.resize(W.in);

@@ -16,6 +16,23 @@
 
 namespace lily::cpu {
 
+// dot's final sum of its accumulators, per instruction set (also used by the kernels that run
+// dot's order straight off packed weights: cpu/linear.cpp).
+#if defined(__AVX512F__)
+#elif defined(__AVX2__) && defined(__FMA__)
+inline float dot_sum(__m256 s0, __m256 s1) {
+  const __m256 v = _mm256_add_ps(s0, s1);
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_shuffle_ps(r, r, 1));
+  return _mm_cvtss_f32(r);
+}
+#elif defined(__ARM_NEON)
+inline float dot_sum(float32x4_t s0, float32x4_t s1, float32x4_t s2, float32x4_t s3) {
+  return vaddvq_f32(vaddq_f32(vaddq_f32(s0, s1), vaddq_f32(s2, s3)));
+}
+#endif
+
 // sum_i a[i] * b[i]
 inline float dot(const float* a, const float* b, int n) {
   int i = 0;
@@ -37,11 +54,7 @@ inline float dot(const float* a, const float* b, int n) {
     s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
     s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
   }
-  __m256 v = _mm256_add_ps(s0, s1);
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  r = _mm_add_ss(r, _mm_shuffle_ps(r, r, 1));
-  float s = _mm_cvtss_f32(r);
+  float s = dot_sum(s0, s1);
 #elif defined(__ARM_NEON)
   float32x4_t s0 = vdupq_n_f32(0), s1 = vdupq_n_f32(0), s2 = vdupq_n_f32(0), s3 = vdupq_n_f32(0);
   for (; i + 16 <= n; i += 16) {
@@ -50,7 +63,7 @@ inline float dot(const float* a, const float* b, int n) {
     s2 = vfmaq_f32(s2, vld1q_f32(a + i + 8), vld1q_f32(b + i + 8));
     s3 = vfmaq_f32(s3, vld1q_f32(a + i + 12), vld1q_f32(b + i + 12));
   }
-  float s = vaddvq_f32(vaddq_f32(vaddq_f32(s0, s1), vaddq_f32(s2, s3)));
+  float s = dot_sum(s0, s1, s2, s3);
 #else
   float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
   for (; i + 4 <= n; i += 4) {
