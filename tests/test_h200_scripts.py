@@ -83,7 +83,7 @@ def test_fullsize_backend_options_dry_run(store, tmp_path):
 
 def test_llamacpp_scripts_parse():
     for name in ("prepare_llamacpp.sh", "phase_e.sh", "phase_j.sh", "phase_cpu.sh", "phase_k.sh", "phase_l.sh", "phase_m.sh",
-                 "phase_n.sh", "cpu_env.sh"):
+                 "phase_n.sh", "cpu_ab.sh", "cpu_env.sh"):
         subprocess.run(["bash", "-n", str(ROOT / "scripts" / "h200" / name)], check=True)
     subprocess.run(["bash", "-n", str(LLAMACPP)], check=True)
 

@@ -417,9 +417,8 @@ void attention_mixer(const ModelConfig& c, const AttentionWeights& w, const KvRo
   s.k.resize(size_t(T) * Hkv * D);
   s.v.resize(size_t(T) * Hkv * D);
   s.o.resize(size_t(T) * Hq * D);
-  linear(w.q_proj, h, T, s.qg.data(), pool, s.matmul);
-  linear(w.k_proj, h, T, s.k.data(), pool, s.matmul);
-  linear(w.v_proj, h, T, s.v.data(), pool, s.matmul);
+  const LinearJob qkv[3] = {{&w.q_proj, h, s.qg.data()}, {&w.k_proj, h, s.k.data()}, {&w.v_proj, h, s.v.data()}};
+  linear_group(qkv, 3, T, pool, s.matmul);
 
   // RoPE tables for each row's own position (its sequence's pos0 + its offset in the sequence).
   // inv_freq and the angle are rounded to f32 the way the reference computes them, so

@@ -57,14 +57,13 @@ void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, const float
   if (c.gdn_fused_qkvz) {
     s.qkvz.resize(size_t(T) * (C + vdim));
     s.ba.resize(size_t(T) * 2 * Hv);
-    linear(w.in_qkvz, h, T, s.qkvz.data(), pool, s.matmul);
-    linear(w.in_ba, h, T, s.ba.data(), pool, s.matmul);
+    const LinearJob in[2] = {{&w.in_qkvz, h, s.qkvz.data()}, {&w.in_ba, h, s.ba.data()}};
+    linear_group(in, 2, T, pool, s.matmul);
     ungroup_qkvz(c, s.qkvz.data(), s.ba.data(), T, s.qkv.data(), s.z.data(), s.b.data(), s.a.data());
   } else {
-    linear(w.in_qkv, h, T, s.qkv.data(), pool, s.matmul);
-    linear(w.in_z, h, T, s.z.data(), pool, s.matmul);
-    linear(w.in_b, h, T, s.b.data(), pool, s.matmul);
-    linear(w.in_a, h, T, s.a.data(), pool, s.matmul);
+    const LinearJob in[4] = {
+        {&w.in_qkv, h, s.qkv.data()}, {&w.in_z, h, s.z.data()}, {&w.in_b, h, s.b.data()}, {&w.in_a, h, s.a.data()}};
+    linear_group(in, 4, T, pool, s.matmul);
   }
 
   // Causal depthwise conv over [carried K-1 inputs ; the sequence's rows], then SiLU, for each

@@ -748,6 +748,46 @@ Kernel kernel_for(const Linear& W, int T, Matmul mode) {
 
 }  // namespace
 
+void linear_group(const LinearJob* jobs, int n, int T, ThreadPool& pool, Matmul mode) {
+  bool rows = n > 1;
+  for (int j = 0; j < n && rows; ++j) rows = kernel_for(*jobs[j].W, T, mode) == Kernel::Rows;
+  if (!rows) {
+    for (int j = 0; j < n; ++j) linear(*jobs[j].W, jobs[j].x, T, jobs[j].y, pool, mode);
+    return;
+  }
+  // Reused across calls; bound to plain references for the workers (see linear()). inputs[i]:
+  // a prepared x; input_of[j]: job j's; first_row[j]: job j's first row in the index space.
+  thread_local std::vector<MatvecInput> inputs_store;
+  thread_local std::vector<int> input_of_store;
+  thread_local std::vector<int64_t> first_row_store;
+  std::vector<MatvecInput>& inputs = inputs_store;
+  std::vector<int>& input_of = input_of_store;
+  std::vector<int64_t>& first_row = first_row_store;
+  if (inputs.size() < size_t(n)) inputs.resize(size_t(n));
+  input_of.resize(size_t(n));
+  first_row.resize(size_t(n) + 1);
+  int n_inputs = 0;
+  first_row[0] = 0;
+  for (int j = 0; j < n; ++j) {
+    const Linear& W = *jobs[j].W;
+    int i = 0;
+    while (i < n_inputs && !(inputs[size_t(i)].x == jobs[j].x && inputs[size_t(i)].matches(W))) ++i;
+    if (i == n_inputs) inputs[size_t(n_inputs++)].prepare(W, jobs[j].x, T, mode);
+    input_of[size_t(j)] = i;
+    first_row[size_t(j) + 1] = first_row[size_t(j)] + W.out;
+  }
+  pool.parallel_for(
+      first_row[size_t(n)],
+      [&](int64_t r0, int64_t r1, int) {
+        for (int j = 0; j < n; ++j) {
+          const int64_t b = first_row[size_t(j)], lo = std::max(r0, b), hi = std::min(r1, first_row[size_t(j) + 1]);
+          const Linear& W = *jobs[j].W;
+          if (lo < hi) matvec_rows(W, inputs[size_t(input_of[size_t(j)])], jobs[j].y, W.out, lo - b, hi - b);
+        }
+      },
+      16);
+}
+
 void linear(const Linear& W, const float* x, int T, float* y, ThreadPool& pool, Matmul mode) {
   switch (kernel_for(W, T, mode)) {
     case Kernel::Int8Gemm: int8_gemm(W, x, T, y, &pool); return;

@@ -32,6 +32,21 @@ void dequantize_row(const Linear& W, int row, float* out);
 // y[T, out] = x[T, in] · Wᵀ
 void linear(const Linear& W, const float* x, int T, float* y, ThreadPool& pool, Matmul mode);
 
+// One product of a group: y[T, W->out] = x[T, W->in] · W->ᵀ.
+struct LinearJob {
+  const Linear* W;
+  const float* x;
+  float* y;
+};
+
+// Every job of jobs[0, n), T tokens each. Where every job takes the row kernels (decode, short
+// chunks), the rows of all jobs form one index space split over the threads in ONE parallel
+// region: one wake-up and one barrier for the group instead of one per matrix (a layer's input
+// projections, the MoE's expert matrices). Otherwise each job runs as linear(). Either way each
+// output is the one linear() computes. Jobs with the same x (pointer) and quantization share
+// its prepared form.
+void linear_group(const LinearJob* jobs, int n, int T, ThreadPool& pool, Matmul mode);
+
 // The same product computed entirely by the calling thread (for callers that parallelise
 // over something else, e.g. MoE prefill over experts).
 void linear_serial(const Linear& W, const float* x, int T, float* y, Matmul mode);

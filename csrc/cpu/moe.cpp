@@ -64,96 +64,68 @@ void mlp_block(const MlpWeights& w, const float* x, int T, float* y, FfnScratch&
 namespace {
 
 // One token (decode): the k routed experts and the shared expert are all fed the same x, so
-// x is prepared once and every expert's gate+up rows run in ONE parallel region, then every
-// down row in a second: two pool wake-ups per MoE block instead of three per expert.
+// x is prepared once and every expert's gate and up rows run in ONE parallel region, then every
+// down row in a second (linear_group): two pool wake-ups per MoE block instead of three per
+// expert. The router and the shared expert's gate, both f32, share a region before them.
 void moe_single_token(const ModelConfig& c, const MoeWeights& w, const float* x, float* y, FfnScratch& s,
                       ThreadPool& pool) {
   const int H = c.hidden, E = c.n_experts, k = c.top_k;
+  const bool shared = c.shared_intermediate > 0;
   s.logits.resize(E);
   s.route_id.resize(k);
   s.route_w.resize(k);
   // The router stays f32 in every mode: a rounding of x must not flip an expert choice.
-  linear(w.router, x, 1, s.logits.data(), pool, Matmul::F32);
+  float shared_logit = 0;
+  const LinearJob gates[2] = {{&w.router, x, s.logits.data()}, {&w.shared_gate, x, &shared_logit}};
+  linear_group(gates, shared ? 2 : 1, 1, pool, Matmul::F32);
   route_token(s.logits.data(), E, k, c.norm_topk_prob, s.route_id.data(), s.route_w.data());
 
-  // Jobs: routed experts in id order (the reference sums them so), then the shared expert.
-  struct Job {
+  // Experts: routed ones in id order (the reference sums them so), then the shared expert.
+  struct Expert {
     const MlpWeights* mlp;
     float weight;
-    int inter;      // intermediate size
-    size_t act_at;  // offset of this job's [gate | up] rows in s.gate
+    size_t act_at;  // offset of this expert's [gate | up] outputs in s.gate
   };
   std::vector<std::pair<int32_t, float>> routed(k);
   for (int i = 0; i < k; ++i) routed[i] = {s.route_id[i], s.route_w[i]};
   std::sort(routed.begin(), routed.end());
-  thread_local std::vector<Job> jobs_store;  // reused; bound by reference for the workers
-  std::vector<Job>& jobs = jobs_store;
-  jobs.clear();
+  thread_local std::vector<Expert> experts_store;
+  thread_local std::vector<LinearJob> jobs_store;
+  std::vector<Expert>& experts = experts_store;
+  std::vector<LinearJob>& jobs = jobs_store;
+  experts.clear();
   size_t rows = 0;
   for (auto [e, wt] : routed) {
-    jobs.push_back({&w.experts[e], wt, w.experts[e].gate.out, rows});
+    experts.push_back({&w.experts[e], wt, rows});
     rows += 2 * size_t(w.experts[e].gate.out);
   }
-  if (c.shared_intermediate > 0) {
-    float g;
-    linear(w.shared_gate, x, 1, &g, pool, Matmul::F32);
-    jobs.push_back({&w.shared, sigmoid(g), w.shared.gate.out, rows});
+  if (shared) {
+    experts.push_back({&w.shared, sigmoid(shared_logit), rows});
     rows += 2 * size_t(w.shared.gate.out);
   }
-  const int n_jobs = int(jobs.size());
+  const int n = int(experts.size());
 
-  // Phase 1: [gate | up] of every job. Rows of all jobs form one index space.
-  thread_local MatvecInput xin_store;
-  MatvecInput& xin = xin_store;
-  xin.prepare(jobs[0].mlp->gate, x, 1, s.matmul);
+  // Phase 1: [gate | up] of every expert, [rows] in s.gate.
   s.gate.resize(rows);
-  pool.parallel_for(
-      int64_t(rows),
-      [&](int64_t r0, int64_t r1, int) {
-        for (const Job& j : jobs) {
-          const int64_t b = int64_t(j.act_at), m = j.inter;
-          // gate rows [b, b+m), up rows [b+m, b+2m) of the shared index space
-          for (int part = 0; part < 2; ++part) {
-            const int64_t lo = std::max(r0, b + part * m), hi = std::min(r1, b + (part + 1) * m);
-            if (lo >= hi) continue;
-            const Linear& W = part == 0 ? j.mlp->gate : j.mlp->up;
-            float* out = s.gate.data() + (b + part * m);
-            if (xin.matches(W)) {
-              matvec_rows(W, xin, out, m, lo - b - part * m, hi - b - part * m);
-            } else {  // a job with another quantization (e.g. a bf16 shared expert)
-              MatvecInput own;
-              own.prepare(W, x, 1, s.matmul);
-              matvec_rows(W, own, out, m, lo - b - part * m, hi - b - part * m);
-            }
-          }
-        }
-      },
-      16);
-
-  // SwiGLU per job, then prepare each job's activation as the input of its down projection.
-  thread_local std::vector<MatvecInput> act_in_store;
-  std::vector<MatvecInput>& act_in = act_in_store;
-  act_in.resize(n_jobs);
-  for (int i = 0; i < n_jobs; ++i) {
-    float* g = s.gate.data() + jobs[i].act_at;
-    swiglu(g, g + jobs[i].inter, size_t(jobs[i].inter));
-    act_in[i].prepare(jobs[i].mlp->down, g, 1, s.matmul);
+  jobs.clear();
+  for (const Expert& ex : experts) {
+    jobs.push_back({&ex.mlp->gate, x, s.gate.data() + ex.act_at});
+    jobs.push_back({&ex.mlp->up, x, s.gate.data() + ex.act_at + ex.mlp->gate.out});
   }
+  linear_group(jobs.data(), int(jobs.size()), 1, pool, s.matmul);
 
-  // Phase 2: every job's down rows, [n_jobs, H].
-  s.ye.resize(size_t(n_jobs) * H);
-  pool.parallel_for(
-      int64_t(n_jobs) * H,
-      [&](int64_t r0, int64_t r1, int) {
-        for (int i = 0; i < n_jobs; ++i) {
-          const int64_t lo = std::max<int64_t>(r0, int64_t(i) * H), hi = std::min<int64_t>(r1, int64_t(i + 1) * H);
-          if (lo < hi) matvec_rows(jobs[i].mlp->down, act_in[i], s.ye.data() + size_t(i) * H, H, lo - i * H, hi - i * H);
-        }
-      },
-      16);
+  // SwiGLU per expert (over its gate outputs), then phase 2: every expert's down rows, [n, H].
+  s.ye.resize(size_t(n) * H);
+  jobs.clear();
+  for (int i = 0; i < n; ++i) {
+    float* g = s.gate.data() + experts[i].act_at;
+    swiglu(g, g + experts[i].mlp->gate.out, size_t(experts[i].mlp->gate.out));
+    jobs.push_back({&experts[i].mlp->down, g, s.ye.data() + size_t(i) * H});
+  }
+  linear_group(jobs.data(), n, 1, pool, s.matmul);
 
   std::fill(y, y + H, 0.0f);
-  for (int i = 0; i < n_jobs; ++i) axpy(jobs[i].weight, s.ye.data() + size_t(i) * H, y, H);
+  for (int i = 0; i < n; ++i) axpy(experts[i].weight, s.ye.data() + size_t(i) * H, y, H);
 }
 
 }  // namespace
