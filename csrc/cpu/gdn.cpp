@@ -124,22 +124,24 @@ void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, const float
     }
   });
 
-  // The recurrence: sequential in t, independent per (sequence, value head, slice of kGdnCols
-  // value columns) item: column j of S only ever meets column j of v, of delta and of o. Why
+  // The recurrence, then the output norm: one item per (sequence, value head), sequential in t.
+  // Within a head S's value columns are independent (column j of S only ever meets column j of
+  // v, of delta and of o), so the item walks the chunk once per slice of kGdnCols columns. Why
   // slices: a head's S (Dk x Dv f32, 64 KB at 128 x 128) does not fit L1, and each token reads
   // and writes it twice; a slice's Dk x 32 (16 KB) stays in L1 across the chunk's tokens. Per
   // column the operations and their order are those of a whole-head loop (axpy is element-wise,
-  // and slices are whole vectors), so the result does not depend on the slicing.
+  // and slices are whole vectors), so the result does not depend on the slicing. The gated norm
+  // of each (token, head) row of o needs all its columns: it follows the head's last slice in
+  // the same item (one parallel region for both, not two).
   constexpr int kGdnCols = 32;
   const int n_slices = (Dv + kGdnCols - 1) / kGdnCols;
   s.o.resize(size_t(T) * vdim);
-  pool.parallel_for(int64_t(n_seqs) * Hv * n_slices, [&](int64_t i0, int64_t i1, int) {
+  pool.parallel_for(int64_t(n_seqs) * Hv, [&](int64_t i0, int64_t i1, int) {
     thread_local std::vector<float> kv_mem;
     kv_mem.resize(kGdnCols);
-    for (int64_t item = i0; item < i1; ++item) {
-      const GdnRows& sq = seqs[item / (int64_t(Hv) * n_slices)];
-      const int hv = int(item / n_slices % Hv), hk = hv / r;
-      const int j0 = int(item % n_slices) * kGdnCols, nc = std::min(kGdnCols, Dv - j0);
+    // Columns [j0, j0 + nc) of head hv of sequence sq over the sequence's tokens.
+    auto run_slice = [&](const GdnRows& sq, int hv, int j0, int nc) {
+      const int hk = hv / r;
       float* S = sq.state->S.data() + size_t(hv) * Dk * Dv + j0;  // row i of the slice: S + i * Dv
       for (int t = sq.first; t < sq.first + sq.n; ++t) {
         const float* row = s.conv_out.data() + size_t(t) * C;
@@ -196,13 +198,15 @@ void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, const float
           axpy(q[i], Si, o, nc);
         }
       }
-    }
-  });
-  // The output norm over each (token, value head)'s whole row of o.
-  pool.parallel_for(int64_t(T) * Hv, [&](int64_t i0, int64_t i1, int) {
-    for (int64_t i = i0; i < i1; ++i) {
-      float* o = s.o.data() + size_t(i) * Dv;  // row t = i / Hv, head i % Hv
-      gated_rms_norm(o, s.z.data() + size_t(i) * Dv, w.norm.data(), Dv, c.rms_eps, o);
+    };
+    for (int64_t item = i0; item < i1; ++item) {
+      const GdnRows& sq = seqs[item / Hv];
+      const int hv = int(item % Hv);
+      for (int sl = 0; sl < n_slices; ++sl) run_slice(sq, hv, sl * kGdnCols, std::min(kGdnCols, Dv - sl * kGdnCols));
+      for (int t = sq.first; t < sq.first + sq.n; ++t) {
+        const size_t at = size_t(t) * vdim + size_t(hv) * Dv;  // the (token, head) row of o and z
+        gated_rms_norm(s.o.data() + at, s.z.data() + at, w.norm.data(), Dv, c.rms_eps, s.o.data() + at);
+      }
     }
   });
 
