@@ -68,8 +68,9 @@ void rope(float* x, int rot, const float* cos, const float* sin) {
 // chunk length, the tile, the thread count or the other sequences sharing the pass, so a token's
 // attention output is bit-identical however its prompt was chunked, cached or batched. Decode
 // and short chunks have too few (head, tile) items to feed every thread: there each (head, tile,
-// span) is an item of its own, and a second pass merges the spans' states in the same order
-// (split-K) -- the same operations, run by more threads.
+// span) is an item of its own, and the last of a (head, tile)'s spans to finish merges their
+// states in the same order (split-K) -- the same operations, run by more threads, in one
+// parallel region (a merge pass of its own cost a second barrier per layer).
 //
 // Tiles are cut per sequence (a tile never mixes sequences: each reads its own cache).
 //   qg [T, Hq, 2D] (q, then the output gate)   K, V [Hkv, capacity, D]   o [T, Hq, D]
@@ -293,7 +294,7 @@ void attend(const KvRows* seqs, int n_seqs, const float* qg, int Hq, int D, Atte
   plan.resize(n_seqs);
   int64_t base_items = 0;
   for (int i = 0; i < n_seqs; ++i) base_items += int64_t(Hkv) * ((seqs[i].n + kQTile - 1) / kQTile);
-  int64_t n_items = 0, merge_rows = 0;
+  int64_t n_items = 0, groups = 0;
   size_t parts = 0;  // split-K partial rows: per split sequence [n_spans, n, Hq]
   for (int i = 0; i < n_seqs; ++i) {
     const KvRows& q = seqs[i];
@@ -306,16 +307,19 @@ void attend(const KvRows* seqs, int n_seqs, const float* qg, int Hq, int D, Atte
     p.split = p.n_spans > 1 && base_items < 2 * pool.size() && (parts + need) * (D + 2) <= kMaxPartialFloats;
     p.item0 = n_items;
     p.part0 = parts;
-    p.merge_row0 = merge_rows;
+    p.group0 = groups;
     n_items += int64_t(Hkv) * p.n_tiles * (p.split ? p.n_spans : 1);
     if (p.split) {
       parts += need;
-      merge_rows += int64_t(q.n) * Hq;
+      groups += int64_t(Hkv) * p.n_tiles;
     }
   }
   if (parts) {
     s.part_ml.resize(parts * 2);
     s.part_o.resize(parts * D);
+    // Counters, zeroed here and published to the workers by parallel_for's start.
+    if (s.spans_done.size() < size_t(groups)) s.spans_done = std::vector<std::atomic<int>>(size_t(groups));
+    for (int64_t g = 0; g < groups; ++g) s.spans_done[size_t(g)].store(0, std::memory_order_relaxed);
   }
   float* out = s.o.data();
 
@@ -365,6 +369,24 @@ void attend(const KvRows* seqs, int n_seqs, const float* qg, int Hq, int D, Atte
             s.part_ml[prow * 2 + 1] = l[r];
             std::memcpy(s.part_o.data() + prow * D, o.data() + size_t(r) * D, D * sizeof(float));
           }
+        // The (head, tile)'s last span to finish merges its rows' span states, in ascending
+        // span order as a walking item folds them (so the result does not depend on which
+        // thread merges). acq_rel: it sees every other span's partial rows.
+        std::atomic<int>& done = s.spans_done[size_t(p.group0 + int64_t(hk) * p.n_tiles + tile)];
+        if (done.fetch_add(1, std::memory_order_acq_rel) == p.n_spans - 1)
+          for (int t = t0; t < t1; ++t)
+            for (int g = 0; g < group; ++g) {
+              const size_t row = size_t(t) * Hq + hk * group + g;  // t * Hq + hq in the sequence
+              float Mr = -INFINITY, Lr = 0;
+              O.assign(D, 0.0f);
+              for (int sp = 0; sp < p.n_spans; ++sp) {
+                const size_t prow = p.part0 + size_t(sp) * n * Hq + row;
+                merge_span(Mr, Lr, O.data(), s.part_ml[prow * 2], s.part_ml[prow * 2 + 1], s.part_o.data() + prow * D, D);
+              }
+              const float inv = 1.0f / Lr;
+              float* orow = out + (size_t(first) * Hq + row) * D;
+              for (int d = 0; d < D; ++d) orow[d] = O[d] * inv;
+            }
         continue;
       }
       M.assign(R, -INFINITY);
@@ -381,29 +403,6 @@ void attend(const KvRows* seqs, int n_seqs, const float* qg, int Hq, int D, Atte
           float* orow = out + (size_t(first + t) * Hq + hk * group + g) * D;
           for (int d = 0; d < D; ++d) orow[d] = O[size_t(r) * D + d] * inv;
         }
-    }
-  });
-  if (!merge_rows) return;
-
-  // Merge each split sequence's span states in ascending order, as the walking items do.
-  // Rows: per split sequence, its [n, Hq] query rows.
-  pool.parallel_for(merge_rows, [&](int64_t r0, int64_t r1, int) {
-    thread_local std::vector<float> O;
-    O.resize(D);
-    for (int64_t mr = r0; mr < r1; ++mr) {
-      const int seq = plan_of(plan, mr, [](const AttendPlan& p) { return p.merge_row0; });
-      const AttendPlan& p = plan[seq];
-      const int64_t row = mr - p.merge_row0;  // t * Hq + hq in the sequence
-      const size_t rows_per_span = size_t(seqs[seq].n) * Hq;
-      float M = -INFINITY, L = 0;
-      std::fill(O.begin(), O.end(), 0.0f);
-      for (int sp = 0; sp < p.n_spans; ++sp) {
-        const size_t prow = p.part0 + size_t(sp) * rows_per_span + row;
-        merge_span(M, L, O.data(), s.part_ml[prow * 2], s.part_ml[prow * 2 + 1], s.part_o.data() + prow * D, D);
-      }
-      const float inv = 1.0f / L;
-      float* orow = out + (size_t(seqs[seq].first) * Hq + row) * D;
-      for (int d = 0; d < D; ++d) orow[d] = O[d] * inv;
     }
   });
 }

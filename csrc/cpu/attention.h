@@ -13,6 +13,7 @@
 // D = head_dim.
 //   h [T, hidden]  qg [T, Hq, 2D]  k, v [T, Hkv, D]  cache K, V [Hkv, capacity, D]  o [T, Hq, D]
 #pragma once
+#include <atomic>
 #include <vector>
 
 #include "cpu/linear.h"
@@ -56,10 +57,10 @@ struct KvRows {
 // How attend() cuts one sequence's rows into work items (attention.cpp).
 struct AttendPlan {
   int n_tiles = 0, n_spans = 0;
-  bool split = false;     // one item per (head, tile, span), merged in a second pass
+  bool split = false;     // one item per (head, tile, span); a (head, tile)'s last span merges them
   int64_t item0 = 0;      // the sequence's first item in the pass's item space
   size_t part0 = 0;       // its first split-K partial row (split only)
-  int64_t merge_row0 = 0;  // its first row in the merge pass's space (split only)
+  int64_t group0 = 0;     // its first (head, tile) span counter (split only)
 };
 
 struct AttentionScratch {
@@ -67,6 +68,7 @@ struct AttentionScratch {
   std::vector<float> qg, k, v, o, rope_cos, rope_sin;
   std::vector<float> part_ml, part_o;  // split-K span states: per split sequence [spans, n, Hq] (m, l), [.., D] o
   std::vector<AttendPlan> plan;        // [sequences]
+  std::vector<std::atomic<int>> spans_done;  // per split (sequence, head, tile): spans finished
   std::vector<int> row_seq;            // [T]: the sequence each row belongs to
 };
 

@@ -5,7 +5,7 @@
 #   mkdir -p ab_base && for f in csrc/cpu/linear.cpp csrc/cpu/moe.cpp; do
 #     mkdir -p ab_base/$(dirname $f) && git show COMMIT:$f > ab_base/$f; done
 # Each build in its own folder; decode tok/s (scripts/h200/decode_steps.py: 32 timed steps after
-# a 16-token prompt and 4 warm-up steps; STEPS changes the 32) at each of $THREADS (default
+# a 16-token prompt and 4 warm-up steps; STEPS and PROMPT change the 32 and the 16) at each of $THREADS (default
 # "4 16"), the builds in the order $ORDER (default "new old new": the host drifts, so they
 # alternate); with POOL_BENCH=1 also benchmarks/kernels/pool_bench.cpp (lm_head; 256
 # routed-expert matrices) at 16 threads on each build. Nothing carried.
@@ -31,7 +31,7 @@ for v in $ORDER; do
   LILY_BUILD_ROOT=/tmp/build_ab/$v bash scripts/dev_build.sh > "$OUT/build_$v.log" 2>&1 || { use new; tail -30 "$OUT/build_$v.log"; exit 1; }
   if [ $first = 1 ]; then wait $ckpt || { use new; cat "$OUT/make_fullsize.log"; exit 1; }; first=0; fi
   for t in $THREADS; do
-    r=$(PYTHONPATH="$root/src" python3 scripts/h200/decode_steps.py "$CKPT" --threads $t --steps "${STEPS:-32}" 2>&1 | tail -1)
+    r=$(PYTHONPATH="$root/src" python3 scripts/h200/decode_steps.py "$CKPT" --threads $t --steps "${STEPS:-32}" --prompt "${PROMPT:-16}" 2>&1 | tail -1)
     echo "$v: $r" | tee -a "$OUT/decode.txt"
   done
   [ "${POOL_BENCH:-0}" = 1 ] || continue
