@@ -191,8 +191,8 @@ bool fused_portable(const Linear& W) {
 // y[t, r] = dot(dequantize_row(W, r), x_t) for rows [r0, r1) and NT tokens, straight off the
 // packed bytes: each value dequantized as dequantize_row does it, then dot's accumulators and
 // final sum (simd.h) in dot's order, so the outputs are those of the expand-then-dot loop in
-// matvec_rows bit for bit, without writing the row out and reading it back (twice the speed of
-// that loop on one token).
+// matvec_rows bit for bit, without writing the row out and reading it back (1.7x that loop's
+// speed on one token, on two Zen 2 cores: 3.9 -> 6.5 GB/s of 4-bit weights).
 template <int BITS, int NT>
 void dot_affine_rows(const Linear& W, const float* x, float* y, int ldy, int64_t r0, int64_t r1) {
 #if !defined(__AVX512F__) && ((defined(__AVX2__) && defined(__FMA__)) || defined(__ARM_NEON))
@@ -211,10 +211,12 @@ void dot_affine_rows(const Linear& W, const float* x, float* y, int ldy, int64_t
 #endif
     for (int g = 0; g < G; ++g) {
       const float s = load_as_f32(srow, W.dtype, g), b = load_as_f32(brow, W.dtype, g);
+#if defined(__AVX2__)
+      const __m256 vs = _mm256_set1_ps(s), vb = _mm256_set1_ps(b);
+#endif
       for (int j = g * W.group; j < (g + 1) * W.group; j += 16) {
         const uint8_t* p = wrow + size_t(j) * BITS / 8;
 #if defined(__AVX2__)
-        const __m256 vs = _mm256_set1_ps(s), vb = _mm256_set1_ps(b);
         const __m256 w0 = _mm256_add_ps(_mm256_mul_ps(vs, codes8_f32<BITS>(p)), vb);
         const __m256 w1 = _mm256_add_ps(_mm256_mul_ps(vs, codes8_f32<BITS>(p + BITS)), vb);
         for (int t = 0; t < NT; ++t) {
