@@ -72,8 +72,8 @@ void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, const float
   // recurrence and the gated output norm of each of those heads. Items own disjoint channels,
   // conv-window columns, state heads and output rows, so nothing is shared; each value is
   // computed by the same operations in the same order as with one region per step, which is
-  // what this replaced (four barriers per layer, 120 per decode token at the 35B shape, where
-  // each cost a wake-up and a wait at 16 threads).
+  // what this replaced (three regions per layer in decode, 90 barriers per token at the 35B
+  // shape, each a wake-up and a wait at 16 threads; four per chunk in prefill).
   s.conv_out.resize(size_t(T) * C);
   s.beta.resize(size_t(T) * Hv);
   s.decay.resize(size_t(T) * Hv);

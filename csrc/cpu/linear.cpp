@@ -748,16 +748,11 @@ Kernel kernel_for(const Linear& W, int T, Matmul mode) {
   return Kernel::Rows;
 }
 
-}  // namespace
-
-void linear_group(const LinearJob* jobs, int n, int T, ThreadPool& pool, Matmul mode) {
-  bool rows = n > 1;
-  for (int j = 0; j < n && rows; ++j) rows = kernel_for(*jobs[j].W, T, mode) == Kernel::Rows;
-  if (!rows) {
-    for (int j = 0; j < n; ++j) linear(*jobs[j].W, jobs[j].x, T, jobs[j].y, pool, mode);
-    return;
-  }
-  // Reused across calls; bound to plain references for the workers (see linear()). inputs[i]:
+// The row kernels over every job of a group, all rows of all jobs one index space of ONE
+// parallel region (linear() runs a single matrix through here too).
+void rows_group(const LinearJob* jobs, int n, int T, ThreadPool& pool, Matmul mode) {
+  // Reused across calls (no per-token allocation). Bound to plain references: a lambda that
+  // named a thread_local itself would see each worker thread's own (empty) instance. inputs[i]:
   // a prepared x; input_of[j]: job j's; first_row[j]: job j's first row in the index space.
   thread_local std::vector<MatvecInput> inputs_store;
   thread_local std::vector<int> input_of_store;
@@ -790,6 +785,18 @@ void linear_group(const LinearJob* jobs, int n, int T, ThreadPool& pool, Matmul 
       16);
 }
 
+}  // namespace
+
+void linear_group(const LinearJob* jobs, int n, int T, ThreadPool& pool, Matmul mode) {
+  bool rows = true;
+  for (int j = 0; j < n && rows; ++j) rows = kernel_for(*jobs[j].W, T, mode) == Kernel::Rows;
+  if (rows) {
+    rows_group(jobs, n, T, pool, mode);
+    return;
+  }
+  for (int j = 0; j < n; ++j) linear(*jobs[j].W, jobs[j].x, T, jobs[j].y, pool, mode);
+}
+
 void linear(const Linear& W, const float* x, int T, float* y, ThreadPool& pool, Matmul mode) {
   switch (kernel_for(W, T, mode)) {
     case Kernel::Int8Gemm: int8_gemm(W, x, T, y, &pool); return;
@@ -804,12 +811,8 @@ void linear(const Linear& W, const float* x, int T, float* y, ThreadPool& pool, 
 #endif
     default: break;
   }
-  // Reused across calls (no per-token allocation). Bound to a plain reference: a lambda that
-  // named the thread_local itself would see each worker thread's own (empty) instance.
-  thread_local MatvecInput prepared;
-  MatvecInput& in = prepared;
-  in.prepare(W, x, T, mode);
-  pool.parallel_for(W.out, [&](int64_t r0, int64_t r1, int) { matvec_rows(W, in, y, W.out, r0, r1); }, 16);
+  const LinearJob job{&W, x, y};
+  rows_group(&job, 1, T, pool, mode);
 }
 
 void linear_serial(const Linear& W, const float* x, int T, float* y, Matmul mode) {

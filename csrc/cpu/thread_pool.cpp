@@ -121,7 +121,6 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
   fn_ = &fn;
   n_ = n;
   unit_ = grains_per_unit * grain;
-  units_ = units;
   min_piece_.store(uint32_t(std::max<int64_t>(1, units / (kMinPieceDivisor * n_threads_))), std::memory_order_relaxed);
   done_.store(0, std::memory_order_relaxed);
   unclaimed_.store(units, std::memory_order_relaxed);
@@ -137,7 +136,7 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
     if (sleeping_ > 0) wake_.notify_all();
   }
   run_pieces(gen, 0);
-  for (int spins = 0; done_.load(std::memory_order_acquire) != units_; ++spins) {
+  for (int spins = 0; done_.load(std::memory_order_acquire) != units; ++spins) {
     if (spins < kSpinIterations) cpu_relax();
     else std::this_thread::yield();
   }

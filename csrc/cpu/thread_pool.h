@@ -79,7 +79,6 @@ class ThreadPool {
   // the end of every call.
   std::atomic<uint32_t> unclaimed_{0};
   std::atomic<uint32_t> done_{0};     // units finished in the current generation
-  uint32_t units_ = 0;                // units in the current generation
   std::atomic<uint32_t> generation_{0};
   std::atomic<bool> stop_{false};
   std::mutex mu_;
