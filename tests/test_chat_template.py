@@ -252,6 +252,10 @@ MEMORY_BOMBS = {
                       "{% endif %}{% endmacro %}{{ f(12) | length }}",
     "print_references": "{{ ['x' * 1000000] * 1000 }}",
     "tojson_references": "{{ (['x' * 1000000] * 1000) | tojson }}",
+    # Found by the template fuzz target: filters that take the text of a list of references.
+    "escape_references": "{{ (['x' * 100000] * 100000) | e }}",
+    "upper_references": "{{ (['x' * 100000] * 100000) | upper | length }}",
+    "wordcount_references": "{{ (['x' * 100000] * 100000) | wordcount }}",
     "concat_list": "{{ (['x' * 1000000] * 1000) ~ '' }}",
     "sum_lists": "{{ ([['x'] * 1000000] * 1000) | sum(start=[]) | length }}",
     "format_fields": "{{ ('{0}' * 100000).format('x' * 1000000) }}",
