@@ -111,12 +111,13 @@ BUILDS = {k: v for k, v in ALL_BUILDS.items() if v[0] == "arm64" or v[3] <= _HOS
 # bits, group, in, dtype of scales/biases
 MATRICES = [
     (4, 32, 96, "bf16"), (4, 32, 1056, "f16"), (4, 64, 192, "f32"), (4, 64, 2048, "bf16"),
-    (4, 128, 384, "f16"), (4, 128, 1024, "f32"),
+    (4, 128, 384, "f16"), (4, 128, 1024, "f32"), (4, 32, 640, "bf16"),
     (8, 32, 96, "f16"), (8, 32, 224, "f32"), (8, 64, 192, "bf16"), (8, 64, 2048, "f16"),
     (8, 128, 640, "bf16"), (8, 128, 256, "f32"),
 ]
 TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 13, 15, 20]
 ROWS = 37
+INTERLEAVED_ROWS = 32  # the driver's interleaved copy: the first two blocks of 16 rows
 
 
 def _name(bits, group, n, dtype):
@@ -266,6 +267,11 @@ def run(request, binaries, cases, tmp_path_factory):
         x = refs[m]["x"]
         outputs[m, "xq"] = np.fromfile(out_dir / f"{m}.xq", dtype=np.int8).reshape(x.shape)
         outputs[m, "dx"] = np.fromfile(out_dir / f"{m}.dx", dtype=np.float32).reshape(x.shape[0], -1)
+        if (out_dir / f"{m}.int8i").exists():
+            y = np.fromfile(out_dir / f"{m}.int8i", dtype=np.float32)
+            assert y.size == sum(TOKENS) * INTERLEAVED_ROWS, f"{m}.int8i: {y.size} values"
+            split = np.split(y, np.cumsum([t * INTERLEAVED_ROWS for t in TOKENS])[:-1])
+            outputs[m, "int8i"] = {t: p.reshape(t, INTERLEAVED_ROWS) for t, p in zip(TOKENS, split, strict=True)}
     supported = dict(re.findall(r"^(\S+) int8_supported=(\d)$", r.stdout, re.M))
     return name, r.stdout, outputs, {m: v == "1" for m, v in supported.items()}
 
@@ -336,6 +342,29 @@ def test_int8_is_the_canonical_order_bit_for_bit(run, cases, matrix):
         assert np.all(np.abs(got - ref["exact"][:T]) <= int8_error_bound(ref["x"][:T], ref["deq"])), \
             f"{where}: int8 error above the rounding bound"
         assert rel_err(f32, want) > 1e-4, f"{where}: f32 and int8 indistinguishable (the check has no power)"
+
+
+def _interleavable(build, bits, n):
+    """Whether the build rearranges such a matrix (linear_int8.h: int8_interleavable)."""
+    return "avx512" in build and bits == 4 and n % 128 == 0
+
+
+@pytest.mark.parametrize("matrix", MATRICES, ids=[_name(*m) for m in MATRICES])
+def test_interleaved_rows_are_the_canonical_order_bit_for_bit(run, cases, matrix):
+    """The interleaved layout (AVX-512 VNNI builds, 4-bit rows of whole 128-value chunks): the
+    row kernels (1-8 tokens) and the GEMM reading rows gathered from it (13-20) give the
+    canonical order's result bit for bit, and the f32 mode refuses the layout."""
+    name, stdout, outputs, _ = run
+    bits, _, n, _ = matrix
+    m = _name(*matrix)
+    assert ((m, "int8i") in outputs) == _interleavable(name, bits, n), f"{name} {m}: interleaved or not as expected"
+    if (m, "int8i") not in outputs:
+        return
+    assert f"{m} interleaved=1 f32_refused=1" in stdout
+    for T in TOKENS:
+        got, want = outputs[m, "int8i"][T], cases[1][m]["canonical"][:T, :INTERLEAVED_ROWS]
+        diff = np.argwhere(_bits(got) != _bits(want))
+        assert diff.size == 0, f"{name} {m} T={T}: {len(diff)} outputs differ from the canonical order"
 
 
 @pytest.mark.parametrize("matrix", MATRICES, ids=[_name(*m) for m in MATRICES])

@@ -66,6 +66,40 @@ def test_default_mode_is_int8_where_the_cpu_has_the_kernels():
     assert f"cpu_matmul={model._engine.cpu_matmul}" in repr(model)
 
 
+def _has_avx512_vnni() -> bool:
+    if platform.machine() not in ("x86_64", "AMD64") or not Path("/proc/cpuinfo").exists():
+        return False
+    m = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
+    return {"avx512_vnni", "avx512bw", "avx512vl"} <= set(m.group(1).split() if m else ())
+
+
+def test_interleaved_layout_changes_no_bit():
+    """Model.load lets the int8 engine rearrange its weights in place (the interleaved rows of
+    csrc/cpu/linear_int8.h, on AVX-512 VNNI CPUs, where the demo model's 640-wide matrices take
+    it): prefill (the GEMM, reading rows gathered from the layout) and decode (the interleaved
+    row kernel) give the row-major layout's logits bit for bit, and the rearranged weights are
+    refused, by name, to any engine that cannot read them."""
+    model = lily.Model.load(cpu_matmul="int8", threads=2)
+    plain = lily.Model.load(cpu_matmul="int8", threads=2, backend_options={"exclusive_weights": False})
+    assert model._weights.arranged_for_cpu_int8 == _has_avx512_vnni()
+    assert not plain._weights.arranged_for_cpu_int8
+    logits = []
+    for m in (model, plain):
+        s = m.session()
+        out = [s.prefill(PROMPT[:200], all_logits=True)]
+        out += [s.decode(t)[None] for t in PROMPT[200:216]]
+        out.append(s.prefill(PROMPT[216:229], all_logits=True))  # 13 tokens: the GEMM and its tail
+        logits.append(np.concatenate(out))
+    _assert_same(logits[0], logits[1], "interleaved vs row-major layout")
+    if model._weights.arranged_for_cpu_int8:
+        with pytest.raises(lily.ConfigError, match="arranged in place for an int8 CPU engine"):
+            lily._core.Engine(model._weights, "cpu", 2, 512, cpu_matmul="f32")
+        with pytest.raises(lily.ConfigError, match="arranged in place"):
+            lily._core.Engine(model._weights, "msl-cpu", 2, 512)
+        # Another int8 CPU engine reads the arranged weights as they are.
+        assert lily._core.Engine(model._weights, "cpu", 2, 512, cpu_matmul="int8").cpu_matmul == "int8"
+
+
 @pytest.mark.parametrize("chunk", [1, 5, 12, 37])
 def test_prefill_chunk_length(reference, mode, chunk):
     _, want = reference

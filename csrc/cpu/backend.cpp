@@ -5,8 +5,10 @@
 #include <string>
 
 #include "cpu/linear.h"
+#include "cpu/linear_int8.h"
 #include "cpu/norm.h"
 #include "model/error.h"
+#include "model/safetensors.h"
 
 namespace lily::cpu {
 
@@ -98,6 +100,44 @@ void CpuState::write_kv_rows(int layer, bool v, int rows, const float* in) {
     else
       for (int p = 0; p < rows; ++p) c.put_k(h, p, in + h * run + size_t(p) * c.head_dim);
   }
+}
+
+bool arrange_for_int8(ModelWeights& w) {
+  for (const auto& f : w.files)
+    if (f->residency() != Residency::Resident) return false;
+  std::vector<Linear*> mats{&w.lm_head};
+  // The embedding gathers rows (never interleaved): a tied lm_head shares its bytes.
+  if (w.lm_head.w == w.embed.w) mats.clear();
+  auto mlp = [&](MlpWeights& m) { mats.insert(mats.end(), {&m.gate, &m.up, &m.down}); };
+  for (LayerWeights& l : w.layers) {
+    mats.insert(mats.end(), {&l.attn.q_proj, &l.attn.k_proj, &l.attn.v_proj, &l.attn.o_proj, &l.gdn.in_qkv,
+                             &l.gdn.in_z, &l.gdn.in_b, &l.gdn.in_a, &l.gdn.in_qkvz, &l.gdn.in_ba, &l.gdn.out_proj});
+    mlp(l.mlp);
+    mlp(l.moe.shared);
+    for (MlpWeights& e : l.moe.experts) mlp(e);
+    // Not the router and the shared expert's gate: moe.cpp runs them in f32 in every mode.
+  }
+  // The loader's copies are read-only (a stray write faults); writable only while rearranged.
+  struct Writable {
+    const ModelWeights& w;
+    explicit Writable(const ModelWeights& m) : w(m) {
+      for (const auto& f : w.files) f->set_writable(true);
+    }
+    ~Writable() {
+      try {
+        for (const auto& f : w.files) f->set_writable(false);
+      } catch (...) {  // left writable: only the stray-write check is lost
+      }
+    }
+  } writable(w);
+  bool any = false;
+  for (Linear* m : mats)
+    if (m->present() && int8_interleavable(*m)) {
+      interleave_rows(*m);
+      any = true;
+    }
+  w.arranged_for_cpu_int8 = any;
+  return any;
 }
 
 CpuBackend::CpuBackend(std::shared_ptr<const ModelWeights> weights, int n_threads, Matmul matmul)

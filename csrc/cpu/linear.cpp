@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
 #include <vector>
 
 #include "cpu/linear_int8.h"
@@ -741,6 +742,9 @@ constexpr int kF32GemmMinT = 16;
 #endif
 
 Kernel kernel_for(const Linear& W, int T, Matmul mode) {
+  // Every product passes here: an interleaved matrix (linear_int8.h) has only int8 kernels.
+  if (W.interleaved && mode != Matmul::Int8)
+    throw std::logic_error("linear: an interleaved matrix runs in int8 mode only");
   if (mode == Matmul::Int8 && int8_supported(W)) return T >= kInt8GemmMinT && int8_gemm_supported(W) ? Kernel::Int8Gemm : Kernel::Rows;
 #if defined(__AVX512F__)
   if (T >= kF32GemmMinT && fused_f32(W)) return Kernel::F32Gemm;

@@ -51,6 +51,17 @@ bool int8_kernels_available();
 // chunks are 128 values on AVX-512 and 32 on NEON, one vector register of packed bytes) and dx
 // (the block scales d, one per block of 32 values: in / 32 per token).
 void quantize_activations(const float* x, int T, int in, int bits, int8_t* xq, float* dx);
+// The interleaved row layout (Linear::interleaved; AVX-512 VNNI builds, 4-bit matrices whose rows
+// come in whole blocks of 16): whether W can take it, and W rearranged into it in place (codes,
+// scales and biases; the memory must be writable and serve only the caller). Every int8 kernel
+// then reads W in that layout; the f32 kernels cannot (linear.cpp refuses).
+bool int8_interleavable(const Linear& W);
+void interleave_rows(Linear& W);
+// Row r's packed codes / its G scales or biases (params = W.scales or W.biases) in row-major
+// order: a pointer into W, or, for an interleaved W, gathered into tmp (in * bits / 8 bytes; G
+// elements) and tmp returned.
+const uint8_t* packed_row(const Linear& W, int64_t r, uint8_t* tmp);
+const uint8_t* param_row(const Linear& W, const uint8_t* params, int64_t r, uint8_t* tmp);
 // Block scales per token.
 inline int int8_dx_per_token(int in) { return in / kInt8Block; }
 

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <stdexcept>
 #include <vector>
 
 #include "model/error.h"
@@ -176,6 +177,12 @@ void SafetensorsFile::read_resident() {
   // Read-only from here, as the mapping would be: a stray write faults instead of corrupting.
   ::mprotect(map_, map_bytes_, PROT_READ);
   base_ = start;
+}
+
+void SafetensorsFile::set_writable(bool writable) const {
+  if (residency_ != Residency::Resident) throw std::logic_error("set_writable: a mapped file stays read-only");
+  if (::mprotect(map_, map_bytes_, writable ? PROT_READ | PROT_WRITE : PROT_READ) != 0)
+    throw std::runtime_error("[safetensors] " + path_ + ": mprotect: " + std::strerror(errno));
 }
 
 void SafetensorsFile::parse_header(const uint8_t* bytes, uint64_t header_len) {

@@ -62,6 +62,9 @@ class SafetensorsFile {
   uint64_t data_offset() const { return uint64_t(data_ - base_); }
   uint64_t data_size() const { return data_size_; }
   Residency residency() const { return residency_; }
+  // Resident files: lifts (true) or restores (false) the read-only protection of the file's
+  // copy, for a backend that rearranges its bytes in place (cpu::arrange_for_int8).
+  void set_writable(bool writable) const;
 
   // Mapped files: throws CheckpointError if the file on disk is no longer the one that was
   // mapped (size, inode or modification time changed): reading a truncated mapping would

@@ -56,6 +56,10 @@ struct Linear {
   // quantized with a global (per-tensor; per-expert in mlx-lm's switch layers) scale stores its
   // group scales relative to it (nvfp4_scale_mult). 1 (exact, a no-op) for every other matrix.
   float scale_mult = 1.0f;
+  // Affine 4-bit, CPU int8 mode on AVX-512 VNNI builds: rows stored 16 at a time, a 32-bit lane
+  // of each 64-byte vector holding 4 packed bytes of one row, scales and biases [group][16]
+  // (cpu/linear_int8.cpp: interleave_rows). Set only by cpu::arrange_for_int8.
+  bool interleaved = false;
 
   bool present() const { return format != Format::None; }
   // Affine-quantized (codes, scales and biases): what the fused, int8 and GPU kernels read.
@@ -112,6 +116,9 @@ struct ModelWeights {
   std::vector<LayerWeights> layers;
   std::vector<std::shared_ptr<SafetensorsFile>> files;  // keep the mappings alive
   std::shared_ptr<FileWatch> watch;                     // over the mapped `files` (none: no file is mapped)
+  // Some matrices are in the CPU int8 kernels' interleaved layout (cpu::arrange_for_int8): only
+  // the int8 CPU backend they were arranged for can read them.
+  bool arranged_for_cpu_int8 = false;
 
   // Throws CheckpointError if any mapped file changed on disk since load: one stat per file.
   void check_files_unchanged() const;

@@ -78,6 +78,9 @@ struct BackendArgs {
   uint64_t seed = 0;
   bool gemv_words = false;  // GpuOptions::gemv_vector_loads off (A/B timing of the decode GEMVs)
   bool per_sequence_mixers = false;  // GpuOptions::mixer_tables off (A/B timing of the sequence tables)
+  // The weights serve this engine alone (Model.load's own): an int8 CPU backend may rearrange
+  // them in place for its kernels (cpu::arrange_for_int8).
+  bool exclusive_weights = false;
 };
 
 // "cpu", "msl-cpu" (the Metal backend's dispatches run by the MSL-on-CPU runtime), "msl-cuda"
@@ -92,6 +95,11 @@ std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weigh
   else if (a.cpu_matmul == "int8") matmul = cpu::Matmul::Int8;
   else if (a.cpu_matmul == "auto") matmul = cpu::int8_kernels_available() ? cpu::Matmul::Int8 : cpu::Matmul::F32;
   else throw ConfigError("[engine] cpu_matmul must be 'auto', 'int8' or 'f32', not '" + a.cpu_matmul + "'");
+  const bool cpu_int8 = name == "cpu" && matmul == cpu::Matmul::Int8;
+  if (weights->arranged_for_cpu_int8 && !cpu_int8)
+    throw ConfigError("[engine] these weights were arranged in place for an int8 CPU engine (exclusive_weights=True); "
+                      "load them again for backend '" + name + "' with cpu_matmul '" + a.cpu_matmul + "'");
+  if (cpu_int8 && a.exclusive_weights) cpu::arrange_for_int8(*weights);
   if (name == "cpu") return std::make_unique<cpu::CpuBackend>(weights, a.threads, matmul);
   gpu::GpuOptions opt;
   if (a.split_threshold >= 0) opt.split_threshold = a.split_threshold;
@@ -304,6 +312,8 @@ void init_model(nb::module_& m) {
       })
       .def("check_files_unchanged", &ModelWeights::check_files_unchanged)
       .def_prop_ro("stat_checks", &ModelWeights::stat_checks)
+      .def_prop_ro("arranged_for_cpu_int8", [](const ModelWeights& w) { return w.arranged_for_cpu_int8; },
+                   "Whether an int8 CPU engine rearranged these weights in place (exclusive_weights).")
       .def_prop_ro("watching_files", [](const ModelWeights& w) { return w.watch && w.watch->active(); })
       .def_prop_ro("resident",
                    [](const ModelWeights& w) {
@@ -420,8 +430,9 @@ void init_model(nb::module_& m) {
              int block_threshold, int block_len, const std::string& cpu_matmul, int apple_gpu_family,
              uint64_t working_set, const std::string& fail_dispatch, const std::string& fail_library,
              bool opaque_buffers, bool permute_threadgroups, uint64_t seed, bool timing, bool synchronous,
-             bool gemv_words, bool per_sequence_mixers) {
+             bool gemv_words, bool per_sequence_mixers, bool exclusive_weights) {
             BackendArgs a;
+            a.exclusive_weights = exclusive_weights;
             a.gemv_words = gemv_words;
             a.per_sequence_mixers = per_sequence_mixers;
             a.opaque_buffers = opaque_buffers;
@@ -456,7 +467,8 @@ void init_model(nb::module_& m) {
           nb::arg("apple_gpu_family") = 0, nb::arg("working_set") = 0, nb::arg("fail_dispatch") = "",
           nb::arg("fail_library") = "", nb::arg("opaque_buffers") = false, nb::arg("permute_threadgroups") = false,
           nb::arg("seed") = 0, nb::arg("timing") = false, nb::arg("synchronous") = false,
-          nb::arg("gemv_words") = false, nb::arg("per_sequence_mixers") = false)
+          nb::arg("gemv_words") = false, nb::arg("per_sequence_mixers") = false,
+          nb::arg("exclusive_weights") = false)
       .def_prop_ro("max_fitting_context", [](Engine& e) { return e.backend().max_fitting_context(); },
                    "The longest context whose state fits beside the weights in the memory the backend may use "
                    "(GPU: the device's recommended working set); a very large number where nothing limits it.")

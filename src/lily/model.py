@@ -431,8 +431,10 @@ class Model:
         config = load_config(root)
         resident = resident_by_default(root, backend) if use_mmap is None else not use_mmap
         weights = load_weights(root, config, resident=resident)
+        # The weights serve this engine alone, so the int8 CPU backend may arrange them in place
+        # for its kernels (docs/performance.md, "Interleaved rows").
         engine = _core.Engine(weights, backend, threads or 0, prefill_chunk, cpu_matmul=cpu_matmul,
-                              **(backend_options or {}))
+                              **{"exclusive_weights": True, **(backend_options or {})})
         tokenizer = Tokenizer.from_dir(root) if os.path.lexists(root / "tokenizer.json") else None
         defaults = load_generation_config(root)
         if max_context is not None and max_context < 0:

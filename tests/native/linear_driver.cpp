@@ -131,6 +131,35 @@ int main(int argc, char** argv) {
         }
         if (!out) throw std::runtime_error("cannot write " + path);
       }
+      // The interleaved layout (linear_int8.h; AVX-512 VNNI builds, 4-bit): the first 32 rows
+      // (whole blocks of 16), rearranged in a copy, in int8 mode -> <name>.int8i [T][32].
+      Linear Wi = W;
+      Wi.out = 32;
+      if (W.out >= 32 && cpu::int8_interleavable(Wi)) {
+        const size_t rb = size_t(W.in) * W.bits / 8, pb = G * esz;
+        std::vector<char> wi(w.begin(), w.begin() + 32 * rb), si(s.begin(), s.begin() + 32 * pb),
+            bi(b.begin(), b.begin() + 32 * pb);
+        Wi.w = reinterpret_cast<const uint8_t*>(wi.data());
+        Wi.scales = reinterpret_cast<const uint8_t*>(si.data());
+        Wi.biases = reinterpret_cast<const uint8_t*>(bi.data());
+        cpu::interleave_rows(Wi);
+        const std::string path = out_dir + "/" + name + ".int8i";
+        std::ofstream out(path, std::ios::binary);
+        for (int T : Ts) {
+          std::vector<float> y(size_t(T) * Wi.out);
+          cpu::linear(Wi, x, T, y.data(), pool, cpu::Matmul::Int8);
+          out.write(reinterpret_cast<const char*>(y.data()), std::streamsize(y.size() * 4));
+        }
+        if (!out) throw std::runtime_error("cannot write " + path);
+        bool refused = false;  // the f32 kernels cannot read the layout: refused, not misread
+        try {
+          std::vector<float> y(Wi.out);
+          cpu::linear(Wi, x, 1, y.data(), pool, cpu::Matmul::F32);
+        } catch (const std::logic_error&) {
+          refused = true;
+        }
+        std::printf("%s interleaved=1 f32_refused=%d\n", name.c_str(), int(refused));
+      }
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "linear_driver: %s\n", e.what());
