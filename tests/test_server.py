@@ -420,8 +420,10 @@ def test_disconnect_during_prefill_frees_the_engine(server, client, model):
 
 @pytest.fixture(scope="module")
 def serial_server():
-    """A server running one request at a time (--max-batch 1), so a second one queues."""
-    proc, base, _ = start_server("--api-key", KEY, "--max-batch", "1")
+    """A server running one request at a time (--max-batch 1), so a second one queues; on one
+    thread, so that a long generation lasts long enough for a client to queue behind it and
+    leave (on two threads the demo model writes its 4,000 tokens in about a second)."""
+    proc, base, _ = start_server("--api-key", KEY, "--max-batch", "1", "--threads", "1")
     yield base
     stop_server(proc)
 
@@ -462,8 +464,9 @@ def test_disconnect_while_queued_drops_the_job(serial_server):
         return _open(server, "/v1/completions",
                      {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True})
 
-    # A plain completion the demo model continues greedily well past 1,500 tokens (no EOS).
-    running = open_request("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", 3000)
+    # A plain completion the demo model continues greedily to its 4,096-position context (no
+    # EOS): a few seconds of generation on one thread.
+    running = open_request("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", 4000)
     resp = running.getresponse()
     assert resp.status == 200
     while not resp.fp.readline().startswith(b"data:"):  # (raw chunked lines) until it generates

@@ -749,7 +749,9 @@ void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* 
 // sums come out with rows in lanes, with no lane reduction (sum_lane_quads) and no transposes of
 // the scales, and the rows' bytes are one contiguous stream. About half the vector instructions
 // per weight byte of the quad kernel above: on one Zen 5 thread, 4-bit 2048-wide rows ran
-// 99 against 44 GB/s from L2 and 36 against 28 from DRAM (the lm_head).
+// 99 against 44 GB/s from L2 and 36 against 28 from DRAM (the lm_head), and the engine's decode
+// went +25-31% at 1-2 threads (docs/performance.md, "Interleaved rows"). On the H200 host's
+// Xeon, whose threads are bound by their DRAM streams, no change could be measured.
 // Per token, the same canonical sequence (linear_int8.h) as every kernel here.
 constexpr int kInterleave = 16;
 
@@ -893,8 +895,11 @@ void interleave_rows(Linear& W) {
   for (int64_t R = 0; R < W.out / kInterleave; ++R) {
     uint8_t* blk = w + size_t(R) * wblock;
     std::memcpy(tmp.data(), blk, wblock);  // [16 rows][rbytes] -> [rbytes / 4 slices][16 rows][4]
-    for (int i = 0; i < kInterleave; ++i)
-      for (size_t j = 0; j < rbytes; j += 4) std::memcpy(blk + j * kInterleave + size_t(i) * 4, tmp.data() + i * rbytes + j, 4);
+    for (size_t j = 0; j < rbytes; j += 64) {  // 16 slices of each row: one 16 x 16 transpose
+      __m512 r[kInterleave];
+      for (int i = 0; i < kInterleave; ++i) r[i] = _mm512_loadu_ps(tmp.data() + i * rbytes + j);
+      transpose16x16(r, reinterpret_cast<float*>(blk + j * kInterleave));
+    }
     for (uint8_t* p : {sc + size_t(R) * pblock, bi + size_t(R) * pblock}) {  // [16][G] -> [G][16]
       std::memcpy(tmp.data(), p, pblock);
       for (int i = 0; i < kInterleave; ++i)

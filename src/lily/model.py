@@ -374,7 +374,9 @@ class Model:
         docs/msl-on-cuda.md; gemv_words: the decode GEMVs read 32-bit words instead of 16-byte
         loads, the earlier kernels' reads, for A/B timing; per_sequence_mixers: a pass of
         several sequences runs the attention and DeltaNet kernels once per sequence instead of
-        once for all, for A/B timing).
+        once for all, for A/B timing; exclusive_weights (default True here): the int8 CPU
+        backend may rearrange the loaded weights in place for its kernels, False keeps them as
+        stored, for A/B timing; see docs/performance.md, "Interleaved rows").
         cpu_matmul: how the CPU backend multiplies quantized (4/8-bit) weights: "int8" rounds
         activations to int8 per block of 32 and uses integer dot products (2-4x faster; logits
         within ~1% of f32, see docs/performance.md); "f32" expands the weights to f32 (the
