@@ -54,34 +54,31 @@ def reference(mode):
     return model, model.logits(PROMPT)
 
 
+def _x86_flags() -> set[str]:
+    """The host CPU's flags (/proc/cpuinfo) on x86; empty elsewhere."""
+    if platform.machine() not in ("x86_64", "AMD64") or not Path("/proc/cpuinfo").exists():
+        return set()
+    m = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
+    return set(m.group(1).split()) if m else set()
+
+
 def test_default_mode_is_int8_where_the_cpu_has_the_kernels():
     model = lily.Model.load()
-    flags = set()
-    if platform.machine() in ("x86_64", "AMD64") and Path("/proc/cpuinfo").exists():
-        m = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
-        flags = set(m.group(1).split()) if m else set()
-    if {"avx2", "fma"} <= flags or platform.machine() in ("aarch64", "arm64"):
+    if {"avx2", "fma"} <= _x86_flags() or platform.machine() in ("aarch64", "arm64"):
         assert model._engine.cpu_matmul == "int8"
     assert model._engine.cpu_matmul == ("int8" if lily._core.cpu_int8_supported(4, 64, 256) else "f32")
     assert f"cpu_matmul={model._engine.cpu_matmul}" in repr(model)
 
 
-def _has_avx512_vnni() -> bool:
-    if platform.machine() not in ("x86_64", "AMD64") or not Path("/proc/cpuinfo").exists():
-        return False
-    m = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
-    return {"avx512_vnni", "avx512bw", "avx512vl"} <= set(m.group(1).split() if m else ())
-
-
 def test_interleaved_layout_changes_no_bit():
     """Model.load lets the int8 engine rearrange its weights in place (the interleaved rows of
     csrc/cpu/linear_int8.h, on AVX-512 VNNI CPUs, where the demo model's 640-wide matrices take
-    it): prefill (the GEMM, reading rows gathered from the layout) and decode (the interleaved
+    it): prefill (the GEMM, reading the layout a block at a time) and decode (the interleaved
     row kernel) give the row-major layout's logits bit for bit, and the rearranged weights are
     refused, by name, to any engine that cannot read them."""
     model = lily.Model.load(cpu_matmul="int8", threads=2)
     plain = lily.Model.load(cpu_matmul="int8", threads=2, backend_options={"exclusive_weights": False})
-    assert model._weights.arranged_for_cpu_int8 == _has_avx512_vnni()
+    assert model._weights.arranged_for_cpu_int8 == ({"avx512_vnni", "avx512bw", "avx512vl"} <= _x86_flags())
     assert not plain._weights.arranged_for_cpu_int8
     logits = []
     for m in (model, plain):

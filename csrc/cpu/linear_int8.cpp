@@ -913,25 +913,6 @@ void interleave_rows(Linear& W) {
 #endif
 }
 
-const uint8_t* packed_row(const Linear& W, int64_t r, uint8_t* tmp) {
-  const size_t rbytes = size_t(W.in) * W.bits / 8;
-  if (!W.interleaved) return W.w + size_t(r) * rbytes;
-  constexpr int n = 16;  // kInterleave (AVX-512 builds only ever set W.interleaved)
-  const uint8_t* blk = W.w + size_t(r / n) * n * rbytes + size_t(r % n) * 4;
-  for (size_t j = 0; j < rbytes; j += 4) std::memcpy(tmp + j, blk + j * n, 4);
-  return tmp;
-}
-
-const uint8_t* param_row(const Linear& W, const uint8_t* params, int64_t r, uint8_t* tmp) {
-  const int G = W.in / W.group;
-  const size_t esz = dtype_size(W.dtype);
-  if (!W.interleaved) return params + size_t(r) * G * esz;
-  constexpr int n = 16;
-  const uint8_t* blk = params + size_t(r / n) * n * G * esz + size_t(r % n) * esz;
-  for (int g = 0; g < G; ++g) std::memcpy(tmp + size_t(g) * esz, blk + size_t(g) * n * esz, esz);
-  return tmp;
-}
-
 }  // namespace lily::cpu
 
 
@@ -982,6 +963,7 @@ void row_params(const uint8_t* p, DType dt, int n, float* out) {
 #if defined(LILY_INT8_AVX512)
 constexpr int kLanes = 16;     // tokens per vector
 constexpr int kGemmRows = 16;  // rows unpacked per step (16 x in bytes in L1)
+static_assert(kGemmRows == kInterleave, "gemm_rows takes an interleaved W one whole block a step");
 constexpr int kGemmR = 8;      // rows per register block (8 int32 + 8 f32 accumulators in zmm)
 constexpr int kTailRows = 0;
 #else
@@ -1191,32 +1173,27 @@ void gemm_rows(const Linear& W, const GemmInput& g, float* y, int64_t r0, int64_
   uint8_t* codes = codes_store.data();
   float* sf = sf_store.data();
   float* bf = bf_store.data();
-  // An interleaved W's rows: a whole block transposed (block_store), else one row gathered.
-  thread_local std::vector<uint8_t> row_store, block_store;
-  row_store.resize(std::max(wbytes, size_t(G) * esz));
+  // An interleaved W: each step is one whole block (parallel_for hands out whole grains of
+  // kGemmRows == kInterleave rows, and W.out % 16 == 0), made row-major here.
+  thread_local std::vector<uint8_t> block_store;
   for (int64_t rb = r0; rb < r1; rb += kGemmRows) {
     const int nr = int(std::min<int64_t>(kGemmRows, r1 - rb));
-    const uint8_t* block_rows = nullptr;
+    const uint8_t* packed = W.w + size_t(rb) * wbytes;  // [nr][wbytes]
 #if defined(LILY_INT8_AVX512)
-    if (W.interleaved && rb % kInterleave == 0 && nr == kInterleave) {
+    if (W.interleaved) {
       block_store.resize(kInterleave * wbytes);
       deinterleave_block(W, rb, block_store.data());
-      block_rows = block_store.data();
+      deinterleave_params(W, W.scales, rb, sf);
+      deinterleave_params(W, W.biases, rb, bf);
+      packed = block_store.data();
     }
 #endif
     for (int i = 0; i < nr; ++i) {
-      const uint8_t* packed = block_rows ? block_rows + size_t(i) * wbytes : packed_row(W, rb + i, row_store.data());
-      unpack_row(packed, in, W.bits, codes + size_t(i) * in);
-      if (block_rows) continue;
-      row_params(param_row(W, W.scales, rb + i, row_store.data()), W.dtype, G, sf + size_t(i) * G);
-      row_params(param_row(W, W.biases, rb + i, row_store.data()), W.dtype, G, bf + size_t(i) * G);
+      unpack_row(packed + size_t(i) * wbytes, in, W.bits, codes + size_t(i) * in);
+      if (W.interleaved) continue;
+      row_params(W.scales + size_t(rb + i) * G * esz, W.dtype, G, sf + size_t(i) * G);
+      row_params(W.biases + size_t(rb + i) * G * esz, W.dtype, G, bf + size_t(i) * G);
     }
-#if defined(LILY_INT8_AVX512)
-    if (block_rows) {
-      deinterleave_params(W, W.scales, rb, sf);
-      deinterleave_params(W, W.biases, rb, bf);
-    }
-#endif
     for (int tg = 0; tg < g.groups; ++tg) {
       const int nt = std::min(kLanes, g.Tv - tg * kLanes);
       for (int i0 = 0; i0 < nr; i0 += kGemmR) {

@@ -57,11 +57,6 @@ void quantize_activations(const float* x, int T, int in, int bits, int8_t* xq, f
 // then reads W in that layout; the f32 kernels cannot (linear.cpp refuses).
 bool int8_interleavable(const Linear& W);
 void interleave_rows(Linear& W);
-// Row r's packed codes / its G scales or biases (params = W.scales or W.biases) in row-major
-// order: a pointer into W, or, for an interleaved W, gathered into tmp (in * bits / 8 bytes; G
-// elements) and tmp returned.
-const uint8_t* packed_row(const Linear& W, int64_t r, uint8_t* tmp);
-const uint8_t* param_row(const Linear& W, const uint8_t* params, int64_t r, uint8_t* tmp);
 // Block scales per token.
 inline int int8_dx_per_token(int in) { return in / kInt8Block; }
 
