@@ -36,6 +36,55 @@ void ungroup_qkvz(const ModelConfig& c, const float* qkvz, const float* ba, int 
   }
 }
 
+
+#if defined(LILY_FVEC)
+// Slice widths of the recurrence (columns of S walked together; see the parallel region).
+// Prefill: 32 columns, a Dk x 32 slice (16 KB) that stays in L1 across a chunk's tokens.
+// Decode: a single token reads each slice once, so the slice is as wide as the registers allow
+// (kv_mem, delta and o of the slice: 3 x 8 vectors of 16 on AVX-512; AVX2 and NEON have too
+// few registers for 128 columns), so its rows are contiguous and the hardware prefetcher
+// streams a head's S from memory instead of taking a 128-byte bite every 512 bytes
+// (perf: 6% of a one-thread decode step on the medium model went to those misses).
+constexpr int kGdnCols = 32;
+constexpr int kDecodeCols = FVec::kWidth == 16 ? 128 : kGdnCols;
+
+// One token's step on columns [0, N * kWidth) of a head's S (row i at S + i * Dv): decay S and
+// read kv_mem = S^T k, delta = (v - kv_mem) * beta, rank-1 update S += k delta^T while reading
+// o = S^T q. kv_mem, delta and o stay in registers; per column these are the FMAs of the
+// scalar loop below, in its order, so the result does not depend on N.
+template <int N>
+void recur_token(float* S, int Dk, int Dv, const float* q, const float* k, const float* v, float beta, float decay,
+                 float* o) {
+  FVec kv[N], delta[N], out[N];
+  const FVec vdecay = FVec::splat(decay), vbeta = FVec::splat(beta);
+  for (int n = 0; n < N; ++n) kv[n] = FVec::zero();
+  for (int i = 0; i < Dk; ++i) {  // pass 1
+    float* Si = S + size_t(i) * Dv;
+    const FVec ki = FVec::splat(k[i]);
+    for (int n = 0; n < N; ++n) {
+      const FVec sv = FVec::load(Si + n * FVec::kWidth) * vdecay;
+      sv.store(Si + n * FVec::kWidth);
+      kv[n] = fmadd(ki, sv, kv[n]);
+    }
+  }
+  for (int n = 0; n < N; ++n) {
+    delta[n] = (FVec::load(v + n * FVec::kWidth) - kv[n]) * vbeta;
+    out[n] = FVec::zero();
+  }
+  for (int i = 0; i < Dk; ++i) {  // pass 2
+    float* Si = S + size_t(i) * Dv;
+    const FVec ki = FVec::splat(k[i]), qi = FVec::splat(q[i]);
+    for (int n = 0; n < N; ++n) {
+      const FVec sv = fmadd(ki, delta[n], FVec::load(Si + n * FVec::kWidth));
+      sv.store(Si + n * FVec::kWidth);
+      out[n] = fmadd(qi, sv, out[n]);
+    }
+  }
+  for (int n = 0; n < N; ++n) out[n].store(o + n * FVec::kWidth);
+}
+#else
+constexpr int kGdnCols = 32, kDecodeCols = kGdnCols;
+#endif
 }  // namespace
 
 std::vector<float> transpose_conv_taps(const ModelConfig& c, const GdnWeights& w) {
@@ -111,15 +160,14 @@ void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, const float
 
   // The recurrence: sequential in t. Within a head S's value columns are independent (column j
   // of S only ever meets column j of v, of delta and of o), so a head's chunk is walked once
-  // per slice of kGdnCols columns. Why slices: a head's S (Dk x Dv f32, 64 KB at 128 x 128) does
-  // not fit L1, and each token reads and writes it twice; a slice's Dk x 32 (16 KB) stays in L1
-  // across the chunk's tokens. Per column the operations and their order are those of a
-  // whole-head loop (axpy is element-wise, and slices are whole vectors), so the result does not
-  // depend on the slicing.
-  constexpr int kGdnCols = 32;
+  // per slice of columns (kGdnCols, or kDecodeCols for a single token). Why slices: a head's S
+  // (Dk x Dv f32, 64 KB at 128 x 128) does not fit L1, and each token reads and writes it twice;
+  // a slice's Dk x 32 (16 KB) stays in L1 across the chunk's tokens. Per column the operations
+  // and their order are those of a whole-head loop (axpy is element-wise, and slices are whole
+  // vectors), so the result does not depend on the slicing.
   pool.parallel_for(int64_t(n_seqs) * Hk, [&](int64_t i0, int64_t i1, int) {
     thread_local std::vector<float> kv_mem;
-    kv_mem.resize(kGdnCols);
+    kv_mem.resize(kDecodeCols);
     // Columns [j0, j0 + nc) of head hv of sequence sq over the sequence's tokens.
     auto run_slice = [&](const GdnRows& sq, int hv, int j0, int nc) {
       const int hk = hv / r;
@@ -132,34 +180,12 @@ void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, const float
         const float beta = s.beta[size_t(t) * Hv + hv], decay = s.decay[size_t(t) * Hv + hv];
         float* o = s.o.data() + size_t(t) * vdim + hv * Dv + j0;
 #if defined(LILY_FVEC)
-        if (nc == kGdnCols) {  // the slice's kv_mem, delta and o in registers: the same FMAs as axpy
-          constexpr int N = kGdnCols / FVec::kWidth;  // vectors per slice row
-          FVec kv[N], delta[N], out[N];
-          const FVec vdecay = FVec::splat(decay), vbeta = FVec::splat(beta);
-          for (int n = 0; n < N; ++n) kv[n] = FVec::zero();
-          for (int i = 0; i < Dk; ++i) {  // pass 1: decay S and read kv_mem = S^T k
-            float* Si = S + size_t(i) * Dv;
-            const FVec ki = FVec::splat(k[i]);
-            for (int n = 0; n < N; ++n) {
-              const FVec sv = FVec::load(Si + n * FVec::kWidth) * vdecay;
-              sv.store(Si + n * FVec::kWidth);
-              kv[n] = fmadd(ki, sv, kv[n]);
-            }
-          }
-          for (int n = 0; n < N; ++n) {  // delta = (v - kv_mem) * beta
-            delta[n] = (FVec::load(v + n * FVec::kWidth) - kv[n]) * vbeta;
-            out[n] = FVec::zero();
-          }
-          for (int i = 0; i < Dk; ++i) {  // pass 2: rank-1 update with delta, and read o = S^T q
-            float* Si = S + size_t(i) * Dv;
-            const FVec ki = FVec::splat(k[i]), qi = FVec::splat(q[i]);
-            for (int n = 0; n < N; ++n) {
-              const FVec sv = fmadd(ki, delta[n], FVec::load(Si + n * FVec::kWidth));
-              sv.store(Si + n * FVec::kWidth);
-              out[n] = fmadd(qi, sv, out[n]);
-            }
-          }
-          for (int n = 0; n < N; ++n) out[n].store(o + n * FVec::kWidth);
+        if (nc == kGdnCols) {
+          recur_token<kGdnCols / FVec::kWidth>(S, Dk, Dv, q, k, v, beta, decay, o);
+          continue;
+        }
+        if (nc == kDecodeCols) {
+          recur_token<kDecodeCols / FVec::kWidth>(S, Dk, Dv, q, k, v, beta, decay, o);
           continue;
         }
 #endif
@@ -200,7 +226,8 @@ void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, const float
         }
       }
       for (int hv = hv0; hv < hv0 + r; ++hv) {
-        for (int j0 = 0; j0 < Dv; j0 += kGdnCols) run_slice(sq, hv, j0, std::min(kGdnCols, Dv - j0));
+        const int cols = sq.n == 1 && Dv % kDecodeCols == 0 ? kDecodeCols : kGdnCols;
+        for (int j0 = 0; j0 < Dv; j0 += cols) run_slice(sq, hv, j0, std::min(cols, Dv - j0));
         // The gated norm of each (token, head) row of o, which needs all of the head's columns.
         for (int t = sq.first; t < sq.first + sq.n; ++t) {
           const size_t at = size_t(t) * vdim + size_t(hv) * Dv;  // the (token, head) row of o and z
