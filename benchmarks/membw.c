@@ -16,7 +16,11 @@
 //   the loop, so the number is the memory system's, not the adder's.
 // - Each thread owns a contiguous slice and first-touches it (pages land on its NUMA node, like
 //   mmapped weights read by the same thread each token); threads start together at a barrier
-//   and a pass's time is the slowest thread's.
+//   and a pass lasts from the first reader's start to the last reader's end, each reader
+//   timing itself. (Until 2026-12-04 the main thread took the time around the barriers. With
+//   as many readers as cores it is a thread too many: woken after the readers it could read
+//   its start clock late, and a pass looked short. On the 2-core Zen 5 VM two threads "read"
+//   up to 137 GB/s, three times one thread's 41, the best of 10 passes always such a one.)
 // - The source option exists because where the bytes live changes the answer: on the 2-core dev
 //   VM an mmapped file read ~30% slower than anonymous memory (docs/performance.md, "Decode:
 //   weights in memory, prefetched").
@@ -42,6 +46,8 @@ typedef struct {
   pthread_barrier_t* start;
   pthread_barrier_t* end;
   float sink;            // keeps the sum alive
+  double* t_start;       // per pass: when this thread started and finished reading
+  double* t_end;
   int touch;             // first-touch the slice (anonymous memory only)
 } worker_t;
 
@@ -74,7 +80,9 @@ static void* run(void* arg) {
   if (w->touch) memset((void*)w->base, 0, w->n * sizeof(v16f));
   for (int p = 0; p < w->passes; ++p) {
     pthread_barrier_wait(w->start);
+    w->t_start[p] = now();
     w->sink += read_slice(w->base, w->n, p % 2);  // passes alternate plain / prefetched
+    w->t_end[p] = now();
     pthread_barrier_wait(w->end);
   }
   return NULL;
@@ -125,24 +133,32 @@ int main(int argc, char** argv) {
   pthread_barrier_init(&end, NULL, threads + 1);
   worker_t* ws = calloc(threads, sizeof(worker_t));
   pthread_t* ts = calloc(threads, sizeof(pthread_t));
+  const int total = 2 * (passes + 1);
   for (int t = 0; t < threads; ++t) {
-    ws[t] = (worker_t){buf + per * t, per, 2 * (passes + 1), &start, &end, 0, !mapped};
+    ws[t] = (worker_t){buf + per * t, per, total, &start, &end, 0, calloc(total, sizeof(double)),
+                       calloc(total, sizeof(double)), !mapped};
     pthread_create(&ts[t], NULL, run, &ws[t]);
   }
   // Passes alternate plain / prefetched reads; the first of each warms up (page faults,
   // frequency). The roofline is the better mode: whichever reads faster is what the memory
   // system can give a reader.
   double* gbps[2] = {calloc(passes, sizeof(double)), calloc(passes, sizeof(double))};
-  for (int p = 0; p < 2 * (passes + 1); ++p) {
+  for (int p = 0; p < total; ++p) {
     pthread_barrier_wait(&start);
-    double t0 = now();
-    pthread_barrier_wait(&end);
-    if (p >= 2) gbps[p % 2][p / 2 - 1] = (double)per * threads * sizeof(v16f) / (now() - t0) / 1e9;
+    pthread_barrier_wait(&end);  // after it every reader's times of pass p are written
+    double t0 = ws[0].t_start[p], t1 = ws[0].t_end[p];
+    for (int t = 1; t < threads; ++t) {
+      if (ws[t].t_start[p] < t0) t0 = ws[t].t_start[p];
+      if (ws[t].t_end[p] > t1) t1 = ws[t].t_end[p];
+    }
+    if (p >= 2) gbps[p % 2][p / 2 - 1] = (double)per * threads * sizeof(v16f) / (t1 - t0) / 1e9;
   }
   float sink = 0;
   for (int t = 0; t < threads; ++t) {
     pthread_join(ts[t], NULL);
     sink += ws[t].sink;
+    free(ws[t].t_start);
+    free(ws[t].t_end);
   }
   for (int m = 0; m < 2; ++m) qsort(gbps[m], passes, sizeof(double), cmp);
   const int best = gbps[1][passes - 1] > gbps[0][passes - 1];

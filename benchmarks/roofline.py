@@ -23,6 +23,20 @@ Bandwidth: benchmarks/membw.c (a streaming AVX-512 / vector-extension sum over 2
 the system C compiler, run at 1 and N threads, on memory advised for 2 MiB pages (where lily's
 loader puts resident weights). Since 2026-12-04: with plain loads on 4 KiB pages lily's int8
 decode kernel read faster than the "roofline" (28.4 GB/s on two Zen 2 cores against 25.1).
+Since 2026-12-04 (later): each reader thread times its own passes. Before, membw's main thread
+read the clock around the barriers; run with as many readers as cores it was one thread too many,
+and when it was scheduled late its pass looked short: two threads of the 2-core Zen 5 VM "read"
+up to 137 GB/s, three times one thread's 41 (now 48-50 with busy neighbours, 80-83 without). A
+best-of-N over such passes was the most inflated pass, so roofline percentages taken at N = the
+machine's cores before that (the 2-core VM at 2 threads, the 16-core H200 host at 16) are low
+by an unknown factor.
+
+run.py also measures the bandwidth between engine runs (membw at the run's threads, 1 GiB, best
+of 5) and reports, next to the percentage of the session's best, the median over runs of decode
+against the better of the two measurements taken just before and just after that run: on a
+shared host the read bandwidth moves by 1.6x from one minute to the next (the Zen 5 VM's two
+threads: 48-50 or 80-83 GB/s), and a roofline measured minutes away says more about the
+neighbours than about the engine.
 """
 
 from __future__ import annotations

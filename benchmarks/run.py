@@ -17,7 +17,8 @@ What it does, in one session:
    steps continuing that state (see benchmarks/engines.py for how each engine is timed).
 4. Prints a Markdown table of medians: prefill and decode tokens/s, the ratio to llama.cpp Q4_0,
    and decode as a percentage of the bandwidth roofline (bytes per decode token from the
-   checkpoint's own tensor sizes, benchmarks/roofline.py).
+   checkpoint's own tensor sizes, benchmarks/roofline.py): against the session's best membw,
+   and "paired", each run against the bandwidth measured just before and after it.
 
 Design choices:
 - Same threads for all engines (`--threads`), one worker process per Python engine, loaded once
@@ -151,12 +152,20 @@ def runs_for(a, name: str, p: int, rep: int) -> int | None:
     return a.decode
 
 
+def paired_bandwidth(a) -> float | None:
+    """The read bandwidth now, at the run's threads (membw: 1 GiB, best of 5; ~0.3 s)."""
+    return None if a.no_bandwidth else roofline.bandwidth(a.threads, mib=1024, passes=5)["best_GBps"]
+
+
 def measure_all(a, handles: dict) -> list[dict]:
     samples = []
     order = list(handles)
     for name in order:  # untimed warm-up, shortest prompt, few steps
         if isinstance(handles[name], engines.Worker):
             handles[name].measure(min(a.prompts), 4, seed=999)
+    # The bandwidth between every two runs: a run's own roofline is the better of the
+    # measurements just before and just after it (roofline.py says why).
+    bw_before = paired_bandwidth(a)
     for rep in range(a.reps):
         rot = order[rep % len(order):] + order[:rep % len(order)]
         for p in a.prompts:
@@ -166,8 +175,12 @@ def measure_all(a, handles: dict) -> list[dict]:
                     continue
                 t0 = time.time()
                 r = handles[name].measure(p, n, seed=rep * 100003 + p)
+                bw_after = paired_bandwidth(a)
                 s = {"engine": name, "prompt": p, "decode": n, "rep": rep, **r,
                      "load": loadavg()}
+                if bw_after is not None:
+                    s["bw_GBps"] = max(bw_before, bw_after)
+                    bw_before = bw_after
                 if "error" not in r:
                     s["prefill_tps"] = p / r["prefill_s"]
                     s["decode_tps"] = n / r["decode_s"] if n else float("nan")
@@ -204,6 +217,10 @@ def summarize(a, samples: list[dict], paths: dict, bw: dict | None) -> list[dict
                 roof = bw["best_GBps"] * 1e9 / row["bytes_per_token"]
                 row["roofline_tps"] = roof
                 row["roofline_pct"] = 100 * row["decode_tps"] / roof
+            paired = [s for s in ok if s.get("bw_GBps")]
+            if paired and row["bytes_per_token"]:
+                row["paired_roofline_pct"] = statistics.median(
+                    100 * s["decode_tps"] * row["bytes_per_token"] / (s["bw_GBps"] * 1e9) for s in paired)
             rows.append(row)
         base = next((r for r in rows if r["prompt"] == p and r["engine"] == BASELINE), None)
         for r in rows:
@@ -230,20 +247,22 @@ def markdown(a, rows, info, bw, infos, cmd) -> str:
         lines.append("Read bandwidth (membw, best of 10): " + ", ".join(
             f"{b['threads']} thread{'s' if b['threads'] > 1 else ''} {b['best_GBps']:.1f} GB/s"
             for b in bw.values()) + ". Roofline = bandwidth at the run's threads / decode bytes "
-            "per token.")
+            "per token; \"paired\": each run against the better of two membw measurements (1 GiB, "
+            "best of 5) taken just before and just after it, median over runs.")
     lines.append(f"Load average (1 min) before/after: {info['load_before']:.1f} / "
                  f"{info['load_after']:.1f}.")
     lines.append("Engines: " + "; ".join(f"{k}: {v}" for k, v in infos.items()) + ".")
     lines.append(f"Command: `{cmd}`")
     lines += ["", "| prompt | engine | prefill tok/s | decode tok/s | prefill × Q4_0 | "
-              "decode × Q4_0 | decode MB/token | decode % roofline | runs |",
-              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "decode × Q4_0 | decode MB/token | decode % roofline | decode % paired roofline | runs |",
+              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         bpt = r.get("bytes_per_token")
         lines.append(
             f"| {r['prompt']} | {r['engine']} | {r['prefill_tps']:.1f} | {r['decode_tps']:.2f} | "
             f"{fmt(r.get('prefill_vs_q4_0'), '.2f')} | {fmt(r.get('decode_vs_q4_0'), '.2f')} | "
-            f"{fmt(bpt and bpt / 1e6, '.0f')} | {fmt(r.get('roofline_pct'), '.0f')} | {r['n']} |")
+            f"{fmt(bpt and bpt / 1e6, '.0f')} | {fmt(r.get('roofline_pct'), '.0f')} | "
+            f"{fmt(r.get('paired_roofline_pct'), '.0f')} | {r['n']} |")
     return "\n".join(lines) + "\n"
 
 

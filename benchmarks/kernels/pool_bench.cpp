@@ -3,10 +3,12 @@
 // streams its matrix from memory), with the pool's barrier at the end of every call. Prints
 // GB/s of weights + scales + biases read, three rounds of 1.5 s. Weights: random MLX-affine
 // 4-bit, bf16 scales, group 64, on 2 MiB pages (as lily's loader keeps resident weights).
-//   pool_bench IN OUT THREADS [E]
+//   pool_bench IN OUT THREADS [E] [interleaved]
 //   lm_head: pool_bench 2048 248320 2      routed-expert gate/up: pool_bench 2048 512 2 256
 // Unlike matvec_bench (one kernel call per thread, fixed halves, no barrier) this includes how
-// the pool splits a call and how long the threads wait for each other at its end.
+// the pool splits a call and how long the threads wait for each other at its end. A fifth
+// argument of 1 rearranges the matrices into interleaved rows first, as Model.load does where
+// the CPU has the layout's kernels (cpu::interleave_rows; AVX-512 VNNI builds only).
 //   c++ -O3 -march=native -std=c++17 -ffp-contract=off -Icsrc benchmarks/kernels/pool_bench.cpp \
 //       build/dev/<tag>/liblily_core.a -lpthread -o pool_bench
 #include <chrono>
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "cpu/linear.h"
+#include "cpu/linear_int8.h"
 #include "cpu/thread_pool.h"
 
 using namespace lily;
@@ -36,6 +39,7 @@ int main(int argc, char** argv) {
   }
   const int in = std::atoi(argv[1]), out = std::atoi(argv[2]), threads = std::atoi(argv[3]);
   const int E = argc > 4 ? std::atoi(argv[4]) : 1, G = in / 64;
+  const bool interleaved = argc > 5 && std::atoi(argv[5]) == 1;
   const size_t w_bytes = size_t(out) * in / 2, p_bytes = size_t(out) * G * 2;  // per matrix
   uint8_t *w = huge_alloc(w_bytes * E), *scales = huge_alloc(p_bytes * E), *biases = huge_alloc(p_bytes * E);
   std::mt19937 rng(1);
@@ -51,12 +55,13 @@ int main(int argc, char** argv) {
     W.format = Linear::Format::Affine;
     W.out = out, W.in = in, W.dtype = DType::BF16, W.bits = 4, W.group = 64;
     W.w = w + w_bytes * e, W.scales = scales + p_bytes * e, W.biases = biases + p_bytes * e;
+    if (interleaved) cpu::interleave_rows(W);
   }
   std::normal_distribution<float> normal(0.f, 1.f);
   std::vector<float> x(in), y(out);
   for (float& v : x) v = normal(rng);
   cpu::ThreadPool pool(threads);
-  std::printf("%d x %d, %d matrices, %d threads: GB/s", in, out, E, threads);
+  std::printf("%d x %d, %d matrices, %d threads%s: GB/s", in, out, E, threads, interleaved ? ", interleaved" : "");
   for (int round = 0; round < 3; ++round) {
     long calls = 0;
     const auto t0 = std::chrono::steady_clock::now();
