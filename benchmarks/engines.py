@@ -49,6 +49,13 @@ def prompt_ids(n: int, vocab: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, hi, size=n, dtype=np.int64)
 
 
+def read_bandwidth(binary: str, threads: int) -> float:
+    """benchmarks/membw.c's read bandwidth now at `threads` (1 GiB, best of 5 passes; ~0.3 s)."""
+    out = subprocess.run([binary, str(threads), "1024", "5", "huge"], capture_output=True, text=True,
+                         check=True).stdout
+    return float(dict(kv.split("=") for kv in out.split())["best_GBps"])
+
+
 # ---------------------------------------------------------------------------------------------
 # In-process timers (run inside a worker)
 # ---------------------------------------------------------------------------------------------
@@ -67,16 +74,23 @@ class LilyTimer:
         self.vocab = self.model.config.vocab_size
         self.info = repr(self.model)
 
-    def measure(self, p: int, n: int, seed: int) -> dict:
+    def measure(self, p: int, n: int, seed: int, membw: list | None = None) -> dict:
+        """membw = [binary, threads]: also measure the read bandwidth just before and just after
+        the decode steps (bw_GBps: the better of the two), the decode's own roofline."""
         ids = prompt_ids(p, self.vocab, seed)
         s = self.model.session(max_context=p + n + 1)
         t0 = time.perf_counter()
         logits = s.prefill(ids)
-        t1 = time.perf_counter()
+        prefill_s = time.perf_counter() - t0
+        bw_before = read_bandwidth(*membw) if membw else None
+        t1 = time.perf_counter()  # the probe's time is neither prefill's nor decode's
         for _ in range(n):
             logits = s.decode(int(np.argmax(logits)))
         t2 = time.perf_counter()
-        return {"prefill_s": t1 - t0, "decode_s": t2 - t1}
+        res = {"prefill_s": prefill_s, "decode_s": t2 - t1}
+        if membw:
+            res["bw_GBps"] = max(bw_before, read_bandwidth(*membw))
+        return res
 
 
 class MlxTimer:
@@ -164,7 +178,8 @@ def serve(engine: str, path: str, threads: int) -> None:
     for line in sys.stdin:
         req = json.loads(line)
         try:
-            res = timer.measure(req["prompt"], req["decode"], req["seed"])
+            extra = {"membw": req["membw"]} if req.get("membw") else {}  # lily's timers only
+            res = timer.measure(req["prompt"], req["decode"], req["seed"], **extra)
         except Exception as e:  # reported, not fatal: the driver records the failure
             res = {"error": f"{type(e).__name__}: {e}"}
         out.write(json.dumps(res) + "\n")
@@ -195,8 +210,11 @@ class Worker:
             raise RuntimeError(f"{self.name} worker exited (code {self.proc.wait()})")
         return json.loads(line)
 
-    def measure(self, p: int, n: int, seed: int) -> dict:
-        self.proc.stdin.write(json.dumps({"prompt": p, "decode": n, "seed": seed}) + "\n")
+    def measure(self, p: int, n: int, seed: int, membw: list | None = None) -> dict:
+        req = {"prompt": p, "decode": n, "seed": seed}
+        if membw:
+            req["membw"] = membw
+        self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         return self._read()
 

@@ -32,8 +32,9 @@ machine's cores before that (the 2-core VM at 2 threads, the 16-core H200 host a
 by an unknown factor.
 
 run.py also measures the bandwidth between engine runs (membw at the run's threads, 1 GiB, best
-of 5) and reports, next to the percentage of the session's best, the median over runs of decode
-against the better of the two measurements taken just before and just after that run: on a
+of 5; lily's worker takes its two right before and right after its decode steps, after the
+prefill) and reports, next to the percentage of the session's best, the median over runs of
+decode against the better of the two measurements taken just before and just after it: on a
 shared host the read bandwidth moves by 1.6x from one minute to the next (the Zen 5 VM's two
 threads: 48-50 or 80-83 GB/s), and a roofline measured minutes away says more about the
 neighbours than about the engine.
@@ -54,7 +55,8 @@ ROOT = HERE.parent
 MEMBW_BIN = ROOT / "build" / "bench" / "membw"
 
 
-def _build_membw() -> Path:
+def membw_binary() -> Path:
+    """benchmarks/membw.c built for this machine (once; again when the source changes)."""
     src = HERE / "membw.c"
     if MEMBW_BIN.is_file() and MEMBW_BIN.stat().st_mtime > src.stat().st_mtime:
         return MEMBW_BIN
@@ -72,7 +74,7 @@ def _build_membw() -> Path:
 
 def bandwidth(threads: int, mib: int = 2048, passes: int = 10, source: str = "huge") -> dict:
     """{'threads', 'best_GBps', 'median_GBps'} of a streaming read (membw's better mode)."""
-    out = subprocess.run([str(_build_membw()), str(threads), str(mib), str(passes), source],
+    out = subprocess.run([str(membw_binary()), str(threads), str(mib), str(passes), source],
                          capture_output=True, text=True, check=True).stdout
     fields = dict(kv.split("=") for kv in out.split())
     return {"threads": threads, "best_GBps": float(fields["best_GBps"]),

@@ -174,13 +174,18 @@ def measure_all(a, handles: dict) -> list[dict]:
                 if n is None:
                     continue
                 t0 = time.time()
-                r = handles[name].measure(p, n, seed=rep * 100003 + p)
+                # lily's worker brackets its decode steps with membw itself (prefill left out);
+                # the other engines get the measurements taken between runs.
+                bracket = (not a.no_bandwidth and isinstance(handles[name], engines.Worker)
+                           and name.startswith("lily"))
+                kw = {"membw": [str(roofline.membw_binary()), a.threads]} if bracket else {}
+                r = handles[name].measure(p, n, seed=rep * 100003 + p, **kw)
                 bw_after = paired_bandwidth(a)
-                s = {"engine": name, "prompt": p, "decode": n, "rep": rep, **r,
-                     "load": loadavg()}
+                s = {"engine": name, "prompt": p, "decode": n, "rep": rep, "load": loadavg()}
                 if bw_after is not None:
                     s["bw_GBps"] = max(bw_before, bw_after)
                     bw_before = bw_after
+                s.update(r)  # a bracketed run's own bw_GBps replaces the between-runs one
                 if "error" not in r:
                     s["prefill_tps"] = p / r["prefill_s"]
                     s["decode_tps"] = n / r["decode_s"] if n else float("nan")
