@@ -249,7 +249,8 @@ def markdown(a, rows, info, bw, infos, cmd) -> str:
         f"Repetitions: {a.reps} ({a.slow_reps} for mlx-lm / transformers); medians.",
     ]
     if bw:
-        lines.append("Read bandwidth (membw, best of 10): " + ", ".join(
+        lines.append("Read bandwidth (membw: best of 10 passes before and after, or of any paired "
+                     "measurement): " + ", ".join(
             f"{b['threads']} thread{'s' if b['threads'] > 1 else ''} {b['best_GBps']:.1f} GB/s"
             for b in bw.values()) + ". Roofline = bandwidth at the run's threads / decode bytes "
             "per token; \"paired\": each run against the better of two membw measurements (1 GiB, "
@@ -301,6 +302,10 @@ def main(argv=None) -> int:
             if b["best_GBps"] > bw[t]["best_GBps"]:
                 bw[t] = b
     info["load_after"] = loadavg()
+    if bw:  # the session's best: the paired measurements count too (a harder roofline)
+        paired = [s["bw_GBps"] for s in samples if s.get("bw_GBps")]
+        if paired and max(paired) > bw[a.threads]["best_GBps"]:
+            bw[a.threads] = {**bw[a.threads], "best_GBps": max(paired), "from": "paired"}
     rows = summarize(a, samples, paths, bw[a.threads] if bw else None)
     table = markdown(a, rows, info, bw, infos, cmd)
     print(table)
