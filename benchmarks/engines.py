@@ -40,6 +40,9 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import roofline  # noqa: E402
 
 
 def prompt_ids(n: int, vocab: int, seed: int) -> np.ndarray:
@@ -47,13 +50,6 @@ def prompt_ids(n: int, vocab: int, seed: int) -> np.ndarray:
     # the model's vocab (tiny: 503).
     hi = min(vocab, 248044)
     return np.random.default_rng(seed).integers(0, hi, size=n, dtype=np.int64)
-
-
-def read_bandwidth(binary: str, threads: int) -> float:
-    """benchmarks/membw.c's read bandwidth now at `threads` (1 GiB, best of 5 passes; ~0.3 s)."""
-    out = subprocess.run([binary, str(threads), "1024", "5", "huge"], capture_output=True, text=True,
-                         check=True).stdout
-    return float(dict(kv.split("=") for kv in out.split())["best_GBps"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,22 +70,22 @@ class LilyTimer:
         self.vocab = self.model.config.vocab_size
         self.info = repr(self.model)
 
-    def measure(self, p: int, n: int, seed: int, membw: list | None = None) -> dict:
-        """membw = [binary, threads]: also measure the read bandwidth just before and just after
-        the decode steps (bw_GBps: the better of the two), the decode's own roofline."""
+    def measure(self, p: int, n: int, seed: int, membw: int | None = None) -> dict:
+        """membw = threads: also measure the read bandwidth at that many threads just before and
+        just after the decode steps (bw_GBps: the better of the two), the decode's own roofline."""
         ids = prompt_ids(p, self.vocab, seed)
         s = self.model.session(max_context=p + n + 1)
         t0 = time.perf_counter()
         logits = s.prefill(ids)
         prefill_s = time.perf_counter() - t0
-        bw_before = read_bandwidth(*membw) if membw else None
+        bw_before = roofline.bandwidth_now(membw) if membw else None
         t1 = time.perf_counter()  # the probe's time is neither prefill's nor decode's
         for _ in range(n):
             logits = s.decode(int(np.argmax(logits)))
         t2 = time.perf_counter()
         res = {"prefill_s": prefill_s, "decode_s": t2 - t1}
         if membw:
-            res["bw_GBps"] = max(bw_before, read_bandwidth(*membw))
+            res["bw_GBps"] = max(bw_before, roofline.bandwidth_now(membw))
         return res
 
 
@@ -210,7 +206,7 @@ class Worker:
             raise RuntimeError(f"{self.name} worker exited (code {self.proc.wait()})")
         return json.loads(line)
 
-    def measure(self, p: int, n: int, seed: int, membw: list | None = None) -> dict:
+    def measure(self, p: int, n: int, seed: int, membw: int | None = None) -> dict:
         req = {"prompt": p, "decode": n, "seed": seed}
         if membw:
             req["membw"] = membw

@@ -72,6 +72,12 @@ def membw_binary() -> Path:
     raise RuntimeError(f"building membw failed: {r.stderr}")
 
 
+def bandwidth_now(threads: int) -> float:
+    """A quick read bandwidth (GB/s) at `threads`: membw over 1 GiB, best of 5 passes (~0.3 s on
+    two cores). What the benchmarks take just before and after a decode, as its paired roofline."""
+    return bandwidth(threads, mib=1024, passes=5)["best_GBps"]
+
+
 def bandwidth(threads: int, mib: int = 2048, passes: int = 10, source: str = "huge") -> dict:
     """{'threads', 'best_GBps', 'median_GBps'} of a streaming read (membw's better mode)."""
     out = subprocess.run([str(membw_binary()), str(threads), str(mib), str(passes), source],

@@ -154,7 +154,7 @@ def runs_for(a, name: str, p: int, rep: int) -> int | None:
 
 def paired_bandwidth(a) -> float | None:
     """The read bandwidth now, at the run's threads (membw: 1 GiB, best of 5; ~0.3 s)."""
-    return None if a.no_bandwidth else roofline.bandwidth(a.threads, mib=1024, passes=5)["best_GBps"]
+    return None if a.no_bandwidth else roofline.bandwidth_now(a.threads)
 
 
 def measure_all(a, handles: dict) -> list[dict]:
@@ -178,7 +178,7 @@ def measure_all(a, handles: dict) -> list[dict]:
                 # the other engines get the measurements taken between runs.
                 bracket = (not a.no_bandwidth and isinstance(handles[name], engines.Worker)
                            and name.startswith("lily"))
-                kw = {"membw": [str(roofline.membw_binary()), a.threads]} if bracket else {}
+                kw = {"membw": a.threads} if bracket else {}
                 r = handles[name].measure(p, n, seed=rep * 100003 + p, **kw)
                 bw_after = paired_bandwidth(a)
                 s = {"engine": name, "prompt": p, "decode": n, "rep": rep, "load": loadavg()}

@@ -15,6 +15,11 @@ the last measured prefill rate, and contexts that would not finish before --dead
 recorded as skipped, with the estimate.
 
     python benchmarks/fullsize/bench.py CHECKPOINT --threads 16 --out DIR [--contexts 512,4096,32768]
+        [--decode 16] [--membw]
+
+--membw brackets each timed decode with a quick membw at the same threads (benchmarks/
+roofline.py, bandwidth_now) and reports decode against the better of the two: the roofline of
+the decode's own seconds on a host whose bandwidth moves with its neighbours.
 """
 
 from __future__ import annotations
@@ -23,11 +28,15 @@ import argparse
 import json
 import os
 import platform
+import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/
+import roofline  # noqa: E402
 
 
 def proc_status() -> dict[str, int]:
@@ -100,13 +109,17 @@ class Report:
                 f"load: {ld['seconds']:.2f} s; RSS after load {ld['rss_gb']} GB "
                 f"(anon {ld['anon_gb']} GB, file-backed {ld['file_gb']} GB); checkpoint {ld['checkpoint_gb']} GB"
             )
-        lines += ["", "| context | prefill tok/s | prefill s | decode tok/s | peak RSS GB | peak anon GB | anon after GB |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        paired = any("bw_GBps" in r for r in d["rows"])
+        extra = " decode % paired roofline (GB/s) |" if paired else ""
+        lines += ["", "| context | prefill tok/s | prefill s | decode tok/s | peak RSS GB | peak anon GB | anon after GB |"
+                  + extra, "|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if paired else "")]
         for r in d["rows"]:
+            cell = (f" {r['decode_pct_paired_roofline']:.0f} ({r['bw_GBps']:.1f}) |" if "bw_GBps" in r else " |"
+                    ) if paired else ""
             lines.append(
                 f"| {r['context']} | {r['prefill_tok_s']:.1f} | {r['prefill_s']:.1f} | "
                 f"{r.get('decode_tok_s', float('nan')):.2f} | {r['peak_rss_gb']} | {r['peak_anon_gb']} | "
-                f"{r.get('anon_after_gb', '')} |"
+                f"{r.get('anon_after_gb', '')} |" + cell
             )
         for s in d["skipped"]:
             lines.append(f"skipped: {s}")
@@ -130,6 +143,9 @@ def main() -> None:
                          "kernels), f32, or int8 activations for quantized matmuls")
     ap.add_argument("--use-mmap", default="auto", choices=("auto", "true", "false"),
                     help="Model.load(use_mmap=...): auto (None), mapped (true) or read into memory (false)")
+    ap.add_argument("--membw", action="store_true",
+                    help="bracket each timed decode with membw at --threads (benchmarks/roofline.py's "
+                         "bandwidth_now) and report decode as a percentage of that paired roofline")
     a = ap.parse_args()
 
     import lily
@@ -177,10 +193,15 @@ def main() -> None:
         if a.decode:
             tok = int(np.argmax(logits))
             sess.decode(tok)  # first step after prefill may grow the KV cache; not timed
+            bw_before = roofline.bandwidth_now(a.threads) if a.membw else None
             t = time.perf_counter()
             for _ in range(a.decode):
                 tok = int(np.argmax(sess.decode(tok)))
             row["decode_tok_s"] = a.decode / (time.perf_counter() - t)
+            if a.membw:  # the decode's own roofline: the better of the two bandwidths around it
+                row["bw_GBps"] = max(bw_before, roofline.bandwidth_now(a.threads))
+                per_token = roofline.decode_bytes_mlx(a.checkpoint, ctx + 1 + a.decode / 2)["per_token"]
+                row["decode_pct_paired_roofline"] = 100 * row["decode_tok_s"] * per_token / (row["bw_GBps"] * 1e9)
         st = proc_status()
         row["rss_after_gb"] = gb(st["VmRSS"])
         row["anon_after_gb"] = gb(st["RssAnon"])

@@ -11,7 +11,9 @@
 # tokenizer.json from scripts/make_tokenizer.py; default build/fullsize-tokenizer if present),
 # CONTEXTS (default 512,4096,32768), BUDGET_S (seconds for the whole script, default 480),
 # BUILD=0 to skip the build, CPU_MATMUL (auto, int8 or f32; default auto: Model.load's default), USE_MMAP (auto, true or
-# false: Model.load's use_mmap; default auto, which reads the weights into memory when they fit).
+# false: Model.load's use_mmap; default auto, which reads the weights into memory when they fit),
+# DECODE (timed decode steps after each prefill, default 16), MEMBW=1 (bracket each timed decode
+# with a quick membw: bench.py --membw, decode against its paired roofline).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -46,5 +48,6 @@ fi
 [ -f "$OUT/build.log" ] && tail -1 "$OUT/build.log"
 
 PYTHONPATH="$root/src" "$PY" benchmarks/fullsize/bench.py "$CKPT" --threads "$THREADS" --out "$OUT" \
-  --contexts "$CONTEXTS" --cpu-matmul "${CPU_MATMUL:-auto}" --use-mmap "${USE_MMAP:-auto}" --deadline $(( start + BUDGET_S )) 2>&1 | tee "$OUT/bench.log"
+  --contexts "$CONTEXTS" --cpu-matmul "${CPU_MATMUL:-auto}" --use-mmap "${USE_MMAP:-auto}" --decode "${DECODE:-16}" \
+  ${MEMBW:+--membw} --deadline $(( start + BUDGET_S )) 2>&1 | tee "$OUT/bench.log"
 echo "total_s=$(( $(date +%s) - start ))" | tee -a "$OUT/bench.log"

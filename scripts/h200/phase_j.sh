@@ -43,11 +43,14 @@ if [ "${1:-}" = threads ]; then
   exit 0
 fi
 phase_start
-OUT=$W/sbs THREADS=16 BUDGET_S=900 CONTEXTS=512,4096 bash benchmarks/fullsize/side_by_side.sh > "$W/sbs.log" 2>&1
+# lily's decode: 64 timed steps, each run bracketed by membw (its paired roofline, in results.md);
+# llama-batched-bench keeps its 16.
+OUT=$W/sbs THREADS=16 BUDGET_S=900 CONTEXTS=512,4096 DECODE=64 MEMBW=1 \
+  bash benchmarks/fullsize/side_by_side.sh > "$W/sbs.log" 2>&1
 say "side_by_side rc=$? ($(tail -1 "$W/sbs/total.txt" 2>/dev/null))"
-# The roofline after both engines ran (nothing else on the cores): 512 + 8 and 4096 + 8 are the
-# mean contexts of side_by_side's 16-step decode runs.
-for ctx in 520 4104; do
+# The roofline after both engines ran (nothing else on the cores): 512 + 33 and 4096 + 33 are the
+# mean contexts of lily's 64-step decode runs (one untimed step first).
+for ctx in 545 4129; do
   python3 benchmarks/roofline.py "$CKPT" --threads 16 --context $ctx > "$W/roofline_$ctx.txt" 2>&1
   say "roofline at $ctx: rc=$? $(tail -1 "$W/roofline_$ctx.txt")"
 done
