@@ -18,8 +18,8 @@ actually stored, scales and biases included) and the config:
 State writes are not counted (the written state is the state just read, mostly still in
 cache); counting fewer bytes makes the roofline higher, i.e. the percentage a harder target.
 
-Bandwidth: benchmarks/membw.c (a streaming AVX-512 / vector-extension sum over 2 GiB, best of
-10 passes of plain loads and 10 with software prefetch, the better of the two), built here with
+Bandwidth: benchmarks/membw.c (a streaming AVX-512 / vector-extension sum over 2 GiB or 8x the
+L3, whichever is larger, best of 10 passes of plain loads and 10 with software prefetch, the better of the two), built here with
 the system C compiler, run at 1 and N threads, on memory advised for 2 MiB pages (where lily's
 loader puts resident weights). Since 2026-12-04: with plain loads on 4 KiB pages lily's int8
 decode kernel read faster than the "roofline" (28.4 GB/s on two Zen 2 cores against 25.1).
@@ -72,14 +72,38 @@ def membw_binary() -> Path:
     raise RuntimeError(f"building membw failed: {r.stderr}")
 
 
+def last_level_cache_mib() -> int:
+    """The machine's L3, all instances together (Linux sysfs; 0 where unknown)."""
+    seen, total = set(), 0
+    for d in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index3"):
+        try:
+            key = (d / "shared_cpu_list").read_text().strip()
+            size = (d / "size").read_text().strip()  # e.g. "32768K"
+        except OSError:
+            continue
+        if key not in seen:
+            seen.add(key)
+            total += int(size[:-1]) >> 10 if size.endswith("K") else int(size.rstrip("M"))
+    return total
+
+
+def buffer_mib(at_least: int) -> int:
+    """membw's buffer: at least `at_least` MiB and 8x the L3. On the H200 host (300 MiB of L3) a
+    1 GiB read partly hit the cache: 138-155 GB/s at 16 threads against 104-108 over 2 GiB."""
+    return max(at_least, 8 * last_level_cache_mib())
+
+
 def bandwidth_now(threads: int) -> float:
-    """A quick read bandwidth (GB/s) at `threads`: membw over 1 GiB, best of 5 passes (~0.3 s on
-    two cores). What the benchmarks take just before and after a decode, as its paired roofline."""
-    return bandwidth(threads, mib=1024, passes=5)["best_GBps"]
+    """A quick read bandwidth (GB/s) at `threads`: membw over 1 GiB (or 8x the L3), best of 5
+    passes (~0.3 s on the 2-core VM). What the benchmarks take just before and after a decode, as
+    its paired roofline."""
+    return bandwidth(threads, mib=buffer_mib(1024), passes=5)["best_GBps"]
 
 
-def bandwidth(threads: int, mib: int = 2048, passes: int = 10, source: str = "huge") -> dict:
-    """{'threads', 'best_GBps', 'median_GBps'} of a streaming read (membw's better mode)."""
+def bandwidth(threads: int, mib: int | None = None, passes: int = 10, source: str = "huge") -> dict:
+    """{'threads', 'best_GBps', 'median_GBps'} of a streaming read (membw's better mode) over `mib`
+    MiB (default: 2 GiB, or 8x the L3)."""
+    mib = mib or buffer_mib(2048)
     out = subprocess.run([str(membw_binary()), str(threads), str(mib), str(passes), source],
                          capture_output=True, text=True, check=True).stdout
     fields = dict(kv.split("=") for kv in out.split())
