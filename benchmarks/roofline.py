@@ -88,8 +88,9 @@ def last_level_cache_mib() -> int:
 
 
 def buffer_mib(at_least: int) -> int:
-    """membw's buffer: at least `at_least` MiB and 8x the L3. On the H200 host (300 MiB of L3) a
-    1 GiB read partly hit the cache: 138-155 GB/s at 16 threads against 104-108 over 2 GiB."""
+    """membw's buffer: at least `at_least` MiB and 8x the L3, so that little of it can be served
+    from the cache. (On the H200 host, 300 MiB of L3, 1 GiB reads at 16 threads gave 139-155 GB/s
+    against 104-108 over 2 GiB; over 2.4 GiB one such pass still came, 151 GB/s: not only cache.)"""
     return max(at_least, 8 * last_level_cache_mib())
 
 
