@@ -28,8 +28,9 @@ read the clock around the barriers; run with as many readers as cores it was one
 and when it was scheduled late its pass looked short: two threads of the 2-core Zen 5 VM "read"
 up to 137 GB/s, three times one thread's 41 (now 48-50 with busy neighbours, 80-83 without). A
 best-of-N over such passes was the most inflated pass, so roofline percentages taken at N = the
-machine's cores before that (the 2-core VM at 2 threads, the 16-core H200 host at 16) are low
-by an unknown factor.
+machine's cores before that (the 2-core VM at 2 threads, the 16-core H200 host at 16) do not
+hold (too low against the inflated pass; against the VM's true fast state, 80-85 GB/s, a run
+whose best pass caught 55 read too high).
 
 run.py also measures the bandwidth between engine runs (membw at the run's threads, 1 GiB, best
 of 5; lily's worker takes its two right before and right after its decode steps, after the
