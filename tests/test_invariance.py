@@ -71,7 +71,7 @@ def test_default_mode_is_int8_where_the_cpu_has_the_kernels():
 
 
 def test_interleaved_layout_changes_no_bit():
-    """Model.load lets the int8 engine rearrange its weights in place (the interleaved rows of
+    """Model.load lets the int8 engine rearrange its weights (the interleaved rows of
     csrc/cpu/linear_int8.h, on AVX-512 VNNI CPUs, where the demo model's 640-wide matrices take
     it): prefill (the GEMM, reading the layout a block at a time) and decode (the interleaved
     row kernel) give the row-major layout's logits bit for bit, and the rearranged weights are
@@ -89,12 +89,49 @@ def test_interleaved_layout_changes_no_bit():
         logits.append(np.concatenate(out))
     _assert_same(logits[0], logits[1], "interleaved vs row-major layout")
     if model._weights.arranged_for_cpu_int8:
-        with pytest.raises(lily.ConfigError, match="arranged in place for an int8 CPU engine"):
+        with pytest.raises(lily.ConfigError, match="rearranged for an int8 CPU engine"):
             lily._core.Engine(model._weights, "cpu", 2, 512, cpu_matmul="f32")
-        with pytest.raises(lily.ConfigError, match="arranged in place"):
+        with pytest.raises(lily.ConfigError, match="rearranged for an int8 CPU engine"):
             lily._core.Engine(model._weights, "msl-cpu", 2, 512)
         # Another int8 CPU engine reads the arranged weights as they are.
         assert lily._core.Engine(model._weights, "cpu", 2, 512, cpu_matmul="int8").cpu_matmul == "int8"
+
+
+_RSS_AFTER_LOAD = """
+import sys
+import lily
+
+def rss():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) * 1024
+
+import lily._core  # the extension's own pages, before the baseline
+before = rss()
+m = lily.Model.load(cpu_matmul="int8", threads=1, backend_options={"exclusive_weights": sys.argv[1] == "1"})
+print(rss() - before, int(m._weights.arranged_for_cpu_int8), int(m._weights.resident), m._weights.nbytes)
+"""
+
+
+def test_rearranged_weights_take_no_second_copy():
+    """The int8 engine rearranges its matrices into a copy of its own (cpu::arrange_for_int8) and
+    hands back the pages of the loader's copy under them: a load that rearranges holds about the
+    memory of one that does not, not the checkpoint twice. (Each load in a fresh process; RSS from
+    /proc, so Linux only.)"""
+    import subprocess
+    import sys
+
+    if not Path("/proc/self/status").exists():
+        pytest.skip("RSS is read from /proc (Linux)")
+    runs = {}
+    for exclusive in ("1", "0"):
+        out = subprocess.run([sys.executable, "-c", _RSS_AFTER_LOAD, exclusive], capture_output=True, text=True,
+                             check=True).stdout.split()
+        runs[exclusive] = [int(v) for v in out]
+    grown, arranged, resident, nbytes = runs["1"]
+    plain_grown, plain_arranged, _, _ = runs["0"]
+    assert resident and not plain_arranged
+    assert arranged == ({"avx512_vnni", "avx512bw", "avx512vl"} <= _x86_flags())
+    assert plain_grown > 0.8 * nbytes, "the loader's copy of the file is resident"
+    assert grown < plain_grown + 0.25 * nbytes, (grown, plain_grown, nbytes)
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 12, 37])

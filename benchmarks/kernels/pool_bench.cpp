@@ -39,7 +39,7 @@ int main(int argc, char** argv) {
   }
   const int in = std::atoi(argv[1]), out = std::atoi(argv[2]), threads = std::atoi(argv[3]);
   const int E = argc > 4 ? std::atoi(argv[4]) : 1, G = in / 64;
-  const bool interleaved = argc > 5 && std::atoi(argv[5]) == 1;
+  bool interleaved = argc > 5 && std::atoi(argv[5]) == 1;
   const size_t w_bytes = size_t(out) * in / 2, p_bytes = size_t(out) * G * 2;  // per matrix
   uint8_t *w = huge_alloc(w_bytes * E), *scales = huge_alloc(p_bytes * E), *biases = huge_alloc(p_bytes * E);
   std::mt19937 rng(1);
@@ -55,7 +55,15 @@ int main(int argc, char** argv) {
     W.format = Linear::Format::Affine;
     W.out = out, W.in = in, W.dtype = DType::BF16, W.bits = 4, W.group = 64;
     W.w = w + w_bytes * e, W.scales = scales + p_bytes * e, W.biases = biases + p_bytes * e;
-    if (interleaved) cpu::interleave_rows(W);
+  }
+  if (interleaved && !cpu::int8_interleavable(mats[0])) {
+    std::printf("(this build or matrix has no interleaved layout: row-major)\n");
+    interleaved = false;
+  }
+  if (interleaved) {  // into one buffer, as cpu::arrange_for_int8 does (the sources stay: unread)
+    const size_t bytes = cpu::interleaved_bytes(mats[0]);
+    uint8_t* dst = huge_alloc(bytes * E);
+    for (int e = 0; e < E; ++e) mats[e] = cpu::interleave_rows(mats[e], dst + bytes * e);
   }
   std::normal_distribution<float> normal(0.f, 1.f);
   std::vector<float> x(in), y(out);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <new>
+#include <vector>
 #include <string>
 
 #include "cpu/linear.h"
@@ -105,9 +106,7 @@ void CpuState::write_kv_rows(int layer, bool v, int rows, const float* in) {
 bool arrange_for_int8(ModelWeights& w) {
   for (const auto& f : w.files)
     if (f->residency() != Residency::Resident) return false;
-  std::vector<Linear*> mats{&w.lm_head};
-  // The embedding gathers rows (never interleaved): a tied lm_head shares its bytes.
-  if (w.lm_head.w == w.embed.w) mats.clear();
+  std::vector<Linear*> mats;
   auto mlp = [&](MlpWeights& m) { mats.insert(mats.end(), {&m.gate, &m.up, &m.down}); };
   for (LayerWeights& l : w.layers) {
     mats.insert(mats.end(), {&l.attn.q_proj, &l.attn.k_proj, &l.attn.v_proj, &l.attn.o_proj, &l.gdn.in_qkv,
@@ -117,27 +116,40 @@ bool arrange_for_int8(ModelWeights& w) {
     for (MlpWeights& e : l.moe.experts) mlp(e);
     // Not the router and the shared expert's gate: moe.cpp runs them in f32 in every mode.
   }
-  // The loader's copies are read-only (a stray write faults); writable only while rearranged.
-  struct Writable {
-    const ModelWeights& w;
-    explicit Writable(const ModelWeights& m) : w(m) {
-      for (const auto& f : w.files) f->set_writable(true);
-    }
-    ~Writable() {
-      try {
-        for (const auto& f : w.files) f->set_writable(false);
-      } catch (...) {  // left writable: only the stray-write check is lost
-      }
-    }
-  } writable(w);
-  bool any = false;
-  for (Linear* m : mats)
-    if (m->present() && int8_interleavable(*m)) {
-      interleave_rows(*m);
-      any = true;
-    }
-  w.arranged_for_cpu_int8 = any;
-  return any;
+  // The embedding gathers rows (never interleaved): a tied lm_head shares its bytes.
+  if (w.lm_head.w != w.embed.w) mats.push_back(&w.lm_head);
+  mats.erase(std::remove_if(mats.begin(), mats.end(), [](const Linear* m) { return !m->present() || !int8_interleavable(*m); }),
+             mats.end());
+  if (mats.empty()) return false;
+
+  // One copy in the new layout, matrix after matrix in the order a decode step reads them
+  // (64-byte aligned each). As each matrix is copied, its old bytes are released: the loader's
+  // copy gives its 2 MiB pages back as they empty, for the new copy to fill (pages.h), so the
+  // peak stays about one matrix above the checkpoint's size.
+  auto at64 = [](size_t n) { return (n + 63) & ~size_t(63); };
+  size_t total = 0;
+  for (const Linear* m : mats) total += at64(interleaved_bytes(*m));
+  auto copy = std::make_shared<HugePages>(total, "the int8 CPU engine's copy of the weights");
+  auto release = [&](const uint8_t* p, size_t n) {
+    for (const auto& f : w.files)
+      if (f->holds(p)) return f->release(p, n);
+    throw std::logic_error("arrange_for_int8: a matrix outside the checkpoint's files");
+  };
+  size_t at = 0;
+  for (Linear* m : mats) {
+    const Linear src = *m;
+    *m = interleave_rows(src, copy->data() + at);
+    at += at64(interleaved_bytes(src));
+    const size_t pbytes = size_t(src.out) * (src.in / src.group) * dtype_size(src.dtype);
+    release(src.w, src.row_bytes() * src.out);
+    release(src.scales, pbytes);
+    release(src.biases, pbytes);
+  }
+  for (const auto& f : w.files) f->finish_release();
+  copy->protect();
+  w.arranged = std::move(copy);
+  w.arranged_for_cpu_int8 = true;
+  return true;
 }
 
 CpuBackend::CpuBackend(std::shared_ptr<const ModelWeights> weights, int n_threads, Matmul matmul)

@@ -42,12 +42,13 @@ class CpuState : public State {
   void write_kv_rows(int layer, bool v, int rows, const float* in) override;
 };
 
-// Rearranges, in place, every 4-bit matrix the int8 mode runs with the integer row kernels into
-// the interleaved layout those kernels read fastest (linear_int8.h: interleave_rows; AVX-512 VNNI
-// builds). Only for weights that serve one int8 CPU backend alone and that the loader read into
-// memory (a mapped file is read-only): returns false, changing nothing, where the build has no
-// such kernels or a file is mapped. Afterwards w.arranged_for_cpu_int8 is set and no other
-// backend or mode can use w.
+// Copies every 4-bit matrix the int8 mode runs with the integer row kernels into the interleaved
+// layout those kernels read fastest (linear_int8.h: interleave_rows; AVX-512 VNNI builds), in
+// one buffer (w.arranged), and hands the pages of the old bytes back to the OS, so the weights'
+// memory does not grow. Only for weights that serve one int8 CPU backend alone and that the
+// loader read into memory (a mapped file's pages are the page cache's): returns false, changing
+// nothing, where the build has no such kernels or a file is mapped. Afterwards
+// w.arranged_for_cpu_int8 is set and no other backend or mode can use w.
 bool arrange_for_int8(ModelWeights& w);
 
 class CpuBackend : public Backend {

@@ -741,9 +741,10 @@ void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* 
 #if defined(LILY_INT8_AVX512)
 // ---- Interleaved rows (Linear::interleaved) ---------------------------------------------------
 //
-// The layout: rows 16 at a time; within a block of 16 rows, for each activation block b (32
-// values = 16 packed bytes of a row) and each 4-byte slice k of it, one 64-byte vector whose
-// 32-bit lane i holds bytes [16b + 4k, 16b + 4k + 4) of row i. The block's scales and biases:
+// The layout: rows 16 at a time, each block of 16 rows one contiguous run of bytes,
+// [codes | scales | biases], the blocks one after another. The codes: for each activation block b
+// (32 values = 16 packed bytes of a row) and each 4-byte slice k of it, one 64-byte vector whose
+// 32-bit lane i holds bytes [16b + 4k, 16b + 4k + 4) of row i. The scales and the biases:
 // [group][16] (lane i = row i). So one VPDPBUSD of a weight vector against a broadcast of the 4
 // activation bytes it pairs with adds those products to each row's own lane: a block's integer
 // sums come out with rows in lanes, with no lane reduction (sum_lane_quads) and no transposes of
@@ -752,25 +753,32 @@ void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* 
 // 99 against 44 GB/s from L2 and 36 against 28 from DRAM (the lm_head), and the engine's decode
 // went +25-31% at 1-2 threads (docs/performance.md, "Interleaved rows"). On the H200 host's
 // Xeon, whose threads are bound by their DRAM streams, no change could be measured.
+// Why the scales and biases sit inside the block, not in tensors of their own: a thread then
+// streams one run of memory instead of three (docs/performance.md, "One stream per thread").
 // Per token, the same canonical sequence (linear_int8.h) as every kernel here.
 constexpr int kInterleave = 16;
 
+// Bytes from one block of 16 rows to the next: its codes, scales and biases.
+inline size_t interleaved_stride(const Linear& W) {
+  return size_t(kInterleave) * (size_t(W.in) / 2 + 2 * size_t(W.in / W.group) * dtype_size(W.dtype));
+}
+
 // The tokens' outputs of rows [r0, r1) of one interleaved block (rows [rb, rb + 16)).
 template <int T>
-[[gnu::noinline]] void interleaved_block(const Linear& W, const uint8_t* wblk, const uint8_t* sblk, const uint8_t* bblk,
-                                         const int8_t* xq, const float* dx, const float* gsum, float* y, int ldy,
-                                         int64_t rb, int64_t r0, int64_t r1, const uint8_t* w_end) {
+[[gnu::noinline]] void interleaved_block(const Linear& W, const uint8_t* blk, const int8_t* xq, const float* dx,
+                                         const float* gsum, float* y, int ldy, int64_t rb, int64_t r0, int64_t r1,
+                                         StreamPrefetch& pf) {
   const int in = W.in, nb = in / kInt8Block, G = in / W.group;
   int gshift = 0;  // group = 32 << gshift
   while ((kInt8Block << gshift) < W.group) ++gshift;
-  const size_t esz = dtype_size(W.dtype), ahead = prefetch_distance(size_t(in) / 2);
+  const size_t esz = dtype_size(W.dtype), ahead = prefetch_distance(size_t(in) / 2), stride = interleaved_stride(W);
+  const uint8_t *sblk = blk, *bblk = blk + size_t(kInterleave) * G * esz, *wblk = bblk + size_t(kInterleave) * G * esz;
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
   for (int b = 0; b < nb; ++b) {
     const uint8_t* wb = wblk + size_t(b) * 4 * 64;
-    for (int k = 0; k < 4; ++k)
-      if (wb + ahead + k * 64 < w_end) __builtin_prefetch(wb + ahead + k * 64, 0, kPrefetchLocality);
+    pf.upto(blk + (b + 1) * stride / nb + ahead);  // the stream, codes and parameters alike
     // x's even values of block b at chunk offset (b % 4) * 16, its odd ones 64 bytes on (the xq
     // layout of 128-value chunks: [evens | odds]).
     const size_t xoff = size_t(b / 4) * 128 + (b % 4) * 16;
@@ -810,18 +818,17 @@ template <int T>
 // Rows [r0, r1) of an interleaved W for T <= kTokenGroup tokens.
 void interleaved_rows(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int T, float* y, int ldy,
                       int64_t r0, int64_t r1) {
-  const int G = W.in / W.group;
-  const size_t esz = dtype_size(W.dtype), wblock = size_t(kInterleave) * W.in / 2, pblock = size_t(kInterleave) * G * esz;
-  const int64_t last = (r1 - 1) / kInterleave;
-  const uint8_t* w_end = W.w + size_t(last + 1) * wblock;  // nothing past this call's blocks is touched
-  for (int64_t R = r0 / kInterleave; R <= last; ++R) {
+  const size_t stride = interleaved_stride(W);
+  const int64_t first = r0 / kInterleave, last = (r1 - 1) / kInterleave;
+  // Nothing past this call's blocks is touched.
+  StreamPrefetch pf{W.scales + size_t(first) * stride, W.scales + size_t(last + 1) * stride};
+  for (int64_t R = first; R <= last; ++R) {
     const int64_t rb = R * kInterleave, a = std::max(r0, rb), z = std::min(r1, rb + kInterleave);
-    const uint8_t *wblk = W.w + size_t(R) * wblock, *sblk = W.scales + size_t(R) * pblock,
-                  *bblk = W.biases + size_t(R) * pblock;
+    const uint8_t* blk = W.scales + size_t(R) * stride;  // the block's first byte: its scales
     // y + (a - rb) .. : the block's lanes start at rb; a store only touches rows [a, z).
     switch (T) {
 #define LILY_INTERLEAVED_CASE(n) \
-  case n: interleaved_block<n>(W, wblk, sblk, bblk, xq, dx, gsum, y, ldy, rb, a, z, w_end); break;
+  case n: interleaved_block<n>(W, blk, xq, dx, gsum, y, ldy, rb, a, z, pf); break;
       LILY_INTERLEAVED_CASE(1) LILY_INTERLEAVED_CASE(2) LILY_INTERLEAVED_CASE(3) LILY_INTERLEAVED_CASE(4)
       LILY_INTERLEAVED_CASE(5) LILY_INTERLEAVED_CASE(6) LILY_INTERLEAVED_CASE(7) LILY_INTERLEAVED_CASE(8)
 #undef LILY_INTERLEAVED_CASE
@@ -880,35 +887,42 @@ bool int8_interleavable(const Linear& W) {
 #endif
 }
 
-void interleave_rows(Linear& W) {
+size_t interleaved_bytes(const Linear& W) {
+  if (!int8_interleavable(W)) throw std::logic_error("interleaved_bytes: matrix not interleavable");
+  return W.nbytes();  // the same bytes, only their order changes
+}
+
+Linear interleave_rows(const Linear& W, uint8_t* dst) {
 #if defined(LILY_INT8_AVX512)
   if (!int8_interleavable(W)) throw std::logic_error("interleave_rows: matrix not interleavable");
-  // In place, block by block: the caller hands over memory that serves this backend alone
-  // (cpu::arrange_for_int8), the loader's own copy, so the const is ours to drop.
-  auto* w = const_cast<uint8_t*>(W.w);
-  auto* sc = const_cast<uint8_t*>(W.scales);
-  auto* bi = const_cast<uint8_t*>(W.biases);
   const int G = W.in / W.group;
   const size_t rbytes = size_t(W.in) / 2, esz = dtype_size(W.dtype), wblock = kInterleave * rbytes,
-               pblock = size_t(kInterleave) * G * esz;
-  std::vector<uint8_t> tmp(std::max(wblock, pblock));
+               pblock = size_t(kInterleave) * G * esz, stride = interleaved_stride(W);
   for (int64_t R = 0; R < W.out / kInterleave; ++R) {
-    uint8_t* blk = w + size_t(R) * wblock;
-    std::memcpy(tmp.data(), blk, wblock);  // [16 rows][rbytes] -> [rbytes / 4 slices][16 rows][4]
+    uint8_t* blk = dst + size_t(R) * stride;  // [scales | biases | codes]
+    // Scales, then biases: [16 rows][G] -> [G][16].
+    for (int p = 0; p < 2; ++p) {
+      const uint8_t* src = (p == 0 ? W.scales : W.biases) + size_t(R) * pblock;
+      uint8_t* out = blk + p * pblock;
+      for (int i = 0; i < kInterleave; ++i)
+        for (int g = 0; g < G; ++g) std::memcpy(out + (size_t(g) * kInterleave + i) * esz, src + (size_t(i) * G + g) * esz, esz);
+    }
+    const uint8_t* rows = W.w + size_t(R) * wblock;  // [16 rows][rbytes] -> [rbytes / 4 slices][16 rows][4]
+    uint8_t* codes = blk + 2 * pblock;
     for (size_t j = 0; j < rbytes; j += 64) {  // 16 slices of each row: one 16 x 16 transpose
       __m512 r[kInterleave];
-      for (int i = 0; i < kInterleave; ++i) r[i] = _mm512_loadu_ps(tmp.data() + i * rbytes + j);
-      transpose16x16(r, reinterpret_cast<float*>(blk + j * kInterleave));
-    }
-    for (uint8_t* p : {sc + size_t(R) * pblock, bi + size_t(R) * pblock}) {  // [16][G] -> [G][16]
-      std::memcpy(tmp.data(), p, pblock);
-      for (int i = 0; i < kInterleave; ++i)
-        for (int g = 0; g < G; ++g) std::memcpy(p + (size_t(g) * kInterleave + i) * esz, tmp.data() + (size_t(i) * G + g) * esz, esz);
+      for (int i = 0; i < kInterleave; ++i) r[i] = _mm512_loadu_ps(rows + i * rbytes + j);
+      transpose16x16(r, reinterpret_cast<float*>(codes + j * kInterleave));
     }
   }
-  W.interleaved = true;
+  Linear out = W;
+  out.scales = dst;
+  out.biases = dst + pblock;
+  out.w = dst + 2 * pblock;
+  out.interleaved = true;
+  return out;
 #else
-  (void)W;
+  (void)W, (void)dst;
   throw std::logic_error("interleave_rows: this build has no interleaved kernels");
 #endif
 }
@@ -1134,7 +1148,7 @@ void unpack_row(const uint8_t* wrow, int in, int bits, uint8_t* cr) {
 // row's slices one by one cost the 512-token prefill 6% on a Zen 5 VM.)
 void deinterleave_block(const Linear& W, int64_t rb, uint8_t* dst) {
   const size_t rbytes = size_t(W.in) / 2;
-  const uint8_t* blk = W.w + size_t(rb) * rbytes;
+  const uint8_t* blk = W.w + size_t(rb / kInterleave) * interleaved_stride(W);
   alignas(64) float t[kInterleave * kInterleave];
   for (size_t j = 0; j < rbytes; j += 64) {
     __m512 r[kInterleave];  // r[k]: slice j / 4 + k of the block's 16 rows (lane i: row i)
@@ -1148,7 +1162,7 @@ void deinterleave_block(const Linear& W, int64_t rb, uint8_t* dst) {
 void deinterleave_params(const Linear& W, const uint8_t* params, int64_t rb, float* out) {
   const int G = W.in / W.group;
   const size_t esz = dtype_size(W.dtype);
-  const uint8_t* blk = params + size_t(rb) * G * esz;
+  const uint8_t* blk = params + size_t(rb / kInterleave) * interleaved_stride(W);
   alignas(64) float t[kInterleave * kInterleave];
   for (int g0 = 0; g0 < G; g0 += kInterleave) {
     const int n = std::min(kInterleave, G - g0);

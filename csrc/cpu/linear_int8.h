@@ -52,11 +52,13 @@ bool int8_kernels_available();
 // (the block scales d, one per block of 32 values: in / 32 per token).
 void quantize_activations(const float* x, int T, int in, int bits, int8_t* xq, float* dx);
 // The interleaved row layout (Linear::interleaved; AVX-512 VNNI builds, 4-bit matrices whose rows
-// come in whole blocks of 16): whether W can take it, and W rearranged into it in place (codes,
-// scales and biases; the memory must be writable and serve only the caller). Every int8 kernel
-// then reads W in that layout; the f32 kernels cannot (linear.cpp refuses).
+// come in whole blocks of 16; each block's codes, scales and biases in one run of bytes): whether
+// W can take it, the bytes it takes there (W.nbytes(): reordered, not grown), and W copied into it
+// at dst (64-byte aligned), returning the Linear that reads the copy. Every int8 kernel reads an
+// interleaved W in that layout; the f32 kernels cannot (linear.cpp refuses).
 bool int8_interleavable(const Linear& W);
-void interleave_rows(Linear& W);
+size_t interleaved_bytes(const Linear& W);
+Linear interleave_rows(const Linear& W, uint8_t* dst);
 // Block scales per token.
 inline int int8_dx_per_token(int in) { return in / kInt8Block; }
 

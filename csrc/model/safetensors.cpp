@@ -125,15 +125,16 @@ SafetensorsFile::SafetensorsFile(const std::string& path, Residency residency)
     }
     data_ = base_ + 8 + header_len;
   } catch (...) {
-    release();
+    unmap();
     throw;
   }
 }
 
-SafetensorsFile::~SafetensorsFile() { release(); }
+SafetensorsFile::~SafetensorsFile() { unmap(); }
 
-void SafetensorsFile::release() {
+void SafetensorsFile::unmap() {
   if (map_) ::munmap(map_, map_bytes_);
+  resident_.reset();
   if (fd_ >= 0) ::close(fd_);
   map_ = nullptr;
   base_ = data_ = nullptr;
@@ -159,30 +160,23 @@ void SafetensorsFile::read_exact(uint64_t offset, void* dst, uint64_t n) const {
 }
 
 void SafetensorsFile::read_resident() {
-  // Anonymous memory aligned to 2 MiB and advised for huge pages (see the header for why).
-  // The slack before the aligned start and after the end stays mapped, unused, until release.
-  constexpr uint64_t kHuge = 2ull << 20;
-  map_bytes_ = (size_ + kHuge - 1) / kHuge * kHuge + kHuge;
-  map_ = ::mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (map_ == MAP_FAILED) {
-    map_ = nullptr;
-    throw CheckpointError("[safetensors] " + path_ + ": cannot allocate " + std::to_string(size_) +
-                          " bytes to hold the file (load it mapped instead: use_mmap=True): " + std::strerror(errno));
+  try {
+    resident_ = std::make_unique<HugePages>(size_, "the file's copy");
+  } catch (const std::runtime_error& e) {
+    throw CheckpointError("[safetensors] " + path_ + ": " + e.what() + " (load it mapped instead: use_mmap=True)");
   }
-  auto* start = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(map_) + kHuge - 1) & ~uintptr_t(kHuge - 1));
-#if defined(MADV_HUGEPAGE)
-  ::madvise(start, (size_ + kHuge - 1) / kHuge * kHuge, MADV_HUGEPAGE);  // advice only: no huge pages is fine
-#endif
-  read_exact(0, start, size_);
-  // Read-only from here, as the mapping would be: a stray write faults instead of corrupting.
-  ::mprotect(map_, map_bytes_, PROT_READ);
-  base_ = start;
+  read_exact(0, resident_->data(), size_);
+  resident_->protect();  // read-only from here, as the mapping would be
+  base_ = resident_->data();
 }
 
-void SafetensorsFile::set_writable(bool writable) const {
-  if (residency_ != Residency::Resident) throw std::logic_error("set_writable: a mapped file stays read-only");
-  if (::mprotect(map_, map_bytes_, writable ? PROT_READ | PROT_WRITE : PROT_READ) != 0)
-    throw std::runtime_error("[safetensors] " + path_ + ": mprotect: " + std::strerror(errno));
+void SafetensorsFile::release(const uint8_t* p, uint64_t n) const {
+  if (!resident_) throw std::logic_error("release: a mapped file's pages are the page cache's");
+  resident_->release(p, n);
+}
+
+void SafetensorsFile::finish_release() const {
+  if (resident_) resident_->finish_release();
 }
 
 void SafetensorsFile::parse_header(const uint8_t* bytes, uint64_t header_len) {

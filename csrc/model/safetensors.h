@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "model/dtype.h"
+#include "model/pages.h"
 
 namespace lily {
 
@@ -62,9 +63,12 @@ class SafetensorsFile {
   uint64_t data_offset() const { return uint64_t(data_ - base_); }
   uint64_t data_size() const { return data_size_; }
   Residency residency() const { return residency_; }
-  // Resident files: lifts (true) or restores (false) the read-only protection of the file's
-  // copy, for a backend that rearranges its bytes in place (cpu::arrange_for_int8).
-  void set_writable(bool writable) const;
+  // Resident files: whether p lies in the file's copy, and [p, p + n) marked as read no more, its
+  // pages handed back to the OS (pages.h: HugePages::release, finish_release), for a backend
+  // that has copied those bytes into a layout of its own (cpu::arrange_for_int8).
+  bool holds(const uint8_t* p) const { return resident_ && resident_->contains(p); }
+  void release(const uint8_t* p, uint64_t n) const;
+  void finish_release() const;
 
   // Mapped files: throws CheckpointError if the file on disk is no longer the one that was
   // mapped (size, inode or modification time changed): reading a truncated mapping would
@@ -75,13 +79,14 @@ class SafetensorsFile {
   void parse_header(const uint8_t* bytes, uint64_t header_len);
   void read_exact(uint64_t offset, void* dst, uint64_t n) const;
   void read_resident();
-  void release();
+  void unmap();  // the mapping or the copy, and the descriptor
 
   std::string path_;
   Residency residency_;
   int fd_ = -1;
-  void* map_ = nullptr;         // what munmap releases
+  void* map_ = nullptr;         // Mapped: what munmap releases
   uint64_t map_bytes_ = 0;
+  std::unique_ptr<HugePages> resident_;  // Resident: the file's copy
   const uint8_t* base_ = nullptr;  // the file's first byte in memory
   uint64_t size_ = 0;
   const uint8_t* data_ = nullptr;  // start of the data section

@@ -57,8 +57,10 @@ struct Linear {
   // group scales relative to it (nvfp4_scale_mult). 1 (exact, a no-op) for every other matrix.
   float scale_mult = 1.0f;
   // Affine 4-bit, CPU int8 mode on AVX-512 VNNI builds: rows stored 16 at a time, a 32-bit lane
-  // of each 64-byte vector holding 4 packed bytes of one row, scales and biases [group][16]
-  // (cpu/linear_int8.cpp: interleave_rows). Set only by cpu::arrange_for_int8.
+  // of each 64-byte vector holding 4 packed bytes of one row, each block of 16 rows followed by
+  // its scales and biases [group][16]; w, scales and biases point into block 0, and every block
+  // is the same stride on (cpu/linear_int8.cpp: interleave_rows). Set only by
+  // cpu::arrange_for_int8 (and the kernel tests and benchmarks).
   bool interleaved = false;
 
   bool present() const { return format != Format::None; }
@@ -116,9 +118,10 @@ struct ModelWeights {
   std::vector<LayerWeights> layers;
   std::vector<std::shared_ptr<SafetensorsFile>> files;  // keep the mappings alive
   std::shared_ptr<FileWatch> watch;                     // over the mapped `files` (none: no file is mapped)
-  // Some matrices are in the CPU int8 kernels' interleaved layout (cpu::arrange_for_int8): only
-  // the int8 CPU backend they were arranged for can read them.
+  // Some matrices are in the CPU int8 kernels' interleaved layout (cpu::arrange_for_int8), in
+  // this memory (their bytes in `files` are gone): only an int8 CPU backend can read them.
   bool arranged_for_cpu_int8 = false;
+  std::shared_ptr<const HugePages> arranged;
 
   // Throws CheckpointError if any mapped file changed on disk since load: one stat per file.
   void check_files_unchanged() const;

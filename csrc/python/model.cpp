@@ -79,7 +79,7 @@ struct BackendArgs {
   bool gemv_words = false;  // GpuOptions::gemv_vector_loads off (A/B timing of the decode GEMVs)
   bool per_sequence_mixers = false;  // GpuOptions::mixer_tables off (A/B timing of the sequence tables)
   // The weights serve this engine alone (Model.load's own): an int8 CPU backend may rearrange
-  // them in place for its kernels (cpu::arrange_for_int8).
+  // them for its kernels (cpu::arrange_for_int8).
   bool exclusive_weights = false;
 };
 
@@ -97,7 +97,7 @@ std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weigh
   else throw ConfigError("[engine] cpu_matmul must be 'auto', 'int8' or 'f32', not '" + a.cpu_matmul + "'");
   const bool cpu_int8 = name == "cpu" && matmul == cpu::Matmul::Int8;
   if (weights->arranged_for_cpu_int8 && !cpu_int8)
-    throw ConfigError("[engine] these weights were arranged in place for an int8 CPU engine (exclusive_weights=True); "
+    throw ConfigError("[engine] these weights were rearranged for an int8 CPU engine (exclusive_weights=True); "
                       "load them again for backend '" + name + "' with cpu_matmul '" + a.cpu_matmul + "'");
   if (cpu_int8 && a.exclusive_weights) cpu::arrange_for_int8(*weights);
   if (name == "cpu") return std::make_unique<cpu::CpuBackend>(weights, a.threads, matmul);
@@ -313,7 +313,7 @@ void init_model(nb::module_& m) {
       .def("check_files_unchanged", &ModelWeights::check_files_unchanged)
       .def_prop_ro("stat_checks", &ModelWeights::stat_checks)
       .def_prop_ro("arranged_for_cpu_int8", [](const ModelWeights& w) { return w.arranged_for_cpu_int8; },
-                   "Whether an int8 CPU engine rearranged these weights in place (exclusive_weights).")
+                   "Whether an int8 CPU engine rearranged these weights for its kernels (exclusive_weights).")
       .def_prop_ro("watching_files", [](const ModelWeights& w) { return w.watch && w.watch->active(); })
       .def_prop_ro("resident",
                    [](const ModelWeights& w) {

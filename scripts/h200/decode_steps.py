@@ -26,7 +26,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=32)
     a = ap.parse_args(argv)
+    t_load = time.perf_counter()
     model = lily.Model.load(a.ckpt, threads=a.threads)
+    load_s = time.perf_counter() - t_load
     s = model.session()
     logits = s.prefill(np.random.default_rng(0).integers(0, model.config.vocab_size, a.prompt).tolist())
     for _ in range(a.warmup):
@@ -36,7 +38,8 @@ def main(argv=None) -> int:
         logits = s.decode(int(np.argmax(logits)))
     dt = time.perf_counter() - t0
     print(json.dumps({"threads": a.threads, "cpu_matmul": model._engine.cpu_matmul, "steps": a.steps,
-                      "tok_s": round(a.steps / dt, 2), "context": a.prompt + a.warmup + a.steps}))
+                      "tok_s": round(a.steps / dt, 2), "context": a.prompt + a.warmup + a.steps,
+                      "load_s": round(load_s, 2)}))
     return 0
 
 

@@ -375,7 +375,7 @@ class Model:
         loads, the earlier kernels' reads, for A/B timing; per_sequence_mixers: a pass of
         several sequences runs the attention and DeltaNet kernels once per sequence instead of
         once for all, for A/B timing; exclusive_weights (default True here): the int8 CPU
-        backend may rearrange the loaded weights in place for its kernels, False keeps them as
+        backend may rearrange the loaded weights for its kernels, False keeps them as
         stored, for A/B timing; see docs/performance.md, "Interleaved rows").
         cpu_matmul: how the CPU backend multiplies quantized (4/8-bit) weights: "int8" rounds
         activations to int8 per block of 32 and uses integer dot products (2-4x faster; logits
@@ -433,8 +433,8 @@ class Model:
         config = load_config(root)
         resident = resident_by_default(root, backend) if use_mmap is None else not use_mmap
         weights = load_weights(root, config, resident=resident)
-        # The weights serve this engine alone, so the int8 CPU backend may arrange them in place
-        # for its kernels (docs/performance.md, "Interleaved rows").
+        # The weights serve this engine alone, so the int8 CPU backend may rearrange them for its
+        # kernels (docs/performance.md, "Interleaved rows").
         engine = _core.Engine(weights, backend, threads or 0, prefill_chunk, cpu_matmul=cpu_matmul,
                               **{"exclusive_weights": True, **(backend_options or {})})
         tokenizer = Tokenizer.from_dir(root) if os.path.lexists(root / "tokenizer.json") else None

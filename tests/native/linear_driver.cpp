@@ -136,13 +136,8 @@ int main(int argc, char** argv) {
       Linear Wi = W;
       Wi.out = 32;
       if (W.out >= 32 && cpu::int8_interleavable(Wi)) {
-        const size_t rb = size_t(W.in) * W.bits / 8, pb = G * esz;
-        std::vector<char> wi(w.begin(), w.begin() + 32 * rb), si(s.begin(), s.begin() + 32 * pb),
-            bi(b.begin(), b.begin() + 32 * pb);
-        Wi.w = reinterpret_cast<const uint8_t*>(wi.data());
-        Wi.scales = reinterpret_cast<const uint8_t*>(si.data());
-        Wi.biases = reinterpret_cast<const uint8_t*>(bi.data());
-        cpu::interleave_rows(Wi);
+        std::vector<uint8_t> wi(cpu::interleaved_bytes(Wi));
+        Wi = cpu::interleave_rows(Wi, wi.data());
         const std::string path = out_dir + "/" + name + ".int8i";
         std::ofstream out(path, std::ios::binary);
         for (int T : Ts) {
