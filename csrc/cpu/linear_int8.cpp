@@ -233,12 +233,13 @@ inline size_t prefetch_distance(size_t row_bytes) {
   return std::clamp<size_t>(rows * row_bytes, rows * 1024, rows * 4096);
 }
 
-// One row-major stream, prefetched up to a moving target.
+// One row-major stream, prefetched up to a moving target (into the cache level of Locality).
+template <int Locality = kPrefetchLocality>
 struct StreamPrefetch {
   const uint8_t* next;  // first byte not yet prefetched
   const uint8_t* end;   // the stream's end: nothing past it is touched
   void upto(const uint8_t* target) {
-    for (const uint8_t* t = std::min(end, target); next < t; next += 64) __builtin_prefetch(next, 0, kPrefetchLocality);
+    for (const uint8_t* t = std::min(end, target); next < t; next += 64) __builtin_prefetch(next, 0, Locality);
   }
 };
 
@@ -666,8 +667,8 @@ void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* 
   // first rows in every call.)
   const uint8_t* w_end = W.w + size_t(r1) * wbytes;
   const size_t pf_distance = prefetch_distance(wbytes), pf_interleaved = 2 * pf_distance;
-  StreamPrefetch spf{W.scales + size_t(r0) * pbytes, W.scales + size_t(r1) * pbytes};
-  StreamPrefetch bpf{W.biases + size_t(r0) * pbytes, W.biases + size_t(r1) * pbytes};
+  StreamPrefetch<> spf{W.scales + size_t(r0) * pbytes, W.scales + size_t(r1) * pbytes};
+  StreamPrefetch<> bpf{W.biases + size_t(r0) * pbytes, W.biases + size_t(r1) * pbytes};
   for (int64_t rb = r0; rb < r1; rb += kRows) {
     const int nr = int(std::min<int64_t>(kRows, r1 - rb));
     // Rows past the end repeat the last one: their lanes are computed and never stored. (Only the
@@ -758,6 +759,19 @@ void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* 
 // Per token, the same canonical sequence (linear_int8.h) as every kernel here.
 constexpr int kInterleave = 16;
 
+// The interleaved kernel's one stream is prefetched into L1 (prefetcht0), where the row kernels'
+// several streams go to L2 (kPrefetchLocality says why). Measured on the Zen 5 VM
+// (benchmarks/kernels/pool_bench.cpp, interleaved, 8 rows ahead, alternated): one thread, the
+// lm_head 36.9-39.6 GB/s against 34.9-37.4 into L2 (36.2-37.6 into L3), the 256 expert matrices
+// 2048 x 512 34.4-38.8 against 33.0-36.7; two threads in the VM's fast bandwidth state 76-82 GB/s
+// against 72.6-77.0 (membw: 83). 4 rows ahead ran 33-35, 16 rows 36-38. At full size on the
+// H200 host's Xeon, 16 threads: decode +10-16% (docs/performance.md, "Its stream into L1").
+// LILY_INTERLEAVED_PREFETCH_LOCALITY overrides it at build time.
+#ifndef LILY_INTERLEAVED_PREFETCH_LOCALITY
+#define LILY_INTERLEAVED_PREFETCH_LOCALITY 3
+#endif
+using InterleavedPrefetch = StreamPrefetch<LILY_INTERLEAVED_PREFETCH_LOCALITY>;
+
 // Bytes from one block of 16 rows to the next: its codes, scales and biases.
 inline size_t interleaved_stride(const Linear& W) {
   return size_t(kInterleave) * (size_t(W.in) / 2 + 2 * size_t(W.in / W.group) * dtype_size(W.dtype));
@@ -767,7 +781,7 @@ inline size_t interleaved_stride(const Linear& W) {
 template <int T>
 [[gnu::noinline]] void interleaved_block(const Linear& W, const uint8_t* blk, const int8_t* xq, const float* dx,
                                          const float* gsum, float* y, int ldy, int64_t rb, int64_t r0, int64_t r1,
-                                         StreamPrefetch& pf) {
+                                         InterleavedPrefetch& pf) {
   const int in = W.in, nb = in / kInt8Block, G = in / W.group;
   int gshift = 0;  // group = 32 << gshift
   while ((kInt8Block << gshift) < W.group) ++gshift;
@@ -821,7 +835,7 @@ void interleaved_rows(const Linear& W, const int8_t* xq, const float* dx, const 
   const size_t stride = interleaved_stride(W);
   const int64_t first = r0 / kInterleave, last = (r1 - 1) / kInterleave;
   // Nothing past this call's blocks is touched.
-  StreamPrefetch pf{W.scales + size_t(first) * stride, W.scales + size_t(last + 1) * stride};
+  InterleavedPrefetch pf{W.scales + size_t(first) * stride, W.scales + size_t(last + 1) * stride};
   for (int64_t R = first; R <= last; ++R) {
     const int64_t rb = R * kInterleave, a = std::max(r0, rb), z = std::min(r1, rb + kInterleave);
     const uint8_t* blk = W.scales + size_t(R) * stride;  // the block's first byte: its scales
