@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <new>
-#include <vector>
 #include <string>
+#include <vector>
 
 #include "cpu/linear.h"
 #include "cpu/linear_int8.h"
@@ -130,6 +130,10 @@ bool arrange_for_int8(ModelWeights& w) {
   size_t total = 0;
   for (const Linear* m : mats) total += at64(interleaved_bytes(*m));
   auto copy = std::make_shared<HugePages>(total, "the int8 CPU engine's copy of the weights");
+  // Owned by the weights from here: should a step below throw, every matrix is still whole,
+  // either rearranged into the copy or as loaded, and no other engine may take them.
+  w.arranged = copy;
+  w.arranged_for_cpu_int8 = true;
   auto release = [&](const uint8_t* p, size_t n) {
     for (const auto& f : w.files)
       if (f->holds(p)) return f->release(p, n);
@@ -147,8 +151,6 @@ bool arrange_for_int8(ModelWeights& w) {
   }
   for (const auto& f : w.files) f->finish_release();
   copy->protect();
-  w.arranged = std::move(copy);
-  w.arranged_for_cpu_int8 = true;
   return true;
 }
 

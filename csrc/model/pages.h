@@ -29,7 +29,8 @@ class HugePages {
   // Marks [p, p + n) (inside this memory) as read no more. Every 2 MiB page whose bytes are all
   // marked goes back to the OS at once, whole: the next huge-page fault (the copy being filled
   // while this one is released) can take it as it is, where pages given back in 4 KiB pieces
-  // would leave it fresh pages to zero (on the 2-core VM, ~1.7 s per GB of fresh memory).
+  // would leave it fresh pages to zero (on the 2-core VM about 1 s per GB: docs/performance.md,
+  // "One stream per thread").
   // finish_release() then gives back the smaller pages whose bytes are all marked. Pages given
   // back are inaccessible: a stray read faults rather than reading zeros.
   void release(const uint8_t* p, uint64_t n);
