@@ -743,7 +743,8 @@ void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* 
 // ---- Interleaved rows (Linear::interleaved) ---------------------------------------------------
 //
 // The layout: rows 16 at a time, each block of 16 rows one contiguous run of bytes,
-// [codes | scales | biases], the blocks one after another. The codes: for each activation block b
+// [scales | biases | codes], the blocks one after another (the scales first: they are read as
+// the codes are, and after 16 KiB of codes they lay beyond the prefetch). The codes: for each activation block b
 // (32 values = 16 packed bytes of a row) and each 4-byte slice k of it, one 64-byte vector whose
 // 32-bit lane i holds bytes [16b + 4k, 16b + 4k + 4) of row i. The scales and the biases:
 // [group][16] (lane i = row i). So one VPDPBUSD of a weight vector against a broadcast of the 4
