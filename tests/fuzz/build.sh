@@ -18,5 +18,5 @@ build() {  # name sources...
   "$cxx" "${flags[@]}" "$root/tests/fuzz/$name.cpp" "$@" -o "$out/$name"
 }
 build json_fuzz "$m/json.cpp" &
-build safetensors_fuzz "$m/safetensors.cpp" "$m/json.cpp" "$m/weights.cpp" "$m/config.cpp" "$m/file_watch.cpp"
+build safetensors_fuzz "$m/safetensors.cpp" "$m/pages.cpp" "$m/json.cpp" "$m/weights.cpp" "$m/config.cpp" "$m/file_watch.cpp"
 wait
