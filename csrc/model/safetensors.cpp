@@ -170,12 +170,12 @@ void SafetensorsFile::read_resident() {
   base_ = resident_->data();
 }
 
-void SafetensorsFile::release(const uint8_t* p, uint64_t n) const {
+void SafetensorsFile::release(const uint8_t* p, uint64_t n) {
   if (!resident_) throw std::logic_error("release: a mapped file's pages are the page cache's");
   resident_->release(p, n);
 }
 
-void SafetensorsFile::finish_release() const {
+void SafetensorsFile::finish_release() {
   if (resident_) resident_->finish_release();
 }
 

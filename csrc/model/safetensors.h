@@ -67,8 +67,8 @@ class SafetensorsFile {
   // pages handed back to the OS (pages.h: HugePages::release, finish_release), for a backend
   // that has copied those bytes into a layout of its own (cpu::arrange_for_int8).
   bool holds(const uint8_t* p) const { return resident_ && resident_->contains(p); }
-  void release(const uint8_t* p, uint64_t n) const;
-  void finish_release() const;
+  void release(const uint8_t* p, uint64_t n);
+  void finish_release();
 
   // Mapped files: throws CheckpointError if the file on disk is no longer the one that was
   // mapped (size, inode or modification time changed): reading a truncated mapping would
