@@ -133,7 +133,6 @@ bool arrange_for_int8(ModelWeights& w) {
   // Owned by the weights from here: should a step below throw, every matrix is still whole,
   // either rearranged into the copy or as loaded, and no other engine may take them.
   w.arranged = copy;
-  w.arranged_for_cpu_int8 = true;
   auto release = [&](const uint8_t* p, size_t n) {
     for (const auto& f : w.files)
       if (f->holds(p)) return f->release(p, n);

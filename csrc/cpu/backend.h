@@ -48,7 +48,7 @@ class CpuState : public State {
 // memory does not grow. Only for weights that serve one int8 CPU backend alone and that the
 // loader read into memory (a mapped file's pages are the page cache's): returns false, changing
 // nothing, where the build has no such kernels or a file is mapped. Afterwards
-// w.arranged_for_cpu_int8 is set and no other backend or mode can use w.
+// w.arranged holds the copy (w.arranged_for_cpu_int8()) and no other backend or mode can use w.
 bool arrange_for_int8(ModelWeights& w);
 
 class CpuBackend : public Backend {

@@ -120,8 +120,8 @@ struct ModelWeights {
   std::shared_ptr<FileWatch> watch;                     // over the mapped `files` (none: no file is mapped)
   // Some matrices are in the CPU int8 kernels' interleaved layout (cpu::arrange_for_int8), in
   // this memory (their bytes in `files` are gone): only an int8 CPU backend can read them.
-  bool arranged_for_cpu_int8 = false;
   std::shared_ptr<const HugePages> arranged;
+  bool arranged_for_cpu_int8() const { return arranged != nullptr; }
 
   // Throws CheckpointError if any mapped file changed on disk since load: one stat per file.
   void check_files_unchanged() const;

@@ -96,7 +96,7 @@ std::unique_ptr<Backend> make_backend(const std::shared_ptr<ModelWeights>& weigh
   else if (a.cpu_matmul == "auto") matmul = cpu::int8_kernels_available() ? cpu::Matmul::Int8 : cpu::Matmul::F32;
   else throw ConfigError("[engine] cpu_matmul must be 'auto', 'int8' or 'f32', not '" + a.cpu_matmul + "'");
   const bool cpu_int8 = name == "cpu" && matmul == cpu::Matmul::Int8;
-  if (weights->arranged_for_cpu_int8 && !cpu_int8)
+  if (weights->arranged_for_cpu_int8() && !cpu_int8)
     throw ConfigError("[engine] these weights were rearranged for an int8 CPU engine (exclusive_weights=True); "
                       "load them again for backend '" + name + "' with cpu_matmul '" + a.cpu_matmul + "'");
   if (cpu_int8 && a.exclusive_weights) cpu::arrange_for_int8(*weights);
@@ -312,7 +312,7 @@ void init_model(nb::module_& m) {
       })
       .def("check_files_unchanged", &ModelWeights::check_files_unchanged)
       .def_prop_ro("stat_checks", &ModelWeights::stat_checks)
-      .def_prop_ro("arranged_for_cpu_int8", [](const ModelWeights& w) { return w.arranged_for_cpu_int8; },
+      .def_prop_ro("arranged_for_cpu_int8", [](const ModelWeights& w) { return w.arranged_for_cpu_int8(); },
                    "Whether an int8 CPU engine rearranged these weights for its kernels (exclusive_weights).")
       .def_prop_ro("watching_files", [](const ModelWeights& w) { return w.watch && w.watch->active(); })
       .def_prop_ro("resident",
