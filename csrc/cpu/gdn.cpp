@@ -52,6 +52,10 @@ constexpr int kDecodeCols = FVec::kWidth == 16 ? 128 : kGdnCols;
 // read kv_mem = S^T k, delta = (v - kv_mem) * beta, rank-1 update S += k delta^T while reading
 // o = S^T q. kv_mem, delta and o stay in registers; per column these are the FMAs of the
 // scalar loop below, in its order, so the result does not depend on N.
+// Pass 1 only reads S: pass 2 multiplies by the decay again as it loads a row (the same
+// rounded product the scalar loop stores), so a head's S is written once per token, not twice.
+// Medium model, 2 threads, Zen 5 VM: the DeltaNet region of a decode step 221-227 us against
+// 235-246 (three layers, alternated builds).
 template <int N>
 void recur_token(float* S, int Dk, int Dv, const float* q, const float* k, const float* v, float beta, float decay,
                  float* o) {
@@ -61,11 +65,7 @@ void recur_token(float* S, int Dk, int Dv, const float* q, const float* k, const
   for (int i = 0; i < Dk; ++i) {  // pass 1
     float* Si = S + size_t(i) * Dv;
     const FVec ki = FVec::splat(k[i]);
-    for (int n = 0; n < N; ++n) {
-      const FVec sv = FVec::load(Si + n * FVec::kWidth) * vdecay;
-      sv.store(Si + n * FVec::kWidth);
-      kv[n] = fmadd(ki, sv, kv[n]);
-    }
+    for (int n = 0; n < N; ++n) kv[n] = fmadd(ki, FVec::load(Si + n * FVec::kWidth) * vdecay, kv[n]);
   }
   for (int n = 0; n < N; ++n) {
     delta[n] = (FVec::load(v + n * FVec::kWidth) - kv[n]) * vbeta;
@@ -75,7 +75,7 @@ void recur_token(float* S, int Dk, int Dv, const float* q, const float* k, const
     float* Si = S + size_t(i) * Dv;
     const FVec ki = FVec::splat(k[i]), qi = FVec::splat(q[i]);
     for (int n = 0; n < N; ++n) {
-      const FVec sv = fmadd(ki, delta[n], FVec::load(Si + n * FVec::kWidth));
+      const FVec sv = fmadd(ki, delta[n], FVec::load(Si + n * FVec::kWidth) * vdecay);
       sv.store(Si + n * FVec::kWidth);
       out[n] = fmadd(qi, sv, out[n]);
     }
