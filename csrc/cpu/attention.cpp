@@ -468,7 +468,7 @@ void attention_mixer(const ModelConfig& c, const AttentionWeights& w, const KvRo
     for (int64_t i = i0; i < i1; ++i) {
       const float* gate = s.qg.data() + size_t(i) * 2 * D + D;
       float* o = s.o.data() + size_t(i) * D;
-      for (int d = 0; d < D; ++d) o[d] *= sigmoid(gate[d]);
+      map_elementwise(o, size_t(D), [](auto od, auto g) { return od * sigmoid(g); }, o, gate);
     }
   });
 

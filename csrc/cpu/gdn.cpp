@@ -147,7 +147,7 @@ void gated_deltanet_mixer(const ModelConfig& c, const GdnWeights& w, const float
         const float* tap = taps + size_t(j) * C + c0;
         for (int i = 0; i < n; ++i) out[i] += tap[i] * xin[i];
       }
-      for (int i = 0; i < n; ++i) out[i] = silu(out[i]);
+      map_elementwise(out, size_t(n), [](auto v) { return silu(v); }, out);
     }
     // Carry the last K-1 inputs (rows in increasing order: a row is read before it is
     // overwritten, as j + Ts > j).

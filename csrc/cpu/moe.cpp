@@ -11,44 +11,11 @@ namespace lily::cpu {
 
 namespace {
 
-// act[n, I] = silu(gate) * up, written over gate: gate / (1 + exp(-gate)) * up.
-// Vectorised with exp_ps (simd.h); in decode this runs on the main thread between two parallel
-// regions, and the scalar loop (a libm exp per value) took 9-11 us of each medium-model MoE
-// layer; vectorised, 2-3 us (Zen 5 VM, 2 threads, 4K context, alternated builds).
-// The last n % width values go through the same vector code (a masked vector, or a copy), so a
-// value's result does not depend on n or on where it sits (every caller, any chunking).
-// The clamp keeps exp_ps's argument in range (below -87 it flushes to ~0, as exp(-x) is then
-// negligible next to 1; above 88 it would overflow AVX2's exponent field): silu(x) for
-// x < -88 is then -x * 6e-39 ~ -0 instead of exactly -0.
+// act[n, I] = silu(gate) * up, written over gate. Vectorised (map_elementwise): in decode this
+// runs on the main thread between two parallel regions, where a libm exp per value took 9-11 us
+// of each medium-model MoE layer; vectorised, 2-3 us (Zen 5 VM, 2 threads, alternated builds).
 void swiglu(float* gate, const float* up, size_t n) {
-  size_t i = 0;
-#if defined(__AVX512F__)
-  auto act = [](__m512 g, __m512 u) {
-    const __m512 e = exp_ps(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(88.0f)));
-    return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
-  };
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(gate + i, act(_mm512_loadu_ps(gate + i), _mm512_loadu_ps(up + i)));
-  if (i < n) {
-    const __mmask16 m = __mmask16((1u << (n - i)) - 1);
-    _mm512_mask_storeu_ps(gate + i, m, act(_mm512_maskz_loadu_ps(m, gate + i), _mm512_maskz_loadu_ps(m, up + i)));
-  }
-  return;
-#elif defined(__AVX2__) && defined(__FMA__)
-  auto act = [](__m256 g, __m256 u) {
-    const __m256 e = exp_ps(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(88.0f)));
-    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
-  };
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(gate + i, act(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
-  if (i < n) {
-    float g[8] = {}, u[8] = {};
-    std::copy(gate + i, gate + n, g);
-    std::copy(up + i, up + n, u);
-    _mm256_storeu_ps(g, act(_mm256_loadu_ps(g), _mm256_loadu_ps(u)));
-    std::copy(g, g + (n - i), gate + i);
-  }
-  return;
-#endif
-  for (; i < n; ++i) gate[i] = silu(gate[i]) * up[i];
+  map_elementwise(gate, n, [](auto g, auto u) { return silu(g) * u; }, gate, up);
 }
 
 // y[T, H] = down(silu(gate(x)) * up(x)) using the scratch's gate/up buffers.

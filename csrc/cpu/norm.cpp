@@ -17,7 +17,7 @@ void rms_norm(const float* x, const float* w, int n, float eps, float* out) {
 
 void gated_rms_norm(const float* x, const float* z, const float* w, int n, float eps, float* out) {
   const float r = inv_rms(x, n, eps);
-  for (int i = 0; i < n; ++i) out[i] = (w[i] * (x[i] * r)) * silu(z[i]);
+  map_elementwise(out, size_t(n), [r](auto xi, auto zi, auto wi) { return (wi * (xi * r)) * silu(zi); }, x, z, w);
 }
 
 void l2_normalize(float* x, int n, float eps) {

@@ -212,8 +212,59 @@ inline FVec fmadd(FVec a, FVec b, FVec c) { return {vfmaq_f32(c.v, a.v, b.v)}; }
 #define LILY_FVEC 1
 #endif
 
+// ---- Element-wise maps through exp ----------------------------------------------------------
+//
+// sigmoid and silu of one value (libm's exp), and of a vector where the instruction set has
+// exp_ps. The vector forms clamp exp's argument at 88 (past it AVX2's 2^n would overflow the
+// exponent field): sigmoid(x) for x < -88 is then ~6e-39 instead of 0, silu(x) ~ -0.
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+#if defined(__AVX512F__)
+inline __m512 exp_neg(__m512 x) { return exp_ps(_mm512_min_ps(-x, _mm512_set1_ps(88.0f))); }
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 exp_neg(__m256 x) { return exp_ps(_mm256_min_ps(-x, _mm256_set1_ps(88.0f))); }
+#endif
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define LILY_VEXP 1
+template <class V>
+inline V sigmoid(V x) { return 1.0f / (1.0f + exp_neg(x)); }
+template <class V>
+inline V silu(V x) { return x / (1.0f + exp_neg(x)); }
+#endif
+
+// out[i] = f(in[i]...) for i < n (out may be one of the inputs). f is generic: it runs on
+// vectors where the instruction set has exp_ps (the vector types' operators, sigmoid and silu
+// above), else on floats. The last n % width values go through the same vector code (masked,
+// or copied into a zero-padded vector), so a value's result never depends on n or on where it
+// sits in the range: prefill and decode, any chunking, any split of the work over threads.
+// Why: these maps run once per token per layer on every activation (the DeltaNet conv's SiLU,
+// its gated norm, the attention's output gate, SwiGLU), and libm's exp per value took a
+// tenth of a medium-model decode step's compute outside the matrix products.
+template <class F, class... In>
+inline void map_elementwise(float* out, size_t n, F f, const In*... in) {
+  size_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, f(_mm512_loadu_ps(in + i)...));
+  if (i < n) {
+    const __mmask16 m = __mmask16((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(out + i, m, f(_mm512_maskz_loadu_ps(m, in + i)...));
+  }
+#elif defined(LILY_VEXP)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, f(_mm256_loadu_ps(in + i)...));
+  if (i < n) {
+    auto tail = [&](const float* p) {
+      float v[8] = {};
+      for (size_t j = i; j < n; ++j) v[j - i] = p[j];
+      return _mm256_loadu_ps(v);
+    };
+    float r[8];
+    _mm256_storeu_ps(r, f(tail(in)...));
+    for (size_t j = i; j < n; ++j) out[j] = r[j - i];
+  }
+#else
+  for (; i < n; ++i) out[i] = f(in[i]...);
+#endif
+}
 // log(1 + e^x) as torch computes it (linear above 20 to avoid overflow).
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
 
