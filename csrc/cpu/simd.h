@@ -215,14 +215,21 @@ inline FVec fmadd(FVec a, FVec b, FVec c) { return {vfmaq_f32(c.v, a.v, b.v)}; }
 // ---- Element-wise maps through exp ----------------------------------------------------------
 //
 // sigmoid and silu of one value (libm's exp), and of a vector where the instruction set has
-// exp_ps. The vector forms clamp exp's argument at 88 (past it AVX2's 2^n would overflow the
-// exponent field): sigmoid(x) for x < -88 is then ~6e-39 instead of 0, silu(x) ~ -0.
+// exp_ps. exp_neg(x) = exp(-x): past -x = 88 it is +inf, as libm's exp overflows to (exp_ps's
+// own 2^n would overflow AVX2's exponent field there), so sigmoid and silu are 0 and -0 there.
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 #if defined(__AVX512F__)
-inline __m512 exp_neg(__m512 x) { return exp_ps(_mm512_min_ps(-x, _mm512_set1_ps(88.0f))); }
+inline __m512 exp_neg(__m512 x) {
+  const __m512 nx = -x, cap = _mm512_set1_ps(88.0f);
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(nx, cap, _CMP_GT_OQ), exp_ps(_mm512_min_ps(nx, cap)),
+                              _mm512_set1_ps(INFINITY));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
-inline __m256 exp_neg(__m256 x) { return exp_ps(_mm256_min_ps(-x, _mm256_set1_ps(88.0f))); }
+inline __m256 exp_neg(__m256 x) {
+  const __m256 nx = -x, cap = _mm256_set1_ps(88.0f);
+  return _mm256_blendv_ps(exp_ps(_mm256_min_ps(nx, cap)), _mm256_set1_ps(INFINITY), _mm256_cmp_ps(nx, cap, _CMP_GT_OQ));
+}
 #endif
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define LILY_VEXP 1
