@@ -87,8 +87,8 @@ void CpuState::reserve_kv_rows(int rows) {
     try {
       kv[l].reserve(rows, max_context_);
     } catch (const std::bad_alloc&) {
-      throw RequestError("[kv-cache] out of memory loading layer " + std::to_string(l) + "'s KV cache of " +
-                         std::to_string(rows) + " positions");
+      throw RequestError("[kv-cache] out of memory growing layer " + std::to_string(l) + "'s KV cache to " +
+                         std::to_string(rows) + " positions; use a shorter context");
     }
   }
 }
