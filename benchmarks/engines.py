@@ -70,22 +70,39 @@ class LilyTimer:
         self.vocab = self.model.config.vocab_size
         self.info = repr(self.model)
 
+    # Decode steps between two bandwidth measurements (membw): a segment short enough that the
+    # 2-core VM's bandwidth state (~50 or ~82 GB/s, switching within seconds) seldom changes
+    # inside it, long enough to time (~0.2-0.3 s; a measurement takes ~0.3 s).
+    SEGMENT = 32
+
     def measure(self, p: int, n: int, seed: int, membw: int | None = None) -> dict:
-        """membw = threads: also measure the read bandwidth at that many threads just before and
-        just after the decode steps (bw_GBps: the better of the two), the decode's own roofline."""
+        """membw = threads: also measure the read bandwidth at that many threads before the
+        decode steps and after every SEGMENT of them: bw_GBps, the best of them all (the run's
+        roofline, as for the other engines' runs), and segments, [steps, seconds, bandwidth
+        before, bandwidth after] each (run.py's steady roofline)."""
         ids = prompt_ids(p, self.vocab, seed)
         s = self.model.session(max_context=p + n + 1)
         t0 = time.perf_counter()
         logits = s.prefill(ids)
         prefill_s = time.perf_counter() - t0
-        bw_before = roofline.bandwidth_now(membw) if membw else None
-        t1 = time.perf_counter()  # the probe's time is neither prefill's nor decode's
-        for _ in range(n):
-            logits = s.decode(int(np.argmax(logits)))
-        t2 = time.perf_counter()
-        res = {"prefill_s": prefill_s, "decode_s": t2 - t1}
+        seg = n if not membw else self.SEGMENT
+        bws = [roofline.bandwidth_now(membw)] if membw else []
+        segments, decode_s, done = [], 0.0, 0
+        while done < n:  # the measurements' time is neither prefill's nor decode's
+            steps = min(seg, n - done)
+            t1 = time.perf_counter()
+            for _ in range(steps):
+                logits = s.decode(int(np.argmax(logits)))
+            dt_s = time.perf_counter() - t1
+            decode_s += dt_s
+            done += steps
+            if membw:
+                bws.append(roofline.bandwidth_now(membw))
+                segments.append([steps, dt_s, bws[-2], bws[-1]])
+        res = {"prefill_s": prefill_s, "decode_s": decode_s}
         if membw:
-            res["bw_GBps"] = max(bw_before, roofline.bandwidth_now(membw))
+            res["bw_GBps"] = max(bws)
+            res["segments"] = segments
         return res
 
 

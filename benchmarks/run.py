@@ -17,8 +17,10 @@ What it does, in one session:
    steps continuing that state (see benchmarks/engines.py for how each engine is timed).
 4. Prints a Markdown table of medians: prefill and decode tokens/s, the ratio to llama.cpp Q4_0,
    and decode as a percentage of the bandwidth roofline (bytes per decode token from the
-   checkpoint's own tensor sizes, benchmarks/roofline.py): against the session's best membw,
-   and "paired", each run against the bandwidth measured just before and after it.
+   checkpoint's own tensor sizes, benchmarks/roofline.py): against the session's best membw;
+   "paired", each run against the bandwidth measured just before and after it; and "steady",
+   lily's decode segments of 32 steps whose bandwidth before and after agree (the state of a
+   shared VM held through them), each against that bandwidth.
 
 Design choices:
 - Same threads for all engines (`--threads`), one worker process per Python engine, loaded once
@@ -201,6 +203,25 @@ def measure_all(a, handles: dict) -> list[dict]:
     return samples
 
 
+# Two measurements around a decode segment "agree" within this fraction of the higher one.
+STEADY = 0.10
+
+
+def steady_segments(samples: list[dict]) -> tuple[list[tuple[int, float, float]], int]:
+    """The decode segments (engines.LilyTimer.SEGMENT steps each) whose bandwidth measurements
+    before and after agree within STEADY: the bandwidth state held through the segment, so the
+    better of the two is the roofline it ran against. A segment whose brackets disagree ran
+    across a switch, at a bandwidth nobody measured, and is left out (counted in the total).
+    Returns [(steps, seconds, roofline GB/s)] and the number of segments."""
+    out, total = [], 0
+    for s in samples:
+        for steps, sec, before, after in s.get("segments", []):
+            total += 1
+            if abs(before - after) <= STEADY * max(before, after):
+                out.append((steps, sec, max(before, after)))
+    return out, total
+
+
 def summarize(a, samples: list[dict], paths: dict, bw: dict | None) -> list[dict]:
     rows = []
     for p in a.prompts:
@@ -226,6 +247,11 @@ def summarize(a, samples: list[dict], paths: dict, bw: dict | None) -> list[dict
             if paired and row["bytes_per_token"]:
                 row["paired_roofline_pct"] = statistics.median(
                     100 * s["decode_tps"] * row["bytes_per_token"] / (s["bw_GBps"] * 1e9) for s in paired)
+            steady, n_segments = steady_segments(ok)
+            if steady and row["bytes_per_token"]:
+                row["steady_roofline_pct"] = statistics.median(
+                    100 * steps / sec * row["bytes_per_token"] / (bw * 1e9) for steps, sec, bw in steady)
+                row["steady_segments"] = f"{len(steady)}/{n_segments}"
             rows.append(row)
         base = next((r for r in rows if r["prompt"] == p and r["engine"] == BASELINE), None)
         for r in rows:
@@ -254,21 +280,26 @@ def markdown(a, rows, info, bw, infos, cmd) -> str:
             f"{b['threads']} thread{'s' if b['threads'] > 1 else ''} {b['best_GBps']:.1f} GB/s"
             for b in bw.values()) + ". Roofline = bandwidth at the run's threads / decode bytes "
             "per token; \"paired\": each run against the better of two membw measurements (1 GiB, "
-            "best of 5) taken just before and just after it, median over runs.")
+            "best of 5) taken just before and just after it, median over runs; \"steady\": lily's "
+            "decode in segments of 32 steps with a measurement after each, every segment whose two "
+            "measurements agree within 10% against the better of them, median over those segments "
+            "(kept / all).")
     lines.append(f"Load average (1 min) before/after: {info['load_before']:.1f} / "
                  f"{info['load_after']:.1f}.")
     lines.append("Engines: " + "; ".join(f"{k}: {v}" for k, v in infos.items()) + ".")
     lines.append(f"Command: `{cmd}`")
     lines += ["", "| prompt | engine | prefill tok/s | decode tok/s | prefill × Q4_0 | "
-              "decode × Q4_0 | decode MB/token | decode % roofline | decode % paired roofline | runs |",
-              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "decode × Q4_0 | decode MB/token | decode % roofline | decode % paired roofline | "
+              "decode % steady roofline (segments) | runs |",
+              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         bpt = r.get("bytes_per_token")
         lines.append(
             f"| {r['prompt']} | {r['engine']} | {r['prefill_tps']:.1f} | {r['decode_tps']:.2f} | "
             f"{fmt(r.get('prefill_vs_q4_0'), '.2f')} | {fmt(r.get('decode_vs_q4_0'), '.2f')} | "
             f"{fmt(bpt and bpt / 1e6, '.0f')} | {fmt(r.get('roofline_pct'), '.0f')} | "
-            f"{fmt(r.get('paired_roofline_pct'), '.0f')} | {r['n']} |")
+            f"{fmt(r.get('paired_roofline_pct'), '.0f')} | {fmt(r.get('steady_roofline_pct'), '.0f')}"
+            f"{' (' + r['steady_segments'] + ')' if 'steady_segments' in r else ''} | {r['n']} |")
     return "\n".join(lines) + "\n"
 
 
