@@ -10,19 +10,26 @@ segments whose brackets agree within 10% (against the better of the two) and cou
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import engines  # noqa: E402
-import run  # noqa: E402
 
 
-def test_steady_segments_keep_agreeing_brackets():
+@pytest.fixture
+def bench(monkeypatch):
+    """benchmarks/engines.py and run.py, imported with sys.path as they expect, and sys.path
+    restored afterwards (LilyTimer puts the checkout's src/ first; other tests' child processes
+    take their PYTHONPATH from sys.path)."""
+    monkeypatch.setattr(sys, "path", [str(ROOT / "benchmarks"), *sys.path])
+    return importlib.import_module("engines"), importlib.import_module("run")
+
+
+def test_steady_segments_keep_agreeing_brackets(bench):
+    _, run = bench
     samples = [
         {"segments": [[32, 0.2, 50.0, 52.0], [32, 0.3, 52.0, 82.0], [32, 0.25, 82.0, 80.0]]},
         {"segments": [[16, 0.1, 80.0, 72.5]]},  # 9.4% apart: kept
@@ -33,7 +40,8 @@ def test_steady_segments_keep_agreeing_brackets():
     assert kept == [(32, 0.2, 52.0), (32, 0.25, 82.0), (16, 0.1, 80.0)]
 
 
-def test_lily_decode_is_timed_in_bracketed_segments(monkeypatch):
+def test_lily_decode_is_timed_in_bracketed_segments(bench, monkeypatch):
+    engines, _ = bench
     readings = iter([50.0, 51.0, 83.0, 82.0, 49.0, 50.0])
     calls = []
 

@@ -7,7 +7,8 @@ tests/native/elementwise_driver.cpp is built for plain x86-64 (libm's exp per va
 a masked tail) and arm64 (run under qemu-user). Asserted for each build:
 - silu(x), sigmoid(x) and silu(x) * u agree with NumPy in float64 to within 1e-6 relative (plus
   1e-30 absolute, for values below float32's normal range), over random values and the edges:
-  0, -0, tiny, and +-10, 87, 88, 89, 100, 1e30 (where exp(-x) overflows: 0, not a small value);
+  0, -0, tiny, and +-10, 87, 88, 89, 100, 1e30 (where exp(-x) overflows: 0, not a small value),
+  and NaN (NaN out, as libm gives);
 - a value's result does not depend on where it sits: every sub-range of length 1..40 at offsets
   0..3 gives, bit for bit, the whole-array call's values (the driver checks it and fails), and
   writes nothing past its end; in place equals out of place.
@@ -51,7 +52,7 @@ BUILDS = {
 
 def _inputs() -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(7)
-    edges = [0.0, -0.0, 1e-30, -1e-30, 1e30, -1e30]
+    edges = [0.0, -0.0, 1e-30, -1e-30, 1e30, -1e30, np.nan]
     for v in (10.0, 87.0, 88.0, 89.0, 100.0):
         edges += [v, -v]
     x = np.concatenate([np.array(edges), rng.normal(0, 4, 301)]).astype(np.float32)
@@ -87,8 +88,11 @@ def test_map_elementwise_matches_numpy_and_is_position_invariant(build, tmp_path
         ref_sigmoid = 1.0 / (1.0 + np.exp(-xd))
     ref = {"silu": xd * ref_sigmoid, "sigmoid": ref_sigmoid, "swiglu": xd * ref_sigmoid * ud}
     for name, got in (("silu", silu), ("sigmoid", sigmoid), ("swiglu", swiglu)):
-        err = np.abs(got - ref[name])
-        bound = 1e-6 * np.abs(ref[name]) + 1e-30
+        nan = np.isnan(ref[name])
+        assert np.array_equal(np.isnan(got), nan), f"{build} {name}: NaN where NumPy has none, or none where it has"
+        got, want = got[~nan], ref[name][~nan]
+        err = np.abs(got - want)
+        bound = 1e-6 * np.abs(want) + 1e-30
         bad = np.flatnonzero(err > bound)
-        assert bad.size == 0, (f"{build} {name}: {bad.size} values off, e.g. x={x[bad[:4]]} "
-                               f"got {got[bad[:4]]} want {ref[name][bad[:4]]}")
+        assert bad.size == 0, (f"{build} {name}: {bad.size} values off, e.g. x={x[~nan][bad[:4]]} "
+                               f"got {got[bad[:4]]} want {want[bad[:4]]}")

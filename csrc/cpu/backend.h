@@ -31,6 +31,7 @@ class CpuState : public State {
   size_t nbytes() const override;
 
  protected:
+  friend class CpuBackend;  // reserve_for_call grows the KV caches as reserve_kv_rows does
   std::unique_ptr<Snapshot> capture() const override;
   void apply(const Snapshot& snap) override;
   void read_recurrent(const Snapshot& snap, int layer, std::vector<float>& conv, std::vector<float>& S) const override;
@@ -61,6 +62,9 @@ class CpuBackend : public Backend {
   int threads() const { return pool_.size(); }
   Matmul matmul() const { return matmul_; }
   std::unique_ptr<State> new_state(int max_context) override;
+  void reserve_for_call(State& st, int positions) override {
+    static_cast<CpuState&>(st).reserve_kv_rows(positions);
+  }
 
   bool batches() const override { return true; }
   void embed(Segments segs, const int32_t* tokens) override;

@@ -102,7 +102,7 @@ inline void axpy(float alpha, const float* x, float* y, int n) {
 // softmax they must.
 #if defined(__AVX512F__)
 inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // a NaN passes (MAXPS returns its 2nd operand)
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   // ln 2 split in two so n * ln2_hi is exact for |n| <= 127.
@@ -115,7 +115,7 @@ inline __m512 exp_ps(__m512 x) {
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 inline __m256 exp_ps(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // a NaN passes, as above
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
@@ -216,19 +216,20 @@ inline FVec fmadd(FVec a, FVec b, FVec c) { return {vfmaq_f32(c.v, a.v, b.v)}; }
 //
 // sigmoid and silu of one value (libm's exp), and of a vector where the instruction set has
 // exp_ps. exp_neg(x) = exp(-x): past -x = 88 it is +inf, as libm's exp overflows to (exp_ps's
-// own 2^n would overflow AVX2's exponent field there), so sigmoid and silu are 0 and -0 there.
+// own 2^n would overflow AVX2's exponent field there), so sigmoid and silu are 0 and -0 there;
+// a NaN stays NaN, as with libm (MINPS returns its second operand when either is NaN).
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 #if defined(__AVX512F__)
 inline __m512 exp_neg(__m512 x) {
   const __m512 nx = -x, cap = _mm512_set1_ps(88.0f);
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(nx, cap, _CMP_GT_OQ), exp_ps(_mm512_min_ps(nx, cap)),
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(nx, cap, _CMP_GT_OQ), exp_ps(_mm512_min_ps(cap, nx)),
                               _mm512_set1_ps(INFINITY));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 inline __m256 exp_neg(__m256 x) {
   const __m256 nx = -x, cap = _mm256_set1_ps(88.0f);
-  return _mm256_blendv_ps(exp_ps(_mm256_min_ps(nx, cap)), _mm256_set1_ps(INFINITY), _mm256_cmp_ps(nx, cap, _CMP_GT_OQ));
+  return _mm256_blendv_ps(exp_ps(_mm256_min_ps(cap, nx)), _mm256_set1_ps(INFINITY), _mm256_cmp_ps(nx, cap, _CMP_GT_OQ));
 }
 #endif
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -245,8 +246,9 @@ inline V silu(V x) { return x / (1.0f + exp_neg(x)); }
 // or copied into a zero-padded vector), so a value's result never depends on n or on where it
 // sits in the range: prefill and decode, any chunking, any split of the work over threads.
 // Why: these maps run once per token per layer on every activation (the DeltaNet conv's SiLU,
-// its gated norm, the attention's output gate, SwiGLU), and libm's exp per value took a
-// tenth of a medium-model decode step's compute outside the matrix products.
+// its gated norm, the attention's output gate, SwiGLU), and libm's exp per value cost ~70 us of
+// a ~6.5 ms medium-model decode step at 2 threads (docs/performance.md, "Where a decode step
+// goes").
 template <class F, class... In>
 inline void map_elementwise(float* out, size_t n, F f, const In*... in) {
   size_t i = 0;

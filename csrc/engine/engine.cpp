@@ -93,10 +93,9 @@ void Engine::prefill(State& st, const int32_t* tokens, int n, float* logits, boo
   check_no_device_loop();
   weights_->check_files_unchanged();
   check_tokens(st, tokens, n);
-  // A call of several passes grows the KV cache for all of them first: should memory run out,
-  // the call fails before its first pass, and the state is as it was (each pass also grows the
-  // cache it needs, with room for the token after: cpu::KvCache::reserve).
-  if (n > prefill_chunk_) st.reserve_kv_rows(st.position() + n);
+  // A call of several passes grows what all of them need first (the CPU backend's KV caches):
+  // should memory run out, the call fails before its first pass, and the state is as it was.
+  if (n > prefill_chunk_) backend_->reserve_for_call(st, st.position() + n);
   const int vocab = config().vocab;
   for (int done = 0; done < n;) {
     const int T = std::min(prefill_chunk_, n - done);

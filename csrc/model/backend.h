@@ -183,6 +183,11 @@ class Backend {
   // encoded (none of it runs) and return every segment's state to how it was before the pass,
   // so the next pass starts clean. The engine calls it, then rethrows.
   virtual void abandon_pass(Segments segs) noexcept {}
+  // A prefill call of several passes is about to take `st` to `positions`: grow what the passes
+  // will need now, so that running out of memory refuses the call before its first pass
+  // changes the state. The CPU backend grows the KV caches; the GPU backends grow theirs per
+  // pass (embed), where the first chunk's layout depends on the pass (GpuOptions::block_threshold).
+  virtual void reserve_for_call(State& st, int positions) {}
 
   // Starts a pass of segs.rows() tokens, each segment at its state's position:
   // x = embed(tokens). Grows every segment's KV cache for the pass first, so running out of
