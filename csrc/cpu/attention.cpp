@@ -14,7 +14,7 @@ namespace lily::cpu {
 // Capacity doubles, and always leaves room for one position more than asked: the token that
 // follows. Why: a prompt of a power-of-two length (512, 4096) filled its cache exactly, and the
 // first decode step then regrew it, copying the whole cache into freshly faulted pages (the
-// medium model on the 2-core VM: the first decode step after 4096 positions took 38-47 ms
+// medium model on the 2-core VM: the first decode step after 4096 positions took 35-47 ms
 // against ~10). The capacity never changes a result (blocks are read by position).
 void KvCache::reserve(int positions, int max_positions) {
   if (positions < capacity) return;
