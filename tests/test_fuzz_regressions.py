@@ -135,3 +135,12 @@ def test_non_string_model_type_is_a_config_error(model_type):
     # Found by the config fuzz target (input AQgJACQGByQ=): a list model_type raised TypeError.
     with pytest.raises(lily.ConfigError, match="model_type"):
         parse_config({"model_type": model_type})
+
+
+def test_float_literal_past_float_range_in_a_chat_template_is_a_template_error():
+    """chat template: `8e94697` parses as float('inf'), and Jinja's compiled code names it `inf`,
+    a NameError at render time that escaped render() (the template fuzz target, 2026-12-04)."""
+    from lily.chat_template import ChatTemplateError, render
+
+    with pytest.raises(ChatTemplateError, match="NameError"):
+        render("{% for i in range(8e94697) %}{{ i }}{% endfor %}", [{"role": "user", "content": "hi"}])

@@ -649,7 +649,10 @@ def render(
         raise ChatTemplateError(f"chat template error: {e.message or e}") from None
     except RecursionError:
         raise ChatTemplateError("chat template recursed too deeply") from None
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError) as e:
+    # NameError: Jinja compiles a float literal past float's range (`8e94697`) into the name `inf`,
+    # which fails when the template runs (found by tests/fuzz, the template target).
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError,
+            NameError) as e:
         raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
     except MemoryError:
         raise ChatTemplateError("chat template ran out of memory") from None
