@@ -222,4 +222,4 @@ def test_decode_steps_dry_run(store, capsys):
     assert decode_steps.main([str(path), "--threads", "1", "--steps", "3"]) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["threads"] == 1 and line["steps"] == 3 and line["tok_s"] > 0
-    assert line["cpu_matmul"] in ("int8", "f32") and line["context"] == 16 + 4 + 3 and line["load_s"] > 0
+    assert line["cpu_matmul"] in ("int8", "f32") and line["context"] == 16 + 4 + 3 and line["load_s"] >= 0  # the demo loads in milliseconds

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     dt = time.perf_counter() - t0
     print(json.dumps({"threads": a.threads, "cpu_matmul": model._engine.cpu_matmul, "steps": a.steps,
                       "tok_s": round(a.steps / dt, 2), "context": a.prompt + a.warmup + a.steps,
-                      "load_s": round(load_s, 2)}))
+                      "load_s": round(load_s, 4)}))
     return 0
 
 
