@@ -104,6 +104,14 @@ ALL_BUILDS = {
     "x86-avx512vnni": ("x86", ["-march=x86-64-v4", "-mavx512vnni"], None,
                        {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"},
                        dict(avx2=1, avx512vnni=1, int8=1), 128),
+    # The interleaved kernel's prefetch level is chosen per CPU at run time (L2 on AMD family 19h,
+    # else L1): these two fix each, so both instantiations run on any host.
+    "x86-avx512vnni-prefetch-l1": ("x86", ["-march=x86-64-v4", "-mavx512vnni", "-DLILY_INTERLEAVED_PREFETCH_LOCALITY=3"],
+                                   None, {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+                                          "avx512_vnni"}, dict(avx2=1, avx512vnni=1, int8=1), 128),
+    "x86-avx512vnni-prefetch-l2": ("x86", ["-march=x86-64-v4", "-mavx512vnni", "-DLILY_INTERLEAVED_PREFETCH_LOCALITY=2"],
+                                   None, {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+                                          "avx512_vnni"}, dict(avx2=1, avx512vnni=1, int8=1), 128),
 }
 _HOST = _host_x86_flags()
 BUILDS = {k: v for k, v in ALL_BUILDS.items() if v[0] == "arm64" or v[3] <= _HOST}

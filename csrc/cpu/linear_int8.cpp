@@ -41,6 +41,7 @@
 #include "model/dtype.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define LILY_INT8_KERNELS 1
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
@@ -760,18 +761,36 @@ void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* 
 // Per token, the same canonical sequence (linear_int8.h) as every kernel here.
 constexpr int kInterleave = 16;
 
-// The interleaved kernel's one stream is prefetched into L1 (prefetcht0), where the row kernels'
-// several streams go to L2 (kPrefetchLocality says why). Measured on the Zen 5 VM
-// (benchmarks/kernels/pool_bench.cpp, interleaved, 8 rows ahead, alternated): one thread, the
-// lm_head 36.9-39.6 GB/s against 34.9-37.4 into L2 (36.2-37.6 into L3), the 256 expert matrices
-// 2048 x 512 34.4-38.8 against 33.0-36.7; two threads in the VM's fast bandwidth state 76-82 GB/s
-// against 72.6-77.0 (membw: 83). 4 rows ahead ran 33-35, 16 rows 36-38. At full size on the
-// H200 host's Xeon, 16 threads: decode +10-16% (docs/performance.md, "Its stream into L1").
-// LILY_INTERLEAVED_PREFETCH_LOCALITY overrides it at build time.
-#ifndef LILY_INTERLEAVED_PREFETCH_LOCALITY
-#define LILY_INTERLEAVED_PREFETCH_LOCALITY 3
+// The interleaved kernel's one stream is prefetched into L1 (prefetcht0) on most CPUs, into L2
+// (prefetcht1) on AMD family 19h (Zen 4, the only AVX-512 CPUs of that family); the row kernels'
+// several streams always go to L2 (kPrefetchLocality says why). Measured with
+// benchmarks/kernels/pool_bench.cpp (interleaved, 8 rows ahead, alternated):
+// - Zen 5 VM: one thread, the lm_head 36.9-39.6 GB/s into L1 against 34.9-37.4 into L2
+//   (36.2-37.6 into L3), the 256 expert matrices 2048 x 512 34.4-38.8 against 33.0-36.7; two
+//   threads in the VM's fast bandwidth state 76-82 GB/s against 72.6-77.0 (membw: 83). 4 rows
+//   ahead ran 33-35, 16 rows 36-38. At full size on the H200 host's Xeon, 16 threads: decode
+//   +10-16% with L1 (docs/performance.md, "Its stream into L1").
+// - Zen 4 VM (family 19h model 11h): two threads, the lm_head 42.7-45.2 GB/s into L2 against
+//   26-38.5 into L1 (membw 50-55 in its fast state); 16 rows ahead no better, non-temporal or
+//   no software prefetch no better than L1. Medium-model decode, 32-step segments against the
+//   membw measured around each: median 84% of the roofline into L2, 75% into L1
+//   (docs/performance.md, "Zen 4: the interleaved stream into L2").
+// LILY_INTERLEAVED_PREFETCH_LOCALITY (3 = L1, 2 = L2) fixes it at build time.
+int interleaved_prefetch_locality() {
+#if defined(LILY_INTERLEAVED_PREFETCH_LOCALITY)
+  return LILY_INTERLEAVED_PREFETCH_LOCALITY;
+#else
+  static const int locality = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return 3;
+    const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // "AuthenticAMD"
+    if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 3;
+    const unsigned family = ((eax >> 8) & 0xF) + (((eax >> 8) & 0xF) == 0xF ? (eax >> 20) & 0xFF : 0);
+    return family == 0x19 ? 2 : 3;
+  }();
+  return locality;
 #endif
-using InterleavedPrefetch = StreamPrefetch<LILY_INTERLEAVED_PREFETCH_LOCALITY>;
+}
 
 // Bytes from one block of 16 rows to the next: its codes, scales and biases.
 inline size_t interleaved_stride(const Linear& W) {
@@ -779,10 +798,10 @@ inline size_t interleaved_stride(const Linear& W) {
 }
 
 // The tokens' outputs of rows [r0, r1) of one interleaved block (rows [rb, rb + 16)).
-template <int T>
+template <int T, class Prefetch>
 [[gnu::noinline]] void interleaved_block(const Linear& W, const uint8_t* blk, const int8_t* xq, const float* dx,
                                          const float* gsum, float* y, int ldy, int64_t rb, int64_t r0, int64_t r1,
-                                         InterleavedPrefetch& pf) {
+                                         Prefetch& pf) {
   const int in = W.in, nb = in / kInt8Block, G = in / W.group;
   int gshift = 0;  // group = 32 << gshift
   while ((kInt8Block << gshift) < W.group) ++gshift;
@@ -830,13 +849,15 @@ template <int T>
   }
 }
 
-// Rows [r0, r1) of an interleaved W for T <= kTokenGroup tokens.
+// Rows [r0, r1) of an interleaved W for T <= kTokenGroup tokens, the stream prefetched into the
+// cache level of Locality.
+template <int Locality>
 void interleaved_rows(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int T, float* y, int ldy,
                       int64_t r0, int64_t r1) {
   const size_t stride = interleaved_stride(W);
   const int64_t first = r0 / kInterleave, last = (r1 - 1) / kInterleave;
   // Nothing past this call's blocks is touched.
-  InterleavedPrefetch pf{W.scales + size_t(first) * stride, W.scales + size_t(last + 1) * stride};
+  StreamPrefetch<Locality> pf{W.scales + size_t(first) * stride, W.scales + size_t(last + 1) * stride};
   for (int64_t R = first; R <= last; ++R) {
     const int64_t rb = R * kInterleave, a = std::max(r0, rb), z = std::min(r1, rb + kInterleave);
     const uint8_t* blk = W.scales + size_t(R) * stride;  // the block's first byte: its scales
@@ -849,6 +870,12 @@ void interleaved_rows(const Linear& W, const int8_t* xq, const float* dx, const 
 #undef LILY_INTERLEAVED_CASE
     }
   }
+}
+
+void interleaved_rows(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int T, float* y, int ldy,
+                      int64_t r0, int64_t r1) {
+  if (interleaved_prefetch_locality() == 2) interleaved_rows<2>(W, xq, dx, gsum, T, y, ldy, r0, r1);
+  else interleaved_rows<3>(W, xq, dx, gsum, T, y, ldy, r0, r1);
 }
 #endif
 
