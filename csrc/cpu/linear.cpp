@@ -686,9 +686,10 @@ bool MatvecInput::matches(const Linear& W) const {
   return W.in == in && (W.quantized() ? (W.bits == bits && W.group == group) : bits == 0);
 }
 
-void matvec_rows(const Linear& W, const MatvecInput& in, float* y, int ldy, int64_t r0, int64_t r1) {
+void matvec_rows(const Linear& W, const MatvecInput& in, float* y, int ldy, int64_t r0, int64_t r1,
+                 int64_t prefetch_end) {
   if (in.int8) {
-    int8_rows(W, in.xq.data(), in.dx.data(), in.gsum.data(), in.T, y, ldy, r0, r1);
+    int8_rows(W, in.xq.data(), in.dx.data(), in.gsum.data(), in.T, y, ldy, r0, r1, prefetch_end);
     return;
   }
 #if defined(__AVX512F__)
@@ -780,10 +781,13 @@ void rows_group(const LinearJob* jobs, int n, int T, ThreadPool& pool, Matmul mo
   pool.parallel_for(
       first_row[size_t(n)],
       [&](int64_t r0, int64_t r1, int) {
+        const int64_t run_end = ThreadPool::run_end();  // this thread reads on to here next
         for (int j = 0; j < n; ++j) {
-          const int64_t b = first_row[size_t(j)], lo = std::max(r0, b), hi = std::min(r1, first_row[size_t(j) + 1]);
+          const int64_t b = first_row[size_t(j)], e = first_row[size_t(j) + 1];
+          const int64_t lo = std::max(r0, b), hi = std::min(r1, e);
           const Linear& W = *jobs[j].W;
-          if (lo < hi) matvec_rows(W, inputs[size_t(input_of[size_t(j)])], jobs[j].y, W.out, lo - b, hi - b);
+          if (lo < hi)
+            matvec_rows(W, inputs[size_t(input_of[size_t(j)])], jobs[j].y, W.out, lo - b, hi - b, std::min(run_end, e) - b);
         }
       },
       16);

@@ -73,8 +73,10 @@ struct MatvecInput {
 };
 
 // Rows [r0, r1) of y[t, r] (row stride ldy) = x[t] · W[r], t < in.T; single-threaded: callers
-// split rows across threads, so several matrices can share one parallel region.
-void matvec_rows(const Linear& W, const MatvecInput& in, float* y, int ldy, int64_t r0, int64_t r1);
+// split rows across threads, so several matrices can share one parallel region. prefetch_end:
+// as int8_rows'.
+void matvec_rows(const Linear& W, const MatvecInput& in, float* y, int ldy, int64_t r0, int64_t r1,
+                 int64_t prefetch_end = 0);
 
 // x[T, in] = W[tokens[t], :] (embedding lookup; tokens already range-checked)
 void embedding(const Linear& W, const int32_t* tokens, int T, float* x, ThreadPool& pool);

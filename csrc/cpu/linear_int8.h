@@ -63,9 +63,11 @@ Linear interleave_rows(const Linear& W, uint8_t* dst);
 inline int int8_dx_per_token(int in) { return in / kInt8Block; }
 
 // Rows [r0, r1) of y[t, r] (row stride ldy) for tokens t < T. gsum [T, G] holds the f32 sums of
-// x per weight group (the affine bias term), summed in order.
+// x per weight group (the affine bias term), summed in order. The weights may be prefetched up
+// to row prefetch_end where that is past r1 (ThreadPool::run_end: the caller reads on there
+// next), else only up to r1.
 void int8_rows(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int T, float* y, int ldy,
-               int64_t r0, int64_t r1);
+               int64_t r0, int64_t r1, int64_t prefetch_end = 0);
 
 // Chunks of at least this many tokens go to int8_gemm rather than the row kernels (the same
 // results either way: only speed decides): 12 with 16 tokens per vector (AVX-512), 8 with 8.

@@ -176,7 +176,7 @@ bool int8_supported(const Linear& W) {
 }
 
 void int8_rows(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int T, float* y, int ldy,
-               int64_t r0, int64_t r1) {
+               int64_t r0, int64_t r1, int64_t /*prefetch_end: no prefetch here*/) {
   // Passes of up to 8 tokens over the weights (every token's outputs are independent of the
   // others in its pass: only the loads are shared).
   const int G = W.in / W.group, nb = W.in / kInt8Block;

@@ -19,6 +19,8 @@ constexpr int kSpinIterations = 20000;
 constexpr int64_t kMinPieceDivisor = 64;
 constexpr uint32_t kMaxUnits = 0xFFFF;
 
+thread_local int64_t t_run_end = 0;  // ThreadPool::run_end() of this thread's current piece
+
 constexpr uint64_t share_word(uint32_t gen, uint32_t front, uint32_t back) {
   return uint64_t(gen) << 32 | uint64_t(front) << 16 | back;
 }
@@ -49,7 +51,9 @@ ThreadPool::~ThreadPool() {
   for (auto& t : threads_) t.join();
 }
 
-bool ThreadPool::claim(int s, uint32_t gen, bool front, uint32_t* lo, uint32_t* hi) {
+int64_t ThreadPool::run_end() { return t_run_end; }
+
+bool ThreadPool::claim(int s, uint32_t gen, bool front, uint32_t* lo, uint32_t* hi, uint32_t* back) {
   std::atomic<uint64_t>& word = shares_[size_t(s)].word;
   uint64_t w = word.load(std::memory_order_acquire);
   for (;;) {
@@ -60,6 +64,7 @@ bool ThreadPool::claim(int s, uint32_t gen, bool front, uint32_t* lo, uint32_t* 
     const uint32_t left = b - f, take = std::min(left, std::max(min_piece_.load(std::memory_order_relaxed), left / 2));
     *lo = front ? f : b - take;
     *hi = front ? f + take : b;
+    *back = b;
     const uint64_t next = front ? share_word(gen, *hi, b) : share_word(gen, f, *lo);
     // On success the piece is ours: this call cannot finish without it, so its job fields
     // (published before its generation, which the worker acquired) stay as they are until we
@@ -77,8 +82,9 @@ void ThreadPool::run_pieces(uint32_t gen, int thread_index) {
     // (A stale worker may read a later call's count here: it only decides whether to look.)
     if (k > 0 && unclaimed_.load(std::memory_order_relaxed) == 0) return;
     const int s = (thread_index + k) % n_threads_;
-    uint32_t lo, hi;
-    while (claim(s, gen, k == 0, &lo, &hi)) {
+    uint32_t lo, hi, back;
+    while (claim(s, gen, k == 0, &lo, &hi, &back)) {
+      t_run_end = std::min(n_, int64_t(k == 0 ? back : hi) * unit_);
       (*fn_)(int64_t(lo) * unit_, std::min(n_, int64_t(hi) * unit_), thread_index);
       done_.fetch_add(hi - lo, std::memory_order_release);
     }
@@ -112,6 +118,7 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
   grain = std::max<int64_t>(1, grain);
   const int64_t blocks = (n + grain - 1) / grain;
   if (n_threads_ == 1 || blocks == 1) {
+    t_run_end = n;
     fn(0, n, 0);
     return;
   }

@@ -52,6 +52,14 @@ class ThreadPool {
   // throw. Not re-entrant: fn must not call parallel_for.
   void parallel_for(int64_t n, const std::function<void(int64_t, int64_t, int)>& fn, int64_t grain = 1);
 
+  // Inside fn: where the calling thread's run of indices continues past the piece it was
+  // given, for a kernel that prefetches ahead of what it reads. A piece from the front of the
+  // thread's own share is followed by that thread's next piece, so the run goes on to the
+  // share's end (as it stood at the claim); a piece taken from another share's back ends the
+  // run. Prefetching past the piece, never past this, a kernel's stream does not restart at
+  // every piece, and never reads rows another thread owns.
+  static int64_t run_end();
+
  private:
   void worker(int index);
   // Claims and runs pieces of generation `gen` (its own share, then the others') until none
@@ -59,7 +67,7 @@ class ThreadPool {
   void run_pieces(uint32_t gen, int thread_index);
   // Takes a piece of share `s` for call `gen`, from its front (own) or back (stolen): false
   // when the share is empty or belongs to another call; else [*lo, *hi) in units.
-  bool claim(int s, uint32_t gen, bool front, uint32_t* lo, uint32_t* hi);
+  bool claim(int s, uint32_t gen, bool front, uint32_t* lo, uint32_t* hi, uint32_t* back);
 
   int n_threads_;
   std::vector<std::thread> threads_;
