@@ -774,7 +774,7 @@ constexpr int kInterleave = 16;
 //   26-38.5 into L1 (membw 50-55 in its fast state); 16 rows ahead no better, non-temporal or
 //   no software prefetch no better than L1. Medium-model decode, 32-step segments against the
 //   membw measured around each: median 84% of the roofline into L2, 75% into L1
-//   (docs/performance.md, "Zen 4: the interleaved stream into L2").
+//   (docs/performance.md, "On a Zen 4 VM: the interleaved stream into L2").
 // LILY_INTERLEAVED_PREFETCH_LOCALITY (3 = L1, 2 = L2) fixes it at build time.
 int interleaved_prefetch_locality() {
 #if defined(LILY_INTERLEAVED_PREFETCH_LOCALITY)
@@ -852,9 +852,8 @@ template <int T, class Prefetch>
 // Rows [r0, r1) of an interleaved W for T <= kTokenGroup tokens, the stream prefetched into the
 // cache level of Locality, on to the block of row pf_end - 1 (>= r1). Prefetching on into the
 // rows the thread reads next (ThreadPool::run_end) keeps the stream going from one piece of a
-// share to the next: stopped at every piece's end, the 256 matrices 2048 x 512 in turn
-// (pool_bench, 2 threads, Zen 4 VM) read at 25-27 GB/s, against 27.5-29 with each thread's
-// share one piece.
+// share to the next, where it used to start cold at each: the 256 matrices 2048 x 512 in turn
+// (pool_bench, 2 threads, Zen 4 VM) 24-27.5 -> 27.3-28.8 GB/s, 512 x 2048 26-27.7 -> 28-30.5.
 template <int Locality>
 void interleaved_rows(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int T, float* y, int ldy,
                       int64_t r0, int64_t r1, int64_t pf_end) {

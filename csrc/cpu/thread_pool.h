@@ -56,8 +56,8 @@ class ThreadPool {
   // given, for a kernel that prefetches ahead of what it reads. A piece from the front of the
   // thread's own share is followed by that thread's next piece, so the run goes on to the
   // share's end (as it stood at the claim); a piece taken from another share's back ends the
-  // run. Prefetching past the piece, never past this, a kernel's stream does not restart at
-  // every piece, and never reads rows another thread owns.
+  // run. Prefetching past the piece but never past this, a kernel's stream does not restart
+  // at every piece, and reaches no row that was another thread's when the piece was taken.
   static int64_t run_end();
 
  private:
