@@ -144,3 +144,20 @@ def test_float_literal_past_float_range_in_a_chat_template_is_a_template_error()
 
     with pytest.raises(ChatTemplateError, match="NameError"):
         render("{% for i in range(8e94697) %}{{ i }}{% endfor %}", [{"role": "user", "content": "hi"}])
+
+
+def test_join_with_a_huge_list_as_separator_is_refused_before_it_is_built():
+    """chat template: the join filter str()s a separator that is not text; a list of 100,000
+    references to a 100,000-character string as the separator (small as a list) is 10 GB of
+    text, which ran the template fuzz target out of memory (a CI run's 10 s short run,
+    2026-12-04). Refused up front by the value limit, with a list of any length to join."""
+    from lily.chat_template import ChatTemplateError, render
+
+    messages = [{"role": "user", "content": "hi"}]
+    for template in ("{{ (['x' * 100000] * 100000) | join(['x' * 100000] * 100000) | join }}",
+                     "{{ [] | join(['x' * 100000] * 100000) }}",
+                     "{{ 'ab' | join(d=['x' * 100000] * 100000) }}"):
+        with pytest.raises(ChatTemplateError, match="limit"):
+            render(template, messages)
+    # A list as a separator within the limit still renders as Jinja renders it.
+    assert render("{{ ['a', 'b'] | join([1]) }}", messages) == "a[1]b"

@@ -209,8 +209,12 @@ def _check_growth(what: str, fn, args: tuple, kwargs: dict) -> None:
     elif fn == "join":
         # str.join(iterable): subject is the separator; the join filter: subject is the iterable.
         sep, items = (subject, arg(0, "iterable")) if isinstance(subject, str) else (arg(0, "d", ""), subject)
-        if isinstance(items, (list, tuple, dict, set, frozenset)) and isinstance(sep, str):
-            size = _text_len(list(items), limit) + len(items) * len(sep)
+        # The filter takes str() of a separator that is not text, before it joins anything: a
+        # list of 100,000 references to a 100,000-character string is 10 GB (the fuzz target).
+        sep_len = len(sep) if isinstance(sep, str) else _text_len(sep, limit)
+        size = sep_len
+        if isinstance(items, (list, tuple, dict, set, frozenset)):
+            size += _text_len(list(items), limit) + len(items) * sep_len
     elif fn in ("format", "format_map") and isinstance(subject, str):
         fields = subject.count("{") + subject.count("%")
         size = len(subject) + fields * max([_text_len(a, limit) for a in (*rest, *kwargs.values())] or [0])
