@@ -90,6 +90,8 @@ def _host_x86_flags() -> set[str]:
     return set(m.group(1).split()) if m else set()
 
 
+_AVX512_VNNI_MFLAGS = ["-march=x86-64-v4", "-mavx512vnni"]
+_AVX512_VNNI_CPU = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
 # name -> (architecture, -m flags, how to run, host CPU flags needed (x86), expected driver header
 # fields, 4-bit chunk of the xq layout)
 ALL_BUILDS = {
@@ -101,17 +103,12 @@ ALL_BUILDS = {
                  dict(avx2=1, avx512vnni=0, avxvnni=0, int8=1), 64),
     "x86-avxvnni": ("x86", ["-march=x86-64-v3", "-mavxvnni"], None, {"avx2", "fma", "f16c", "avx_vnni"},
                     dict(avx2=1, avx512vnni=0, avxvnni=1, int8=1), 64),
-    "x86-avx512vnni": ("x86", ["-march=x86-64-v4", "-mavx512vnni"], None,
-                       {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"},
-                       dict(avx2=1, avx512vnni=1, int8=1), 128),
+    "x86-avx512vnni": ("x86", _AVX512_VNNI_MFLAGS, None, _AVX512_VNNI_CPU, dict(avx2=1, avx512vnni=1, int8=1), 128),
     # The interleaved kernel's prefetch level is chosen per CPU at run time (L2 on AMD family 19h,
     # else L1): these two fix each, so both instantiations run on any host.
-    "x86-avx512vnni-prefetch-l1": ("x86", ["-march=x86-64-v4", "-mavx512vnni", "-DLILY_INTERLEAVED_PREFETCH_LOCALITY=3"],
-                                   None, {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
-                                          "avx512_vnni"}, dict(avx2=1, avx512vnni=1, int8=1), 128),
-    "x86-avx512vnni-prefetch-l2": ("x86", ["-march=x86-64-v4", "-mavx512vnni", "-DLILY_INTERLEAVED_PREFETCH_LOCALITY=2"],
-                                   None, {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
-                                          "avx512_vnni"}, dict(avx2=1, avx512vnni=1, int8=1), 128),
+    **{f"x86-avx512vnni-prefetch-{level}": ("x86", [*_AVX512_VNNI_MFLAGS, f"-DLILY_INTERLEAVED_PREFETCH_LOCALITY={loc}"],
+                                            None, _AVX512_VNNI_CPU, dict(avx2=1, avx512vnni=1, int8=1), 128)
+       for level, loc in (("l1", 3), ("l2", 2))},
 }
 _HOST = _host_x86_flags()
 BUILDS = {k: v for k, v in ALL_BUILDS.items() if v[0] == "arm64" or v[3] <= _HOST}
