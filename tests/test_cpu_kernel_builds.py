@@ -63,6 +63,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fixtures.host import x86_flags
 from fixtures.references import int8_canonical, int8_error_bound, int8_quantize, rel_err
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,17 +80,6 @@ LIBRARY = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "model").glo
     "csrc/cpu/thread_pool.cpp"]
 
 
-def _host_x86_flags() -> set[str]:
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return set()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    m = re.search(r"^flags\s*:(.*)$", text, re.M)
-    return set(m.group(1).split()) if m else set()
-
-
 _AVX512_VNNI_MFLAGS = ["-march=x86-64-v4", "-mavx512vnni"]
 _AVX512_VNNI_CPU = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
 # name -> (architecture, -m flags, how to run, host CPU flags needed (x86), expected driver header
@@ -104,13 +94,13 @@ ALL_BUILDS = {
     "x86-avxvnni": ("x86", ["-march=x86-64-v3", "-mavxvnni"], None, {"avx2", "fma", "f16c", "avx_vnni"},
                     dict(avx2=1, avx512vnni=0, avxvnni=1, int8=1), 64),
     "x86-avx512vnni": ("x86", _AVX512_VNNI_MFLAGS, None, _AVX512_VNNI_CPU, dict(avx2=1, avx512vnni=1, int8=1), 128),
-    # The interleaved kernel's prefetch level is chosen per CPU at run time (L2 on AMD family 19h,
-    # else L1): these two fix each, so both instantiations run on any host.
+    # The interleaved kernel's software prefetch is chosen per CPU at run time (none on AMD family
+    # 19h, else L1; L2 at build time only): these fix each, so every instantiation runs on any host.
     **{f"x86-avx512vnni-prefetch-{level}": ("x86", [*_AVX512_VNNI_MFLAGS, f"-DLILY_INTERLEAVED_PREFETCH_LOCALITY={loc}"],
                                             None, _AVX512_VNNI_CPU, dict(avx2=1, avx512vnni=1, int8=1), 128)
-       for level, loc in (("l1", 3), ("l2", 2))},
+       for level, loc in (("l1", 3), ("l2", 2), ("none", 0))},
 }
-_HOST = _host_x86_flags()
+_HOST = x86_flags()
 BUILDS = {k: v for k, v in ALL_BUILDS.items() if v[0] == "arm64" or v[3] <= _HOST}
 
 # bits, group, in, dtype of scales/biases

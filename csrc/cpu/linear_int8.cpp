@@ -743,39 +743,50 @@ void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* 
 #if defined(LILY_INT8_AVX512)
 // ---- Interleaved rows (Linear::interleaved) ---------------------------------------------------
 //
-// The layout: rows 16 at a time, each block of 16 rows one contiguous run of bytes,
-// [scales | biases | codes], the blocks one after another (the scales first: they are read as
-// the codes are, and after 16 KiB of codes they lay beyond the prefetch). The codes: for each activation block b
-// (32 values = 16 packed bytes of a row) and each 4-byte slice k of it, one 64-byte vector whose
-// 32-bit lane i holds bytes [16b + 4k, 16b + 4k + 4) of row i. The scales and the biases:
-// [group][16] (lane i = row i). So one VPDPBUSD of a weight vector against a broadcast of the 4
-// activation bytes it pairs with adds those products to each row's own lane: a block's integer
-// sums come out with rows in lanes, with no lane reduction (sum_lane_quads) and no transposes of
-// the scales, and the rows' bytes are one contiguous stream. About half the vector instructions
-// per weight byte of the quad kernel above: on one Zen 5 thread, 4-bit 2048-wide rows ran
-// 99 against 44 GB/s from L2 and 36 against 28 from DRAM (the lm_head), and the engine's decode
-// went +25-31% at 1-2 threads (docs/performance.md, "Interleaved rows"). On the H200 host's
-// Xeon, whose threads are bound by their DRAM streams, no change could be measured.
+// The layout: rows 16 at a time, each block of 16 rows one contiguous run of bytes, read front to
+// back once: [chunk 0 | chunk 1 | ... | biases]. A chunk is the scales of the groups that fill one
+// 64-byte line ([group][16], lane i = row i: two groups of bf16 or f16 scales, one of f32), then
+// those groups' codes; the biases ([group][16]) come last, where the kernel adds their term. The
+// codes: for each activation block b (32 values = 16 packed bytes of a row) and each 4-byte slice
+// k of it, one 64-byte vector whose 32-bit lane i holds bytes [16b + 4k, 16b + 4k + 4) of row i.
+// So one VPDPBUSD of a weight vector against a broadcast of the 4 activation bytes it pairs with
+// adds those products to each row's own lane: a block's integer sums come out with rows in lanes,
+// with no lane reduction (sum_lane_quads) and no transposes of the scales, and a thread's rows
+// are one sequential stream. About half the vector instructions per weight byte of the quad
+// kernel above: on one Zen 5 thread, 4-bit 2048-wide rows ran 99 against 44 GB/s from L2 and 36
+// against 28 from DRAM (the lm_head), and the engine's decode went +25-31% at 1-2 threads
+// (docs/performance.md, "Interleaved rows"). On the H200 host's Xeon, whose threads are bound by
+// their DRAM streams, no change could be measured.
 // Why the scales and biases sit inside the block, not in tensors of their own: a thread then
 // streams one run of memory instead of three (docs/performance.md, "One stream per thread").
+// Why each group's scales sit right before its codes, not all of a block's scales at its front
+// (the layout until 2026-12-05): the kernel then reads every byte in address order, which is the
+// pattern the hardware prefetchers follow best. On the Zen 4 VM the old order (scales, biases and
+// codes read as three streams through each 18 KiB block) kept one thread's lm_head at 22 GB/s
+// against `membw`'s 30 whatever the software prefetch; in address order and with no software
+// prefetch it reads 27-29, and two threads 56-59 against `membw`'s 59 (docs/performance.md,
+// "One stream in address order").
 // Per token, the same canonical sequence (linear_int8.h) as every kernel here.
 constexpr int kInterleave = 16;
 
-// The interleaved kernel's one stream is prefetched into L1 (prefetcht0) on most CPUs, into L2
-// (prefetcht1) on AMD family 19h (Zen 4, the only AVX-512 CPUs of that family); the row kernels'
-// several streams always go to L2 (kPrefetchLocality says why). Measured with
-// benchmarks/kernels/pool_bench.cpp (interleaved, 8 rows ahead, alternated):
-// - Zen 5 VM: one thread, the lm_head 36.9-39.6 GB/s into L1 against 34.9-37.4 into L2
-//   (36.2-37.6 into L3), the 256 expert matrices 2048 x 512 34.4-38.8 against 33.0-36.7; two
-//   threads in the VM's fast bandwidth state 76-82 GB/s against 72.6-77.0 (membw: 83). 4 rows
-//   ahead ran 33-35, 16 rows 36-38. At full size on the H200 host's Xeon, 16 threads: decode
-//   +10-16% with L1 (docs/performance.md, "Its stream into L1").
-// - Zen 4 VM (family 19h model 11h): two threads, the lm_head 42.7-45.2 GB/s into L2 against
-//   26-38.5 into L1 (membw 50-55 in its fast state); 16 rows ahead no better, non-temporal or
-//   no software prefetch no better than L1. Medium-model decode, 32-step segments against the
-//   membw measured around each: median 84% of the roofline into L2, 75% into L1
-//   (docs/performance.md, "On a Zen 4 VM: the interleaved stream into L2").
-// LILY_INTERLEAVED_PREFETCH_LOCALITY (3 = L1, 2 = L2) fixes it at build time.
+// The interleaved kernel's stream is prefetched into L1 (prefetcht0) on most CPUs and not at all
+// on AMD family 19h (Zen 4, the only AVX-512 CPUs of that family); the row kernels' several
+// streams always go to L2 (kPrefetchLocality says why). Measured with
+// benchmarks/kernels/pool_bench.cpp (interleaved, the prefetch 8 rows ahead, alternated):
+// - Zen 5 VM, the scales-first layout: one thread, the lm_head 36.9-39.6 GB/s into L1 against
+//   34.9-37.4 into L2 (36.2-37.6 into L3), the 256 expert matrices 2048 x 512 34.4-38.8 against
+//   33.0-36.7; two threads in the VM's fast bandwidth state 76-82 GB/s against 72.6-77.0 (membw:
+//   83). 4 rows ahead ran 33-35, 16 rows 36-38. At full size on the H200 host's Xeon, 16 threads:
+//   decode +10-16% with L1 (docs/performance.md, "Its stream into L1"). Neither CPU has run the
+//   address-order layout yet: L1 stays their choice until measured.
+// - Zen 4 VM (family 19h model 11h), the address-order layout: one thread, the lm_head 27-29
+//   GB/s with no software prefetch against 22-24 into L1 and 20-22 into L2 (membw 29-30); two
+//   threads in the VM's fast state 56-59 against 47-49 into L1 (membw 59); the 256 matrices
+//   2048 x 512 32-35 against 30-32.5, 512 x 2048 35-39 against 32-34.5; prefetching only the
+//   first 4 or 16 KiB of each run no better (docs/performance.md, "One stream in address
+//   order"). With the scales-first layout L2 had been its best (one thread 22-23, two 44-45).
+// LILY_INTERLEAVED_PREFETCH_LOCALITY (3 = L1, 2 = L2, 0 = no software prefetch) fixes it at
+// build time.
 int interleaved_prefetch_locality() {
 #if defined(LILY_INTERLEAVED_PREFETCH_LOCALITY)
   return LILY_INTERLEAVED_PREFETCH_LOCALITY;
@@ -786,88 +797,115 @@ int interleaved_prefetch_locality() {
     const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // "AuthenticAMD"
     if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 3;
     const unsigned family = ((eax >> 8) & 0xF) + (((eax >> 8) & 0xF) == 0xF ? (eax >> 20) & 0xFF : 0);
-    return family == 0x19 ? 2 : 3;
+    return family == 0x19 ? 0 : 3;
   }();
   return locality;
 #endif
 }
 
-// Bytes from one block of 16 rows to the next: its codes, scales and biases.
-inline size_t interleaved_stride(const Linear& W) {
-  return size_t(kInterleave) * (size_t(W.in) / 2 + 2 * size_t(W.in / W.group) * dtype_size(W.dtype));
-}
+// The interleaved kernel with no software prefetch: the hardware prefetchers follow the stream.
+struct NoPrefetch {
+  void upto(const uint8_t*) {}
+};
 
-// The tokens' outputs of rows [r0, r1) of one interleaved block (rows [rb, rb + 16)).
+// Where a block's parts lie, in bytes from its first one (the layout above).
+struct InterleavedLayout {
+  size_t esz;           // bytes of one scale or bias
+  int groups;           // per row: in / group
+  int per_chunk;        // groups per chunk: 16 rows' scales of them fill 64 bytes
+  int blocks_per_group; // activation blocks (32 values, 256 bytes of a block's codes) per group
+  size_t chunk_bytes;   // a whole chunk: its scales, then its groups' codes
+  size_t stride;        // a whole block, from one to the next: codes, scales and biases
+
+  explicit InterleavedLayout(const Linear& W)
+      : esz(dtype_size(W.dtype)), groups(W.in / W.group), per_chunk(int(64 / (kInterleave * esz))),
+        blocks_per_group(W.group / kInt8Block),
+        chunk_bytes(size_t(per_chunk) * (kInterleave * esz + size_t(blocks_per_group) * 256)),
+        stride(size_t(groups) * (2 * kInterleave * esz + size_t(blocks_per_group) * 256)) {}
+  // Groups in chunk c (the last one may hold fewer).
+  int chunk_groups(int c) const { return std::min(per_chunk, groups - c * per_chunk); }
+  // The 16 rows' scales of group g.
+  size_t scales(int g) const { return size_t(g / per_chunk) * chunk_bytes + size_t(g % per_chunk) * kInterleave * esz; }
+  // The 256 bytes of codes of activation block b.
+  size_t codes(int b) const {
+    const int g = b / blocks_per_group, c = g / per_chunk;
+    return size_t(c) * chunk_bytes + size_t(chunk_groups(c)) * kInterleave * esz +
+           size_t((g % per_chunk) * blocks_per_group + b % blocks_per_group) * 256;
+  }
+  // The 16 rows' biases of group g: after every chunk.
+  size_t biases(int g) const {
+    return size_t(groups) * (kInterleave * esz + size_t(blocks_per_group) * 256) + size_t(g) * kInterleave * esz;
+  }
+};
+
+// The tokens' outputs of rows [r0, r1) of one interleaved block (rows [rb, rb + 16)), its bytes
+// read in address order: per chunk the scales, then per activation block its codes; the biases.
 template <int T, class Prefetch>
-[[gnu::noinline]] void interleaved_block(const Linear& W, const uint8_t* blk, const int8_t* xq, const float* dx,
-                                         const float* gsum, float* y, int ldy, int64_t rb, int64_t r0, int64_t r1,
-                                         Prefetch& pf) {
-  const int in = W.in, nb = in / kInt8Block, G = in / W.group;
-  int gshift = 0;  // group = 32 << gshift
-  while ((kInt8Block << gshift) < W.group) ++gshift;
-  const size_t esz = dtype_size(W.dtype), ahead = prefetch_distance(size_t(in) / 2), stride = interleaved_stride(W);
-  const uint8_t *sblk = blk, *bblk = blk + size_t(kInterleave) * G * esz, *wblk = bblk + size_t(kInterleave) * G * esz;
+[[gnu::noinline]] void interleaved_block(const Linear& W, const InterleavedLayout& L, const uint8_t* blk,
+                                         const int8_t* xq, const float* dx, const float* gsum, float* y, int ldy,
+                                         int64_t rb, int64_t r0, int64_t r1, Prefetch& pf) {
+  const int in = W.in, nb = in / kInt8Block, G = L.groups;
+  const size_t esz = L.esz, ahead = prefetch_distance(size_t(in) / 2), params = size_t(kInterleave) * esz;
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
-  for (int b = 0; b < nb; ++b) {
-    const uint8_t* wb = wblk + size_t(b) * 4 * 64;
-    pf.upto(blk + (b + 1) * stride / nb + ahead);  // the stream, codes and parameters alike
-    // x's even values of block b at chunk offset (b % 4) * 16, its odd ones 64 bytes on (the xq
-    // layout of 128-value chunks: [evens | odds]).
-    const size_t xoff = size_t(b / 4) * 128 + (b % 4) * 16;
-    // Integer sums per token: low and high nibbles in two chains where registers allow (up to
-    // 4 tokens: 8 sums + 4 accumulators), else one chain (8 VPDPBUSDs deep) per token.
-    constexpr bool kTwoChains = T <= 4;
-    __m512i lo_sum[T], hi_sum[T];
-    for (int t = 0; t < T; ++t) lo_sum[t] = hi_sum[t] = _mm512_setzero_si512();
-    for (int k = 0; k < 4; ++k) {
-      const __m512i v = _mm512_loadu_si512(wb + k * 64);
-      const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-      for (int t = 0; t < T; ++t) {
-        int32_t xe, xo;
-        std::memcpy(&xe, xq + size_t(t) * in + xoff + 4 * k, 4);
-        std::memcpy(&xo, xq + size_t(t) * in + xoff + 64 + 4 * k, 4);
-        lo_sum[t] = _mm512_dpbusd_epi32(lo_sum[t], lo, _mm512_set1_epi32(xe));
-        __m512i& h = kTwoChains ? hi_sum[t] : lo_sum[t];
-        h = _mm512_dpbusd_epi32(h, hi, _mm512_set1_epi32(xo));
+  const uint8_t* p = blk;  // the next byte to read
+  for (int c = 0, b = 0; c * L.per_chunk < G; ++c) {
+    const int ng = L.chunk_groups(c);
+    const uint8_t* scales = p;
+    p += ng * params;
+    for (int g = 0; g < ng; ++g) {
+      const __m512 s = load_params(scales + g * params, W.dtype, kInterleave);
+      for (int j = 0; j < L.blocks_per_group; ++j, ++b, p += 256) {
+        pf.upto(p + 256 + ahead);
+        // x's even values of block b at chunk offset (b % 4) * 16, its odd ones 64 bytes on (the
+        // xq layout of 128-value chunks: [evens | odds]).
+        const size_t xoff = size_t(b / 4) * 128 + (b % 4) * 16;
+        // Integer sums per token: low and high nibbles in two chains where registers allow (up
+        // to 4 tokens: 8 sums + 4 accumulators), else one chain (8 VPDPBUSDs deep) per token.
+        constexpr bool kTwoChains = T <= 4;
+        __m512i lo_sum[T], hi_sum[T];
+        for (int t = 0; t < T; ++t) lo_sum[t] = hi_sum[t] = _mm512_setzero_si512();
+        for (int k = 0; k < 4; ++k) {
+          const __m512i v = _mm512_loadu_si512(p + k * 64);
+          const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+          for (int t = 0; t < T; ++t) {
+            int32_t xe, xo;
+            std::memcpy(&xe, xq + size_t(t) * in + xoff + 4 * k, 4);
+            std::memcpy(&xo, xq + size_t(t) * in + xoff + 64 + 4 * k, 4);
+            lo_sum[t] = _mm512_dpbusd_epi32(lo_sum[t], lo, _mm512_set1_epi32(xe));
+            __m512i& h = kTwoChains ? hi_sum[t] : lo_sum[t];
+            h = _mm512_dpbusd_epi32(h, hi, _mm512_set1_epi32(xo));
+          }
+        }
+        for (int t = 0; t < T; ++t) {
+          const __m512i sum = kTwoChains ? _mm512_add_epi32(lo_sum[t], hi_sum[t]) : lo_sum[t];
+          acc[t] = fma_block(acc[t], sum, s, dx[size_t(t) * nb + b]);
+        }
       }
     }
-    const __m512 s = load_params(sblk + size_t(b >> gshift) * kInterleave * esz, W.dtype, kInterleave);
-    for (int t = 0; t < T; ++t) {
-      const __m512i sum = kTwoChains ? _mm512_add_epi32(lo_sum[t], hi_sum[t]) : lo_sum[t];
-      acc[t] = fma_block(acc[t], sum, s, dx[size_t(t) * nb + b]);
-    }
   }
-  // Lanes of rows outside [r0, r1) are computed and never stored.
+  // p is at the biases now. Lanes of rows outside [r0, r1) are computed and never stored.
   const __mmask16 keep = __mmask16(((1u << (r1 - rb)) - 1) & ~((1u << (r0 - rb)) - 1));
   for (int t = 0; t < T; ++t) {
     const float* gt = gsum + size_t(t) * G;
-    for (int g = 0; g < G; ++g)
-      acc[t] = fma_bias(acc[t], load_params(bblk + size_t(g) * kInterleave * esz, W.dtype, kInterleave), gt[g]);
+    for (int g = 0; g < G; ++g) acc[t] = fma_bias(acc[t], load_params(p + g * params, W.dtype, kInterleave), gt[g]);
     _mm512_mask_storeu_ps(y + size_t(t) * ldy + rb, keep, acc[t]);
   }
 }
 
-// Rows [r0, r1) of an interleaved W for T <= kTokenGroup tokens, the stream prefetched into the
-// cache level of Locality, on to the block of row pf_end - 1 (>= r1). Prefetching on into the
-// rows the thread reads next (ThreadPool::run_end) keeps the stream going from one piece of a
-// share to the next, where it used to start cold at each: the 256 matrices 2048 x 512 in turn
-// (pool_bench, 2 threads, Zen 4 VM) 24-27.5 -> 27.3-28.8 GB/s, 512 x 2048 26-27.7 -> 28-30.5.
-template <int Locality>
-void interleaved_rows(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int T, float* y, int ldy,
-                      int64_t r0, int64_t r1, int64_t pf_end) {
-  const size_t stride = interleaved_stride(W);
-  const int64_t first = r0 / kInterleave, last = (r1 - 1) / kInterleave, pf_last = (pf_end - 1) / kInterleave;
-  // Nothing past the blocks of [r0, pf_end) is touched.
-  StreamPrefetch<Locality> pf{W.scales + size_t(first) * stride, W.scales + size_t(pf_last + 1) * stride};
-  for (int64_t R = first; R <= last; ++R) {
+// The blocks of rows [r0, r1), one after another, with the stream prefetcher pf (NoPrefetch or
+// StreamPrefetch).
+template <class Prefetch>
+void interleaved_blocks(const Linear& W, const InterleavedLayout& L, const int8_t* xq, const float* dx,
+                        const float* gsum, int T, float* y, int ldy, int64_t r0, int64_t r1, Prefetch pf) {
+  for (int64_t R = r0 / kInterleave; R <= (r1 - 1) / kInterleave; ++R) {
     const int64_t rb = R * kInterleave, a = std::max(r0, rb), z = std::min(r1, rb + kInterleave);
-    const uint8_t* blk = W.scales + size_t(R) * stride;  // the block's first byte: its scales
+    const uint8_t* blk = W.scales + size_t(R) * L.stride;  // the block's first byte: its first scales
     // y + (a - rb) .. : the block's lanes start at rb; a store only touches rows [a, z).
     switch (T) {
 #define LILY_INTERLEAVED_CASE(n) \
-  case n: interleaved_block<n>(W, blk, xq, dx, gsum, y, ldy, rb, a, z, pf); break;
+  case n: interleaved_block<n>(W, L, blk, xq, dx, gsum, y, ldy, rb, a, z, pf); break;
       LILY_INTERLEAVED_CASE(1) LILY_INTERLEAVED_CASE(2) LILY_INTERLEAVED_CASE(3) LILY_INTERLEAVED_CASE(4)
       LILY_INTERLEAVED_CASE(5) LILY_INTERLEAVED_CASE(6) LILY_INTERLEAVED_CASE(7) LILY_INTERLEAVED_CASE(8)
 #undef LILY_INTERLEAVED_CASE
@@ -875,10 +913,23 @@ void interleaved_rows(const Linear& W, const int8_t* xq, const float* dx, const 
   }
 }
 
+// Rows [r0, r1) of an interleaved W for T <= kTokenGroup tokens. Where the stream is prefetched
+// (interleaved_prefetch_locality), it is prefetched on to the block of row pf_end - 1 (>= r1):
+// prefetching on into the rows the thread reads next (ThreadPool::run_end) keeps the stream
+// going from one piece of a share to the next, where it used to start cold at each: the 256
+// matrices 2048 x 512 in turn (pool_bench, 2 threads, Zen 4 VM, scales-first layout into L2)
+// 24-27.5 -> 27.3-28.8 GB/s, 512 x 2048 26-27.7 -> 28-30.5.
 void interleaved_rows(const Linear& W, const int8_t* xq, const float* dx, const float* gsum, int T, float* y, int ldy,
                       int64_t r0, int64_t r1, int64_t pf_end) {
-  if (interleaved_prefetch_locality() == 2) interleaved_rows<2>(W, xq, dx, gsum, T, y, ldy, r0, r1, pf_end);
-  else interleaved_rows<3>(W, xq, dx, gsum, T, y, ldy, r0, r1, pf_end);
+  const InterleavedLayout L(W);
+  // Nothing past the blocks of [r0, pf_end) is touched.
+  const uint8_t *from = W.scales + size_t(r0 / kInterleave) * L.stride,
+                *to = W.scales + size_t((pf_end - 1) / kInterleave + 1) * L.stride;
+  switch (interleaved_prefetch_locality()) {
+  case 0: interleaved_blocks(W, L, xq, dx, gsum, T, y, ldy, r0, r1, NoPrefetch{}); break;
+  case 2: interleaved_blocks(W, L, xq, dx, gsum, T, y, ldy, r0, r1, StreamPrefetch<2>{from, to}); break;
+  default: interleaved_blocks(W, L, xq, dx, gsum, T, y, ldy, r0, r1, StreamPrefetch<3>{from, to}); break;
+  }
 }
 #endif
 
@@ -941,30 +992,32 @@ size_t interleaved_bytes(const Linear& W) {
 Linear interleave_rows(const Linear& W, uint8_t* dst) {
 #if defined(LILY_INT8_AVX512)
   if (!int8_interleavable(W)) throw std::logic_error("interleave_rows: matrix not interleavable");
-  const int G = W.in / W.group;
-  const size_t rbytes = size_t(W.in) / 2, esz = dtype_size(W.dtype), wblock = kInterleave * rbytes,
-               pblock = size_t(kInterleave) * G * esz, stride = interleaved_stride(W);
+  const InterleavedLayout L(W);
+  const int G = L.groups;
+  const size_t rbytes = size_t(W.in) / 2, esz = L.esz;
   for (int64_t R = 0; R < W.out / kInterleave; ++R) {
-    uint8_t* blk = dst + size_t(R) * stride;  // [scales | biases | codes]
-    // Scales, then biases: [16 rows][G] -> [G][16].
-    for (int p = 0; p < 2; ++p) {
-      const uint8_t* src = (p == 0 ? W.scales : W.biases) + size_t(R) * pblock;
-      uint8_t* out = blk + p * pblock;
-      for (int i = 0; i < kInterleave; ++i)
-        for (int g = 0; g < G; ++g) std::memcpy(out + (size_t(g) * kInterleave + i) * esz, src + (size_t(i) * G + g) * esz, esz);
-    }
-    const uint8_t* rows = W.w + size_t(R) * wblock;  // [16 rows][rbytes] -> [rbytes / 4 slices][16 rows][4]
-    uint8_t* codes = blk + 2 * pblock;
-    for (size_t j = 0; j < rbytes; j += 64) {  // 16 slices of each row: one 16 x 16 transpose
+    uint8_t* blk = dst + size_t(R) * L.stride;
+    // Scales and biases: [16 rows][G] -> [G][16], each group's 16 where the layout puts it.
+    const size_t first = size_t(R) * kInterleave * G;  // the block's first row's first group
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < kInterleave; ++i) {
+        std::memcpy(blk + L.scales(g) + i * esz, W.scales + (first + size_t(i) * G + g) * esz, esz);
+        std::memcpy(blk + L.biases(g) + i * esz, W.biases + (first + size_t(i) * G + g) * esz, esz);
+      }
+    // Codes: [16 rows][rbytes] -> per activation block b, [4 slices][16 rows][4 bytes]; one
+    // 16 x 16 transpose of 4-byte slices per 64 bytes of each row (four blocks).
+    const uint8_t* rows = W.w + size_t(R) * kInterleave * rbytes;
+    alignas(64) float t[kInterleave * kInterleave];
+    for (size_t j = 0; j < rbytes; j += 64) {
       __m512 r[kInterleave];
       for (int i = 0; i < kInterleave; ++i) r[i] = _mm512_loadu_ps(rows + i * rbytes + j);
-      transpose16x16(r, reinterpret_cast<float*>(codes + j * kInterleave));
+      transpose16x16(r, t);  // t[k * 16 + i]: row i's slice j / 4 + k
+      for (int q = 0; q < 4; ++q) std::memcpy(blk + L.codes(int(j / 16) + q), t + q * 4 * kInterleave, 256);
     }
   }
   Linear out = W;
-  out.scales = dst;
-  out.biases = dst + pblock;
-  out.w = dst + 2 * pblock;
+  // Every block is read through its first byte (kernels add R * stride and the layout's offsets).
+  out.scales = out.biases = out.w = dst;
   out.interleaved = true;
   return out;
 #else
@@ -1190,31 +1243,32 @@ void unpack_row(const uint8_t* wrow, int in, int bits, uint8_t* cr) {
 
 #if defined(LILY_INT8_AVX512)
 // Rows [rb, rb + 16) of an interleaved W (rb % 16 == 0) as row-major packed rows, dst [16][in / 2]:
-// per 64 bytes of each row, one 16 x 16 transpose of the block's 4-byte slices. (Gathering a
-// row's slices one by one cost the 512-token prefill 6% on a Zen 5 VM.)
-void deinterleave_block(const Linear& W, int64_t rb, uint8_t* dst) {
+// per 64 bytes of each row (four activation blocks), one 16 x 16 transpose of the block's 4-byte
+// slices. (Gathering a row's slices one by one cost the 512-token prefill 6% on a Zen 5 VM.)
+void deinterleave_block(const Linear& W, const InterleavedLayout& L, int64_t rb, uint8_t* dst) {
   const size_t rbytes = size_t(W.in) / 2;
-  const uint8_t* blk = W.w + size_t(rb / kInterleave) * interleaved_stride(W);
+  const uint8_t* blk = W.w + size_t(rb / kInterleave) * L.stride;
   alignas(64) float t[kInterleave * kInterleave];
   for (size_t j = 0; j < rbytes; j += 64) {
-    __m512 r[kInterleave];  // r[k]: slice j / 4 + k of the block's 16 rows (lane i: row i)
-    for (int k = 0; k < kInterleave; ++k) r[k] = _mm512_loadu_ps(blk + (j / 4 + k) * 64);
+    __m512 r[kInterleave];  // r[4q + k]: slice k of activation block j / 16 + q (lane i: row i)
+    for (int q = 0; q < 4; ++q)
+      for (int k = 0; k < 4; ++k) r[4 * q + k] = _mm512_loadu_ps(blk + L.codes(int(j / 16) + q) + k * 64);
     transpose16x16(r, t);   // t[i * 16 + k]: row i's slice j / 4 + k
     for (int i = 0; i < kInterleave; ++i) std::memcpy(dst + i * rbytes + j, t + i * kInterleave, 64);
   }
 }
 
-// The same block's scales or biases (params = W.scales or W.biases, [G][16]) as f32, out [16][G].
-void deinterleave_params(const Linear& W, const uint8_t* params, int64_t rb, float* out) {
-  const int G = W.in / W.group;
-  const size_t esz = dtype_size(W.dtype);
-  const uint8_t* blk = params + size_t(rb / kInterleave) * interleaved_stride(W);
+// The same block's scales or biases as f32, out [16][G].
+void deinterleave_params(const Linear& W, const InterleavedLayout& L, bool biases, int64_t rb, float* out) {
+  const int G = L.groups;
+  const uint8_t* blk = W.scales + size_t(rb / kInterleave) * L.stride;
   alignas(64) float t[kInterleave * kInterleave];
   for (int g0 = 0; g0 < G; g0 += kInterleave) {
     const int n = std::min(kInterleave, G - g0);
     __m512 r[kInterleave];  // r[k]: group g0 + k of the 16 rows (zero past G)
     for (int k = 0; k < kInterleave; ++k)
-      r[k] = k < n ? load_params(blk + size_t(g0 + k) * kInterleave * esz, W.dtype, kInterleave) : _mm512_setzero_ps();
+      r[k] = k < n ? load_params(blk + (biases ? L.biases(g0 + k) : L.scales(g0 + k)), W.dtype, kInterleave)
+                   : _mm512_setzero_ps();
     transpose16x16(r, t);
     for (int i = 0; i < kInterleave; ++i) std::memcpy(out + size_t(i) * G + g0, t + i * kInterleave, n * sizeof(float));
   }
@@ -1242,9 +1296,10 @@ void gemm_rows(const Linear& W, const GemmInput& g, float* y, int64_t r0, int64_
 #if defined(LILY_INT8_AVX512)
     if (W.interleaved) {
       block_store.resize(kInterleave * wbytes);
-      deinterleave_block(W, rb, block_store.data());
-      deinterleave_params(W, W.scales, rb, sf);
-      deinterleave_params(W, W.biases, rb, bf);
+      const InterleavedLayout L(W);
+      deinterleave_block(W, L, rb, block_store.data());
+      deinterleave_params(W, L, false, rb, sf);
+      deinterleave_params(W, L, true, rb, bf);
       packed = block_store.data();
     }
 #endif

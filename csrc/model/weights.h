@@ -57,10 +57,11 @@ struct Linear {
   // group scales relative to it (nvfp4_scale_mult). 1 (exact, a no-op) for every other matrix.
   float scale_mult = 1.0f;
   // Affine 4-bit, CPU int8 mode on AVX-512 VNNI builds: rows stored 16 at a time, a 32-bit lane
-  // of each 64-byte vector holding 4 packed bytes of one row, each block of 16 rows preceded by
-  // its scales and biases [group][16]; w, scales and biases point into block 0, and every block
-  // is the same stride on (cpu/linear_int8.cpp: interleave_rows). Set only by
-  // cpu::arrange_for_int8 (and the kernel tests and benchmarks).
+  // of each 64-byte vector holding 4 packed bytes of one row, each block of 16 rows one run of
+  // bytes in the order the kernel reads them (a group's scales [16] before its codes, the
+  // biases [group][16] last); w, scales and biases all point at block 0's first byte, and every
+  // block is the same stride on (cpu/linear_int8.cpp: InterleavedLayout, interleave_rows). Set
+  // only by cpu::arrange_for_int8 (and the kernel tests and benchmarks).
   bool interleaved = false;
 
   bool present() const { return format != Format::None; }
