@@ -24,18 +24,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fixtures.host import x86_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "tests" / "native" / "elementwise_driver.cpp"
 FLAGS = ["-std=c++17", "-O2", "-ffp-contract=off", "-Wall", "-Wextra", f"-I{ROOT / 'csrc'}"]
-
-
-def _host_flags() -> set[str]:
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 # name -> (compiler, flags, runner prefix, host CPU flags needed)
@@ -69,7 +62,7 @@ def test_map_elementwise_matches_numpy_and_is_position_invariant(build, tmp_path
                 pytest.fail(f"{tool} not found: install the Debian package {package} (scripts/test.sh does)")
     elif platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("an x86 build: this host runs only the arm64 one")
-    missing = needs - _host_flags()
+    missing = needs - x86_flags()
     if missing:
         pytest.skip(f"this CPU lacks {sorted(missing)}")
     exe = tmp_path / "driver"

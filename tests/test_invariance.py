@@ -27,13 +27,13 @@ which these tests pin end to end; tests/test_cpu_kernel_builds.py pins the kerne
 from __future__ import annotations
 
 import platform
-import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import lily
+from fixtures.host import x86_flags
 from fixtures.references import assert_same_bits as _assert_same
 from lily.prefix_cache import PrefixCache
 
@@ -54,17 +54,9 @@ def reference(mode):
     return model, model.logits(PROMPT)
 
 
-def _x86_flags() -> set[str]:
-    """The host CPU's flags (/proc/cpuinfo) on x86; empty elsewhere."""
-    if platform.machine() not in ("x86_64", "AMD64") or not Path("/proc/cpuinfo").exists():
-        return set()
-    m = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
-    return set(m.group(1).split()) if m else set()
-
-
 def test_default_mode_is_int8_where_the_cpu_has_the_kernels():
     model = lily.Model.load()
-    if {"avx2", "fma"} <= _x86_flags() or platform.machine() in ("aarch64", "arm64"):
+    if {"avx2", "fma"} <= x86_flags() or platform.machine() in ("aarch64", "arm64"):
         assert model._engine.cpu_matmul == "int8"
     assert model._engine.cpu_matmul == ("int8" if lily._core.cpu_int8_supported(4, 64, 256) else "f32")
     assert f"cpu_matmul={model._engine.cpu_matmul}" in repr(model)
@@ -78,7 +70,7 @@ def test_interleaved_layout_changes_no_bit():
     refused, by name, to any engine that cannot read them."""
     model = lily.Model.load(cpu_matmul="int8", threads=2)
     plain = lily.Model.load(cpu_matmul="int8", threads=2, backend_options={"exclusive_weights": False})
-    assert model._weights.arranged_for_cpu_int8 == ({"avx512_vnni", "avx512bw", "avx512vl"} <= _x86_flags())
+    assert model._weights.arranged_for_cpu_int8 == ({"avx512_vnni", "avx512bw", "avx512vl"} <= x86_flags())
     assert not plain._weights.arranged_for_cpu_int8
     logits = []
     for m in (model, plain):
@@ -129,7 +121,7 @@ def test_rearranged_weights_take_no_second_copy():
     grown, arranged, resident, nbytes = runs["1"]
     plain_grown, plain_arranged, _, _ = runs["0"]
     assert resident and not plain_arranged
-    assert arranged == ({"avx512_vnni", "avx512bw", "avx512vl"} <= _x86_flags())
+    assert arranged == ({"avx512_vnni", "avx512bw", "avx512vl"} <= x86_flags())
     assert plain_grown > 0.8 * nbytes, "the loader's copy of the file is resident"
     assert grown < plain_grown + 0.25 * nbytes, (grown, plain_grown, nbytes)
 
