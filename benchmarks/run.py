@@ -20,7 +20,10 @@ What it does, in one session:
    checkpoint's own tensor sizes, benchmarks/roofline.py): against the session's best membw;
    "paired", each run against the bandwidth measured just before and after it; and "steady",
    lily's decode segments of 32 steps whose bandwidth before and after agree (the state of a
-   shared VM held through them), each against that bandwidth.
+   shared VM held through them), each against that bandwidth. Where the session's bandwidth
+   measurements fall into two states (a shared VM switching between ~35 and ~59 GB/s), a second
+   table gives each state's runs apart: decode, its ratio to llama.cpp's runs in the same state,
+   and lily's steady roofline over that state's segments.
 
 Design choices:
 - Same threads for all engines (`--threads`), one worker process per Python engine, loaded once
@@ -185,9 +188,11 @@ def measure_all(a, handles: dict) -> list[dict]:
                 bw_after = paired_bandwidth(a)
                 s = {"engine": name, "prompt": p, "decode": n, "rep": rep, "load": loadavg()}
                 if bw_after is not None:
-                    s["bw_GBps"] = max(bw_before, bw_after)
+                    s["bw_GBps"], s["bw_low_GBps"] = max(bw_before, bw_after), min(bw_before, bw_after)
                     bw_before = bw_after
-                s.update(r)  # a bracketed run's own bw_GBps replaces the between-runs one
+                s.update(r)  # a bracketed run's own bw_GBps (and segments) replace the between-runs ones
+                if "segments" in r:
+                    s.pop("bw_low_GBps", None)
                 if "error" not in r:
                     s["prefill_tps"] = p / r["prefill_s"]
                     s["decode_tps"] = n / r["decode_s"] if n else float("nan")
@@ -220,6 +225,66 @@ def steady_segments(samples: list[dict]) -> tuple[list[tuple[int, float, float]]
             if abs(before - after) <= STEADY * max(before, after):
                 out.append((steps, sec, max(before, after)))
     return out, total
+
+
+# Two bandwidth states (a shared VM's, e.g. ~35 and ~59 GB/s on the 2-core Zen 4) are told apart
+# when the agreeing measurements of a session leave a gap of at least this ratio between them.
+STATE_GAP = 1.25
+
+
+def run_bandwidth(s: dict) -> tuple[float, float] | None:
+    """(lowest, highest) of the measurements around a run's decode: every bracket of lily's
+    segments, or the two taken between runs (samples before 2026-12-05 kept only the better of
+    those: both are taken to be it). None: no measurement."""
+    if s.get("segments"):
+        bws = [b for seg in s["segments"] for b in seg[2:4]]
+        return min(bws), max(bws)
+    if s.get("bw_GBps"):
+        return s.get("bw_low_GBps", s["bw_GBps"]), s["bw_GBps"]
+    return None
+
+
+def state_threshold(samples: list[dict]) -> float | None:
+    """The bandwidth (GB/s) between the session's two states, or None when it saw one: the
+    measurements that agree within STEADY around a run or a segment, sorted, split at their
+    widest gap when that gap is at least STATE_GAP (at the geometric mean of its two ends)."""
+    held = [r[1] for s in samples if (r := run_bandwidth(s)) and r[0] >= (1 - STEADY) * r[1]]
+    held += [bw for _, _, bw in steady_segments(samples)[0]]
+    held.sort()
+    gaps = [(held[i + 1] / held[i], i) for i in range(len(held) - 1)]
+    if not gaps or max(gaps)[0] < STATE_GAP:
+        return None
+    i = max(gaps)[1]
+    return (held[i] * held[i + 1]) ** 0.5
+
+
+def by_state(a, samples: list[dict], rows: list[dict], threshold: float) -> list[dict]:
+    """Per prompt, state and engine: the median decode of the runs that stayed in that state
+    throughout (every measurement around the decode within STEADY of the highest, on that side
+    of the threshold), its ratio to llama.cpp Q4_0's in the same state, and lily's steady
+    roofline over the segments of that state."""
+    out = []
+    for p in a.prompts:
+        for state, side in (("low", lambda bw: bw < threshold), ("high", lambda bw: bw >= threshold)):
+            block = []
+            for name in a.engines:
+                ok = [s for s in samples if s["engine"] == name and s["prompt"] == p and "error" not in s]
+                held = [s for s in ok if (r := run_bandwidth(s)) and r[0] >= (1 - STEADY) * r[1] and side(r[1])]
+                bpt = next((r.get("bytes_per_token") for r in rows if r["prompt"] == p and r["engine"] == name), None)
+                row = {"prompt": p, "state": state, "engine": name, "runs": f"{len(held)}/{len(ok)}",
+                       "decode_tps": statistics.median(s["decode_tps"] for s in held) if held else None}
+                steady = [x for x in steady_segments(ok)[0] if side(x[2])]
+                if steady and bpt:
+                    row["steady_roofline_pct"] = statistics.median(
+                        100 * steps / sec * bpt / (bw * 1e9) for steps, sec, bw in steady)
+                    row["steady_segments"] = str(len(steady))
+                block.append(row)
+            base = next((r for r in block if r["engine"] == BASELINE and r["decode_tps"]), None)
+            for r in block:
+                if base and r["decode_tps"]:
+                    r["decode_vs_q4_0"] = r["decode_tps"] / base["decode_tps"]
+            out += block
+    return out
 
 
 def summarize(a, samples: list[dict], paths: dict, bw: dict | None) -> list[dict]:
@@ -265,7 +330,7 @@ def fmt(v, spec):
     return "–" if v is None else format(v, spec)
 
 
-def markdown(a, rows, info, bw, infos, cmd) -> str:
+def markdown(a, rows, info, bw, infos, cmd, states: tuple[float, list[dict]] | None = None) -> str:
     m = info["machine"]
     lines = [
         f"Machine: {m['cpu']}, {m['cores']} cores visible, {m['memory_GiB']} GiB; {m['os']}; "
@@ -300,6 +365,19 @@ def markdown(a, rows, info, bw, infos, cmd) -> str:
             f"{fmt(bpt and bpt / 1e6, '.0f')} | {fmt(r.get('roofline_pct'), '.0f')} | "
             f"{fmt(r.get('paired_roofline_pct'), '.0f')} | {fmt(r.get('steady_roofline_pct'), '.0f')}"
             f"{' (' + r['steady_segments'] + ')' if 'steady_segments' in r else ''} | {r['n']} |")
+    if states:
+        threshold, srows = states
+        lines += ["", f"By bandwidth state: the session's measurements fell into two states, split at "
+                  f"{threshold:.1f} GB/s. A run counts in a state when every measurement around its "
+                  "decode agrees within 10% and lies on that side; runs that crossed a switch are "
+                  "left out (runs: kept / all). Ratios are between engines' runs in the same state.",
+                  "", "| prompt | state | engine | decode tok/s | decode × Q4_0 | "
+                  "decode % steady roofline (segments) | runs |", "|---:|---|---|---:|---:|---:|---:|"]
+        for r in srows:
+            lines.append(
+                f"| {r['prompt']} | {r['state']} | {r['engine']} | {fmt(r['decode_tps'], '.2f')} | "
+                f"{fmt(r.get('decode_vs_q4_0'), '.2f')} | {fmt(r.get('steady_roofline_pct'), '.0f')}"
+                f"{' (' + r['steady_segments'] + ')' if 'steady_segments' in r else ''} | {r['runs']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -338,7 +416,9 @@ def main(argv=None) -> int:
         if paired and max(paired) > bw[a.threads]["best_GBps"]:
             bw[a.threads] = {**bw[a.threads], "best_GBps": max(paired), "from": "paired"}
     rows = summarize(a, samples, paths, bw[a.threads] if bw else None)
-    table = markdown(a, rows, info, bw, infos, cmd)
+    threshold = state_threshold(samples)
+    states = (threshold, by_state(a, samples, rows, threshold)) if threshold else None
+    table = markdown(a, rows, info, bw, infos, cmd, states)
     print(table)
     if a.markdown:
         a.markdown.write_text(table)
@@ -346,7 +426,8 @@ def main(argv=None) -> int:
         a.json.write_text(json.dumps({"info": info, "args": {k: (str(v) if isinstance(v, Path) else v)
                                                              for k, v in vars(a).items()},
                                       "bandwidth": bw, "engines": infos, "samples": samples,
-                                      "rows": rows}, indent=1))
+                                      "rows": rows, "state_threshold_GBps": threshold,
+                                      "rows_by_state": states[1] if states else []}, indent=1))
     return 0
 
 

@@ -5,7 +5,9 @@ On the 2-core VM the read bandwidth switches between two states (~50 and ~82 GB/
 seconds; a decode bracketed by one measurement of each cannot say which it ran in. Asserted:
 the segments cover every decode step exactly once, in order, with each measurement shared by the
 segments on either side of it, and their time is the decode time; steady_segments keeps the
-segments whose brackets agree within 10% (against the better of the two) and counts the rest.
+segments whose brackets agree within 10% (against the better of the two) and counts the rest;
+and where the measurements fall into two states, each run is counted in the state it stayed in
+(none if it crossed a switch) and ratios pair runs of one state.
 """
 
 from __future__ import annotations
@@ -62,3 +64,47 @@ def test_lily_decode_is_timed_in_bracketed_segments(bench, monkeypatch):
     # Without membw: one timed loop, no measurements.
     r = timer.measure(8, 6, seed=1)
     assert "segments" not in r and "bw_GBps" not in r and r["decode_s"] > 0
+
+
+def test_bandwidth_states_split_runs_and_ratios(bench):
+    """Two bandwidth states (a shared VM's ~35 and ~59 GB/s) are found at the widest gap of the
+    held measurements; each run counts in the state it stayed in, a run across a switch in
+    neither, and ratios pair runs of one state."""
+    _, run = bench
+    lily = "lily"
+
+    def lily_run(rep, tps, brackets):
+        segs = [[32, 32 / tps, a, b] for a, b in zip(brackets[:-1], brackets[1:], strict=True)]
+        return {"engine": lily, "prompt": 512, "rep": rep, "decode_tps": tps, "segments": segs,
+                "bw_GBps": max(brackets)}
+
+    def llama_run(rep, tps, lo, hi):
+        return {"engine": run.BASELINE, "prompt": 512, "rep": rep, "decode_tps": tps, "bw_GBps": hi, "bw_low_GBps": lo}
+
+    samples = [
+        lily_run(0, 110.0, [58.0, 59.0, 57.5]), llama_run(0, 46.0, 57.0, 59.0),
+        lily_run(1, 66.0, [35.0, 35.5, 36.0]), llama_run(1, 44.0, 35.5, 36.0),
+        lily_run(2, 90.0, [35.0, 58.0, 58.5]),  # crossed a switch: in neither state
+        llama_run(2, 45.0, 36.0, 58.0),         # likewise
+    ]
+    threshold = run.state_threshold(samples)
+    assert 36.0 < threshold < 57.0
+    # One state (10% noise, no gap of 25%): no split.
+    assert run.state_threshold([lily_run(0, 100.0, [50.0, 54.0, 52.0]), llama_run(0, 45.0, 51.0, 55.0)]) is None
+
+    class A:
+        prompts, engines = [512], [lily, run.BASELINE]
+
+    rows = [{"prompt": 512, "engine": lily, "bytes_per_token": 433e6},
+            {"prompt": 512, "engine": run.BASELINE, "bytes_per_token": 570e6}]
+    got = {(r["state"], r["engine"]): r for r in run.by_state(A, samples, rows, threshold)}
+    assert got["low", lily]["decode_tps"] == 66.0 and got["low", lily]["runs"] == "1/3"
+    assert got["high", lily]["decode_tps"] == 110.0
+    assert got["low", lily]["decode_vs_q4_0"] == 66.0 / 44.0
+    assert got["high", lily]["decode_vs_q4_0"] == 110.0 / 46.0
+    assert got["high", run.BASELINE]["runs"] == "1/3"
+    # lily's steady roofline per state: its segments of that state, run 2's included.
+    low_pct = 100 * 66.0 * 433e6 / (35.5e9), 100 * 66.0 * 433e6 / (36.0e9)
+    assert got["low", lily]["steady_segments"] == "2"
+    assert got["low", lily]["steady_roofline_pct"] == (low_pct[0] + low_pct[1]) / 2
+    assert got["high", lily]["steady_segments"] == "3"  # run 0's two and run 2's 58.0 -> 58.5
