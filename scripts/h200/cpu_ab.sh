@@ -18,7 +18,9 @@ ORDER=${ORDER:-"new old new"}
 mapfile -t files < <(cd "$BASE" 2>/dev/null && find . -type f | sed 's|^\./||' | sort)
 [ ${#files[@]} -gt 0 ] || { echo "$BASE/ is missing or empty (see the header)"; exit 1; }
 echo "old = new with ${files[*]} from $BASE/" | tee "$OUT/ab.txt"
-python3 scripts/make_fullsize.py "$CKPT" --workers 16 > "$OUT/make_fullsize.log" 2>&1 &
+# The checkpoint once per machine (an earlier phase of the same call may have written it).
+if [ -f "$CKPT/model.safetensors.index.json" ]; then true & else
+  python3 scripts/make_fullsize.py "$CKPT" --workers 16 > "$OUT/make_fullsize.log" 2>&1 & fi
 ckpt=$!
 mkdir -p /tmp/ab_new
 for f in "${files[@]}"; do mkdir -p "/tmp/ab_new/$(dirname "$f")" && cp "$f" "/tmp/ab_new/$f"; done
