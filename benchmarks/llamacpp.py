@@ -103,7 +103,8 @@ def fetch_source() -> Path:
         _log(f"downloading llama-cpp-python=={VERSION} sdist from PyPI")
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
                         "--no-binary", "llama-cpp-python", "--no-build-isolation",
-                        f"llama-cpp-python=={VERSION}", "-d", str(CACHE)], check=True)
+                        f"llama-cpp-python=={VERSION}", "-d", str(CACHE)], check=True,
+                       stdout=sys.stderr)  # stdout is the source path alone (prepare_llamacpp.sh reads it)
     if not sdist.is_file():
         raise RuntimeError(f"pip download did not produce {sdist}")
     _log(f"unpacking {sdist.name}")
