@@ -777,8 +777,12 @@ constexpr int kInterleave = 16;
 //   34.9-37.4 into L2 (36.2-37.6 into L3), the 256 expert matrices 2048 x 512 34.4-38.8 against
 //   33.0-36.7; two threads in the VM's fast bandwidth state 76-82 GB/s against 72.6-77.0 (membw:
 //   83). 4 rows ahead ran 33-35, 16 rows 36-38. At full size on the H200 host's Xeon, 16 threads:
-//   decode +10-16% with L1 (docs/performance.md, "Its stream into L1"). Neither CPU has run the
-//   address-order layout yet: L1 stays their choice until measured.
+//   decode +10-16% with L1 (docs/performance.md, "Its stream into L1").
+// - Intel Xeon (family 6 model 207: the 2-core VM and the H200 host), the address-order layout:
+//   with no software prefetch the 2-core VM's two threads read the lm_head at 16-21 GB/s against
+//   21-31 into L1 (membw 28-33); into L2, or further ahead (16-64 KiB), or into L2 far and L1
+//   near, all within the VM's drift of L1's figures. At full size on the H200 host the decode
+//   A/B could not tell L1 from none (docs/performance.md, "Run 7, in address order").
 // - Zen 4 VM (family 19h model 11h), the address-order layout: one thread, the lm_head 27-29
 //   GB/s with no software prefetch against 22-24 into L1 and 20-22 into L2 (membw 29-30); two
 //   threads in the VM's fast state 56-59 against 47-49 into L1 (membw 59); the 256 matrices
