@@ -244,11 +244,18 @@ def run_bandwidth(s: dict) -> tuple[float, float] | None:
     return None
 
 
+def held_bandwidth(s: dict) -> float | None:
+    """The bandwidth a run's decode held (the highest measurement around it, when all of them agree
+    within STEADY); None when it crossed a switch or has no measurement."""
+    r = run_bandwidth(s)
+    return r[1] if r and r[0] >= (1 - STEADY) * r[1] else None
+
+
 def state_threshold(samples: list[dict]) -> float | None:
     """The bandwidth (GB/s) between the session's two states, or None when it saw one: the
     measurements that agree within STEADY around a run or a segment, sorted, split at their
     widest gap when that gap is at least STATE_GAP (at the geometric mean of its two ends)."""
-    held = [r[1] for s in samples if (r := run_bandwidth(s)) and r[0] >= (1 - STEADY) * r[1]]
+    held = [bw for s in samples if (bw := held_bandwidth(s))]
     held += [bw for _, _, bw in steady_segments(samples)[0]]
     held.sort()
     gaps = [(held[i + 1] / held[i], i) for i in range(len(held) - 1)]
@@ -269,7 +276,7 @@ def by_state(a, samples: list[dict], rows: list[dict], threshold: float) -> list
             block = []
             for name in a.engines:
                 ok = [s for s in samples if s["engine"] == name and s["prompt"] == p and "error" not in s]
-                held = [s for s in ok if (r := run_bandwidth(s)) and r[0] >= (1 - STEADY) * r[1] and side(r[1])]
+                held = [s for s in ok if (bw := held_bandwidth(s)) and side(bw)]
                 bpt = next((r.get("bytes_per_token") for r in rows if r["prompt"] == p and r["engine"] == name), None)
                 row = {"prompt": p, "state": state, "engine": name, "runs": f"{len(held)}/{len(ok)}",
                        "decode_tps": statistics.median(s["decode_tps"] for s in held) if held else None}
