@@ -769,10 +769,11 @@ void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* 
 // Per token, the same canonical sequence (linear_int8.h) as every kernel here.
 constexpr int kInterleave = 16;
 
-// The interleaved kernel's stream is prefetched into L1 (prefetcht0) on most CPUs and not at all
-// on AMD family 19h (Zen 4, the only AVX-512 CPUs of that family); the row kernels' several
-// streams always go to L2 (kPrefetchLocality says why). Measured with
-// benchmarks/kernels/pool_bench.cpp (interleaved, the prefetch 8 rows ahead, alternated):
+// The interleaved kernel's stream is prefetched into L2 (prefetcht1) on Intel, into L1
+// (prefetcht0) on AMD but family 19h, and not at all on AMD family 19h (Zen 4, the only AVX-512
+// CPUs of that family); the row kernels' several streams always go to L2 (kPrefetchLocality says
+// why). Measured with benchmarks/kernels/pool_bench.cpp (interleaved, the prefetch 8 rows ahead,
+// alternated) and the medium model's decode:
 // - Zen 5 VM, the scales-first layout: one thread, the lm_head 36.9-39.6 GB/s into L1 against
 //   34.9-37.4 into L2 (36.2-37.6 into L3), the 256 expert matrices 2048 x 512 34.4-38.8 against
 //   33.0-36.7; two threads in the VM's fast bandwidth state 76-82 GB/s against 72.6-77.0 (membw:
@@ -780,9 +781,11 @@ constexpr int kInterleave = 16;
 //   decode +10-16% with L1 (docs/performance.md, "Its stream into L1").
 // - Intel Xeon (family 6 model 207: the 2-core VM and the H200 host), the address-order layout:
 //   with no software prefetch the 2-core VM's two threads read the lm_head at 16-21 GB/s against
-//   21-31 into L1 (membw 28-33); into L2, or further ahead (16-64 KiB), or into L2 far and L1
-//   near, all within the VM's drift of L1's figures. At full size on the H200 host the decode
-//   A/B could not tell L1 from none (docs/performance.md, "Run 7, in address order").
+//   21-31 into L1 (membw 28-33). Each pass as a ratio to the membw bests bracketing it, 6
+//   alternations: into L1 median 0.905, into L2 0.962 (16-64 KiB ahead, or L2 far and L1 near,
+//   no better). The medium model's decode, 2 threads, the builds alternated 6 times: into L2
+//   36-42 tok/s, median 68-70% of the bracketing membw, against 35-38 and 65-67% into L1
+//   (docs/performance.md, "On Intel").
 // - Zen 4 VM (family 19h model 11h), the address-order layout: one thread, the lm_head 27-29
 //   GB/s with no software prefetch against 22-24 into L1 and 20-22 into L2 (membw 29-30); two
 //   threads in the VM's fast state 56-59 against 47-49 into L1 (membw 59); the 256 matrices
@@ -798,6 +801,7 @@ int interleaved_prefetch_locality() {
   static const int locality = [] {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return 3;
+    if (ebx == 0x756e6547 && edx == 0x49656e69 && ecx == 0x6c65746e) return 2;  // "GenuineIntel"
     const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // "AuthenticAMD"
     if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 3;
     const unsigned family = ((eax >> 8) & 0xF) + (((eax >> 8) & 0xF) == 0xF ? (eax >> 20) & 0xFF : 0);
