@@ -785,7 +785,8 @@ constexpr int kInterleave = 16;
 //   alternations: into L1 median 0.905, into L2 0.962 (16-64 KiB ahead, or L2 far and L1 near,
 //   no better). The medium model's decode, 2 threads, the builds alternated 6 times: into L2
 //   36-42 tok/s, median 68-70% of the bracketing membw, against 35-38 and 65-67% into L1
-//   (docs/performance.md, "On Intel").
+//   (docs/performance.md, "On Intel"). At full size on the H200 host, 16 threads: decode 48.5
+//   and 46.9 tok/s into L2 against 47.7 and 44.3 into L1 (there, "Run 8").
 // - Zen 4 VM (family 19h model 11h), the address-order layout: one thread, the lm_head 27-29
 //   GB/s with no software prefetch against 22-24 into L1 and 20-22 into L2 (membw 29-30); two
 //   threads in the VM's fast state 56-59 against 47-49 into L1 (membw 59); the 256 matrices
