@@ -769,10 +769,10 @@ void rows_int8(const Linear& W, const int8_t* xq, const float* dx, const float* 
 // Per token, the same canonical sequence (linear_int8.h) as every kernel here.
 constexpr int kInterleave = 16;
 
-// The interleaved kernel's stream is prefetched into L2 (prefetcht1) on Intel, into L1
-// (prefetcht0) on AMD but family 19h, and not at all on AMD family 19h (Zen 4, the only AVX-512
-// CPUs of that family); the row kernels' several streams always go to L2 (kPrefetchLocality says
-// why). Measured with benchmarks/kernels/pool_bench.cpp (interleaved, the prefetch 8 rows ahead,
+// The interleaved kernel's stream is prefetched into L2 (prefetcht1) on Intel, not at all on AMD
+// family 19h (Zen 4, the only AVX-512 CPUs of that family), and into L1 (prefetcht0) elsewhere
+// (Zen 5); the row kernels' several streams always go to L2 (kPrefetchLocality says why).
+// Measured with benchmarks/kernels/pool_bench.cpp (interleaved, the prefetch 8 rows ahead,
 // alternated) and the medium model's decode:
 // - Zen 5 VM, the scales-first layout: one thread, the lm_head 36.9-39.6 GB/s into L1 against
 //   34.9-37.4 into L2 (36.2-37.6 into L3), the 256 expert matrices 2048 x 512 34.4-38.8 against
