@@ -1,5 +1,6 @@
 # Sourced by the CPU-side phase scripts that run in the background on the H200 machine
-# (phase_e.sh, phase_j.sh) from the repository root, with W (the phase's work folder) set.
+# (phase_e.sh, phase_j.sh, phase_o.sh, phase_p.sh) from the repository root, with W (the
+# phase's work folder) set.
 # `bash phase_X.sh collect` calls phase_collect and exits; otherwise phase_start makes the work
 # folder and records the host. say appends a timestamped line to $W/progress, what the polling
 # calls print.
