@@ -75,19 +75,29 @@ class LilyTimer:
     # inside it, long enough to time (~0.2-0.3 s; a measurement takes ~0.3 s).
     SEGMENT = 32
 
-    def measure(self, p: int, n: int, seed: int, membw: int | None = None) -> dict:
+    # Decode steps between two passes of an interleaved membw (~0.1 s of decode on the medium
+    # model, about one pass over membw's buffer on the 2-core VM).
+    INTERLEAVE = 5
+
+    def measure(self, p: int, n: int, seed: int, membw: int | None = None,
+                interleave: roofline.MembwServer | None = None) -> dict:
         """membw = threads: also measure the read bandwidth at that many threads before the
         decode steps and after every SEGMENT of them: bw_GBps, the best of them all (the run's
         roofline, as for the other engines' runs), and segments, [steps, seconds, bandwidth
-        before, bandwidth after] each (run.py's steady roofline)."""
+        before, bandwidth after] each (run.py's steady roofline).
+        interleave: a running membw server; one pass of it after every INTERLEAVE steps, the read
+        modes alternating: rounds, [steps, seconds, mode, pass seconds, pass bytes] each
+        (roofline.interleaved_share)."""
+        if membw and interleave:
+            raise ValueError("measure: membw brackets or interleaved passes, not both")
         ids = prompt_ids(p, self.vocab, seed)
         s = self.model.session(max_context=p + n + 1)
         t0 = time.perf_counter()
         logits = s.prefill(ids)
         prefill_s = time.perf_counter() - t0
-        seg = n if not membw else self.SEGMENT
+        seg = self.INTERLEAVE if interleave else self.SEGMENT if membw else n
         bws = [roofline.bandwidth_now(membw)] if membw else []
-        segments, decode_s, done = [], 0.0, 0
+        segments, rounds, decode_s, done = [], [], 0.0, 0
         while done < n:  # the measurements' time is neither prefill's nor decode's
             steps = min(seg, n - done)
             t1 = time.perf_counter()
@@ -96,13 +106,18 @@ class LilyTimer:
             dt_s = time.perf_counter() - t1
             decode_s += dt_s
             done += steps
-            if membw:
+            if interleave:
+                mode = interleave.MODES[len(rounds) % 2]
+                rounds.append([steps, dt_s, mode, *interleave.read(mode)])
+            elif membw:
                 bws.append(roofline.bandwidth_now(membw))
                 segments.append([steps, dt_s, bws[-2], bws[-1]])
         res = {"prefill_s": prefill_s, "decode_s": decode_s}
         if membw:
             res["bw_GBps"] = max(bws)
             res["segments"] = segments
+        if interleave:
+            res["rounds"] = rounds
         return res
 
 

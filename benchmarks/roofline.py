@@ -38,7 +38,8 @@ prefill) and reports, next to the percentage of the session's best, the median o
 decode against the better of the two measurements taken just before and just after it: on a
 shared host the read bandwidth moves by 1.6x from one minute to the next (the Zen 5 VM's two
 threads: 48-50 or 80-83 GB/s), and a roofline measured minutes away says more about the
-neighbours than about the engine.
+neighbours than about the engine. interleaved_roofline.py goes one step further (MembwServer):
+single passes between lily's decode steps, the decode against their mean, not a best.
 """
 
 from __future__ import annotations
@@ -111,6 +112,64 @@ def bandwidth(threads: int, mib: int | None = None, passes: int = 10, source: st
     fields = dict(kv.split("=") for kv in out.split())
     return {"threads": threads, "best_GBps": float(fields["best_GBps"]),
             "median_GBps": float(fields["median_GBps"])}
+
+
+class MembwServer:
+    """membw kept running (its "serve" mode) to read its buffer once on request: passes taken
+    between a decode's own steps sample the same minutes as the decode, so decode bytes/s over
+    the mean of those passes is its share of the bandwidth the machine gave meanwhile. On a
+    shared VM the best of a few short passes taken around the decode (bandwidth_now) is an upper
+    envelope of a bandwidth that moves from pass to pass, and the decode's share of it reads low
+    (docs/performance.md, "Decode against passes between its steps")."""
+
+    MODES = ("plain", "prefetch")
+
+    def __init__(self, threads: int, mib: int | None = None, source: str = "huge"):
+        self.proc = subprocess.Popen([str(membw_binary()), str(threads), str(mib or buffer_mib(1024)), "serve",
+                                      source], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            self.close()
+            raise RuntimeError("membw serve did not start")
+        for mode in self.MODES:  # warm-up: the first pass of each mode faults pages in
+            self.read(mode)
+
+    def read(self, mode: str) -> tuple[float, int]:
+        """One pass over the buffer, "plain" or "prefetch": (seconds, bytes)."""
+        self.proc.stdin.write(mode + "\n")
+        self.proc.stdin.flush()
+        fields = dict(kv.split("=") for kv in self.proc.stdout.readline().split())
+        if "seconds" not in fields:
+            raise RuntimeError(f"membw serve: no answer to {mode!r}")
+        return float(fields["seconds"]), int(fields["bytes"])
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        self.proc.wait()
+
+    def __enter__(self) -> MembwServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def interleaved_share(rounds: list[list], bytes_per_token: float) -> dict:
+    """rounds: [steps, seconds, mode, pass seconds, pass bytes] of a decode whose steps alternate
+    with membw passes (engines.LilyTimer.measure(interleave=...)). The roofline is the better
+    read mode's mean over its passes (as membw's best takes the better mode); returns decode
+    GB/s, that mean, the best single pass, and the decode as a percentage of each."""
+    steps = sum(r[0] for r in rounds)
+    decode_gbps = steps * bytes_per_token / sum(r[1] for r in rounds) / 1e9
+    means = {}
+    for mode in {r[2] for r in rounds}:
+        mine = [r for r in rounds if r[2] == mode]
+        means[mode] = sum(r[4] for r in mine) / sum(r[3] for r in mine) / 1e9
+    best_pass = max(r[4] / r[3] for r in rounds) / 1e9
+    mean = max(means.values())
+    return {"decode_GBps": decode_gbps, "membw_mean_GBps": mean, "membw_best_pass_GBps": best_pass,
+            "pct_of_mean": 100 * decode_gbps / mean, "pct_of_best_pass": 100 * decode_gbps / best_pass,
+            "passes": len(rounds), "steps": steps}
 
 
 # ---------------------------------------------------------------------------------------------

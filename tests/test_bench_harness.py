@@ -8,11 +8,17 @@ segments on either side of it, and their time is the decode time; steady_segment
 segments whose brackets agree within 10% (against the better of the two) and counts the rest;
 and where the measurements fall into two states, each run is counted in the state it stayed in
 (none if it crossed a switch) and ratios pair runs of one state.
+
+benchmarks/interleaved_roofline.py's measurement too: membw's serve mode reads its buffer once
+per request and refuses a request it does not know; the decode alternates with those passes,
+covering every step once; and the share is the decode's bytes/s over the better read mode's
+mean (bytes over seconds of its passes), as worked by hand below.
 """
 
 from __future__ import annotations
 
 import importlib
+import subprocess
 import sys
 from pathlib import Path
 
@@ -108,3 +114,64 @@ def test_bandwidth_states_split_runs_and_ratios(bench):
     assert got["low", lily]["steady_segments"] == "2"
     assert got["low", lily]["steady_roofline_pct"] == (low_pct[0] + low_pct[1]) / 2
     assert got["high", lily]["steady_segments"] == "3"  # run 0's two and run 2's 58.0 -> 58.5
+
+
+def test_membw_serve_reads_once_per_request(bench):
+    engines, _ = bench
+    roofline = engines.roofline
+    with roofline.MembwServer(2, mib=64, source="anon") as server:
+        got = [server.read(m) for m in ("plain", "prefetch", "plain")]
+    assert [b for _, b in got] == [64 << 20] * 3
+    assert all(0 < sec < 10 for sec, _ in got)
+    assert server.proc.returncode == 0
+    # An unknown request: a named refusal and a failing exit, not a pass.
+    r = subprocess.run([str(roofline.membw_binary()), "1", "8", "serve"], input="fast\n", capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1 and 'expected "plain" or "prefetch", got fast' in r.stderr
+    assert "seconds=" not in r.stdout
+
+
+def test_lily_decode_alternates_with_membw_passes(bench):
+    engines, _ = bench
+
+    class FakeServer:
+        MODES = ("plain", "prefetch")
+
+        def __init__(self):
+            self.asked = []
+
+        def read(self, mode):
+            self.asked.append(mode)
+            return 0.01 * len(self.asked), 1000
+
+    server = FakeServer()
+    timer = engines.LilyTimer(None, threads=1)  # the embedded demo model
+    n = 2 * engines.LilyTimer.INTERLEAVE + 3
+    r = timer.measure(8, n, seed=1, interleave=server)
+    rounds = r["rounds"]
+    assert [x[0] for x in rounds] == [engines.LilyTimer.INTERLEAVE] * 2 + [3]
+    assert [x[2] for x in rounds] == server.asked == ["plain", "prefetch", "plain"]
+    assert [x[3:] for x in rounds] == [[0.01, 1000], [0.02, 1000], [0.03, 1000]]
+    assert sum(x[1] for x in rounds) == pytest.approx(r["decode_s"])
+    assert "segments" not in r and "bw_GBps" not in r
+    with pytest.raises(ValueError, match="not both"):
+        timer.measure(8, 2, seed=1, membw=1, interleave=server)
+
+
+def test_interleaved_share_takes_the_better_modes_mean(bench):
+    engines, _ = bench
+    rounds = [
+        [5, 0.10, "plain", 0.10, 3e9],     # 30 GB/s
+        [5, 0.12, "prefetch", 0.12, 3e9],  # 25
+        [5, 0.08, "plain", 0.05, 1.6e9],   # 32 (the best pass)
+        [5, 0.10, "prefetch", 0.10, 2.6e9],
+    ]
+    share = engines.roofline.interleaved_share(rounds, bytes_per_token=400e6)
+    decode = 20 * 400e6 / 0.40 / 1e9  # 20 GB/s
+    plain = 4.6e9 / 0.15 / 1e9         # 30.67: the plain passes' bytes over their seconds
+    assert share["decode_GBps"] == pytest.approx(decode)
+    assert share["membw_mean_GBps"] == pytest.approx(plain)  # prefetch's mean is 5.6 / 0.22 = 25.5
+    assert share["membw_best_pass_GBps"] == pytest.approx(32.0)
+    assert share["pct_of_mean"] == pytest.approx(100 * decode / plain)
+    assert share["pct_of_best_pass"] == pytest.approx(100 * decode / 32.0)
+    assert (share["passes"], share["steps"]) == (4, 20)
