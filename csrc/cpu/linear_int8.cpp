@@ -240,7 +240,15 @@ struct StreamPrefetch {
   const uint8_t* next;  // first byte not yet prefetched
   const uint8_t* end;   // the stream's end: nothing past it is touched
   void upto(const uint8_t* target) {
-    for (const uint8_t* t = std::min(end, target); next < t; next += 64) __builtin_prefetch(next, 0, Locality);
+    const uint8_t* t = std::min(end, target);
+    // The interleaved kernel moves the target on by 256 bytes a call: four lines under one bound
+    // check, not a loop of five instructions a line (interleaved_block says why that counts).
+    if (next + 256 <= t) {
+      __builtin_prefetch(next, 0, Locality), __builtin_prefetch(next + 64, 0, Locality);
+      __builtin_prefetch(next + 128, 0, Locality), __builtin_prefetch(next + 192, 0, Locality);
+      next += 256;
+    }
+    for (; next < t; next += 64) __builtin_prefetch(next, 0, Locality);
   }
 };
 
@@ -847,48 +855,69 @@ struct InterleavedLayout {
   }
 };
 
+// acc + VPDPBUSD(u, the 4 bytes at x in every 32-bit lane), the broadcast embedded in the
+// instruction ({1to16}): one fused load-and-multiply where GCC emits a separate broadcast load for
+// _mm512_set1_epi32 of the bytes.
+inline __m512i dpbusd_bcast(__m512i acc, __m512i u, const int8_t* x) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(x)));
+  return acc;
+}
+
 // The tokens' outputs of rows [r0, r1) of one interleaved block (rows [rb, rb + 16)), its bytes
 // read in address order: per chunk the scales, then per activation block its codes; the biases.
+// Why the loop is kept to few instructions per byte, though it waits on memory: on the 2-core
+// Xeon VM (family 6 model 207) a core streams less the more instructions ride on each line, far
+// below what it could execute. benchmarks/kernels/stream_ceiling.cpp, two threads, as shares of
+// the plain reads' bandwidth in the same rounds: the stream alone 94%, with this loop's
+// arithmetic 87-89%, with half of it 91-92%. Hence one load per 64 bytes (kept from being folded
+// into both masks), the high nibbles masked in place instead of shifted, the activations'
+// broadcasts embedded in the VPDPBUSDs, four prefetches under one bound check, and the cursors
+// in registers: ~50 instructions executed per 256 bytes of codes instead of ~78, the same sums
+// (docs/performance.md, "Fewer instructions a line").
 template <int T, class Prefetch>
 [[gnu::noinline]] void interleaved_block(const Linear& W, const InterleavedLayout& L, const uint8_t* blk,
                                          const int8_t* xq, const float* dx, const float* gsum, float* y, int ldy,
-                                         int64_t rb, int64_t r0, int64_t r1, Prefetch& pf) {
+                                         int64_t rb, int64_t r0, int64_t r1, Prefetch& stream) {
+  Prefetch pf = stream;  // the cursor in a register: through the reference it is reloaded and stored every step
   const int in = W.in, nb = in / kInt8Block, G = L.groups;
   const size_t esz = L.esz, ahead = prefetch_distance(size_t(in) / 2), params = size_t(kInterleave) * esz;
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), mF0 = _mm512_set1_epi8(char(0xF0));
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
   const uint8_t* p = blk;  // the next byte to read
+  // x's even values of block b at chunk offset (b % 4) * 16 of xq's 128-value chunks, its odd ones
+  // 64 bytes on (the layout [evens | odds]): xb = xq + (b / 4) * 128 + (b % 4) * 16.
+  const int8_t* xb = xq;
   for (int c = 0, b = 0; c * L.per_chunk < G; ++c) {
     const int ng = L.chunk_groups(c);
     const uint8_t* scales = p;
     p += ng * params;
     for (int g = 0; g < ng; ++g) {
       const __m512 s = load_params(scales + g * params, W.dtype, kInterleave);
-      for (int j = 0; j < L.blocks_per_group; ++j, ++b, p += 256) {
+      for (int j = 0; j < L.blocks_per_group; ++j, ++b, p += 256, xb += (b % 4 == 0 ? 80 : 16)) {
         pf.upto(p + 256 + ahead);
-        // x's even values of block b at chunk offset (b % 4) * 16, its odd ones 64 bytes on (the
-        // xq layout of 128-value chunks: [evens | odds]).
-        const size_t xoff = size_t(b / 4) * 128 + (b % 4) * 16;
-        // Integer sums per token: low and high nibbles in two chains where registers allow (up
-        // to 4 tokens: 8 sums + 4 accumulators), else one chain (8 VPDPBUSDs deep) per token.
+        // Integer sums per token. Up to 4 tokens (8 sums + 4 accumulators in registers) the low
+        // nibbles (v & 0x0F) and the high ones left in place (v & 0xF0: 16x their codes) go to two
+        // chains, and I = lo + (hi >> 4), exact since the high chain's sum is 16x an integer; that
+        // spares a shift per 64 bytes for one per block. Beyond 4 tokens one chain (8 VPDPBUSDs
+        // deep) per token, so the high nibbles are shifted down first.
         constexpr bool kTwoChains = T <= 4;
         __m512i lo_sum[T], hi_sum[T];
         for (int t = 0; t < T; ++t) lo_sum[t] = hi_sum[t] = _mm512_setzero_si512();
         for (int k = 0; k < 4; ++k) {
-          const __m512i v = _mm512_loadu_si512(p + k * 64);
-          const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+          __m512i v = _mm512_loadu_si512(p + k * 64);
+          __asm__("" : "+v"(v));  // one load: GCC would fold it into each use and read the line twice
+          const __m512i lo = _mm512_and_si512(v, m4);
+          const __m512i hi = kTwoChains ? _mm512_and_si512(v, mF0) : _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
           for (int t = 0; t < T; ++t) {
-            int32_t xe, xo;
-            std::memcpy(&xe, xq + size_t(t) * in + xoff + 4 * k, 4);
-            std::memcpy(&xo, xq + size_t(t) * in + xoff + 64 + 4 * k, 4);
-            lo_sum[t] = _mm512_dpbusd_epi32(lo_sum[t], lo, _mm512_set1_epi32(xe));
+            const int8_t* xt = xb + size_t(t) * in + 4 * k;
+            lo_sum[t] = dpbusd_bcast(lo_sum[t], lo, xt);
             __m512i& h = kTwoChains ? hi_sum[t] : lo_sum[t];
-            h = _mm512_dpbusd_epi32(h, hi, _mm512_set1_epi32(xo));
+            h = dpbusd_bcast(h, hi, xt + 64);
           }
         }
         for (int t = 0; t < T; ++t) {
-          const __m512i sum = kTwoChains ? _mm512_add_epi32(lo_sum[t], hi_sum[t]) : lo_sum[t];
+          const __m512i sum = kTwoChains ? _mm512_add_epi32(lo_sum[t], _mm512_srai_epi32(hi_sum[t], 4)) : lo_sum[t];
           acc[t] = fma_block(acc[t], sum, s, dx[size_t(t) * nb + b]);
         }
       }
@@ -901,6 +930,7 @@ template <int T, class Prefetch>
     for (int g = 0; g < G; ++g) acc[t] = fma_bias(acc[t], load_params(p + g * params, W.dtype, kInterleave), gt[g]);
     _mm512_mask_storeu_ps(y + size_t(t) * ldy + rb, keep, acc[t]);
   }
+  stream = pf;
 }
 
 // The blocks of rows [r0, r1), one after another, with the stream prefetcher pf (NoPrefetch or
