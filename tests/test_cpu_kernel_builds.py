@@ -215,23 +215,33 @@ def _library(arch, cxx, out):
     return lib
 
 
+DRIVER_CXX = {"arm64": ARM_CXX, "x86": "g++"}
+# As CMakeLists.txt builds lily (at -O2 gcc 12 flags its own AVX-512 headers falsely).
+X86_OPT = ["-O3", "-Wno-maybe-uninitialized"]
+
+
 @pytest.fixture(scope="module")
-def binaries(tmp_path_factory):
-    """{build: path} of the driver built for each entry of BUILDS (compiled once per session)."""
+def libraries(tmp_path_factory):
+    """(folder, {architecture: the library every build links}), compiled once per session."""
     out = tmp_path_factory.mktemp("kernel_builds")
-    compilers = {"arm64": ARM_CXX, "x86": "g++"}
     if "arm64" in {v[0] for v in BUILDS.values()}:
         _require(ARM_CXX, "g++-aarch64-linux-gnu")
         if not (SYSROOT / "include").is_dir():
             pytest.fail(f"{SYSROOT}/include missing: install the Debian package g++-aarch64-linux-gnu")
-    libs = {arch: _library(arch, compilers[arch], out) for arch in sorted({v[0] for v in BUILDS.values()})}
+    return out, {arch: _library(arch, DRIVER_CXX[arch], out) for arch in sorted({v[0] for v in BUILDS.values()})}
+
+
+@pytest.fixture(scope="module")
+def binaries(libraries):
+    """{build: path} of the driver built for each entry of BUILDS (compiled once per session)."""
+    out, libs = libraries
 
     def build(name):
         arch, flags = BUILDS[name][0], BUILDS[name][1]
-        if arch == "x86":  # as CMakeLists.txt builds lily (at -O2 gcc 12 flags its own AVX-512
-            flags = [*flags, "-O3", "-Wno-maybe-uninitialized"]  # headers falsely)
+        if arch == "x86":
+            flags = [*flags, *X86_OPT]
         exe = out / f"driver-{name}"
-        r = _run([compilers[arch], *CXXFLAGS, *flags, str(DRIVER), *(str(ROOT / k) for k in KERNELS),
+        r = _run([DRIVER_CXX[arch], *CXXFLAGS, *flags, str(DRIVER), *(str(ROOT / k) for k in KERNELS),
                   str(libs[arch]), "-lpthread", "-o", str(exe)], f"building the driver for {name}")
         assert "warning:" not in r.stderr, r.stderr
         return name, exe
@@ -400,3 +410,28 @@ def test_lily_core_compiles_for_aarch64_without_warnings(compiler):
     bad = [f"{src.relative_to(ROOT)}:\n{r.stderr}" for src, r in zip(sources, results, strict=True)
            if r.returncode != 0 or "warning:" in r.stderr]
     assert not bad, "\n".join(bad)[-6000:]
+
+
+@pytest.mark.skipif("x86-avx512vnni" not in BUILDS,
+                    reason="the host CPU lacks AVX-512 VNNI, the instruction set stream_ceiling measures")
+def test_stream_ceiling_builds_and_runs_the_kernel(libraries):
+    """benchmarks/kernels/stream_ceiling.cpp (docs/performance.md, "Fewer instructions a line,
+    measured in one process") builds against the kernels without warnings, runs lily's lm_head
+    kernel among the synthetic streams with each kind's figure as a share of the plain reads',
+    and refuses an unknown kind by name."""
+    out, libs = libraries
+    exe = out / "stream_ceiling"
+    r = _run(["g++", *CXXFLAGS, *_AVX512_VNNI_MFLAGS, *X86_OPT, str(ROOT / "benchmarks/kernels/stream_ceiling.cpp"),
+              *(str(ROOT / k) for k in KERNELS), str(libs["x86"]), "-lpthread", "-o", str(exe)],
+             "building stream_ceiling")
+    assert "warning:" not in r.stderr, r.stderr
+    r = _run([str(exe), "1", "2", "plain,loads,kernel"], "running stream_ceiling", timeout=300)
+    rows = {k: (float(gbps), share) for k, gbps, share in
+            re.findall(r"^(plain|loads|kernel)\s+([0-9.]+)\s+\(.*\)\s+([0-9.]+)%$", r.stdout, re.M)}
+    assert set(rows) == {"plain", "loads", "kernel"}, r.stdout
+    assert rows["plain"][1] == "100.0", r.stdout
+    assert all(gbps > 0 and float(share) > 0 for gbps, share in rows.values()), r.stdout
+    y0 = float(re.search(r"\(y\[0\] = (\S+)\)", r.stdout).group(1))
+    assert np.isfinite(y0) and y0 != 0, r.stdout  # the kernel ran and wrote its output
+    bad = subprocess.run([str(exe), "1", "2", "plain,bogus"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown kind 'bogus'" in bad.stderr, (bad.returncode, bad.stderr)

@@ -868,12 +868,12 @@ inline __m512i dpbusd_bcast(__m512i acc, __m512i u, const int8_t* x) {
 // Why the loop is kept to few instructions per byte, though it waits on memory: on the 2-core
 // Xeon VM (family 6 model 207) a core streams less the more instructions ride on each line, far
 // below what it could execute. benchmarks/kernels/stream_ceiling.cpp, two threads, as shares of
-// the plain reads' bandwidth in the same rounds: the stream alone 94%, with this loop's
-// arithmetic 87-89%, with half of it 91-92%. Hence one load per 64 bytes (kept from being folded
+// the plain reads' bandwidth in the same rounds: the stream alone 92-94%, with this loop's
+// arithmetic 86-89%, with half of it 90-92%. Hence one load per 64 bytes (kept from being folded
 // into both masks), the high nibbles masked in place instead of shifted, the activations'
 // broadcasts embedded in the VPDPBUSDs, four prefetches under one bound check, and the cursors
 // in registers: ~50 instructions executed per 256 bytes of codes instead of ~78, the same sums
-// (docs/performance.md, "Fewer instructions a line").
+// (docs/performance.md, "Fewer instructions a line, measured in one process").
 template <int T, class Prefetch>
 [[gnu::noinline]] void interleaved_block(const Linear& W, const InterleavedLayout& L, const uint8_t* blk,
                                          const int8_t* xq, const float* dx, const float* gsum, float* y, int ldy,
