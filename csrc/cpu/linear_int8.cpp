@@ -243,7 +243,7 @@ struct StreamPrefetch {
     const uint8_t* t = std::min(end, target);
     // The interleaved kernel moves the target on by 256 bytes a call: four lines under one bound
     // check, not a loop of five instructions a line (interleaved_block says why that counts).
-    if (next + 256 <= t) {
+    if (t - next >= 256) {
       __builtin_prefetch(next, 0, Locality), __builtin_prefetch(next + 64, 0, Locality);
       __builtin_prefetch(next + 128, 0, Locality), __builtin_prefetch(next + 192, 0, Locality);
       next += 256;
