@@ -4,7 +4,8 @@
 // same rounds. A ratio within one process and one minute, where a membw run before or after
 // another program's would compare two states of a shared VM's memory.
 //   stream_ceiling [ROUNDS=30] [THREADS=2] [KINDS=plain,prefetch,loads,arith,half,kernel]
-// Kinds. All but `kernel` read one 1 GiB buffer on 2 MiB pages, each thread its contiguous part:
+// Kinds. All but `kernel` read one 1 GiB buffer on 2 MiB pages (lily::HugePages, the loader's
+// memory, as every buffer here), each thread its contiguous part:
 //   plain     membw's loop (benchmarks/membw.c): eight 64-byte loads summed per 512 bytes
 //   prefetch  the same with every line also prefetched into L2 16 KiB ahead (membw's other mode)
 //   loads     the decode kernel's stream without its arithmetic: four 64-byte loads per 256
@@ -30,12 +31,12 @@
 #include <random>
 #include <sstream>
 #include <string>
-#include <sys/mman.h>
 #include <vector>
 
 #include "cpu/linear.h"
 #include "cpu/linear_int8.h"
 #include "cpu/thread_pool.h"
+#include "model/pages.h"
 
 #if !defined(__AVX512VNNI__) || !defined(__AVX512BW__)
 #error "stream_ceiling needs AVX-512 VNNI: build with -march=native on such a CPU"
@@ -47,17 +48,6 @@ namespace {
 
 enum class Kind { Plain, Prefetch, Loads, Arith, Half, Kernel };
 constexpr const char* kNames[] = {"plain", "prefetch", "loads", "arith", "half", "kernel"};
-
-uint8_t* huge_alloc(size_t bytes) {
-  const size_t cap = (bytes + (2u << 20) - 1) & ~size_t((2u << 20) - 1);
-  auto* p = static_cast<uint8_t*>(std::aligned_alloc(2u << 20, cap));
-  if (!p) {
-    std::fprintf(stderr, "stream_ceiling: cannot allocate %zu bytes\n", bytes);
-    std::exit(1);
-  }
-  madvise(p, cap, MADV_HUGEPAGE);
-  return p;
-}
 
 // The sum of the 16 lanes (of type Lane) of the vector at v: a store, not _mm512_reduce_add_*,
 // where GCC 12 warns on its own header's code.
@@ -152,14 +142,16 @@ int main(int argc, char** argv) {
   }
   // The synthetic kinds' buffer, touched page by page.
   constexpr size_t kBuffer = size_t(1) << 30;
-  uint8_t* buf = huge_alloc(kBuffer);
+  HugePages buffer(kBuffer, "stream_ceiling's buffer");
+  uint8_t* buf = buffer.data();
   for (size_t i = 0; i < kBuffer; i += 4096) std::memset(buf + i, int(i >> 12), 4096);
 
   // The lm_head: random codes, bf16 scales and biases near +-0.01, rearranged as Model.load does.
   constexpr int kIn = 2048, kOut = 248320, kCopies = 4;
   const size_t w_bytes = size_t(kOut) * kIn / 2, p_bytes = size_t(kOut) * (kIn / 64) * 2;
   std::mt19937 rng(1);
-  uint8_t* src = huge_alloc(w_bytes + 2 * p_bytes);
+  HugePages source(w_bytes + 2 * p_bytes, "the lm_head");
+  uint8_t* src = source.data();
   for (size_t i = 0; i < w_bytes; ++i) src[i] = uint8_t(rng());
   for (size_t i = 0; i < p_bytes; i += 2) {
     const uint16_t s = uint16_t(0x3C24 + (rng() & 0x3F)), b = uint16_t(0xBC24 + (rng() & 0x3F));
@@ -175,9 +167,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   const size_t copy_bytes = cpu::interleaved_bytes(W);
-  uint8_t* copies = huge_alloc(copy_bytes * kCopies);
+  HugePages copies(copy_bytes * kCopies, "the lm_head's interleaved copies");
   std::vector<Linear> heads;
-  for (int c = 0; c < kCopies; ++c) heads.push_back(cpu::interleave_rows(W, copies + copy_bytes * c));
+  for (int c = 0; c < kCopies; ++c) heads.push_back(cpu::interleave_rows(W, copies.data() + copy_bytes * c));
   std::normal_distribution<float> normal(0.f, 1.f);
   std::vector<float> x(kIn), y(kOut);
   for (float& v : x) v = normal(rng);
