@@ -22,7 +22,7 @@ void KvCache::reserve(int positions, int max_positions) {
   while (cap <= positions) cap *= 2;
   cap = std::min(cap, (max_positions + kKvBlock - 1) / kKvBlock * kKvBlock);  // whole K blocks
   if (cap <= capacity) return;  // at max_positions already
-  std::vector<float> nk(size_t(kv_heads) * cap * head_dim), nv(nk.size());
+  HugeFloats nk(size_t(kv_heads) * cap * head_dim), nv(nk.size());
   for (int hh = 0; hh < kv_heads && capacity > 0; ++hh) {
     std::memcpy(nk.data() + size_t(hh) * cap * head_dim, k.data() + size_t(hh) * capacity * head_dim,
                 size_t(capacity) * head_dim * sizeof(float));

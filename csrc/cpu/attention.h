@@ -18,6 +18,7 @@
 
 #include "cpu/linear.h"
 #include "cpu/thread_pool.h"
+#include "model/pages.h"
 #include "model/weights.h"
 
 namespace lily::cpu {
@@ -35,8 +36,8 @@ constexpr int kKvBlock = 32;
 
 struct KvCache {
   int kv_heads = 0, head_dim = 0, capacity = 0;  // capacity: a multiple of kKvBlock
-  std::vector<float> k;  // [kv_heads, capacity / kKvBlock, head_dim, kKvBlock]
-  std::vector<float> v;  // [kv_heads, capacity, head_dim]
+  HugeFloats k;  // [kv_heads, capacity / kKvBlock, head_dim, kKvBlock]
+  HugeFloats v;  // [kv_heads, capacity, head_dim]
 
   void reserve(int positions, int max_positions);
   // The transposed K block holding positions [block * kKvBlock, (block + 1) * kKvBlock).

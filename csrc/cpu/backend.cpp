@@ -54,7 +54,7 @@ CpuSnapshot& own(const Snapshot& snap, const CpuState* state) {
 void CpuState::read_recurrent(const Snapshot& snap, int layer, std::vector<float>& conv, std::vector<float>& S) const {
   const GdnState& g = own(snap, this).gdn[layer];
   conv = g.conv;
-  S = g.S;
+  S.assign(g.S.begin(), g.S.end());
 }
 
 std::unique_ptr<Snapshot> CpuState::new_snapshot() const {
@@ -68,7 +68,7 @@ void CpuState::write_recurrent(Snapshot& snap, int layer, const std::vector<floa
                                const std::vector<float>& S) const {
   GdnState& g = own(snap, this).gdn[layer];
   g.conv = conv;
-  g.S = S;
+  g.S.assign(S.begin(), S.end());
 }
 
 void CpuState::read_kv_rows(int layer, bool v, int positions, float* out) const {

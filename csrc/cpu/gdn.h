@@ -19,13 +19,14 @@
 
 #include "cpu/linear.h"
 #include "cpu/thread_pool.h"
+#include "model/pages.h"
 #include "model/weights.h"
 
 namespace lily::cpu {
 
 struct GdnState {
   std::vector<float> conv;  // [K-1, C]: the last K-1 pre-conv inputs, oldest first
-  std::vector<float> S;     // [Hv, Dk, Dv]
+  HugeFloats S;             // [Hv, Dk, Dv] (on huge pages: model/pages.h)
 };
 
 struct GdnScratch {

@@ -1,7 +1,9 @@
 #include "model/pages.h"
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <stdexcept>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -27,6 +29,19 @@ HugePages::HugePages(uint64_t bytes, const std::string& what) : bytes_(bytes) {
   ::madvise(start_, (bytes + kHuge - 1) / kHuge * kHuge, MADV_HUGEPAGE);  // advice only: no huge pages is fine
 #endif
 }
+
+void* huge_alloc(size_t bytes) {
+  constexpr size_t kHuge = size_t(2) << 20;
+  const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
+  void* p = std::aligned_alloc(kHuge, rounded);
+  if (!p) throw std::bad_alloc();
+#if defined(MADV_HUGEPAGE)
+  ::madvise(p, rounded, MADV_HUGEPAGE);  // advice only: no huge pages is fine
+#endif
+  return p;
+}
+
+void huge_free(void* p) { std::free(p); }
 
 HugePages::~HugePages() {
   if (map_) ::munmap(map_, map_bytes_);

@@ -6,9 +6,12 @@
 // rearranged copy of the int8 kernels' matrices, after which the file copy's pages under those
 // matrices are handed back).
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
+#include <vector>
 
 namespace lily {
 
@@ -50,5 +53,38 @@ class HugePages {
   uint8_t* start_ = nullptr;
   uint64_t bytes_ = 0;
 };
+
+// Blocks of 2 MiB or more: 2 MiB-aligned, rounded up to whole 2 MiB, and advised for transparent
+// huge pages before their first touch (huge_free takes the same bytes back).
+void* huge_alloc(size_t bytes);
+void huge_free(void* p);
+
+// An allocator for the state a decode step walks through once per token, as it does the weights
+// (KV caches, DeltaNet states): from 2 MiB on, on huge pages (huge_alloc); smaller blocks as
+// std::allocator gives them. Why: on 4 KiB pages a layer's 16 MB of K and V at 4K positions is
+// 4,096 pages, past the second-level TLB, and each of attention's blocks (32 KB of K, 32 KB of V)
+// crossed eight of them; on the 2-core Xeon VM the decode step's attention ran ~7% faster on huge
+// pages (docs/performance.md, "Attention's stalls").
+template <class T>
+struct HugePageAllocator {
+  using value_type = T;
+  static constexpr size_t kHuge = size_t(2) << 20;
+  HugePageAllocator() = default;
+  template <class U>
+  HugePageAllocator(const HugePageAllocator<U>&) {}
+  T* allocate(size_t n) {
+    if (n * sizeof(T) < kHuge) return std::allocator<T>().allocate(n);
+    return static_cast<T*>(huge_alloc(n * sizeof(T)));
+  }
+  void deallocate(T* p, size_t n) {
+    if (n * sizeof(T) < kHuge) std::allocator<T>().deallocate(p, n);
+    else huge_free(p);
+  }
+  template <class U>
+  bool operator==(const HugePageAllocator<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const HugePageAllocator<U>&) const { return false; }
+};
+using HugeFloats = std::vector<float, HugePageAllocator<float>>;
 
 }  // namespace lily
