@@ -11,7 +11,10 @@ a masked tail) and arm64 (run under qemu-user). Asserted for each build:
   and NaN (NaN out, as libm gives);
 - a value's result does not depend on where it sits: every sub-range of length 1..40 at offsets
   0..3 gives, bit for bit, the whole-array call's values (the driver checks it and fails), and
-  writes nothing past its end; in place equals out of place.
+  writes nothing past its end; in place equals out of place;
+- scale_max (attention's scaled scores and their running maximum, 16 lanes at a time) gives the
+  scalar loop's products bit for bit and its maximum, NaN and signed zeros among the inputs,
+  over every sub-range of length 0..40 (the driver checks it and fails).
 """
 
 from __future__ import annotations

@@ -104,9 +104,17 @@ static_assert(kSpan % kBlock == 0, "spans are whole blocks");
 // loads of a block waited on memory at a third of one core's streaming rate. `next` is null
 // when there is no next block, and for all but the first row group of a block (the others
 // find it in L2 already).
+// And the block being read is asked into L1 a few steps ahead of its loads (near_l1): keys kNearK
+// dims on, values kNearV positions on. Why: the loads still waited on L2 (the instruction after
+// each K and V load held most of a profile's samples); on the 2-core Xeon VM the decode step's
+// attention at 4K positions ran ~3% faster with it (docs/performance.md, "Attention's stalls").
 inline void prefetch_lines(const char*& next, int lines) {
   for (int i = 0; i < lines; ++i) __builtin_prefetch(next + 64 * i, 0, 2);  // 2: prefetcht1 (L2), as linear_int8
   next += 64 * lines;
+}
+constexpr int kNearK = 16, kNearV = 6;
+inline void near_l1(const float* p, int floats) {
+  for (int i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 3);  // 3: prefetcht0 (L1)
 }
 
 // Vector accumulators a micro-kernel keeps in registers: 16 of the 32 zmm (AVX-512) or NEON
@@ -131,6 +139,7 @@ void qk_block(const float* const* q, const float* kt, int D, float* s, const cha
       for (int c = 0; c < C; ++c) acc[r][c] = FVec::zero();
     for (int d = 0; d < D; ++d) {
       if (next && j0 == 0) prefetch_lines(next, 2);
+      if (d + kNearK < D) near_l1(kt + (d + kNearK) * kBlock + j0, C * W);
       FVec k[C];
       for (int c = 0; c < C; ++c) k[c] = FVec::load(kt + d * kBlock + j0 + c * W);
       for (int r = 0; r < NR; ++r) {
@@ -178,6 +187,7 @@ void pv_block(const float* p, const float* v, int n, int D, float* const* o, con
     for (int j = 0; j < n; ++j) {
       if (next && j % kEvery == 0) prefetch_lines(next, std::max(1, kStepBytes / 64));
       const float* vrow = v + size_t(j) * D + d0;
+      if (j + kNearV < n) near_l1(vrow + kNearV * D, S * W);
       for (int r = 0; r < NR; ++r) {
         const FVec pj = FVec::splat(p[r * kBlock + j]);
         for (int c = 0; c < S; ++c) acc[r][c] = fmadd(pj, FVec::load(vrow + W * c), acc[r][c]);
@@ -231,8 +241,7 @@ void attend_rows(KvCache& cache, int hk, const float* const* q, const int* lim, 
       std::fill(sr, sr + kBlock, 0.0f);
       continue;
     }
-    float mx = m[r];
-    for (int j = 0; j < n; ++j) mx = std::max(mx, sr[j] *= scale_qk);
+    const float mx = scale_max(sr, n, scale_qk, m[r]);
     alpha[r] = std::exp(m[r] - mx);  // 0 on the row's first block (m = -inf)
     l[r] = l[r] * alpha[r] + exp_shift_sum(sr, n, mx);
     m[r] = mx;

@@ -3,6 +3,7 @@
 // accumulators so the FMA latency is hidden; results therefore differ from a sequential sum in
 // the last bits, well inside the engine's 1e-4 tolerance against PyTorch.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -128,6 +129,42 @@ inline __m256 exp_ps(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 #endif
+
+// x[j] *= scale for j < n; returns the largest of init and those products: the scalar loop
+//   for (j < n) m = std::max(m, x[j] *= scale);   (m = init)
+// with the products' maximum taken 16 lanes at a time. Why: that loop is a chain of n
+// dependent compares (attention's online softmax runs it per row and block), and on the 2-core
+// Xeon VM the decode step's attention at 4K positions ran ~4% faster without it
+// (docs/performance.md, "Attention's stalls"). The result is the loop's: a maximum is exact in
+// any order, and a NaN product is passed over as std::max(m, NaN) passes it (MAXPS returns its
+// second operand, the running maximum, when either is NaN; the lanes then hold no NaN).
+inline float scale_max(float* x, int n, float scale, float init) {
+  int i = 0;
+  float m = init;
+#if defined(__AVX512F__)
+  const __m512 vs = _mm512_set1_ps(scale);
+  __m512 acc = _mm512_set1_ps(-INFINITY);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + i), vs);
+    _mm512_storeu_ps(x + i, v);
+    acc = _mm512_max_ps(v, acc);
+  }
+  if (i < n) {
+    const __mmask16 k = __mmask16((1u << (n - i)) - 1);
+    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), vs);
+    _mm512_mask_storeu_ps(x + i, k, v);
+    acc = _mm512_mask_max_ps(acc, k, v, acc);
+    i = n;
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, acc);
+  float lane_max = -INFINITY;
+  for (float l : lanes) lane_max = std::max(lane_max, l);
+  if (n > 0) m = std::max(m, lane_max);
+#endif
+  for (; i < n; ++i) m = std::max(m, x[i] *= scale);
+  return m;
+}
 
 inline float exp_shift_sum(float* x, int n, float shift) {
   int i = 0;

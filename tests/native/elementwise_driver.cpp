@@ -5,6 +5,11 @@
 // (float32), each from one call over the whole array. The driver also runs every map over
 // sub-ranges of every length 1..40 at offsets 0..3 and exits with status 2 if any value differs,
 // in any bit, from the whole-array call's: a value's result must not depend on where it sits.
+// It also runs scale_max (attention's softmax scaling and running maximum) over every sub-range
+// of x of length 0..40 at offsets 0..3, with the scales 0.0625 and -3 and the starting maxima
+// -inf, 0.5 and NaN, against the scalar loop it replaces; the products must match bit for bit and
+// the maxima compare equal (or both be NaN), else status 2.
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -55,6 +60,20 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "silu in place differs\n");
     status = 2;
   }
+  for (float scale : {0.0625f, -3.0f})
+    for (float init : {-INFINITY, 0.5f, NAN})
+      for (uint32_t off = 0; off < 4; ++off)
+        for (uint32_t len = 0; len <= 40 && off + len <= n; ++len) {
+          std::vector<float> got(x.begin() + off, x.begin() + off + len), want = got;
+          const float m = scale_max(got.data(), int(len), scale, init);
+          float ref = init;
+          for (float& v : want) ref = std::max(ref, v *= scale);
+          if (std::memcmp(got.data(), want.data(), len * 4) != 0 || !(m == ref || (std::isnan(m) && std::isnan(ref)))) {
+            std::fprintf(stderr, "scale_max: offset %u length %u scale %g init %g: %g, the loop %g\n", off, len,
+                         double(scale), double(init), double(m), double(ref));
+            status = 2;
+          }
+        }
   FILE* o = std::fopen(argv[2], "wb");
   if (!o) return 1;
   for (const auto& w : whole) std::fwrite(w.data(), 4, n, o);
