@@ -417,21 +417,23 @@ def test_lily_core_compiles_for_aarch64_without_warnings(compiler):
 def test_stream_ceiling_builds_and_runs_the_kernel(libraries):
     """benchmarks/kernels/stream_ceiling.cpp (docs/performance.md, "Fewer instructions a line,
     measured in one process") builds against the kernels without warnings, runs lily's lm_head
-    kernel among the synthetic streams with each kind's figure as a share of the plain reads',
-    and refuses an unknown kind by name."""
+    kernel and a decode step's MoE calls among the synthetic streams with each kind's figure as a
+    share of the plain reads', and refuses an unknown kind by name."""
     out, libs = libraries
     exe = out / "stream_ceiling"
     r = _run(["g++", *CXXFLAGS, *_AVX512_VNNI_MFLAGS, *X86_OPT, str(ROOT / "benchmarks/kernels/stream_ceiling.cpp"),
               *(str(ROOT / k) for k in KERNELS), str(libs["x86"]), "-lpthread", "-o", str(exe)],
              "building stream_ceiling")
     assert "warning:" not in r.stderr, r.stderr
-    r = _run([str(exe), "1", "2", "plain,loads,kernel"], "running stream_ceiling", timeout=300)
+    r = _run([str(exe), "1", "2", "plain,loads,kernel,moe"], "running stream_ceiling", timeout=300)
     rows = {k: (float(gbps), share) for k, gbps, share in
-            re.findall(r"^(plain|loads|kernel)\s+([0-9.]+)\s+\(.*\)\s+([0-9.]+)%$", r.stdout, re.M)}
-    assert set(rows) == {"plain", "loads", "kernel"}, r.stdout
+            re.findall(r"^(plain|loads|kernel|moe)\s+([0-9.]+)\s+\(.*\)\s+([0-9.]+)%$", r.stdout, re.M)}
+    assert set(rows) == {"plain", "loads", "kernel", "moe"}, r.stdout
     assert rows["plain"][1] == "100.0", r.stdout
     assert all(gbps > 0 and float(share) > 0 for gbps, share in rows.values()), r.stdout
-    y0 = float(re.search(r"\(y\[0\] = (\S+)\)", r.stdout).group(1))
-    assert np.isfinite(y0) and y0 != 0, r.stdout  # the kernel ran and wrote its output
+    outputs = re.search(r"\(y\[0\] = (\S+), ye\[0\] = (\S+)\)", r.stdout)
+    assert outputs, r.stdout
+    for v in outputs.groups():  # the lm_head's kernel and the experts' ran and wrote their outputs
+        assert np.isfinite(float(v)) and float(v) != 0, r.stdout
     bad = subprocess.run([str(exe), "1", "2", "plain,bogus"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown kind 'bogus'" in bad.stderr, (bad.returncode, bad.stderr)

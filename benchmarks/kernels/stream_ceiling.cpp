@@ -3,7 +3,7 @@
 // each kind's GB/s (its bytes over its seconds, all rounds) as a share of the plain reads' in the
 // same rounds. A ratio within one process and one minute, where a membw run before or after
 // another program's would compare two states of a shared VM's memory.
-//   stream_ceiling [ROUNDS=30] [THREADS=2] [KINDS=plain,prefetch,loads,arith,half,kernel]
+//   stream_ceiling [ROUNDS=30] [THREADS=2] [KINDS=plain,prefetch,loads,arith,half,kernel,moe]
 // Kinds. All but `kernel` read one 1 GiB buffer on 2 MiB pages (lily::HugePages, the loader's
 // memory, as every buffer here), each thread its contiguous part:
 //   plain     membw's loop (benchmarks/membw.c): eight 64-byte loads summed per 512 bytes
@@ -17,6 +17,10 @@
 //   kernel    lily's kernel: cpu::linear, int8 mode, one token, on the lm_head's shape
 //             (2048 x 248,320, 4-bit MLX affine, bf16 scales, group 64) in the interleaved layout,
 //             4 copies called in turn so that each call streams from DRAM
+//   moe       lily's kernel on a decode step's MoE matrices, as moe_block calls it: per layer one
+//             cpu::linear_group of the gate and up rows of 9 experts (18 matrices 512 x 2048),
+//             then one of their 9 down rows (2048 x 512); the experts drawn at random from 256
+//             (453 MB, beyond the L3), 24 layers a pass
 // Needs AVX-512 VNNI (the interleaved kernel's instruction set).
 // Build (after scripts/dev_build.sh):
 //   c++ -O3 -march=native -std=c++17 -ffp-contract=off -Icsrc benchmarks/kernels/stream_ceiling.cpp
@@ -28,6 +32,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <random>
 #include <sstream>
 #include <string>
@@ -46,8 +51,8 @@ using namespace lily;
 
 namespace {
 
-enum class Kind { Plain, Prefetch, Loads, Arith, Half, Kernel };
-constexpr const char* kNames[] = {"plain", "prefetch", "loads", "arith", "half", "kernel"};
+enum class Kind { Plain, Prefetch, Loads, Arith, Half, Kernel, Moe };
+constexpr const char* kNames[] = {"plain", "prefetch", "loads", "arith", "half", "kernel", "moe"};
 
 // The sum of the 16 lanes (of type Lane) of the vector at v: a store, not _mm512_reduce_add_*,
 // where GCC 12 warns on its own header's code.
@@ -111,7 +116,8 @@ float read_slice(Kind k, const uint8_t* a, const uint8_t* end) {
   case Kind::Loads: return read_kernel_like<Kind::Loads>(a, end);
   case Kind::Arith: return read_kernel_like<Kind::Arith>(a, end);
   case Kind::Half: return read_kernel_like<Kind::Half>(a, end);
-  case Kind::Kernel: break;
+  case Kind::Kernel:
+  case Kind::Moe: break;
   }
   return 0;
 }
@@ -122,7 +128,7 @@ std::vector<Kind> parse_kinds(const std::string& list) {
   for (std::string name; std::getline(ss, name, ',');) {
     const auto* it = std::find_if(std::begin(kNames), std::end(kNames), [&](const char* n) { return name == n; });
     if (it == std::end(kNames)) {
-      std::fprintf(stderr, "stream_ceiling: unknown kind '%s' (plain, prefetch, loads, arith, half, kernel)\n",
+      std::fprintf(stderr, "stream_ceiling: unknown kind '%s' (plain, prefetch, loads, arith, half, kernel, moe)\n",
                    name.c_str());
       std::exit(2);
     }
@@ -135,7 +141,7 @@ std::vector<Kind> parse_kinds(const std::string& list) {
 
 int main(int argc, char** argv) {
   const int rounds = argc > 1 ? std::atoi(argv[1]) : 30, threads = argc > 2 ? std::atoi(argv[2]) : 2;
-  const std::vector<Kind> kinds = parse_kinds(argc > 3 ? argv[3] : "plain,prefetch,loads,arith,half,kernel");
+  const std::vector<Kind> kinds = parse_kinds(argc > 3 ? argv[3] : "plain,prefetch,loads,arith,half,kernel,moe");
   if (rounds < 1 || threads < 1) {
     std::fprintf(stderr, "usage: stream_ceiling [ROUNDS>=1] [THREADS>=1] [KINDS]\n");
     return 2;
@@ -146,33 +152,48 @@ int main(int argc, char** argv) {
   uint8_t* buf = buffer.data();
   for (size_t i = 0; i < kBuffer; i += 4096) std::memset(buf + i, int(i >> 12), 4096);
 
-  // The lm_head: random codes, bf16 scales and biases near +-0.01, rearranged as Model.load does.
-  constexpr int kIn = 2048, kOut = 248320, kCopies = 4;
-  const size_t w_bytes = size_t(kOut) * kIn / 2, p_bytes = size_t(kOut) * (kIn / 64) * 2;
+  // Random 4-bit codes, bf16 scales and biases near +-0.01, n matrices out x in rearranged as
+  // Model.load does, in one run of huge pages (kept in `store`).
   std::mt19937 rng(1);
-  HugePages source(w_bytes + 2 * p_bytes, "the lm_head");
-  uint8_t* src = source.data();
-  for (size_t i = 0; i < w_bytes; ++i) src[i] = uint8_t(rng());
-  for (size_t i = 0; i < p_bytes; i += 2) {
-    const uint16_t s = uint16_t(0x3C24 + (rng() & 0x3F)), b = uint16_t(0xBC24 + (rng() & 0x3F));
-    std::memcpy(src + w_bytes + i, &s, 2);
-    std::memcpy(src + w_bytes + p_bytes + i, &b, 2);
-  }
-  Linear W;
-  W.format = Linear::Format::Affine;
-  W.out = kOut, W.in = kIn, W.dtype = DType::BF16, W.bits = 4, W.group = 64;
-  W.w = src, W.scales = src + w_bytes, W.biases = src + w_bytes + p_bytes;
-  if (!cpu::int8_interleavable(W)) {
-    std::fprintf(stderr, "stream_ceiling: this build has no interleaved layout\n");
-    return 1;
-  }
-  const size_t copy_bytes = cpu::interleaved_bytes(W);
-  HugePages copies(copy_bytes * kCopies, "the lm_head's interleaved copies");
-  std::vector<Linear> heads;
-  for (int c = 0; c < kCopies; ++c) heads.push_back(cpu::interleave_rows(W, copies.data() + copy_bytes * c));
+  std::deque<HugePages> store;  // a deque: HugePages does not move
+  auto interleaved = [&](int in, int out, int n, const char* what) {
+    const size_t w_bytes = size_t(out) * in / 2, p_bytes = size_t(out) * (in / 64) * 2;
+    HugePages source(w_bytes + 2 * p_bytes, what);
+    uint8_t* src = source.data();
+    Linear W;
+    W.format = Linear::Format::Affine;
+    W.out = out, W.in = in, W.dtype = DType::BF16, W.bits = 4, W.group = 64;
+    W.w = src, W.scales = src + w_bytes, W.biases = src + w_bytes + p_bytes;
+    if (!cpu::int8_interleavable(W)) {
+      std::fprintf(stderr, "stream_ceiling: this build has no interleaved layout\n");
+      std::exit(1);
+    }
+    const size_t bytes = cpu::interleaved_bytes(W);
+    store.emplace_back(bytes * size_t(n), what);
+    std::vector<Linear> mats;
+    for (int c = 0; c < n; ++c) {
+      for (size_t i = 0; i < w_bytes; ++i) src[i] = uint8_t(rng());
+      for (size_t i = 0; i < p_bytes; i += 2) {
+        const uint16_t sc = uint16_t(0x3C24 + (rng() & 0x3F)), b = uint16_t(0xBC24 + (rng() & 0x3F));
+        std::memcpy(src + w_bytes + i, &sc, 2);
+        std::memcpy(src + w_bytes + p_bytes + i, &b, 2);
+      }
+      mats.push_back(cpu::interleave_rows(W, store.back().data() + bytes * size_t(c)));
+    }
+    return std::pair<std::vector<Linear>, double>{mats, double(w_bytes + 2 * p_bytes)};
+  };
+  const auto has = [&](Kind k) { return std::find(kinds.begin(), kinds.end(), k) != kinds.end(); };
+  // The lm_head: 4 copies called in turn.
+  constexpr int kHidden = 2048, kVocab = 248320, kCopies = 4, kExperts = 256, kExpertRows = 512;
+  const auto [heads, head_bytes] = interleaved(kHidden, has(Kind::Kernel) ? kVocab : 16, kCopies, "the lm_head");
+  // The experts' gate, up and down rows.
+  const int experts = has(Kind::Moe) ? kExperts : 1;
+  const auto [gate_up, gate_up_bytes] = interleaved(kHidden, kExpertRows, 2 * experts, "the experts' gate and up rows");
+  const auto [down, down_bytes] = interleaved(kExpertRows, kHidden, experts, "the experts' down rows");
   std::normal_distribution<float> normal(0.f, 1.f);
-  std::vector<float> x(kIn), y(kOut);
+  std::vector<float> x(kHidden), y(kVocab), act(9 * 2 * kExpertRows), ye(9 * kHidden);
   for (float& v : x) v = normal(rng);
+  for (float& v : act) v = normal(rng);
 
   cpu::ThreadPool pool(threads);
   volatile float sink = 0;
@@ -182,7 +203,23 @@ int main(int argc, char** argv) {
     double bytes;
     if (k == Kind::Kernel) {
       cpu::linear(heads[size_t(r % kCopies)], x.data(), 1, y.data(), pool, cpu::Matmul::Int8);
-      bytes = double(w_bytes + 2 * p_bytes);
+      bytes = head_bytes;
+    } else if (k == Kind::Moe) {
+      constexpr int kLayers = 24, kActive = 9;
+      std::uniform_int_distribution<int> pick(0, kExperts - 1);
+      cpu::LinearJob jobs[2 * kActive];
+      for (int l = 0; l < kLayers; ++l) {
+        int e[kActive];
+        for (int& id : e) id = pick(rng);
+        for (int i = 0; i < kActive; ++i)
+          for (int h = 0; h < 2; ++h)
+            jobs[2 * i + h] = {&gate_up[size_t(2 * e[i] + h)], x.data(), act.data() + (2 * i + h) * kExpertRows};
+        cpu::linear_group(jobs, 2 * kActive, 1, pool, cpu::Matmul::Int8);
+        for (int i = 0; i < kActive; ++i)
+          jobs[i] = {&down[size_t(e[i])], act.data() + 2 * i * kExpertRows, ye.data() + i * kHidden};
+        cpu::linear_group(jobs, kActive, 1, pool, cpu::Matmul::Int8);
+      }
+      bytes = double(kLayers) * kActive * (2 * gate_up_bytes + down_bytes);
     } else {
       const size_t part = kBuffer / size_t(threads) / 512 * 512;
       pool.parallel_for(threads, [&](int64_t i0, int64_t i1, int) {
@@ -218,5 +255,5 @@ int main(int argc, char** argv) {
     if (has_plain) std::printf("  %5.1f%%", 100 * mean / plain);
     std::printf("\n");
   }
-  std::printf("(y[0] = %g)\n", double(y[0]));
+  std::printf("(y[0] = %g, ye[0] = %g)\n", double(y[0]), double(ye[0]));
 }
