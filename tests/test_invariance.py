@@ -153,6 +153,25 @@ def test_decode_equals_prefill(reference, mode):
     _assert_same(np.concatenate([first, steps]), want, f"{mode}: prefill 200 then decode 100")
 
 
+def test_kv_cache_across_the_huge_page_threshold():
+    """KV caches of 2 MiB and more live on huge pages (HugePageAllocator, csrc/model/pages.h):
+    the demo model's K of a layer is 1 KiB a position, so a 2,100-token prompt grown in chunks of
+    300 moves its caches from the small-page allocator (capacity 512, 1024) onto huge pages
+    (2048, 4096), each growth copying the cache; its last tokens' logits and the decode step
+    after them are, bit for bit, those of the same prompt in one chunk."""
+    rng = np.random.default_rng(2100)
+    prompt = [int(t) for t in rng.integers(0, 4000, size=2100)]
+    model = lily.Model.load(threads=2, prefill_chunk=4096)
+    assert model._engine.kv_bytes(1) == 4096  # K and V of the demo model's 2 attention layers
+    s = model.session()
+    want = s.prefill(prompt, all_logits=True)[-50:]
+    want_next = s.decode(7)
+    chunked = lily.Model.load(threads=2, prefill_chunk=300).session()
+    got = chunked.prefill(prompt, all_logits=True)[-50:]
+    _assert_same(got, want, "2,100 tokens in chunks of 300 vs one chunk")
+    _assert_same(chunked.decode(7), want_next, "the decode step after them")
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_thread_count(reference, mode, threads):
     _, want = reference

@@ -133,8 +133,8 @@ inline __m256 exp_ps(__m256 x) {
 // x[j] *= scale for j < n; returns the largest of init and those products: the scalar loop
 //   for (j < n) m = std::max(m, x[j] *= scale);   (m = init)
 // with the products' maximum taken 16 lanes at a time. Why: that loop is a chain of n
-// dependent compares (attention's online softmax runs it per row and block), and on the 2-core
-// Xeon VM the decode step's attention at 4K positions ran ~4% faster without it
+// dependent compares (attention's online softmax runs it per row and block); in lanes, the
+// decode step's attention at 4K positions ran ~4% faster on the 2-core Xeon VM
 // (docs/performance.md, "Attention's stalls"). The result is the loop's: a maximum is exact in
 // any order, and a NaN product is passed over as std::max(m, NaN) passes it (MAXPS returns its
 // second operand, the running maximum, when either is NaN; the lanes then hold no NaN).

@@ -1,7 +1,6 @@
 #include "model/pages.h"
 
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
 #include <new>
 #include <stdexcept>
@@ -31,17 +30,29 @@ HugePages::HugePages(uint64_t bytes, const std::string& what) : bytes_(bytes) {
 }
 
 void* huge_alloc(size_t bytes) {
+  // Mapped on its own, 2 MiB-aligned: a 2 MiB-aligned block from malloc (aligned_alloc) kept up
+  // to 2 MiB of address space unused before it, which a process under an address-space limit
+  // (RLIMIT_AS) then lacked for its next buffers; here the slack around the aligned start is
+  // unmapped at once, and the block takes its own bytes rounded up to 4 KiB pages, no more.
+  // Every whole 2 MiB of it can be a huge page; the rest stays on small pages.
   constexpr size_t kHuge = size_t(2) << 20;
-  const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
-  void* p = std::aligned_alloc(kHuge, rounded);
-  if (!p) throw std::bad_alloc();
+  const size_t page = size_t(::sysconf(_SC_PAGESIZE)), len = (bytes + page - 1) / page * page;
+  void* map = ::mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (map == MAP_FAILED) throw std::bad_alloc();
+  auto* lo = static_cast<uint8_t*>(map);
+  auto* start = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(lo) + kHuge - 1) & ~uintptr_t(kHuge - 1));
+  if (start > lo) ::munmap(lo, size_t(start - lo));
+  if (lo + len + kHuge > start + len) ::munmap(start + len, size_t(lo + len + kHuge - (start + len)));
 #if defined(MADV_HUGEPAGE)
-  ::madvise(p, rounded, MADV_HUGEPAGE);  // advice only: no huge pages is fine
+  ::madvise(start, len, MADV_HUGEPAGE);  // advice only: no huge pages is fine
 #endif
-  return p;
+  return start;
 }
 
-void huge_free(void* p) { std::free(p); }
+void huge_free(void* p, size_t bytes) {
+  const size_t page = size_t(::sysconf(_SC_PAGESIZE));
+  ::munmap(p, (bytes + page - 1) / page * page);
+}
 
 HugePages::~HugePages() {
   if (map_) ::munmap(map_, map_bytes_);

@@ -5,6 +5,8 @@
 // Users: resident safetensors files (the loader's copy of a file) and cpu::arrange_for_int8 (its
 // rearranged copy of the int8 kernels' matrices, after which the file copy's pages under those
 // matrices are handed back).
+// HugePageAllocator (below) puts the CPU backend's per-sequence state on the same kind of pages:
+// its KV caches and DeltaNet states, which a decode step also reads once per token.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -54,10 +56,11 @@ class HugePages {
   uint64_t bytes_ = 0;
 };
 
-// Blocks of 2 MiB or more: 2 MiB-aligned, rounded up to whole 2 MiB, and advised for transparent
-// huge pages before their first touch (huge_free takes the same bytes back).
+// Blocks of 2 MiB or more, mapped on their own: 2 MiB-aligned and advised for transparent huge
+// pages before their first touch. huge_free(p, bytes) takes back what huge_alloc(bytes) gave.
+// Throws std::bad_alloc when the memory is not there.
 void* huge_alloc(size_t bytes);
-void huge_free(void* p);
+void huge_free(void* p, size_t bytes);
 
 // An allocator for the state a decode step walks through once per token, as it does the weights
 // (KV caches, DeltaNet states): from 2 MiB on, on huge pages (huge_alloc); smaller blocks as
@@ -78,7 +81,7 @@ struct HugePageAllocator {
   }
   void deallocate(T* p, size_t n) {
     if (n * sizeof(T) < kHuge) std::allocator<T>().deallocate(p, n);
-    else huge_free(p);
+    else huge_free(p, n * sizeof(T));
   }
   template <class U>
   bool operator==(const HugePageAllocator<U>&) const { return true; }
