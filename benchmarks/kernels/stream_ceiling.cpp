@@ -4,8 +4,8 @@
 // same rounds. A ratio within one process and one minute, where a membw run before or after
 // another program's would compare two states of a shared VM's memory.
 //   stream_ceiling [ROUNDS=30] [THREADS=2] [KINDS=plain,prefetch,loads,arith,half,kernel,moe]
-// Kinds. All but `kernel` read one 1 GiB buffer on 2 MiB pages (lily::HugePages, the loader's
-// memory, as every buffer here), each thread its contiguous part:
+// Kinds. All but `kernel` and `moe` read one 1 GiB buffer on 2 MiB pages (lily::HugePages, the
+// loader's memory, as every buffer here), each thread its contiguous part:
 //   plain     membw's loop (benchmarks/membw.c): eight 64-byte loads summed per 512 bytes
 //   prefetch  the same with every line also prefetched into L2 16 KiB ahead (membw's other mode)
 //   loads     the decode kernel's stream without its arithmetic: four 64-byte loads per 256
@@ -19,8 +19,9 @@
 //             4 copies called in turn so that each call streams from DRAM
 //   moe       lily's kernel on a decode step's MoE matrices, as moe_block calls it: per layer one
 //             cpu::linear_group of the gate and up rows of 9 experts (18 matrices 512 x 2048),
-//             then one of their 9 down rows (2048 x 512); the experts drawn at random from 256
-//             (453 MB, beyond the L3), 24 layers a pass
+//             then one of their 9 down rows (2048 x 512; its inputs random, not the SwiGLU of
+//             the first call's outputs: the bytes read are the same); the experts drawn at random
+//             from 256 (453 MB, beyond the L3), 24 layers a pass
 // Needs AVX-512 VNNI (the interleaved kernel's instruction set).
 // Build (after scripts/dev_build.sh):
 //   c++ -O3 -march=native -std=c++17 -ffp-contract=off -Icsrc benchmarks/kernels/stream_ceiling.cpp
@@ -184,14 +185,16 @@ int main(int argc, char** argv) {
   };
   const auto has = [&](Kind k) { return std::find(kinds.begin(), kinds.end(), k) != kinds.end(); };
   // The lm_head: 4 copies called in turn.
-  constexpr int kHidden = 2048, kVocab = 248320, kCopies = 4, kExperts = 256, kExpertRows = 512;
+  constexpr int kHidden = 2048, kVocab = 248320, kCopies = 4;
+  // The MoE block: kActive experts a token (8 routed and the shared one) of kExperts, kLayers a pass.
+  constexpr int kExperts = 256, kExpertRows = 512, kActive = 9, kLayers = 24;
   const auto [heads, head_bytes] = interleaved(kHidden, has(Kind::Kernel) ? kVocab : 16, kCopies, "the lm_head");
   // The experts' gate, up and down rows.
   const int experts = has(Kind::Moe) ? kExperts : 1;
   const auto [gate_up, gate_up_bytes] = interleaved(kHidden, kExpertRows, 2 * experts, "the experts' gate and up rows");
   const auto [down, down_bytes] = interleaved(kExpertRows, kHidden, experts, "the experts' down rows");
   std::normal_distribution<float> normal(0.f, 1.f);
-  std::vector<float> x(kHidden), y(kVocab), act(9 * 2 * kExpertRows), ye(9 * kHidden);
+  std::vector<float> x(kHidden), y(kVocab), act(kActive * 2 * kExpertRows), ye(kActive * kHidden);
   for (float& v : x) v = normal(rng);
   for (float& v : act) v = normal(rng);
 
@@ -205,7 +208,6 @@ int main(int argc, char** argv) {
       cpu::linear(heads[size_t(r % kCopies)], x.data(), 1, y.data(), pool, cpu::Matmul::Int8);
       bytes = head_bytes;
     } else if (k == Kind::Moe) {
-      constexpr int kLayers = 24, kActive = 9;
       std::uniform_int_distribution<int> pick(0, kExperts - 1);
       cpu::LinearJob jobs[2 * kActive];
       for (int l = 0; l < kLayers; ++l) {
