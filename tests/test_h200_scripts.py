@@ -83,7 +83,7 @@ def test_fullsize_backend_options_dry_run(store, tmp_path):
 
 def test_llamacpp_scripts_parse():
     for name in ("prepare_llamacpp.sh", "phase_e.sh", "phase_j.sh", "phase_cpu.sh", "phase_k.sh", "phase_l.sh", "phase_m.sh",
-                 "phase_n.sh", "cpu_ab.sh", "cpu_env.sh"):
+                 "phase_n.sh", "phase_q.sh", "cpu_ab.sh", "cpu_env.sh"):
         subprocess.run(["bash", "-n", str(ROOT / "scripts" / "h200" / name)], check=True)
     subprocess.run(["bash", "-n", str(LLAMACPP)], check=True)
 
@@ -213,13 +213,16 @@ def test_prefill_kv_traffic_dry_run(store, tmp_path):
     assert got.argmax() == want.argmax()
 
 
-def test_decode_steps_dry_run(store, capsys):
+def test_decode_steps_dry_run(store, capsys, tmp_path):
     """scripts/h200/decode_steps.py (phase L's decode probe) on a tiny checkpoint: one JSON line
-    with the CPU backend's default mode and a positive rate."""
+    with the CPU backend's default mode and a positive rate, and the --ready file (phase Q starts
+    perf when it appears) written."""
     import decode_steps
 
     path = store.mlx("qwen3_5_moe", 4, 64, "bfloat16")
-    assert decode_steps.main([str(path), "--threads", "1", "--steps", "3"]) == 0
+    ready = tmp_path / "ready"
+    assert decode_steps.main([str(path), "--threads", "1", "--steps", "3", "--ready", str(ready)]) == 0
+    assert ready.read_text() == "warm\n"
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["threads"] == 1 and line["steps"] == 3 and line["tok_s"] > 0
     assert line["cpu_matmul"] in ("int8", "f32") and line["context"] == 16 + 4 + 3 and line["load_s"] >= 0  # the demo loads in milliseconds
