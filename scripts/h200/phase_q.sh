@@ -20,8 +20,9 @@
 #       carry=[".carry/perf"])
 #   run(command="sleep 240; cat /tmp/phase_q/progress")      # until "done"
 #   run(command="bash scripts/h200/phase_q.sh collect")      # results into $OUT
-# STREAM_THREADS="" PERF_ONLY=1 leave out stream_ceiling and the decode runs without perf: the
-# profile alone, in about 3 minutes.
+# PERF_ONLY=1 leaves out stream_ceiling and the decode runs without perf: the profile alone, in
+# about 3 minutes. `bash scripts/h200/phase_q.sh profile` leaves out the build, the checkpoint and
+# stream_ceiling: the decode runs again on a warm machine that ran the phase.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -45,7 +46,7 @@ phase_start
 # phase_start preloads the device's libstdc++, which needs a newer glibc than the carried one.
 perf_=(env -u LD_PRELOAD .carry/perf/lib/ld-linux-x86-64.so.2 --library-path .carry/perf/lib .carry/perf/perf)
 
-if [ "${1:-}" != profile ]; then  # `profile`: the perf part again, on a warm machine that ran the phase
+if [ "${1:-}" != profile ]; then
   LILY_BUILD_ROOT=build/rwdi bash scripts/dev_build.sh -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O3 -g -DNDEBUG" > "$W/build.log" 2>&1 &
   build=$!
@@ -57,7 +58,7 @@ if [ "${1:-}" != profile ]; then  # `profile`: the perf part again, on a warm ma
     -lpthread -o "$W/stream_ceiling" > "$W/stream_build.log" 2>&1
   say "built (stream_ceiling rc=$?)"
 
-  for t in ${STREAM_THREADS-16 8 16}; do
+  for t in $([ -n "${PERF_ONLY:-}" ] || echo 16 8 16); do
     "$W/stream_ceiling" 20 $t plain,loads,kernel,moe >> "$W/stream_$t.txt" 2>&1
     say "stream_ceiling $t threads: $(grep -E '^(loads|kernel|moe) ' "$W/stream_$t.txt" | tail -3 | awk '{print $1, $NF}' | tr '\n' ' ')"
   done
