@@ -20,7 +20,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
-#include <sys/mman.h>
 #include <vector>
 
 #include "cpu/linear.h"
@@ -29,12 +28,8 @@
 
 using namespace lily;
 
-static uint8_t* huge_alloc(size_t bytes) {
-  const size_t cap = (bytes + (2u << 20) - 1) & ~size_t((2u << 20) - 1);
-  auto* p = static_cast<uint8_t*>(std::aligned_alloc(2u << 20, cap));
-  madvise(p, cap, MADV_HUGEPAGE);
-  return p;
-}
+// Weights on 2 MiB pages, as lily's loader keeps resident weights (lily::huge_alloc).
+static uint8_t* huge_bytes(size_t bytes) { return static_cast<uint8_t*>(huge_alloc(bytes)); }
 
 int main(int argc, char** argv) {
   if (argc < 4) {
@@ -46,7 +41,7 @@ int main(int argc, char** argv) {
   bool interleaved = argc > 5 && std::atoi(argv[5]) == 1;
   const int group = argc > 6 ? std::max(1, std::atoi(argv[6])) : 1;
   const size_t w_bytes = size_t(out) * in / 2, p_bytes = size_t(out) * G * 2;  // per matrix
-  uint8_t *w = huge_alloc(w_bytes * E), *scales = huge_alloc(p_bytes * E), *biases = huge_alloc(p_bytes * E);
+  uint8_t *w = huge_bytes(w_bytes * E), *scales = huge_bytes(p_bytes * E), *biases = huge_bytes(p_bytes * E);
   std::mt19937 rng(1);
   for (size_t i = 0; i < w_bytes * E; ++i) w[i] = uint8_t(rng());
   for (size_t i = 0; i < p_bytes * E / 2; ++i) {  // bf16 near 0.01 and -0.01
@@ -67,7 +62,7 @@ int main(int argc, char** argv) {
   }
   if (interleaved) {  // into one buffer, as cpu::arrange_for_int8 does (the sources stay: unread)
     const size_t bytes = cpu::interleaved_bytes(mats[0]);
-    uint8_t* dst = huge_alloc(bytes * E);
+    uint8_t* dst = huge_bytes(bytes * E);
     for (int e = 0; e < E; ++e) mats[e] = cpu::interleave_rows(mats[e], dst + bytes * e);
   }
   std::normal_distribution<float> normal(0.f, 1.f);

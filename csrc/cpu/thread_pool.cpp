@@ -70,7 +70,7 @@ bool ThreadPool::claim(int s, uint32_t gen, bool front, uint32_t* lo, uint32_t* 
     // (published before its generation, which the worker acquired) stay as they are until we
     // are done. On failure w holds the current word.
     if (word.compare_exchange_weak(w, next, std::memory_order_acq_rel, std::memory_order_acquire)) {
-      unclaimed_.fetch_sub(take, std::memory_order_relaxed);
+      if (take == left) open_shares_.fetch_sub(1, std::memory_order_relaxed);
       return true;
     }
   }
@@ -78,17 +78,20 @@ bool ThreadPool::claim(int s, uint32_t gen, bool front, uint32_t* lo, uint32_t* 
 
 void ThreadPool::run_pieces(uint32_t gen, int thread_index) {
   // Own share front to back, then the others' from the back, nearest first.
+  uint32_t ran = 0;  // units
   for (int k = 0; k < n_threads_; ++k) {
     // (A stale worker may read a later call's count here: it only decides whether to look.)
-    if (k > 0 && unclaimed_.load(std::memory_order_relaxed) == 0) return;
+    if (k > 0 && open_shares_.load(std::memory_order_relaxed) == 0) break;
     const int s = (thread_index + k) % n_threads_;
     uint32_t lo, hi, back;
     while (claim(s, gen, k == 0, &lo, &hi, &back)) {
       t_run_end = std::min(n_, int64_t(k == 0 ? back : hi) * unit_);
       (*fn_)(int64_t(lo) * unit_, std::min(n_, int64_t(hi) * unit_), thread_index);
-      done_.fetch_add(hi - lo, std::memory_order_release);
+      ran += hi - lo;
     }
   }
+  // The call cannot finish before this (its units include ours), so done_ is still this call's.
+  if (ran > 0) done_.fetch_add(ran, std::memory_order_release);
 }
 
 void ThreadPool::worker(int index) {
@@ -100,9 +103,9 @@ void ThreadPool::worker(int index) {
         cpu_relax();
       } else {
         std::unique_lock<std::mutex> lock(mu_);
-        ++sleeping_;
+        sleeping_.fetch_add(1);  // before the predicate's check of the generation: parallel_for says why
         wake_.wait(lock, [&] { return stop_.load() || generation_.load() != seen; });
-        --sleeping_;
+        sleeping_.fetch_sub(1, std::memory_order_relaxed);
         spins = 0;
       }
       gen = generation_.load(std::memory_order_acquire);
@@ -130,17 +133,22 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
   unit_ = grains_per_unit * grain;
   min_piece_.store(uint32_t(std::max<int64_t>(1, units / (kMinPieceDivisor * n_threads_))), std::memory_order_relaxed);
   done_.store(0, std::memory_order_relaxed);
-  unclaimed_.store(units, std::memory_order_relaxed);
   const uint32_t gen = generation_.load(std::memory_order_relaxed) + 1;
-  for (int s = 0; s < n_threads_; ++s)
-    shares_[size_t(s)].word.store(
-        share_word(gen, uint32_t(int64_t(units) * s / n_threads_), uint32_t(int64_t(units) * (s + 1) / n_threads_)),
-        std::memory_order_relaxed);
-  generation_.store(gen, std::memory_order_release);
-  {
-    // Taking the lock orders this wake-up after any worker's predicate check (no lost wake-up).
+  uint32_t open = 0;
+  for (int s = 0; s < n_threads_; ++s) {
+    const uint32_t front = uint32_t(int64_t(units) * s / n_threads_), back = uint32_t(int64_t(units) * (s + 1) / n_threads_);
+    open += front < back;
+    shares_[size_t(s)].word.store(share_word(gen, front, back), std::memory_order_relaxed);
+  }
+  open_shares_.store(open, std::memory_order_relaxed);
+  // seq_cst, as the worker's count in sleeping_ before its own load of the generation: either
+  // that load sees this generation, or the load of sleeping_ below sees the worker, and the
+  // notify under the lock comes after its check (it holds the lock from its check to its wait).
+  // No lock when no one sleeps: the lock's line is a round trip per call.
+  generation_.store(gen, std::memory_order_seq_cst);
+  if (sleeping_.load(std::memory_order_seq_cst) > 0) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (sleeping_ > 0) wake_.notify_all();
+    wake_.notify_all();
   }
   run_pieces(gen, 0);
   for (int spins = 0; done_.load(std::memory_order_acquire) != units; ++spins) {

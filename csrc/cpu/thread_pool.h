@@ -20,6 +20,13 @@
 // lm_head about the same or better, 512 x 2048 worse (40-44 -> 29-32: 32 KB shares, small
 // calls), full-size decode within the host's noise at 4 and 16 threads (results/
 // 2026-12-04-h200-phase-n/README.md).
+// - One line per kind of traffic (below): at 16 threads the counters a call changes many times
+//   shared a line with the generation every idle worker spins on, and each claim paid for it.
+//   Counters apart, completions counted once per thread and call, shares' emptiness instead of
+//   units left (scripts/h200/cpu_ab.sh, H100 host's Xeon, 16 threads, pool_bench GB/s, two
+//   rounds each): 256 matrices of 2048 x 512 one a call 53-64 -> 71-82, of 512 x 2048
+//   42-46 -> 69-81; 18 a call (an MoE block's gate and up) and the lm_head within the host's
+//   noise; full-size decode 57.1 / 58.2 -> 62.3 / 57.3 tok/s (results/2026-12-06-gpu-host-pool-ab).
 //
 // Each share's state is one word (generation << 32 | front << 16 | back), claimed by
 // compare-and-swap, so a worker that wakes up late, from an earlier call, fails its
@@ -69,29 +76,40 @@ class ThreadPool {
   // when the share is empty or belongs to another call; else [*lo, *hi) in units.
   bool claim(int s, uint32_t gen, bool front, uint32_t* lo, uint32_t* hi, uint32_t* back);
 
+  // Apple's cores have 128-byte lines, and Intel's adjacent-line prefetcher pulls 64-byte lines
+  // in pairs: 128 keeps two groups below off each other's lines on both.
+  static constexpr size_t kLine = 128;
+
   int n_threads_;
   std::vector<std::thread> threads_;
-  // The job of the current generation, written before its generation is published (release).
-  const std::function<void(int64_t, int64_t, int)>* fn_ = nullptr;
+  std::mutex mu_;
+  std::condition_variable wake_;
+  // The job of the current call, written before its generation is published (release) and
+  // only read during it.
+  alignas(kLine) const std::function<void(int64_t, int64_t, int)>* fn_ = nullptr;
   int64_t n_ = 0, unit_ = 1;  // a unit: whole grains, so that a call has at most 65,535 units
   // Units: the smallest piece claimed, but for a share's last one. Atomic because claim()
   // reads it before its compare-and-swap, which fails if the call has moved on.
   std::atomic<uint32_t> min_piece_{1};
-  // One word per share (generation << 32 | front << 16 | back), a cache line each.
-  struct alignas(64) Share {
+  // What idle workers spin on, alone on its line with what changes as rarely: the counters
+  // below change many times a call, and each change on this line would take it from under
+  // every spinning worker (and each spinning worker's reload would slow the next change).
+  alignas(kLine) std::atomic<uint32_t> generation_{0};
+  std::atomic<bool> stop_{false};
+  std::atomic<int> sleeping_{0};  // workers waiting on wake_, or about to
+  // One word per share (generation << 32 | front << 16 | back), a line each.
+  struct alignas(kLine) Share {
     std::atomic<uint64_t> word{0};
   };
   std::vector<Share> shares_;
-  // Units not yet claimed in the current generation: a thread whose own share is empty looks
-  // at the others' only while some are left, instead of reading every other share's line at
-  // the end of every call.
-  std::atomic<uint32_t> unclaimed_{0};
-  std::atomic<uint32_t> done_{0};     // units finished in the current generation
-  std::atomic<uint32_t> generation_{0};
-  std::atomic<bool> stop_{false};
-  std::mutex mu_;
-  std::condition_variable wake_;
-  int sleeping_ = 0;
+  // Shares of the current call not yet empty: a thread whose own share is empty looks at the
+  // others' only while some are open, instead of reading every other share's line at the end
+  // of every call. The claim that empties a share counts it down: once per share and call,
+  // where a count of units would be changed by every claim.
+  alignas(kLine) std::atomic<uint32_t> open_shares_{0};
+  // Units finished in the current call. Each thread adds what it ran once, when it finds
+  // nothing left to claim, not after each piece: one change per thread and call.
+  alignas(kLine) std::atomic<uint32_t> done_{0};
 };
 
 }  // namespace lily::cpu

@@ -8,7 +8,7 @@
 # a 16-token prompt and 4 warm-up steps; STEPS and PROMPT change the 32 and the 16) at each of $THREADS (default
 # "4 16"), the builds in the order $ORDER (default "new old new": the host drifts, so they
 # alternate); with POOL_BENCH=1 also benchmarks/kernels/pool_bench.cpp (lm_head; 256
-# routed-expert matrices; in the interleaved layout where the build has it, as the engine reads
+# routed-expert matrices, one a call and 18 a call as an MoE block calls them; in the interleaved layout where the build has it, as the engine reads
 # them) at 16 threads on each build. Nothing carried.
 #   run(command="BASE=ab_base bash scripts/h200/cpu_ab.sh")
 source "$(dirname "$0")/cpu_env.sh"
@@ -40,7 +40,7 @@ for v in $ORDER; do
   [ "${POOL_BENCH:-0}" = 1 ] || continue
   lib=$(ls /tmp/build_ab/$v/*/liblily_core.a)
   c++ -O3 -march=native -std=c++17 -ffp-contract=off -Icsrc benchmarks/kernels/pool_bench.cpp "$lib" -lpthread \
-    -o /tmp/pool_bench_$v && for s in "2048 248320 16 1 1" "2048 512 16 256 1" "512 2048 16 256 1"; do
+    -o /tmp/pool_bench_$v && for s in "2048 248320 16 1 1" "2048 512 16 256 1" "512 2048 16 256 1" "2048 512 16 256 1 18"; do
     echo "$v: $(/tmp/pool_bench_$v $s)" | tee -a "$OUT/pool_bench.txt"
   done
 done

@@ -81,7 +81,11 @@ decode() {
   "${perf_[@]}" report -i "$W/perf_$1.data" --stdio --no-children --sort dso,sym > "$W/perf_$1_sym.txt" 2>&1
   "${perf_[@]}" report -i "$W/perf_$1.data" --stdio --no-children --sort pid >> "$W/perf_$1_sym.txt" 2>&1
   # The main thread alone: the serial code between parallel regions, and its waits at their ends.
-  "${perf_[@]}" report -i "$W/perf_$1.data" --stdio --no-children --tid $pid --sort sym >> "$W/perf_$1_sym.txt" 2>&1
+  # By thread and symbol, its rows kept (perf 6.1's --tid filter drops a symbol that another
+  # thread's sample reached first: run 12 lost the main thread's kernel and pool rows so).
+  echo "# the main thread ($pid), each row a share of every thread's samples" >> "$W/perf_$1_sym.txt"
+  "${perf_[@]}" report -i "$W/perf_$1.data" --stdio --no-children --sort pid,sym 2>&1 |
+    grep -E "^ +[0-9.]+% +$pid:" | head -80 >> "$W/perf_$1_sym.txt"
 }
 decode 512
 decode 4096
