@@ -753,31 +753,39 @@ Kernel kernel_for(const Linear& W, int T, Matmul mode) {
   return Kernel::Rows;
 }
 
-// The row kernels over every job of a group, all rows of all jobs one index space of ONE
-// parallel region (linear() runs a single matrix through here too).
-void rows_group(const LinearJob* jobs, int n, int T, ThreadPool& pool, Matmul mode) {
-  // Reused across calls (no per-token allocation). Bound to plain references: a lambda that
-  // named a thread_local itself would see each worker thread's own (empty) instance. inputs[i]:
-  // a prepared x; input_of[j]: job j's; first_row[j]: job j's first row in the index space.
-  thread_local std::vector<MatvecInput> inputs_store;
-  thread_local std::vector<int> input_of_store;
-  thread_local std::vector<int64_t> first_row_store;
-  std::vector<MatvecInput>& inputs = inputs_store;
-  std::vector<int>& input_of = input_of_store;
-  std::vector<int64_t>& first_row = first_row_store;
-  if (inputs.size() < size_t(n)) inputs.resize(size_t(n));
-  input_of.resize(size_t(n));
-  first_row.resize(size_t(n) + 1);
+// Each job's x prepared for its W, once per distinct (x, quantization): inputs[input_of[j]]
+// is job j's. Reused across calls (no per-token allocation); the caller's own instance, which
+// its parallel region then reads through the reference.
+struct GroupInputs {
+  std::vector<MatvecInput> inputs;
+  std::vector<int> input_of;
+  const MatvecInput& of(int j) const { return inputs[size_t(input_of[size_t(j)])]; }
+};
+
+GroupInputs& prepare_group(const LinearJob* jobs, int n, int T, Matmul mode) {
+  thread_local GroupInputs g;
+  if (g.inputs.size() < size_t(n)) g.inputs.resize(size_t(n));
+  g.input_of.resize(size_t(n));
   int n_inputs = 0;
-  first_row[0] = 0;
   for (int j = 0; j < n; ++j) {
     const Linear& W = *jobs[j].W;
     int i = 0;
-    while (i < n_inputs && !(inputs[size_t(i)].x == jobs[j].x && inputs[size_t(i)].matches(W))) ++i;
-    if (i == n_inputs) inputs[size_t(n_inputs++)].prepare(W, jobs[j].x, T, mode);
-    input_of[size_t(j)] = i;
-    first_row[size_t(j) + 1] = first_row[size_t(j)] + W.out;
+    while (i < n_inputs && !(g.inputs[size_t(i)].x == jobs[j].x && g.inputs[size_t(i)].matches(W))) ++i;
+    if (i == n_inputs) g.inputs[size_t(n_inputs++)].prepare(W, jobs[j].x, T, mode);
+    g.input_of[size_t(j)] = i;
   }
+  return g;
+}
+
+// The row kernels over every job of a group, all rows of all jobs one index space of ONE
+// parallel region (linear() runs a single matrix through here too).
+void rows_group(const LinearJob* jobs, int n, int T, ThreadPool& pool, Matmul mode) {
+  const GroupInputs& g = prepare_group(jobs, n, T, mode);
+  thread_local std::vector<int64_t> first_row_store;  // job j's first row in the index space
+  std::vector<int64_t>& first_row = first_row_store;
+  first_row.resize(size_t(n) + 1);
+  first_row[0] = 0;
+  for (int j = 0; j < n; ++j) first_row[size_t(j) + 1] = first_row[size_t(j)] + jobs[j].W->out;
   pool.parallel_for(
       first_row[size_t(n)],
       [&](int64_t r0, int64_t r1, int) {
@@ -786,8 +794,7 @@ void rows_group(const LinearJob* jobs, int n, int T, ThreadPool& pool, Matmul mo
           const int64_t b = first_row[size_t(j)], e = first_row[size_t(j) + 1];
           const int64_t lo = std::max(r0, b), hi = std::min(r1, e);
           const Linear& W = *jobs[j].W;
-          if (lo < hi)
-            matvec_rows(W, inputs[size_t(input_of[size_t(j)])], jobs[j].y, W.out, lo - b, hi - b, std::min(run_end, e) - b);
+          if (lo < hi) matvec_rows(W, g.of(j), jobs[j].y, W.out, lo - b, hi - b, std::min(run_end, e) - b);
         }
       },
       16);
@@ -803,6 +810,24 @@ void linear_group(const LinearJob* jobs, int n, int T, ThreadPool& pool, Matmul 
     return;
   }
   for (int j = 0; j < n; ++j) linear(*jobs[j].W, jobs[j].x, T, jobs[j].y, pool, mode);
+}
+
+void linear_sum(const LinearJob* jobs, const float* weights, int n, float* y, ThreadPool& pool, Matmul mode) {
+  const int64_t out = jobs[0].W->out;
+  for (int j = 0; j < n; ++j)
+    if (jobs[j].W->out != out) throw std::logic_error("linear_sum: the matrices differ in their outputs");
+  const GroupInputs& g = prepare_group(jobs, n, 1, mode);  // one token: the row kernels
+  pool.parallel_for(
+      out,
+      [&](int64_t r0, int64_t r1, int) {
+        const int64_t run_end = ThreadPool::run_end();
+        for (int j = 0; j < n; ++j) matvec_rows(*jobs[j].W, g.of(j), jobs[j].y, int(out), r0, r1, run_end);
+        // r0 is a multiple of 16 (the grain), so axpy's vector and scalar lanes fall on the
+        // same outputs as over the whole row: the sum of a whole-row axpy per job, bit for bit.
+        std::fill(y + r0, y + r1, 0.0f);
+        for (int j = 0; j < n; ++j) axpy(weights[j], jobs[j].y + r0, y + r0, int(r1 - r0));
+      },
+      16);
 }
 
 void linear(const Linear& W, const float* x, int T, float* y, ThreadPool& pool, Matmul mode) {

@@ -47,6 +47,13 @@ struct LinearJob {
 // its prepared form.
 void linear_group(const LinearJob* jobs, int n, int T, ThreadPool& pool, Matmul mode);
 
+// One token: y[out] = sum over j in order of weights[j] * (x_j · W_jᵀ), every W_j with the same
+// out, each job's own product left in its y[out]. ONE parallel region over the outputs: a
+// thread computes its rows of every job and sums them there, where the rows are in its cache
+// (an MoE block's down projections and their mix, which the calling thread summed alone after
+// the region, reading every thread's rows). Each output is fill(0) then axpy per job in order.
+void linear_sum(const LinearJob* jobs, const float* weights, int n, float* y, ThreadPool& pool, Matmul mode);
+
 // The same product computed entirely by the calling thread (for callers that parallelise
 // over something else, e.g. MoE prefill over experts).
 void linear_serial(const Linear& W, const float* x, int T, float* y, Matmul mode);

@@ -67,8 +67,8 @@ namespace {
 
 // One token (decode): the k routed experts and the shared expert are all fed the same x, so
 // x is prepared once and every expert's gate and up rows run in ONE parallel region, then every
-// down row in a second (linear_group): two pool wake-ups per MoE block instead of three per
-// expert. The router and the shared expert's gate, both f32, share a region before them.
+// down row and their weighted sum in a second (linear_group, linear_sum): two pool wake-ups per
+// MoE block instead of three per expert. The router and the shared expert's gate, both f32, share a region before them.
 void moe_single_token(const ModelConfig& c, const MoeWeights& w, const float* x, float* y, FfnScratch& s,
                       ThreadPool& pool) {
   const int H = c.hidden, E = c.n_experts, k = c.top_k;
@@ -116,18 +116,20 @@ void moe_single_token(const ModelConfig& c, const MoeWeights& w, const float* x,
   }
   linear_group(jobs.data(), int(jobs.size()), 1, pool, s.matmul);
 
-  // SwiGLU per expert (over its gate outputs), then phase 2: every expert's down rows, [n, H].
+  // SwiGLU per expert (over its gate outputs), then phase 2: every expert's down rows, [n, H],
+  // and y = their weighted sum in the experts' order, each thread summing the rows it computed.
   s.ye.resize(size_t(n) * H);
+  thread_local std::vector<float> mix_store;
+  std::vector<float>& mix = mix_store;
+  mix.clear();
   jobs.clear();
   for (int i = 0; i < n; ++i) {
     float* g = s.gate.data() + experts[i].act_at;
     swiglu(g, g + experts[i].mlp->gate.out, size_t(experts[i].mlp->gate.out));
     jobs.push_back({&experts[i].mlp->down, g, s.ye.data() + size_t(i) * H});
+    mix.push_back(experts[i].weight);
   }
-  linear_group(jobs.data(), n, 1, pool, s.matmul);
-
-  std::fill(y, y + H, 0.0f);
-  for (int i = 0; i < n; ++i) axpy(experts[i].weight, s.ye.data() + size_t(i) * H, y, H);
+  linear_sum(jobs.data(), mix.data(), n, y, pool, s.matmul);
 }
 
 }  // namespace
