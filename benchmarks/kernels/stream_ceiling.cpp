@@ -19,8 +19,9 @@
 //             4 copies called in turn so that each call streams from DRAM
 //   moe       lily's kernel on a decode step's MoE matrices, as moe_block calls it: per layer one
 //             cpu::linear_group of the gate and up rows of 9 experts (18 matrices 512 x 2048),
-//             then one of their 9 down rows (2048 x 512; its inputs random, not the SwiGLU of
-//             the first call's outputs: the bytes read are the same); the experts drawn at random
+//             then cpu::linear_sum of their 9 down rows and their mix (2048 x 512; its inputs
+//             random, not the SwiGLU of the first call's outputs: the bytes read are the same);
+//             the experts drawn at random
 //             from 256 (453 MB, beyond the L3), 24 layers a pass
 // Needs AVX-512 VNNI (the interleaved kernel's instruction set).
 // Build (after scripts/dev_build.sh):
@@ -194,6 +195,7 @@ int main(int argc, char** argv) {
   const auto [down, down_bytes] = interleaved(kExpertRows, kHidden, experts, "the experts' down rows");
   std::normal_distribution<float> normal(0.f, 1.f);
   std::vector<float> x(kHidden), y(kVocab), act(kActive * 2 * kExpertRows), ye(kActive * kHidden);
+  std::vector<float> mix(kActive, 1.0f / kActive), moe_out(kHidden);
   for (float& v : x) v = normal(rng);
   for (float& v : act) v = normal(rng);
 
@@ -218,7 +220,7 @@ int main(int argc, char** argv) {
         cpu::linear_group(jobs, 2 * kActive, 1, pool, cpu::Matmul::Int8);
         for (int i = 0; i < kActive; ++i)
           jobs[i] = {&down[size_t(e[i])], act.data() + 2 * i * kExpertRows, ye.data() + i * kHidden};
-        cpu::linear_group(jobs, kActive, 1, pool, cpu::Matmul::Int8);
+        cpu::linear_sum(jobs, mix.data(), kActive, moe_out.data(), pool, cpu::Matmul::Int8);
       }
       bytes = double(kLayers) * kActive * (2 * gate_up_bytes + down_bytes);
     } else {
