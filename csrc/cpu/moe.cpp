@@ -68,7 +68,8 @@ namespace {
 // One token (decode): the k routed experts and the shared expert are all fed the same x, so
 // x is prepared once and every expert's gate and up rows run in ONE parallel region, then every
 // down row and their weighted sum in a second (linear_group, linear_sum): two pool wake-ups per
-// MoE block instead of three per expert. The router and the shared expert's gate, both f32, share a region before them.
+// MoE block instead of three per expert. The router and the shared expert's gate, both f32,
+// share a region before them.
 void moe_single_token(const ModelConfig& c, const MoeWeights& w, const float* x, float* y, FfnScratch& s,
                       ThreadPool& pool) {
   const int H = c.hidden, E = c.n_experts, k = c.top_k;

@@ -136,7 +136,8 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
   const uint32_t gen = generation_.load(std::memory_order_relaxed) + 1;
   uint32_t open = 0;
   for (int s = 0; s < n_threads_; ++s) {
-    const uint32_t front = uint32_t(int64_t(units) * s / n_threads_), back = uint32_t(int64_t(units) * (s + 1) / n_threads_);
+    const uint32_t front = uint32_t(int64_t(units) * s / n_threads_);
+    const uint32_t back = uint32_t(int64_t(units) * (s + 1) / n_threads_);
     open += front < back;
     shares_[size_t(s)].word.store(share_word(gen, front, back), std::memory_order_relaxed);
   }
