@@ -437,3 +437,31 @@ def test_stream_ceiling_builds_and_runs_the_kernel(libraries):
         assert np.isfinite(float(v)) and float(v) != 0, r.stdout
     bad = subprocess.run([str(exe), "1", "2", "plain,bogus"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown kind 'bogus'" in bad.stderr, (bad.returncode, bad.stderr)
+
+
+@pytest.mark.skipif("x86-avx2" not in BUILDS, reason="the host CPU lacks AVX2")
+def test_pool_bench_and_region_bench_build_and_run(libraries, tmp_path):
+    """benchmarks/kernels/pool_bench.cpp (cpu::linear through the pool) and region_bench.cpp (the
+    pool alone) build without warnings and run: pool_bench reads at a positive rate and its
+    product is finite; region_bench runs every unit of every call exactly once (the count it
+    prints). pool_bench once stopped compiling unnoticed (a name lily's headers came to share)."""
+    out, libs = libraries
+    pool_bench = tmp_path / "pool_bench"
+    r = _run(["g++", *CXXFLAGS, "-march=x86-64-v3", *X86_OPT, str(ROOT / "benchmarks/kernels/pool_bench.cpp"),
+              *(str(ROOT / k) for k in KERNELS), str(libs["x86"]), "-lpthread", "-o", str(pool_bench)],
+             "building pool_bench")
+    assert "warning:" not in r.stderr, r.stderr
+    r = _run([str(pool_bench), "2048", "512", "2", "8", "0", "3"], "running pool_bench", timeout=120)
+    m = re.search(r"GB/s ([0-9.]+) ([0-9.]+) ([0-9.]+)\s+\(y\[0\] = (\S+)\)", r.stdout)
+    assert m, r.stdout
+    assert all(float(v) > 0 for v in m.groups()[:3]) and np.isfinite(float(m.group(4))), r.stdout
+
+    region_bench = tmp_path / "region_bench"
+    r = _run(["g++", *CXXFLAGS, "-O3", "-pthread", str(ROOT / "benchmarks/kernels/region_bench.cpp"),
+              str(ROOT / "csrc/cpu/thread_pool.cpp"), "-o", str(region_bench)], "building region_bench")
+    assert "warning:" not in r.stderr, r.stderr
+    r = _run([str(region_bench), "2", "16,1000", "2"], "running region_bench", timeout=120)
+    rows = re.findall(r"^2 threads, (\d+) units: ([0-9.]+) us a call .*\(units run (\d+)\)$", r.stdout, re.M)
+    assert [int(u) for u, _, _ in rows] == [16, 1000], r.stdout
+    for units, us, ran in rows:
+        assert float(us) > 0 and int(ran) == int(units) * 20000 * 2, r.stdout

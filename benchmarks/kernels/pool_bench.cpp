@@ -12,7 +12,7 @@
 // the pool splits a call and how long the threads wait for each other at its end. A fifth
 // argument of 1 rearranges the matrices into interleaved rows first, as Model.load does where
 // the CPU has the layout's kernels (cpu::interleave_rows; AVX-512 VNNI builds only).
-//   c++ -O3 -march=native -std=c++17 -ffp-contract=off -Icsrc benchmarks/kernels/pool_bench.cpp \
+//   c++ -O3 -march=native -std=c++17 -ffp-contract=off -Icsrc benchmarks/kernels/pool_bench.cpp
 //       build/dev/<tag>/liblily_core.a -lpthread -o pool_bench
 #include <algorithm>
 #include <chrono>

@@ -5,11 +5,13 @@
 #   mkdir -p ab_base && for f in csrc/cpu/linear.cpp csrc/cpu/moe.cpp; do
 #     mkdir -p ab_base/$(dirname $f) && git show COMMIT:$f > ab_base/$f; done
 # Each build in its own folder; decode tok/s (scripts/h200/decode_steps.py: 32 timed steps after
-# a 16-token prompt and 4 warm-up steps; STEPS and PROMPT change the 32 and the 16) at each of $THREADS (default
-# "4 16"), the builds in the order $ORDER (default "new old new": the host drifts, so they
-# alternate); with POOL_BENCH=1 also benchmarks/kernels/pool_bench.cpp (lm_head; 256
-# routed-expert matrices, one a call and 18 a call as an MoE block calls them; in the interleaved layout where the build has it, as the engine reads
-# them) at 16 threads on each build. Nothing carried.
+# a 16-token prompt and 4 warm-up steps; STEPS and PROMPT change the 32 and the 16) at each of
+# $THREADS (default "4 16"), the builds in the order $ORDER (default "new old new": the host
+# drifts, so they alternate). With POOL_BENCH=1, also at 16 threads on each build:
+# benchmarks/kernels/pool_bench.cpp (the lm_head; 256 routed-expert matrices, one a call and 18 a
+# call as an MoE block calls them; in the interleaved layout where the build has it, as the
+# engine reads them) and benchmarks/kernels/region_bench.cpp (a near-empty region: the pool
+# alone). Nothing carried.
 #   run(command="BASE=ab_base bash scripts/h200/cpu_ab.sh")
 source "$(dirname "$0")/cpu_env.sh"
 BASE=${BASE:-ab_base}
@@ -43,5 +45,7 @@ for v in $ORDER; do
     -o /tmp/pool_bench_$v && for s in "2048 248320 16 1 1" "2048 512 16 256 1" "512 2048 16 256 1" "2048 512 16 256 1 18"; do
     echo "$v: $(/tmp/pool_bench_$v $s)" | tee -a "$OUT/pool_bench.txt"
   done
+  c++ -O3 -std=c++17 -pthread -Icsrc benchmarks/kernels/region_bench.cpp csrc/cpu/thread_pool.cpp \
+    -o /tmp/region_bench_$v && /tmp/region_bench_$v 16 16,1024 | sed "s/^/$v: /" | tee -a "$OUT/pool_bench.txt"
 done
 use new
