@@ -21,8 +21,7 @@
 //             cpu::linear_group of the gate and up rows of 9 experts (18 matrices 512 x 2048),
 //             then cpu::linear_sum of their 9 down rows and their mix (2048 x 512; its inputs
 //             random, not the SwiGLU of the first call's outputs: the bytes read are the same);
-//             the experts drawn at random
-//             from 256 (453 MB, beyond the L3), 24 layers a pass
+//             the experts drawn at random from 256 (453 MB, beyond the L3), 24 layers a pass
 // Needs AVX-512 VNNI (the interleaved kernel's instruction set).
 // Build (after scripts/dev_build.sh):
 //   c++ -O3 -march=native -std=c++17 -ffp-contract=off -Icsrc benchmarks/kernels/stream_ceiling.cpp

@@ -86,7 +86,6 @@ void moe_single_token(const ModelConfig& c, const MoeWeights& w, const float* x,
   // Experts: routed ones in id order (the reference sums them so), then the shared expert.
   struct Expert {
     const MlpWeights* mlp;
-    float weight;
     size_t act_at;  // offset of this expert's [gate | up] outputs in s.gate
   };
   std::vector<std::pair<int32_t, float>> routed(k);
@@ -94,16 +93,21 @@ void moe_single_token(const ModelConfig& c, const MoeWeights& w, const float* x,
   std::sort(routed.begin(), routed.end());
   thread_local std::vector<Expert> experts_store;
   thread_local std::vector<LinearJob> jobs_store;
+  thread_local std::vector<float> mix_store;  // each expert's weight in y, in the same order
   std::vector<Expert>& experts = experts_store;
   std::vector<LinearJob>& jobs = jobs_store;
+  std::vector<float>& mix = mix_store;
   experts.clear();
+  mix.clear();
   size_t rows = 0;
   for (auto [e, wt] : routed) {
-    experts.push_back({&w.experts[e], wt, rows});
+    experts.push_back({&w.experts[e], rows});
+    mix.push_back(wt);
     rows += 2 * size_t(w.experts[e].gate.out);
   }
   if (shared) {
-    experts.push_back({&w.shared, sigmoid(shared_logit), rows});
+    experts.push_back({&w.shared, rows});
+    mix.push_back(sigmoid(shared_logit));
     rows += 2 * size_t(w.shared.gate.out);
   }
   const int n = int(experts.size());
@@ -120,15 +124,11 @@ void moe_single_token(const ModelConfig& c, const MoeWeights& w, const float* x,
   // SwiGLU per expert (over its gate outputs), then phase 2: every expert's down rows, [n, H],
   // and y = their weighted sum in the experts' order, each thread summing the rows it computed.
   s.ye.resize(size_t(n) * H);
-  thread_local std::vector<float> mix_store;
-  std::vector<float>& mix = mix_store;
-  mix.clear();
   jobs.clear();
   for (int i = 0; i < n; ++i) {
     float* g = s.gate.data() + experts[i].act_at;
     swiglu(g, g + experts[i].mlp->gate.out, size_t(experts[i].mlp->gate.out));
     jobs.push_back({&experts[i].mlp->down, g, s.ye.data() + size_t(i) * H});
-    mix.push_back(experts[i].weight);
   }
   linear_sum(jobs.data(), mix.data(), n, y, pool, s.matmul);
 }
